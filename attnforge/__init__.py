@@ -1,0 +1,19 @@
+"""attnforge: a JIT-compiled, customizable GPU attention engine for LLM inference."""
+__version__ = "0.1.0"
+
+from .spec import AttentionSpec  # noqa: E402,F401
+from .merge import merge_state, merge_states  # noqa: E402,F401
+
+import logging as _logging
+
+from .jit import env as _env
+
+_log = _logging.getLogger("attnforge")
+if not _log.handlers:  # one line per cold build goes to stderr unless the app configures logging
+    _h = _logging.StreamHandler()
+    _h.setFormatter(_logging.Formatter("%(message)s"))
+    _log.addHandler(_h)
+    _log.setLevel(_env.LOG_LEVEL.value)
+    _log.propagate = False
+
+from .decode import BatchDecode  # noqa: E402,F401

@@ -1,0 +1,82 @@
+"""python -m attnforge {demo, build, info, cache clear}."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+
+def _cmd_build(args) -> int:
+    from . import presets
+    from .jit import build_many
+    specs = []
+    for name in args.preset or []:
+        if name not in presets.PRESETS:
+            print(f"unknown preset {name!r}; choose from {sorted(presets.PRESETS)}", file=sys.stderr)
+            return 2
+        specs += presets.PRESETS[name]()
+    for path in args.spec_file or []:
+        specs += presets.load_spec_file(path)
+    if not specs:
+        print("nothing to build: pass --preset NAME or --spec-file FILE", file=sys.stderr)
+        return 2
+    paths = build_many([presets.module_for(s) for s in specs])
+    for s, p in zip(specs, paths):
+        print(f"{s.name}: {p}")
+    return 0
+
+
+def _cmd_info(_args) -> int:
+    import torch
+
+    from . import __version__
+    from .jit import arch, builder, env
+    print(f"attnforge {__version__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    try:
+        print(f"nvcc {arch.nvcc_version_full()} at {arch.nvcc_path()}")
+    except Exception as e:  # no toolkit is a legitimate state for `info`
+        print(f"nvcc: not available ({e})")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"GPU {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs")
+    else:
+        print("GPU: none visible")
+    print(f"arch list: {' '.join(arch.arch_list())}")
+    size = builder.cache_size_bytes()
+    print(f"cache: {builder.cache_root()} ({size / 2**20:.1f} MiB)")
+    for k in env.ALL_KNOBS:
+        print(f"  {k.name}={k.value}")
+    return 0
+
+
+def _cmd_cache(args) -> int:
+    from .jit import builder
+    root = builder.cache_root()
+    if args.action == "clear":
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"cleared {root}")
+    return 0
+
+
+def _cmd_demo(_args) -> int:
+    from .demo import main
+    return main()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m attnforge", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="build a decode kernel, run it and check it against the reference")
+    b = sub.add_parser("build", help="prebuild specs in one parallel ninja run (AOT)")
+    b.add_argument("--preset", action="append", help="named spec list (see attnforge.presets)")
+    b.add_argument("--spec-file", action="append", help="JSON list of AttentionSpec dicts")
+    sub.add_parser("info", help="versions, GPU, nvcc, cache location and size")
+    c = sub.add_parser("cache", help="manage the kernel cache")
+    c.add_argument("action", choices=["clear"])
+    args = ap.parse_args(argv)
+    return {"demo": _cmd_demo, "build": _cmd_build, "info": _cmd_info, "cache": _cmd_cache}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

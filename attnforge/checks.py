@@ -1,0 +1,43 @@
+"""Input checks shared by the wrappers: every failure says expected / got / how to fix."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp32": torch.float32}
+CPP_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "float",
+             torch.float8_e4m3fn: "fp8e4m3"}
+
+
+def fail(what: str, expected: str, got, fix: str) -> ValueError:
+    return ValueError(f"{what}: expected {expected}, got {got}. {fix}")
+
+
+def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise fail(name, "a torch.Tensor", type(t).__name__, "Pass a CUDA tensor.")
+    if not t.is_cuda:
+        raise fail(name, "a CUDA tensor", f"device {t.device}", f"Move it with {name}.cuda().")
+    if device is not None and t.device != device:
+        raise fail(name, f"a tensor on {device}", f"device {t.device}", "Put all inputs on one GPU.")
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if t.dtype not in allowed:
+        raise fail(f"{name}.dtype", " or ".join(str(a) for a in allowed), t.dtype,
+                   f"Cast with {name}.to({allowed[0]}) or build a spec for this dtype.")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], meaning: str) -> None:
+    ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))
+    if not ok:
+        shown = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise fail(f"{name}.shape", f"{shown} ({meaning})", list(t.shape), "Reshape or fix the spec.")
+
+
+def check_contiguous_last(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise fail(f"{name}.stride(-1)", "1 (unit stride along the head dimension)", t.stride(-1),
+                   f"Call {name}.contiguous().")

@@ -1,0 +1,86 @@
+"""Render Jinja CUDA templates (StrictUndefined: a missing variable is an error).
+
+Also owns the kernel-parameter struct: one field list renders the C++ struct and builds
+the matching ctypes.Structure, so host and device layouts cannot drift apart.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _data_dir(name: str) -> Path:
+    # Source checkout: <repo>/templates; installed wheel: attnforge/_data/templates.
+    for cand in (_HERE.parent / name, _HERE / "_data" / name):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError(f"attnforge data folder '{name}' not found next to {_HERE}; "
+                            "reinstall the package (pip install .).")
+
+
+def templates_dir() -> Path:
+    return _data_dir("templates")
+
+
+def include_dir() -> Path:
+    return _data_dir("csrc_include")
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+def render(template: str, context: dict) -> str:
+    """Deterministic: the same context renders the same bytes."""
+    return _env().get_template(template).render(**context)
+
+
+_CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32,
+           "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@dataclass(frozen=True)
+class ParamField:
+    name: str
+    cpp_type: str  # what the kernel sees, e.g. "const nv_bfloat16*"
+    kind: str  # one of _CTYPES: how the host packs it
+
+
+class ParamsLayout:
+    """A kernel's single by-value parameter struct."""
+
+    def __init__(self, struct_name: str, fields: Sequence[ParamField]):
+        bad = [f.kind for f in fields if f.kind not in _CTYPES]
+        if bad:
+            raise ValueError(f"unknown param kinds {bad}; allowed {sorted(_CTYPES)}")
+        self.struct_name = struct_name
+        self.fields = tuple(fields)
+        self.ctype = type(struct_name, (ctypes.Structure,),
+                          {"_fields_": [(f.name, _CTYPES[f.kind]) for f in fields]})
+
+    @property
+    def size(self) -> int:
+        return ctypes.sizeof(self.ctype)
+
+    def cpp(self) -> str:
+        body = "\n".join(f"  {f.cpp_type} {f.name};" for f in self.fields)
+        return (f"struct {self.struct_name} {{\n{body}\n}};\n"
+                f"static_assert(sizeof({self.struct_name}) == {self.size}, "
+                f"\"{self.struct_name}: host (ctypes) and device layouts disagree\");\n")
+
+    def pack(self, **values) -> ctypes.Structure:
+        missing = {f.name for f in self.fields} - set(values)
+        extra = set(values) - {f.name for f in self.fields}
+        if missing or extra:
+            raise TypeError(f"{self.struct_name}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        return self.ctype(**values)

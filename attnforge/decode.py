@@ -1,0 +1,231 @@
+"""BatchDecode: plan/run batch decode over a paged KV cache, CUDA-graph capturable.
+
+    wrapper = BatchDecode(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, page_size=16)  # host arrays, once per step
+    out = wrapper.run(q, kv_cache)                                        # every layer
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import checks, paged, scheduler, variants
+from .kernels.decode import DECODE_PARAMS, THREADS, DecodeKernel
+from .jit import registry
+from .spec import AttentionSpec
+
+KVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class BatchDecode:
+    def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
+                 use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
+                 device: Union[str, torch.device, None] = None, **spec_kwargs):
+        if spec is None:
+            spec = AttentionSpec(family="decode", **spec_kwargs)
+        elif spec_kwargs:
+            raise TypeError(f"BatchDecode: pass either a spec or spec keyword arguments, not both "
+                            f"(got extra {sorted(spec_kwargs)})")
+        if spec.family != "decode":
+            raise checks.fail("BatchDecode spec.family", "'decode'", repr(spec.family),
+                              "Use the wrapper of that family.")
+        self.spec, self.kernel = spec, DecodeKernel(spec)
+        self.device = torch.device(device) if device is not None else (
+            workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
+        self.use_cuda_graph = use_cuda_graph
+        self.num_ctas = _num_sms(self.device) * self.kernel.ctas_per_sm
+        self.cap = scheduler.Capacity(max_batch_size, spec.num_kv_heads, self.num_ctas)
+        self.max_num_pages = max_num_pages
+        g, d = spec.group_size, spec.head_dim_vo
+        need = self.cap.max_partial_slots * g * (d + 1) * 4
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        checks.check_cuda("workspace", workspace, self.device)
+        if workspace.numel() * workspace.element_size() < need:
+            raise checks.fail("workspace", f"at least {need} bytes", workspace.numel() * workspace.element_size(),
+                              f"Allocate BatchDecode.workspace_bytes(...)={need} bytes or let the wrapper allocate.")
+        ws = workspace.view(torch.uint8)[:need].view(torch.float32)
+        self._partial_o = ws[: self.cap.max_partial_slots * g * d]
+        self._partial_lse = ws[self.cap.max_partial_slots * g * d:]
+        self._alloc_int_buffers(max_num_pages)
+        self._plan = None
+        self._copy_done = None
+
+    # -- buffers -----------------------------------------------------------------------------------
+    def _alloc_int_buffers(self, max_pages: int) -> None:
+        c = self.cap
+        sizes = {"kv_indptr": c.max_batch_size + 1, "kv_len": c.max_batch_size, "work_indptr": c.num_ctas + 1,
+                 "work_items": c.max_items * scheduler.ITEM_FIELDS,
+                 "merge_indptr": c.max_batch_size * c.num_kv_heads + 1, "kv_indices": max(max_pages, 1)}
+        self._offsets, total = {}, 0
+        for k, n in sizes.items():
+            self._offsets[k] = (total, n)
+            total += -(-n // 4) * 4  # keep each region 16-byte aligned
+        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.max_num_pages = max_pages
+
+    def _region(self, name: str, host: bool):
+        off, n = self._offsets[name]
+        return self._host_np[off:off + n] if host else self._dev[off:off + n]
+
+    def _dev_ptr(self, name: str) -> int:
+        return self._dev.data_ptr() + 4 * self._offsets[name][0]
+
+    @staticmethod
+    def workspace_bytes(spec: AttentionSpec, num_sms: int, ctas_per_sm: Optional[int] = None) -> int:
+        k = DecodeKernel(spec)
+        slots = 2 * max(num_sms * (ctas_per_sm or k.ctas_per_sm) - 1, 1)
+        return slots * spec.group_size * (spec.head_dim_vo + 1) * 4
+
+    # -- plan ----------------------------------------------------------------------------------------
+    def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
+             seq_lens=None, block_table=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+        """Host arrays in, one async copy out; no device-to-host synchronisation."""
+        page_size = page_size if page_size is not None else self.spec.page_size
+        if page_size is None or page_size < 1:
+            raise checks.fail("plan(page_size=...)", "an int >= 1", page_size,
+                              "Pass the cache's tokens per page (or set it in the spec).")
+        if self.spec.page_size is not None and page_size != self.spec.page_size:
+            raise checks.fail("plan(page_size=...)", f"{self.spec.page_size} (the spec's)", page_size,
+                              "Use one page size or leave spec.page_size=None.")
+        if block_table is not None or seq_lens is not None:
+            if kv_indptr is not None or kv_indices is not None:
+                raise TypeError("plan: pass either the CSR arrays or (seq_lens, block_table), not both")
+            table = paged.from_block_table(seq_lens, block_table, page_size)
+        else:
+            if kv_indptr is None or kv_indices is None or kv_last_page_len is None:
+                raise TypeError("plan: pass kv_indptr, kv_indices and kv_last_page_len "
+                                "(or seq_lens and block_table)")
+            table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        if len(table.indices) > self.max_num_pages:
+            if self.use_cuda_graph:
+                raise checks.fail("plan: number of pages", f"at most max_num_pages={self.max_num_pages}",
+                                  len(table.indices), "Construct the wrapper with a larger max_num_pages.")
+            self._alloc_int_buffers(2 * len(table.indices))
+        if self.use_cuda_graph and self._plan is not None and table.batch_size != self._plan["batch"]:
+            raise checks.fail("plan: batch size in CUDA-graph mode", f"{self._plan['batch']} (as captured)",
+                              table.batch_size, "Capture one graph per batch size.")
+        kv_end = table.kv_len
+        kv_begin = np.zeros_like(kv_end)
+        if self.spec.window_left >= 0:  # keys before the window are never read
+            kv_begin = np.maximum(kv_end - 1 - self.spec.window_left, 0)
+        work = scheduler.plan_decode(kv_begin, kv_end, self.spec.num_kv_heads, self.cap)
+
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous plan's copy still reads the pinned buffer
+        b = table.batch_size
+        self._region("kv_indptr", True)[: b + 1] = table.indptr
+        self._region("kv_len", True)[:b] = kv_end
+        self._region("work_indptr", True)[:] = work.work_indptr
+        self._region("work_items", True)[: work.work_items.size] = work.work_items.ravel()
+        merge = self._region("merge_indptr", True)
+        merge[: len(work.merge_indptr)] = work.merge_indptr
+        merge[len(work.merge_indptr):] = work.merge_indptr[-1]  # padding rows: nothing to merge
+        self._region("kv_indices", True)[: len(table.indices)] = table.indices
+        stream = torch.cuda.current_stream(self.device)
+        used = self._offsets["kv_indices"][0] + len(table.indices)
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._copy_done = torch.cuda.Event()
+        self._copy_done.record(stream)
+        d = self.spec.head_dim_qk
+        scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
+        self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
+                      "sm_scale": scale, "v_scale": float(v_scale), "work": work}
+
+    # -- run -----------------------------------------------------------------------------------------
+    def _check_q(self, q: torch.Tensor) -> None:
+        s, b = self.spec, self._plan["batch"]
+        checks.check_cuda("q", q, self.device)
+        checks.check_dtype("q", q, (checks.TORCH_DTYPES[s.q_dtype],))
+        checks.check_shape("q", q, (b, s.num_qo_heads, s.head_dim_qk), "[batch, num_qo_heads, head_dim]")
+        checks.check_contiguous_last("q", q)
+        if q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:
+            raise checks.fail("q", "16-byte aligned rows", f"strides {q.stride()}", "Call q.contiguous().")
+
+    def _split_cache(self, kv_cache: KVCache):
+        s = self.spec
+        if isinstance(kv_cache, torch.Tensor):
+            checks.check_cuda("kv_cache", kv_cache, self.device)
+            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+                raise checks.fail("kv_cache.shape", "[P, 2, page, Hkv, D] (NHD) or [P, 2, Hkv, page, D] (HND)",
+                                  list(kv_cache.shape), "Or pass a (K, V) pair of 4-D tensors.")
+            k, v = kv_cache[:, 0], kv_cache[:, 1]
+        elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+            k, v = kv_cache
+        else:
+            raise checks.fail("kv_cache", "a 5-D tensor or a (K, V) pair", type(kv_cache).__name__,
+                              "See BatchDecode.run's docstring.")
+        ps = self._plan["page_size"]
+        shape = (None, ps, s.num_kv_heads, s.head_dim_qk) if s.kv_layout == "NHD" else \
+            (None, s.num_kv_heads, ps, s.head_dim_qk)
+        meaning = "[pages, page_size, Hkv, D] (NHD)" if s.kv_layout == "NHD" else "[pages, Hkv, page_size, D] (HND)"
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            checks.check_cuda(name, t, self.device)
+            checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
+            checks.check_shape(name, t, shape, meaning)
+            checks.check_contiguous_last(name, t)
+        if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
+            raise checks.fail("kv_cache", "K and V with the same shape and strides",
+                              f"{list(k.shape)}/{k.stride()} vs {list(v.shape)}/{v.stride()}", "Allocate them alike.")
+        if self._plan["max_page"] >= k.shape[0]:
+            raise checks.fail("kv_indices", f"page ids < {k.shape[0]} (pages in the cache)",
+                              f"max id {self._plan['max_page']}", "Fix the page table or pass the right cache.")
+        tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
+        return k, v, k.stride(0), k.stride(tok), k.stride(head)
+
+    def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, return_lse: bool = False):
+        """q [B, Hq, D]; kv_cache [P, 2, page, Hkv, D] / [P, 2, Hkv, page, D] or a (K, V) pair.
+
+        Returns out [B, Hq, D] (and lse [B, Hq] float32, natural log, if return_lse).
+        """
+        if self._plan is None:
+            raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
+        s, b = self.spec, self._plan["batch"]
+        self._check_q(q)
+        k, v, stride_page, stride_token, stride_head = self._split_cache(kv_cache)
+        out_shape = (b, s.num_qo_heads, s.head_dim_vo)
+        if out is None:
+            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+        else:
+            checks.check_cuda("out", out, self.device)
+            checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
+            checks.check_shape("out", out, out_shape, "[batch, num_qo_heads, head_dim]")
+            checks.check_contiguous_last("out", out)
+        if return_lse and lse is None:
+            lse = torch.empty((b, s.num_qo_heads), dtype=torch.float32, device=self.device)
+        if lse is not None:
+            checks.check_cuda("lse", lse, self.device)
+            checks.check_dtype("lse", lse, (torch.float32,))
+            checks.check_shape("lse", lse, (b, s.num_qo_heads), "[batch, num_qo_heads]")
+            if not lse.is_contiguous():
+                raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+        lib = registry.get_library(s, self.kernel.module, self.device)
+        rows_cap = (self.cap.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads
+        params = DECODE_PARAMS.pack(
+            q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
+            lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
+            partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
+            kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
+            work_indptr=self._dev_ptr("work_indptr"), work_items=self._dev_ptr("work_items"),
+            merge_indptr=self._dev_ptr("merge_indptr"), q_stride_b=q.stride(0), q_stride_h=q.stride(1),
+            out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
+            stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
+            num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, merge_rows=rows_cap,
+            v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]))
+        with torch.cuda.device(self.device):
+            lib["batch_decode_kernel"].launch((self.num_ctas,), (THREADS,), params, smem=self.kernel.smem_bytes)
+            tx = s.head_dim_vo // 4
+            ty = max(1, THREADS // tx)
+            lib["decode_merge_kernel"].launch((-(-rows_cap // ty),), (tx, ty), params)
+        return (out, lse) if return_lse else out

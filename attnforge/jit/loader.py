@@ -1,0 +1,107 @@
+"""Load cubins through the CUDA driver API (cuda-python) and launch on torch's stream.
+
+Every CUresult is checked and turned into CudaDriverError naming the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+class CudaDriverError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def driver():
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:  # cuda-python < 12.6 spelled it differently
+        try:
+            from cuda import cuda as drv
+        except ImportError:
+            raise ImportError("cuda-python is required to launch kernels: pip install cuda-python") from None
+    return drv
+
+
+def check(result, call: str):
+    """cuda-python returns (CUresult, *values); raise unless CUDA_SUCCESS."""
+    drv = driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        _, text = drv.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else name
+        text = text.decode() if isinstance(text, bytes) else text
+        raise CudaDriverError(f"{call} failed: {name}: {text}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_ctx_lock = threading.Lock()
+
+
+def ensure_context(device: torch.device) -> None:
+    """Make torch's primary context current in this thread.
+
+    Driver calls fail with CUDA_ERROR_INVALID_CONTEXT until a context is current, and torch
+    creates its own lazily, so retain the same primary context and set it current ourselves.
+    """
+    drv = driver()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _ctx_lock:
+        check(drv.cuInit(0), "cuInit")
+        ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if ctx is not None and int(ctx) != 0:
+            return
+        dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
+        primary = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        check(drv.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+class LoadedKernel:
+    def __init__(self, library_name: str, name: str, function):
+        self.library_name, self.name, self.function = library_name, name, function
+        self._smem_limit = 48 * 1024
+
+    def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None) -> None:
+        """Launch with one by-value params struct on torch's current stream (graph-capturable)."""
+        drv = driver()
+        if smem > self._smem_limit:
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(drv.cuFuncSetAttribute(self.function, attr, smem), f"cuFuncSetAttribute({self.name}, {smem} B)")
+            self._smem_limit = smem
+        stream = torch.cuda.current_stream() if stream is None else stream
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        if gx * gy * gz == 0:
+            return  # an empty grid is a valid no-op, not a driver error
+        arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        check(drv.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, smem,
+                                 drv.CUstream(stream.cuda_stream), ctypes.addressof(arg_ptrs), 0),
+              f"cuLaunchKernel({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem})")
+
+
+class LoadedLibrary:
+    """One cubin/fatbin loaded into the current context, with its kernels looked up once."""
+
+    def __init__(self, path: Path, kernel_names: tuple[str, ...], device: torch.device):
+        drv = driver()
+        ensure_context(device)
+        self.path = path
+        self._data = path.read_bytes()  # the driver may keep a pointer: keep the bytes alive
+        self.library = check(drv.cuLibraryLoadData(self._data, None, None, 0, None, None, 0),
+                             f"cuLibraryLoadData({path})")
+        self.kernels: dict[str, LoadedKernel] = {}
+        for name in kernel_names:
+            k = check(drv.cuLibraryGetKernel(self.library, name.encode()), f"cuLibraryGetKernel({name})")
+            f = check(drv.cuKernelGetFunction(k), f"cuKernelGetFunction({name})")
+            self.kernels[name] = LoadedKernel(path.name, name, f)
+
+    def __getitem__(self, name: str) -> LoadedKernel:
+        return self.kernels[name]

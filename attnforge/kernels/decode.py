@@ -1,0 +1,86 @@
+"""The batch-decode kernel family: template variables, parameter struct and launch shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .. import variants
+from ..codegen import ParamField, ParamsLayout
+from ..jit import JitModule
+from ..spec import AttentionSpec
+
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
+THREADS = 128
+TILE_KV = 64
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+MAX_TRANSPOSED_GROUP = 16
+
+DECODE_PARAMS = ParamsLayout("DecodeParams", [
+    ParamField("q", "const void*", "ptr"), ParamField("k_cache", "const void*", "ptr"),
+    ParamField("v_cache", "const void*", "ptr"), ParamField("out", "void*", "ptr"),
+    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
+    ParamField("partial_lse", "float*", "ptr"),
+    ParamField("kv_indptr", "const int32_t*", "ptr"), ParamField("kv_indices", "const int32_t*", "ptr"),
+    ParamField("kv_len", "const int32_t*", "ptr"), ParamField("work_indptr", "const int32_t*", "ptr"),
+    ParamField("work_items", "const int32_t*", "ptr"), ParamField("merge_indptr", "const int32_t*", "ptr"),
+    ParamField("q_stride_b", "int64_t", "i64"), ParamField("q_stride_h", "int64_t", "i64"),
+    ParamField("out_stride_b", "int64_t", "i64"), ParamField("out_stride_h", "int64_t", "i64"),
+    ParamField("stride_page", "int64_t", "i64"), ParamField("stride_token", "int64_t", "i64"),
+    ParamField("stride_head", "int64_t", "i64"),
+    ParamField("page_size", "int32_t", "i32"), ParamField("num_qo_heads", "int32_t", "i32"),
+    ParamField("num_kv_heads", "int32_t", "i32"), ParamField("merge_rows", "int32_t", "i32"),
+    ParamField("v_scale", "float", "f32"),
+    *variants.COMMON_VARIANT_FIELDS,
+])
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    spec: AttentionSpec
+
+    def __post_init__(self):
+        s = self.spec
+        if s.family != "decode":
+            raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
+        if s.pipeline == "transposed" and s.group_size > MAX_TRANSPOSED_GROUP:
+            raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports group sizes up to "
+                             f"{MAX_TRANSPOSED_GROUP}, got {s.group_size} "
+                             f"({s.num_qo_heads}/{s.num_kv_heads} heads). Use pipeline='normal'.")
+
+    @property
+    def kv_bytes(self) -> int:
+        return 1 if self.spec.kv_dtype == "fp8_e4m3" else 2
+
+    @property
+    def num_stages(self) -> int:
+        d = self.spec.head_dim_qk
+        if self.kv_bytes == 1:
+            return 4 if d <= 128 else 2
+        return 3 if d <= 128 else 2
+
+    @cached_property
+    def smem_bytes(self) -> int:
+        s, d = self.spec, self.spec.head_dim_qk
+        head_tile = 8 if s.pipeline == "transposed" else 16
+        q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
+        wide = 2 * TILE_KV * d * 2 if self.kv_bytes == 1 else 0
+        return q_rows * d * 2 + self.num_stages * 2 * TILE_KV * d * self.kv_bytes + wide
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+
+    def module(self) -> JitModule:
+        s = self.spec
+        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
+               "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
+               "tile_kv": TILE_KV, "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
+               "variant_decl": variants.variant_decl(s), "params_struct": DECODE_PARAMS.cpp()}
+        # The name omits runtime-only fields (layout, page size): they don't change the code.
+        name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
+                         f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,
+                         *(["softcap"] if s.logits_soft_cap > 0 else []),
+                         *([f"win"] if s.window_left >= 0 else []),
+                         *(["mod"] if s.score_mod is not None else [])])
+        return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel", "decode_merge_kernel"))

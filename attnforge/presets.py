@@ -1,0 +1,40 @@
+"""Named lists of specs for `python -m attnforge build --preset NAME` (AOT prebuilds)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .spec import AttentionSpec
+
+
+def _llama_decode():
+    return [AttentionSpec(family="decode", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128,
+                          q_dtype=dt, kv_dtype=kv, kv_layout=layout)
+            for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3") for layout in ("NHD", "HND")]
+
+
+def _merge():
+    from .merge import MergeSpec
+    return [MergeSpec(d, o) for d in (torch.bfloat16, torch.float16, torch.float32)
+            for o in (torch.bfloat16, torch.float16)]
+
+
+PRESETS = {"merge": _merge, "llama-decode": _llama_decode}
+
+
+def load_spec_file(path: str | Path) -> list[AttentionSpec]:
+    """A JSON list of AttentionSpec field dicts, e.g. [{"family": "decode", "num_qo_heads": 32}]."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of spec objects, got {type(data).__name__}")
+    return [AttentionSpec.from_dict(d) for d in data]
+
+
+def module_for(spec):
+    """Any buildable spec -> its JitModule."""
+    if hasattr(spec, "module"):
+        return spec.module()
+    from .kernels import module_for_attention
+    return module_for_attention(spec)

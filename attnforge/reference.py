@@ -1,0 +1,87 @@
+"""The torch oracle every kernel test compares against (float64 by default, on any device).
+
+Conventions shared with the kernels: scores are q.k * sm_scale; soft-cap is cap*tanh(s/cap);
+queries are aligned to the END of the keys (query i of qo_len sits at kv_len - qo_len + i);
+window_left=W keeps keys with qo_pos - W <= kv <= qo_pos; LSE is natural-log; a row with no
+visible key gives output 0 and LSE -inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
+MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor, dtype=torch.float64):
+    """v [N, S, H, D], s [N, S, H] natural-log LSE -> (out [N, H, D], lse [N, H])."""
+    v, s = v.to(dtype), s.to(dtype)
+    lse = torch.logsumexp(s, dim=1)  # [N, H]; all -inf -> -inf
+    w = torch.exp(s - lse[:, None, :]).nan_to_num(0.0)  # -inf - -inf = nan -> weight 0
+    out = (w[..., None] * v.nan_to_num(0.0)).sum(dim=1)
+    return out, lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Optional[float] = None,
+              causal: bool = False, window_left: int = -1, logits_soft_cap: float = 0.0,
+              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+              batch_index: int = 0, dtype=torch.float64):
+    """One request. q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> (out [Lq, Hq, Dv], lse [Lq, Hq])."""
+    lq, hq, d = q.shape
+    lk, hkv, dv = v.shape
+    if hq % hkv:
+        raise ValueError(f"reference.attention: Hq={hq} must be a multiple of Hkv={hkv}")
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if lk == 0:
+        return (torch.zeros(lq, hq, dv, dtype=dtype, device=q.device),
+                torch.full((lq, hq), -math.inf, dtype=dtype, device=q.device))
+    g = hq // hkv
+    qf, kf, vf = q.to(dtype), k.to(dtype).repeat_interleave(g, dim=1), v.to(dtype).repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale  # [Hq, Lq, Lk]
+    if logits_soft_cap > 0:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+    q_idx = torch.arange(lq, device=q.device)[:, None]
+    kv_idx = torch.arange(lk, device=q.device)[None, :]
+    h_idx = torch.arange(hq, device=q.device)[:, None, None]
+    if score_mod is not None:
+        s = score_mod(s, torch.tensor(batch_index, device=q.device), h_idx, q_idx[None], kv_idx[None])
+    qo_pos = q_idx + (lk - lq)
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        keep &= kv_idx <= qo_pos
+    if window_left >= 0:
+        keep &= kv_idx >= qo_pos - window_left
+    keep = keep[None].expand(hq, lq, lk)
+    if mask_mod is not None:
+        keep = keep & mask_mod(torch.tensor(batch_index, device=q.device), h_idx, q_idx[None], kv_idx[None])
+    s = s.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    return out, lse.transpose(0, 1)
+
+
+def gather_paged(cache_k: torch.Tensor, cache_v: torch.Tensor, kv_layout: str, indptr, indices,
+                 last_page_len, page_size: int):
+    """Per-request contiguous (k [L, Hkv, D], v [L, Hkv, D]) from a paged cache of [P, page, H, D]
+    (NHD) or [P, H, page, D] (HND) tensors and a CSR page table (host int sequences)."""
+    out = []
+    for b in range(len(indptr) - 1):
+        pages = [int(p) for p in indices[int(indptr[b]):int(indptr[b + 1])]]
+        n = 0 if not pages else (len(pages) - 1) * page_size + int(last_page_len[b])
+        ks, vs = [], []
+        for p in pages:
+            kp, vp = cache_k[p], cache_v[p]
+            if kv_layout == "HND":
+                kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)
+            ks.append(kp)
+            vs.append(vp)
+        if ks:
+            out.append((torch.cat(ks)[:n], torch.cat(vs)[:n]))
+        else:
+            shape = (0, cache_k.shape[2 if kv_layout == "NHD" else 1], cache_k.shape[-1])
+            out.append((cache_k.new_empty(shape), cache_v.new_empty(shape)))
+    return out

@@ -1,0 +1,207 @@
+"""AttentionSpec: one attention variant, validated when it is constructed.
+
+Every invalid combination raises ``ValueError`` naming the field, the value received,
+what is allowed and how to fix it, before anything is rendered or compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FAMILIES = ("decode", "prefill", "mla_decode")
+DTYPES_16 = ("bf16", "fp16")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+LAYOUTS = ("NHD", "HND")
+PIPELINES = ("normal", "transposed")
+HEAD_DIMS = (64, 128, 256)
+MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
+MLA_HEADS = (8, 16, 32, 64, 128)
+MAX_GROUP_SIZE = 64
+
+# Accept torch dtypes and common spellings without importing torch at module load.
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "torch.float8_e4m3fn": "fp8_e4m3",
+}
+
+
+def _bad(field: str, got: Any, allowed: str, fix: str) -> ValueError:
+    return ValueError(f"AttentionSpec.{field}: expected {allowed}, got {got!r}. {fix}")
+
+
+def normalize_dtype(field: str, value: Any) -> str:
+    key = str(value)
+    if key not in _DTYPE_ALIASES:
+        raise _bad(field, value, f"one of {sorted(set(_DTYPE_ALIASES.values()))} (or the torch dtype)",
+                   "Pass e.g. 'bf16' or torch.bfloat16.")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention variant: what the kernel is specialised on.
+
+    Runtime values (sm_scale, the soft-cap's value, lengths, page tables) are not
+    part of the compiled kernel: changing them never triggers a rebuild.
+    """
+
+    family: str = "decode"
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim_qk: int = 128
+    head_dim_vo: Optional[int] = None  # None: same as head_dim_qk
+    q_dtype: Any = "bf16"
+    kv_dtype: Any = None  # None: same as q_dtype
+    out_dtype: Any = None  # None: same as q_dtype
+    kv_layout: str = "NHD"
+    page_size: Optional[int] = None  # None: any page size at run time
+    pipeline: str = "normal"
+    causal: bool = False
+    window_left: int = -1  # -1: no sliding window; else keys with qo_pos - kv_pos <= window_left
+    logits_soft_cap: float = 0.0  # 0: off; else score = cap * tanh(score / cap)
+    score_mod: Any = None  # filled by the score-modifier work: an object with a .cache_key str
+
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.family not in FAMILIES:
+            raise _bad("family", self.family, f"one of {FAMILIES}", "Pick the kernel family to build.")
+        for f in ("num_qo_heads", "num_kv_heads", "head_dim_qk"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _bad(f, v, "a positive int", f"Set {f} to the model's value.")
+        put("head_dim_vo", self.head_dim_qk if self.head_dim_vo is None else self.head_dim_vo)
+        put("q_dtype", normalize_dtype("q_dtype", self.q_dtype))
+        put("kv_dtype", normalize_dtype("kv_dtype", self.q_dtype if self.kv_dtype is None else self.kv_dtype))
+        put("out_dtype", normalize_dtype("out_dtype", self.q_dtype if self.out_dtype is None else self.out_dtype))
+        self._check_heads()
+        self._check_dtypes()
+        self._check_layout_and_flags()
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_heads(self) -> None:
+        hq, hkv = self.num_qo_heads, self.num_kv_heads
+        if self.family == "mla_decode":
+            if hkv != 1:
+                raise _bad("num_kv_heads", hkv, "1 for MLA (one shared latent KV)", "Set num_kv_heads=1.")
+            if hq not in MLA_HEADS:
+                raise _bad("num_qo_heads", hq, f"one of {MLA_HEADS} for mla_decode",
+                           "Pad the head count up to the next supported value.")
+            if (self.head_dim_qk, self.head_dim_vo) != (MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO):
+                raise _bad("head_dim_qk/head_dim_vo", (self.head_dim_qk, self.head_dim_vo),
+                           f"({MLA_HEAD_DIM_QK}, {MLA_HEAD_DIM_VO}) for MLA (512 latent + 64 rope)",
+                           "Use head_dim_qk=576, head_dim_vo=512.")
+            return
+        if hq % hkv:
+            raise _bad("num_qo_heads", hq, f"a multiple of num_kv_heads={hkv}",
+                       "GQA needs an integer group size; check both head counts.")
+        if hq // hkv > MAX_GROUP_SIZE:
+            raise _bad("num_qo_heads", hq, f"at most {MAX_GROUP_SIZE} query heads per KV head "
+                       f"(num_kv_heads={hkv})", "Split the heads over several calls.")
+        if self.head_dim_qk not in HEAD_DIMS:
+            raise _bad("head_dim_qk", self.head_dim_qk, f"one of {HEAD_DIMS}",
+                       "Pad the head dimension to a supported size.")
+        if self.head_dim_vo != self.head_dim_qk:
+            raise _bad("head_dim_vo", self.head_dim_vo, f"equal to head_dim_qk={self.head_dim_qk} "
+                       "outside MLA", "Use family='mla_decode' for 576/512 heads, else drop head_dim_vo.")
+
+    def _check_dtypes(self) -> None:
+        if self.q_dtype not in DTYPES_16:
+            raise _bad("q_dtype", self.q_dtype, f"one of {DTYPES_16}", "fp8 is supported for KV only.")
+        if self.out_dtype not in DTYPES_16:
+            raise _bad("out_dtype", self.out_dtype, f"one of {DTYPES_16}", "Write bf16 or fp16 outputs.")
+        if self.kv_dtype in DTYPES_16 and self.kv_dtype != self.q_dtype:
+            raise _bad("kv_dtype", self.kv_dtype, f"'{self.q_dtype}' (same as q_dtype) or 'fp8_e4m3'",
+                       "Cast q or the cache so that both 16-bit dtypes agree.")
+        if self.kv_dtype == "fp8_e4m3" and self.family == "prefill":
+            raise _bad("kv_dtype", self.kv_dtype, f"one of {DTYPES_16} for prefill",
+                       "fp8 KV is supported by decode and mla_decode.")
+
+    def _check_layout_and_flags(self) -> None:
+        if self.kv_layout not in LAYOUTS:
+            raise _bad("kv_layout", self.kv_layout, f"one of {LAYOUTS}", "NHD is [page, token, head, dim].")
+        if self.family == "mla_decode" and self.kv_layout != "NHD":
+            raise _bad("kv_layout", self.kv_layout, "'NHD' for MLA (the latent cache has no head axis)",
+                       "Leave kv_layout at its default.")
+        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
+            raise _bad("page_size", self.page_size, "None (any, at run time) or an int >= 1",
+                       "Pass the cache's tokens per page.")
+        if self.pipeline not in PIPELINES:
+            raise _bad("pipeline", self.pipeline, f"one of {PIPELINES}",
+                       "'normal' puts query heads on the MMA's M side; 'transposed' puts KV tokens there.")
+        if self.pipeline == "transposed" and self.family == "prefill":
+            raise _bad("pipeline", self.pipeline, "'normal' for prefill",
+                       "The transposed (ETAP) pipeline is for decode, where queries are few.")
+        if not isinstance(self.causal, bool):
+            raise _bad("causal", self.causal, "a bool", "Pass causal=True or False.")
+        if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or self.window_left < -1:
+            raise _bad("window_left", self.window_left, "-1 (off) or an int >= 0",
+                       "window_left=W keeps the W keys before the query and the query's own.")
+        cap = self.logits_soft_cap
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap < float("inf")):
+            raise _bad("logits_soft_cap", cap, "0 (off) or a finite float > 0", "Gemma-2 uses 50.0.")
+        object.__setattr__(self, "logits_soft_cap", float(cap))
+        if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):
+            raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key",
+                       "Build modifiers with the attnforge.mods factories.")
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def head_layout(self) -> str:
+        if self.family == "mla_decode":
+            return f"mla{self.num_qo_heads}"
+        if self.num_kv_heads == self.num_qo_heads:
+            return "mha"
+        if self.num_kv_heads == 1:
+            return f"mqa{self.num_qo_heads}"
+        return f"gqa{self.group_size}"
+
+    @property
+    def name(self) -> str:
+        """Readable identifier, e.g. ``decode_gqa4_d128_bf16_kvbf16_nhd_softcap``."""
+        d = f"d{self.head_dim_qk}" if self.head_dim_qk == self.head_dim_vo else \
+            f"d{self.head_dim_qk}x{self.head_dim_vo}"
+        kv = {"fp8_e4m3": "fp8"}.get(self.kv_dtype, self.kv_dtype)
+        parts = [self.family, self.head_layout, d, self.q_dtype, f"kv{kv}", self.kv_layout.lower()]
+        if self.out_dtype != self.q_dtype:
+            parts.append(f"out{self.out_dtype}")
+        if self.page_size is not None:
+            parts.append(f"page{self.page_size}")
+        if self.pipeline != "normal":
+            parts.append(self.pipeline)
+        if self.causal:
+            parts.append("causal")
+        if self.window_left >= 0:
+            parts.append(f"win{self.window_left}")
+        if self.logits_soft_cap > 0:
+            parts.append("softcap")
+        if self.score_mod is not None:
+            parts.append("mod")
+        return "_".join(parts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["score_mod"] = None if self.score_mod is None else self.score_mod.cache_key
+        return d
+
+    @property
+    def content_hash(self) -> str:
+        """Stable across processes and machines (no Python hash(), no object ids)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionSpec":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"AttentionSpec: unknown field(s) {sorted(unknown)}; "
+                             f"allowed: {[f.name for f in dataclasses.fields(cls)]}.")
+        return cls(**d)

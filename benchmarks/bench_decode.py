@@ -1,0 +1,136 @@
+"""Suite `decode`: GQA 32/8, head_dim 128, bf16, page 16 (case names from h200-peers.md).
+
+GB/s counts the KV bytes read (fp8: the bytes actually read). Peers in the same run: cuDNN SDPA,
+FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashInfer on all.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchDecode
+from harness import Report, time_us
+
+HQ, HKV, D = 32, 8, 128
+
+
+def cases():
+    torch.manual_seed(0)
+    rand = torch.randint(512, 32768, (64,)).tolist()
+    return [("B1 L131072", [131072] * 1, 16, "bf16"), ("B16 L8192", [8192] * 16, 16, "bf16"),
+            ("B64 L4096", [4096] * 64, 16, "bf16"), ("B256 L1024", [1024] * 256, 16, "bf16"),
+            ("B16 L65536", [65536] * 16, 16, "bf16"), ("B64 Lrand", rand, 16, "bf16"),
+            ("skew 1x65536+127x512", [65536] + [512] * 127, 16, "bf16"),
+            ("B64 Lrand page1", rand, 1, "bf16"), ("B64 Lrand page64", rand, 64, "bf16"),
+            ("B16 L8192 fp8kv", [8192] * 16, 16, "fp8_e4m3")]
+
+
+def paged_inputs(lengths, page_size, kv_dtype):
+    pages = [-(-L // page_size) for L in lengths]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = torch.randperm(int(indptr[-1]), generator=torch.Generator().manual_seed(1)).numpy().astype(np.int32)
+    last = np.array([L - (n - 1) * page_size for L, n in zip(lengths, pages)], dtype=np.int32)
+    cache = torch.empty(int(indptr[-1]), 2, page_size, HKV, D, device="cuda", dtype=torch.bfloat16).normal_()
+    if kv_dtype == "fp8_e4m3":
+        cache = cache.to(torch.float8_e4m3fn)
+    q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
+    return q, cache, indptr, indices, last
+
+
+def kv_bytes(lengths, kv_dtype):
+    return sum(lengths) * HKV * D * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
+
+
+def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
+    nbytes = kv_bytes(lengths, kv_dtype)
+    for pipeline in ("normal", "transposed"):
+        spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
+                             pipeline=pipeline)
+        w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
+        w.plan(indptr, indices, last, page_size=page_size)
+        out = torch.empty_like(q)
+        impl = "attnforge" if pipeline == "normal" else "attnforge-transposed"
+        report.add("decode", case, impl, time_us(lambda: w.run(q, cache, out=out)), nbytes)
+
+
+def bench_flashinfer(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
+    import flashinfer
+    nbytes = kv_bytes(lengths, kv_dtype)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for tc in (True,):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
+        w.plan(dev(indptr), dev(indices), dev(last), HQ, HKV, D, page_size, q_data_type=torch.bfloat16,
+               kv_data_type=cache.dtype)
+        report.add("decode", case, "flashinfer-tc" if tc else "flashinfer-cuda",
+                   time_us(lambda: w.run(q, cache)), nbytes)
+
+
+def bench_dense_peers(report, case, lengths, flex_cache):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+    b, L = len(lengths), lengths[0]
+    k = torch.randn(b, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    nbytes = kv_bytes(lengths, "bf16")
+    for impl, backend in (("cudnn-sdpa", SDPBackend.CUDNN_ATTENTION), ("fa2-sdpa", SDPBackend.FLASH_ATTENTION)):
+        try:
+            def fn():
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            report.add("decode", case, impl, time_us(fn), nbytes)
+        except Exception as e:  # a backend that refuses the shape is reported, not fatal
+            report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+    try:
+        if "fn" not in flex_cache:
+            flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)
+        flex = flex_cache["fn"]
+        report.add("decode", case, "flex", time_us(lambda: flex(q, k, v, enable_gqa=True)), nbytes)
+    except Exception as e:
+        report.note(f"flex on {case}: {type(e).__name__}: {str(e)[:120]}")
+    del k, v
+
+
+def bench_plan(report):
+    lengths = np.full(256, 1024)
+    pages = -(-lengths // 16)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.arange(indptr[-1], dtype=np.int32)
+    last = np.full(256, 16, dtype=np.int32)
+    w = BatchDecode(AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV), max_batch_size=256)
+    for _ in range(20):
+        w.plan(indptr, indices, last, page_size=16)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(200):
+        t = time.perf_counter()
+        w.plan(indptr, indices, last, page_size=16)
+        times.append((time.perf_counter() - t) * 1e6)
+    report.add("decode", "plan B256", "attnforge-plan", float(np.median(times)))
+
+
+def run(report: Report, peers: bool = True) -> None:
+    flex_cache = {}
+    have_fi = True
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:
+        have_fi = False
+        report.note(f"FlashInfer not importable, skipped: {e}")
+    for case, lengths, page_size, kv_dtype in cases():
+        inputs = paged_inputs(lengths, page_size, kv_dtype)
+        bench_attnforge(report, case, lengths, page_size, kv_dtype, *inputs)
+        if peers and have_fi:
+            try:
+                bench_flashinfer(report, case, lengths, page_size, kv_dtype, *inputs)
+            except Exception as e:
+                report.note(f"flashinfer on {case}: {type(e).__name__}: {str(e)[:160]}")
+        del inputs
+        torch.cuda.empty_cache()
+        if peers and len(set(lengths)) == 1 and kv_dtype == "bf16" and page_size == 16:
+            bench_dense_peers(report, case, lengths, flex_cache)
+    bench_plan(report)

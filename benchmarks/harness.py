@@ -1,0 +1,92 @@
+"""Timing and reporting shared by every benchmark suite.
+
+Timing: warm up, capture `calls` invocations in one CUDA graph, replay it, and take the median of
+CUDA-event times over `reps` replays (divided by `calls`). Inputs should exceed the 60 MB L2 (or be
+rotated by the caller) so every call reads from HBM.
+Output: one JSON format for all suites:
+  {"gpu", "date", "versions", "rows": [{"suite", "case", "impl", "us", "gbps", "tflops"}]}
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+L2_BYTES = 60 * 2**20
+
+
+def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph: bool = True) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if use_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = graph.replay
+    else:
+        def run():
+            for _ in range(calls):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+class Report:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+
+    def add(self, suite: str, case: str, impl: str, us: float, nbytes: Optional[float] = None,
+            flops: Optional[float] = None) -> None:
+        row = {"suite": suite, "case": case, "impl": impl, "us": round(us, 2),
+               "gbps": round(nbytes / us / 1e3, 1) if nbytes else None,
+               "tflops": round(flops / us / 1e6, 1) if flops else None}
+        self.rows.append(row)
+        print(f"{suite:8s} {case:28s} {impl:24s} {us:10.1f} us  "
+              f"{'' if row['gbps'] is None else str(row['gbps']) + ' GB/s'}"
+              f"{'' if row['tflops'] is None else ' ' + str(row['tflops']) + ' TFLOP/s'}", flush=True)
+
+    def note(self, text: str) -> None:
+        print("note:", text, flush=True)
+        self.notes.append(text)
+
+    def write(self, path: Path, versions: dict) -> None:
+        data = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                "versions": versions, "rows": self.rows, "notes": self.notes}
+        Path(path).write_text(json.dumps(data, indent=1))
+
+
+def versions() -> dict:
+    import attnforge
+    from attnforge.jit import arch
+    v = {"attnforge": attnforge.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+         "nvcc": arch.nvcc_version()}
+    try:
+        import cuda.bindings
+        v["cuda-bindings"] = cuda.bindings.__version__
+    except Exception:  # reported as missing rather than failing the run
+        v["cuda-bindings"] = "missing"
+    try:
+        import flashinfer
+        v["flashinfer"] = flashinfer.__version__
+    except Exception:
+        v["flashinfer"] = "missing"
+    return v

@@ -1,0 +1,70 @@
+// attnforge/common.cuh: element types, conversions, 16-byte vectors and fast math.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#define AF_DEVICE __device__ __forceinline__
+
+namespace attnforge {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+using bf16 = __nv_bfloat16;
+using fp16 = __half;
+using fp8e4m3 = __nv_fp8_e4m3;
+
+// 2^x through the SFU; 2^-inf == +0, which is what masked logits need.
+AF_DEVICE float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+AF_DEVICE float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+AF_DEVICE float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T> AF_DEVICE float to_float(T x);
+template <> AF_DEVICE float to_float<float>(float x) { return x; }
+template <> AF_DEVICE float to_float<bf16>(bf16 x) { return __bfloat162float(x); }
+template <> AF_DEVICE float to_float<fp16>(fp16 x) { return __half2float(x); }
+template <> AF_DEVICE float to_float<fp8e4m3>(fp8e4m3 x) { return float(x); }
+
+template <class T> AF_DEVICE T from_float(float x);
+template <> AF_DEVICE float from_float<float>(float x) { return x; }
+template <> AF_DEVICE bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> AF_DEVICE fp16 from_float<fp16>(float x) { return __float2half_rn(x); }
+
+// Two floats -> one packed 32-bit pair of 16-bit values (the mma operand format).
+template <class T> AF_DEVICE uint32_t pack2(float lo, float hi);
+template <> AF_DEVICE uint32_t pack2<bf16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> AF_DEVICE uint32_t pack2<fp16>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A 16-byte vector of T: the unit of every global load and store.
+template <class T>
+struct Vec16 {
+  static constexpr int kN = 16 / sizeof(T);
+  uint4 raw;
+  AF_DEVICE void load(const T* p) { raw = __ldg(reinterpret_cast<const uint4*>(p)); }
+  AF_DEVICE void store(T* p) const { *reinterpret_cast<uint4*>(p) = raw; }
+  AF_DEVICE T get(int i) const { return reinterpret_cast<const T*>(&raw)[i]; }
+  AF_DEVICE void set(int i, T v) { reinterpret_cast<T*>(&raw)[i] = v; }
+};
+
+}  // namespace attnforge

@@ -1,0 +1,24 @@
+// attnforge/cp_async.cuh: asynchronous 16-byte global->shared copies (sm_80+), with zero fill.
+#pragma once
+#include "attnforge/common.cuh"
+
+namespace attnforge {
+
+AF_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// Copies 16 bytes, or writes 16 zero bytes when !valid (rows past the end of a chunk), so the
+// tile never holds stale data from an earlier stage. L2::128B prefetch suits streaming KV.
+AF_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+AF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+AF_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// XOR swizzle of 16-byte chunks within a row: rows 8 apart share banks, so chunk c of row r
+// lives at c ^ (r % 8); ldmatrix's 8 row addresses then hit 8 distinct bank groups.
+AF_DEVICE int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
+
+}  // namespace attnforge

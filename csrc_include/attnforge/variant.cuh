@@ -1,0 +1,78 @@
+// attnforge/variant.cuh: the variant hook contract every kernel family calls.
+//
+// A variant is a struct with
+//   static constexpr bool kHasLogitsTransform, kHasMask, kHasOutputTransform;  (skip work when false)
+//   template <class P> float logits_transform(const P&, float score, const LogitsIndex&) const;
+//   template <class P> bool  logits_mask(const P&, const LogitsIndex&) const;     (false: masked out)
+//   template <class P> float output_transform(const P&, float o, const OutputIndex&) const;
+// `score` is q.k * sm_scale (natural-log units, as FlexAttention's score_mod sees it); the kernel
+// converts to the log2 domain after the hooks. Extra tensors and scalars a variant needs live in
+// the kernel's Params struct (rendered from the same field list the host packs).
+#pragma once
+#include <concepts>
+#include "attnforge/common.cuh"
+
+namespace attnforge {
+
+struct LogitsIndex {
+  uint32_t batch;    // request index in the batch
+  uint32_t qo;       // query row within its request, 0 .. qo_len-1
+  uint32_t kv;       // key position within its request, 0 .. kv_len-1
+  uint32_t qo_head;
+  uint32_t kv_head;
+  uint32_t qo_len;
+  uint32_t kv_len;
+  // Queries are aligned to the end of the keys (decode, chunked prefill): absolute position.
+  AF_DEVICE int32_t qo_pos() const { return int32_t(kv_len) - int32_t(qo_len) + int32_t(qo); }
+};
+
+struct OutputIndex {
+  uint32_t batch, qo, qo_head, dim;
+};
+
+template <class V, class P>
+concept AttentionVariant = requires(const V& v, const P& p, float s, LogitsIndex li, OutputIndex oi) {
+  { V::kHasLogitsTransform } -> std::convertible_to<bool>;
+  { V::kHasMask } -> std::convertible_to<bool>;
+  { V::kHasOutputTransform } -> std::convertible_to<bool>;
+  { v.logits_transform(p, s, li) } -> std::same_as<float>;
+  { v.logits_mask(p, li) } -> std::same_as<bool>;
+  { v.output_transform(p, s, oi) } -> std::same_as<float>;
+};
+
+#define AF_CHECK_VARIANT(V, P)                                                                  \
+  static_assert(::attnforge::AttentionVariant<V, P>,                                            \
+                "attention variant " #V " does not satisfy the contract in attnforge/variant.cuh " \
+                "(kHas* flags, logits_transform, logits_mask, output_transform)")
+
+// Defaults for every hook; variants derive from it and override what they change.
+struct IdentityVariant {
+  static constexpr bool kHasLogitsTransform = false;
+  static constexpr bool kHasMask = false;
+  static constexpr bool kHasOutputTransform = false;
+  template <class P> AF_DEVICE float logits_transform(const P&, float s, const LogitsIndex&) const { return s; }
+  template <class P> AF_DEVICE bool logits_mask(const P&, const LogitsIndex&) const { return true; }
+  template <class P> AF_DEVICE float output_transform(const P&, float o, const OutputIndex&) const { return o; }
+};
+
+// Gemma-2 style soft-cap: cap * tanh(score / cap); the cap is a runtime scalar (no rebuild per value).
+struct SoftCapVariant : IdentityVariant {
+  static constexpr bool kHasLogitsTransform = true;
+  template <class P> AF_DEVICE float logits_transform(const P& p, float s, const LogitsIndex&) const {
+    return p.logits_soft_cap * fast_tanh(s * p.inv_logits_soft_cap);
+  }
+};
+
+// Causal and sliding-window masks layered on any variant. window_left is a runtime scalar.
+template <class Base, bool kCausal, bool kWindow>
+struct WithPositionMask : Base {
+  static constexpr bool kHasMask = Base::kHasMask || kCausal || kWindow;
+  template <class P> AF_DEVICE bool logits_mask(const P& p, const LogitsIndex& i) const {
+    bool keep = Base::logits_mask(p, i);
+    if constexpr (kCausal) keep = keep && int32_t(i.kv) <= i.qo_pos();
+    if constexpr (kWindow) keep = keep && int32_t(i.kv) >= i.qo_pos() - p.window_left;
+    return keep;
+  }
+};
+
+}  // namespace attnforge

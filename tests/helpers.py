@@ -1,0 +1,66 @@
+"""Shared GPU-test helpers: random paged caches and the tolerance rule."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, reference
+from attnforge.checks import TORCH_DTYPES
+
+
+def make_paged_case(spec: AttentionSpec, lengths, page_size: int, seed: int = 0, extra_pages: int = 3):
+    """Random q and a paged cache with shuffled pages; returns q, cache, (indptr, indices, last), per-request kv."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-L // page_size) for L in lengths]
+    total_pages = sum(pages_per) + extra_pages
+    perm = torch.randperm(total_pages, generator=g).numpy()
+    indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
+    indices = perm[: indptr[-1]].astype(np.int32)
+    last = np.array([L - (n - 1) * page_size if n else 0 for L, n in zip(lengths, pages_per)], dtype=np.int32)
+    hkv, d = spec.num_kv_heads, spec.head_dim_qk
+    shape = (total_pages, 2, page_size, hkv, d) if spec.kv_layout == "NHD" else (total_pages, 2, hkv, page_size, d)
+    cache = torch.randn(shape, generator=g)
+    if spec.kv_dtype == "fp8_e4m3":
+        cache = (cache * 2).to(torch.float8_e4m3fn)
+    cache = cache.to(TORCH_DTYPES[spec.kv_dtype]).cuda()
+    q = torch.randn(len(lengths), spec.num_qo_heads, d, generator=g).to(TORCH_DTYPES[spec.q_dtype]).cuda()
+    per_request = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), spec.kv_layout, indptr,
+                                         indices, last, page_size)
+    return q, cache, (indptr, indices, last), per_request
+
+
+def decode_reference(spec: AttentionSpec, q, per_request, sm_scale=None, v_scale=1.0, dtype=torch.float64):
+    outs, lses = [], []
+    for b, (k, v) in enumerate(per_request):
+        o, lse = reference.attention(q[b:b + 1].to(dtype), k.to(dtype), v.to(dtype) * v_scale,
+                                     sm_scale=sm_scale, window_left=spec.window_left,
+                                     logits_soft_cap=spec.logits_soft_cap, batch_index=b, dtype=dtype)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def assert_attention_close(out, ref64, low_ref, what=""):
+    """FlashAttention's rule: our error at most 2x that of torch in low precision, plus a small atol;
+    and the relative error in the bf16 band of METHOD.md."""
+    out = out.double()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten or NaN output)"
+    err = (out - ref64).abs().max().item()
+    base = (low_ref.double() - ref64).abs().max().item()
+    assert err <= 2 * base + 2e-3, f"{what}: max err {err:.3e} vs torch low-precision {base:.3e}"
+    denom = ref64.norm().item()
+    if denom > 0:
+        assert (out - ref64).norm().item() / denom < 1e-2, f"{what}: relative error too large"
+
+
+def assert_lse_close(lse, ref_lse, what=""):
+    lse, ref_lse = lse.double().cpu(), ref_lse.double().cpu()
+    inf = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf), f"{what}: -inf pattern differs"
+    assert (lse[~inf] - ref_lse[~inf]).abs().max().item() < 2e-3 if (~inf).any() else True
+
+
+def poison(shape, dtype, device="cuda"):
+    return torch.full(shape, math.nan, dtype=dtype, device=device)

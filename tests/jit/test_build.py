@@ -1,0 +1,168 @@
+"""The JIT cache: content hashing, locking, atomic artifacts, compile errors (CPU only; needs nvcc)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnforge import AttentionSpec, codegen
+from attnforge.jit import JitBuildError, JitModule, MissingModuleError, build, build_many
+from attnforge.jit.builder import _Job
+from attnforge.kernels import module_for_attention
+from attnforge.merge import MergeSpec
+
+ARCHS = ("9.0a",)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def counting_nvcc(tmp_path, monkeypatch):
+    """CUDA_HOME whose nvcc logs each compile, then runs the real one (slowly, to widen races)."""
+    real = shutil.which("nvcc")
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    log = tmp_path / "compiles.log"
+    script = home / "bin" / "nvcc"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$*" in *--cubin*|*--fatbin*) echo compile >> {log}; sleep 1;; esac
+        exec {real} "$@"
+        """))
+    script.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    return lambda: len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def merge_module():
+    return MergeSpec(torch.float16, torch.float16).module()
+
+
+def test_hash_tracks_header_content_only(tmp_path, monkeypatch):
+    inc = tmp_path / "inc"
+    shutil.copytree(codegen.include_dir(), inc)
+    monkeypatch.setattr(codegen, "include_dir", lambda: inc)
+    mod = merge_module()
+    h0 = mod.content_hash(ARCHS)
+    os.utime(inc / "attnforge" / "common.cuh", (1, 1))  # mtime alone: same hash
+    assert mod.content_hash(ARCHS) == h0
+    with open(inc / "attnforge" / "mma.cuh", "a") as f:  # a header merge_states does not include
+        f.write("\n// unrelated edit\n")
+    assert mod.content_hash(ARCHS) == h0
+    with open(inc / "attnforge" / "common.cuh", "a") as f:  # an included header: new hash
+        f.write("\n// edit\n")
+    assert mod.content_hash(ARCHS) != h0
+
+
+def test_hash_tracks_flags_and_archs(monkeypatch):
+    mod = merge_module()
+    h0 = mod.content_hash(ARCHS)
+    assert mod.content_hash(("8.0", "9.0a")) != h0
+    monkeypatch.setenv("ATTNFORGE_NVCC_FLAGS", "-DFOO=1")
+    assert mod.content_hash(ARCHS) != h0
+
+
+def test_build_writes_manifest_and_reuses(cache, counting_nvcc):
+    path = build(merge_module(), ARCHS)
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    assert manifest["archs"] == ["9.0a"] and manifest["bytes"] == path.stat().st_size
+    assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
+    assert str(path).startswith(str(cache / "0.1.0" / "cu13.0" / "90a" / "merge_states_fp16_outfp16-"))
+    assert build(merge_module(), ARCHS) == path and counting_nvcc() == 1
+
+
+def test_truncated_artifact_is_rebuilt(cache, counting_nvcc):
+    path = build(merge_module(), ARCHS)
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    assert not _Job(merge_module(), ARCHS).is_valid()
+    assert build(merge_module(), ARCHS) == path
+    # nvcc output is not bit-reproducible (embedded temp names), so check validity and size
+    assert _Job(merge_module(), ARCHS).is_valid() and len(path.read_bytes()) == len(good)
+    assert counting_nvcc() == 2
+
+
+def test_missing_manifest_after_killed_build_is_rebuilt(cache, counting_nvcc):
+    path = build(merge_module(), ARCHS)
+    (path.parent / "manifest.json").unlink()  # what a build killed before its last step leaves
+    assert build(merge_module(), ARCHS) == path and counting_nvcc() == 2
+
+
+def test_concurrent_processes_compile_once(cache, counting_nvcc):
+    code = ("import torch, attnforge.merge as m, attnforge.jit as j;"
+            "print(j.build(m.MergeSpec(torch.float16, torch.float16).module(), ('9.0a',)))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)}) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1 and counting_nvcc() == 1
+    assert _Job(merge_module(), ARCHS).is_valid()
+
+
+def test_lock_of_killed_process_does_not_block(cache, monkeypatch):
+    job = _Job(merge_module(), ARCHS)
+    job.dir.mkdir(parents=True)
+    code = (f"import os, filelock; l = filelock.FileLock({str(job.dir / '.lock')!r}); l.acquire();"
+            "os.kill(os.getpid(), 9)")
+    subprocess.run([sys.executable, "-c", code])
+    assert (job.dir / ".lock").exists()  # the killed holder left its lock file behind
+    monkeypatch.setenv("ATTNFORGE_LOCK_TIMEOUT", "30")
+    assert build(merge_module(), ARCHS).is_file()
+
+
+def test_disable_jit_says_how_to_prebuild(cache, monkeypatch):
+    monkeypatch.setenv("ATTNFORGE_DISABLE_JIT", "1")
+    with pytest.raises(MissingModuleError, match="python -m attnforge build"):
+        build(merge_module(), ARCHS)
+    monkeypatch.delenv("ATTNFORGE_DISABLE_JIT")
+    build(merge_module(), ARCHS)
+    monkeypatch.setenv("ATTNFORGE_DISABLE_JIT", "1")
+    assert build(merge_module(), ARCHS).is_file()  # cached modules still load
+
+
+def test_compile_error_carries_output_and_source_path(cache):
+    bad = JitModule("broken", "merge_states.cu.jinja",
+                    {"dtype": "not_a_type", "out_dtype": "float", "params_struct": "struct MergeParams {};"},
+                    ("merge_states_kernel",))
+    with pytest.raises(JitBuildError) as e:
+        build(bad, ARCHS)
+    msg = str(e.value)
+    assert "not_a_type" in msg and "kernel.cu" in msg and "Compiler output" in msg
+
+
+VARIANT_MATRIX = [  # one representative per template option, not the cross product
+    AttentionSpec(),
+    AttentionSpec(pipeline="transposed"),
+    AttentionSpec(q_dtype="fp16"),
+    AttentionSpec(kv_dtype="fp8_e4m3"),
+    AttentionSpec(q_dtype="fp16", kv_dtype="fp8_e4m3", pipeline="transposed"),
+    AttentionSpec(head_dim_qk=64, num_qo_heads=8, num_kv_heads=8),
+    AttentionSpec(head_dim_qk=256, num_qo_heads=16, num_kv_heads=2),
+    AttentionSpec(head_dim_qk=256, num_qo_heads=16, num_kv_heads=1, pipeline="transposed"),
+    AttentionSpec(num_qo_heads=64, num_kv_heads=1),
+    AttentionSpec(num_qo_heads=24, num_kv_heads=8, out_dtype="fp16"),
+    AttentionSpec(logits_soft_cap=30.0, window_left=256),
+]
+
+
+def test_nvcc_compiles_the_variant_matrix():
+    mods = [module_for_attention(s) for s in VARIANT_MATRIX]
+    mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
+    paths = build_many(mods, ARCHS)
+    assert len(set(paths)) == len(mods)
+    for m, p in zip(mods, paths):
+        data = p.read_bytes()
+        assert data[:4] == b"\x7fELF"
+        for k in m.kernel_names:  # every exported kernel is in the image under its C name
+            assert k.encode() in data, f"{m.name}: {k} missing"

@@ -1,0 +1,60 @@
+import re
+
+import jinja2
+import jinja2.meta
+import pytest
+
+from attnforge import AttentionSpec, codegen
+from attnforge.codegen import ParamField, ParamsLayout
+from attnforge.kernels import module_for_attention
+from attnforge.merge import MergeSpec
+
+TEMPLATES = sorted(p.name for p in codegen.templates_dir().glob("*.jinja"))
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_header_comment_lists_every_variable(name):
+    text = (codegen.templates_dir() / name).read_text()
+    header = re.match(r"\{#-?(.*?)-?#\}", text, re.S)
+    assert header, f"{name} must start with a {{# ... #}} comment listing its variables"
+    env = codegen._env()
+    used = jinja2.meta.find_undeclared_variables(env.parse(text))
+    missing = [v for v in used if not re.search(rf"\b{v}\b", header.group(1))]
+    assert used and not missing, f"{name}: variables used but not documented in the header: {missing}"
+
+
+def test_strict_undefined_raises():
+    with pytest.raises(jinja2.UndefinedError):
+        codegen.render("merge_states.cu.jinja", {"dtype": "float"})
+
+
+def test_rendering_is_deterministic():
+    spec = AttentionSpec(logits_soft_cap=30.0, window_left=128)
+    a = module_for_attention(spec).source
+    b = module_for_attention(AttentionSpec(logits_soft_cap=30.0, window_left=128)).source
+    assert a == b and "SoftCapVariant" in a and "WithPositionMask" in a
+
+
+def test_runtime_values_do_not_change_source():
+    # The soft-cap and window values are runtime scalars: one build serves them all.
+    a = module_for_attention(AttentionSpec(logits_soft_cap=30.0, window_left=10))
+    b = module_for_attention(AttentionSpec(logits_soft_cap=50.0, window_left=999))
+    assert a.source == b.source and a.name == b.name
+    assert module_for_attention(AttentionSpec()).source != a.source
+
+
+def test_params_layout_matches_ctypes():
+    layout = ParamsLayout("P", [ParamField("a", "int32_t", "i32"), ParamField("p", "void*", "ptr"),
+                                ParamField("f", "float", "f32")])
+    assert layout.size == 24  # 4 + pad 4 + 8 + 4 + pad 4: the C rules ctypes follows
+    assert "static_assert(sizeof(P) == 24" in layout.cpp()
+    with pytest.raises(TypeError, match="missing"):
+        layout.pack(a=1)
+    with pytest.raises(ValueError, match="unknown param kinds"):
+        ParamsLayout("Q", [ParamField("x", "double", "f64")])
+
+
+def test_merge_module_renders_types():
+    import torch
+    src = MergeSpec(torch.float32, torch.float16).module().source
+    assert "using T = float;" in src and "using TOut = fp16;" in src

@@ -1,0 +1,174 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchDecode
+from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison)
+
+pytestmark = pytest.mark.gpu
+LENGTHS = [0, 1, 15, 16, 17, 1000, 63, 64, 65]
+
+
+def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_scale=1.0, **wrapper_kw):
+    q, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, page_size, seed)
+    w = BatchDecode(spec, **wrapper_kw)
+    w.plan(indptr, indices, last, page_size=page_size, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+    out = poison((len(lengths), spec.num_qo_heads, spec.head_dim_vo), q.dtype)
+    out, lse = w.run(q, cache, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    eff_scale = (sm_scale or 1 / math.sqrt(spec.head_dim_qk)) * k_scale
+    ref, ref_lse = decode_reference(spec, q.cpu(), [(k * 1.0, v) for k, v in per_req], sm_scale=eff_scale,
+                                    v_scale=v_scale)
+    low, _ = decode_reference(spec, q.cpu().float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
+                                                      for k, v in per_req], sm_scale=eff_scale,
+                              v_scale=v_scale, dtype=torch.float32)
+    low = low.to(q.dtype)
+    assert_attention_close(out.cpu(), ref, low, f"{spec.name} page{page_size}")
+    assert_lse_close(lse, ref_lse, spec.name)
+    empty = [i for i, L in enumerate(lengths) if L == 0]
+    if empty:
+        assert torch.all(out[empty] == 0) and torch.all(lse[empty] == -math.inf)
+    return w, out
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_pages_layouts_pipelines(page_size, layout, pipeline):
+    run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (64, 8), (64, 1)])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_head_dims_and_groups(head_dim, heads, pipeline):
+    hq, hkv = heads
+    if pipeline == "transposed" and hq // hkv > 16:
+        pytest.skip("transposed pipeline takes groups up to 16 (spec check tested below)")
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, pipeline=pipeline)
+    run_case(spec, [1, 300, 17, 2048], 16, seed=head_dim + hq)
+
+
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_long_request_split_across_ctas(pipeline):
+    run_case(AttentionSpec(pipeline=pipeline), [65536, 3, 1000], 16, seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_fp8_kv_with_scales(dtype, pipeline):
+    spec = AttentionSpec(q_dtype=dtype, kv_dtype="fp8_e4m3", pipeline=pipeline)
+    run_case(spec, [1, 100, 4000], 16, k_scale=0.5, v_scale=1.5)
+
+
+def test_fp16_and_out_dtype():
+    run_case(AttentionSpec(q_dtype="fp16"), LENGTHS, 16)
+
+
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_softcap_and_window(pipeline):
+    run_case(AttentionSpec(logits_soft_cap=5.0, pipeline=pipeline), [1, 777, 5000], 16, sm_scale=0.5)
+    run_case(AttentionSpec(window_left=100, pipeline=pipeline), [1, 50, 101, 102, 5000], 7)
+
+
+def test_block_table_form_equals_csr():
+    spec = AttentionSpec()
+    lengths = [5, 40, 0, 100]
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, 16)
+    a = BatchDecode(spec)
+    a.plan(indptr, indices, last, page_size=16)
+    table = np.zeros((4, 8), dtype=np.int32)
+    for b in range(4):
+        table[b, : indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
+    bw = BatchDecode(spec)
+    bw.plan(seq_lens=lengths, block_table=table, page_size=16)
+    assert torch.equal(a.run(q, cache), bw.run(q, cache))
+    k, v = cache[:, 0].contiguous(), cache[:, 1].contiguous()  # (K, V) pair form
+    assert torch.equal(a.run(q, cache), a.run(q, (k, v)))
+
+
+def test_deterministic_bitwise():
+    spec = AttentionSpec()
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, [70000, 5, 3000], 16, seed=9)
+    w = BatchDecode(spec)
+    w.plan(indptr, indices, last, page_size=16)
+    a, b = w.run(q, cache).clone(), w.run(q, cache).clone()
+    w.plan(indptr, indices, last, page_size=16)
+    assert torch.equal(a, b) and torch.equal(a, w.run(q, cache))
+
+
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_cuda_graph_replay_after_replans(pipeline):
+    spec = AttentionSpec(pipeline=pipeline)
+    batch, page_size, pages = 8, 16, 4096
+    rng = np.random.default_rng(0)
+    cache = torch.randn(pages, 2, page_size, spec.num_kv_heads, 128, device="cuda").bfloat16()
+    q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
+
+    def replan():
+        lengths = rng.integers(0, 6000, size=batch)
+        lengths[rng.integers(batch)] = int(rng.integers(20000, 60000))
+        n = -(-lengths // page_size)
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        indices = rng.permutation(pages)[: indptr[-1]]
+        last = np.where(n > 0, lengths - (n - 1) * page_size, 0)
+        w.plan(indptr, indices, last, page_size=page_size)
+        return indptr, indices, last
+
+    replan()
+    w.run(q, cache, out=out)  # warm-up outside capture: build, load
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out)
+    from attnforge import reference
+    for i in range(50):
+        indptr, indices, last = replan()
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        if i % 10 == 0 or i == 49:  # full check on a sample; every replay must be finite
+            per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", indptr, indices,
+                                         last, page_size)
+            ref, _ = decode_reference(spec, q.cpu(), [(k.cpu(), v.cpu()) for k, v in per])
+            assert (out.double().cpu() - ref).abs().max().item() < 2e-2, f"replay {i}"
+        assert torch.isfinite(out).all(), f"replay {i}"
+
+
+def test_bad_inputs_raise_before_launch():
+    spec = AttentionSpec()
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, [10, 20], 16)
+    w = BatchDecode(spec)
+    with pytest.raises(RuntimeError, match="call plan"):
+        w.run(q, cache)
+    w.plan(indptr, indices, last, page_size=16)
+    with pytest.raises(ValueError, match="q.dtype"):
+        w.run(q.half(), cache)
+    with pytest.raises(ValueError, match="q.shape"):
+        w.run(q[:, :16], cache)
+    with pytest.raises(ValueError, match="q.shape"):
+        w.run(q[:1], cache)
+    with pytest.raises(ValueError, match="k_cache.dtype"):
+        w.run(q, cache.half())
+    with pytest.raises(ValueError, match="k_cache.shape"):
+        w.run(q, cache[:, :, :8])  # page size differs from the plan
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        w.run(q.cpu(), cache)
+    small = cache[: int(indices.max())]  # fewer pages than the table references
+    with pytest.raises(ValueError, match="page ids <"):
+        w.run(q, small)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        w.plan([0, 2, 1], indices[:1], [1, 1], page_size=16)
+    with pytest.raises(ValueError, match="page_size=16"):
+        w.plan(indptr, indices, [17, 1], page_size=16)
+    g = BatchDecode(spec, use_cuda_graph=True, max_batch_size=1, max_num_pages=4)
+    with pytest.raises(ValueError, match="max_batch_size=1"):
+        g.plan(indptr, indices, last, page_size=16)
+    with pytest.raises(ValueError, match="max_num_pages=4"):
+        g.plan([0, 5], list(range(5)), [1], page_size=16)
+    with pytest.raises(ValueError, match="group sizes up to 16"):
+        BatchDecode(AttentionSpec(num_qo_heads=64, num_kv_heads=2, pipeline="transposed"))

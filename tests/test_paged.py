@@ -1,0 +1,37 @@
+import numpy as np
+import pytest
+import torch
+
+from attnforge import paged
+
+
+def test_csr_lengths():
+    t = paged.from_csr([0, 2, 2, 5], [3, 1, 0, 2, 4], [5, 0, 1], page_size=16)
+    assert t.kv_len.tolist() == [21, 0, 33] and t.max_page_index == 4
+
+
+def test_block_table_matches_csr():
+    table = np.array([[7, 3, 0], [1, 0, 0], [2, 5, 6]])
+    t = paged.from_block_table([17, 0, 33], table, page_size=16)
+    assert t.indptr.tolist() == [0, 2, 2, 5] and t.indices.tolist() == [7, 3, 2, 5, 6]
+    assert t.kv_len.tolist() == [17, 0, 33]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (([0, 2, 1], [0, 1], [1, 1]), "non-decreasing"),
+    (([1, 2], [0], [1]), "starting at 0"),
+    (([0, 2], [0, 1, 2], [1]), "kv_indptr\\[-1\\]=2 entries"),
+    (([0, 1], [0], [17]), "\\[1, page_size=16\\]"),
+    (([0, 1], [0], [0]), "\\[1, page_size=16\\]"),
+    (([0, 1], [-3], [1]), "page ids >= 0"),
+    (([0, 1], [0], [1, 1]), "one per request"),
+    (([0, 1], [0.5], [1]), "integer"),
+])
+def test_csr_errors(args, msg):
+    with pytest.raises(ValueError, match=msg):
+        paged.from_csr(*args, page_size=16)
+
+
+def test_block_table_too_narrow():
+    with pytest.raises(ValueError, match="Widen the block table"):
+        paged.from_block_table([40], np.zeros((1, 2), dtype=np.int32), page_size=16)

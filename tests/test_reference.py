@@ -1,0 +1,42 @@
+"""The oracle itself, on the CPU: split-and-merge equals the whole; masks and caps behave."""
+import math
+
+import torch
+
+from attnforge import reference
+
+
+def test_split_kv_then_merge_equals_full():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 64), torch.randn(100, 2, 64), torch.randn(100, 2, 64)
+    full, lse = reference.attention(q, k, v)
+    parts = [reference.attention(q, k[a:b], v[a:b], sm_scale=1 / 8) for a, b in ((0, 37), (37, 100))]
+    # queries sit at the end of each part's keys, so compare without a mask: non-causal attention
+    vs = torch.stack([p[0] for p in parts], dim=1).reshape(3, 2, 8, 64)
+    ss = torch.stack([p[1] for p in parts], dim=1)
+    merged, mlse = reference.merge_states(vs, ss)
+    assert torch.allclose(merged, full, atol=1e-12) and torch.allclose(mlse, lse, atol=1e-12)
+
+
+def test_merge_all_neg_inf_gives_zero_not_nan():
+    v = torch.randn(2, 3, 4, 8)
+    s = torch.full((2, 3, 4), -math.inf)
+    out, lse = reference.merge_states(v, s)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_empty_kv_and_window_and_causal():
+    q = torch.randn(4, 2, 16)
+    out, lse = reference.attention(q, torch.randn(0, 2, 16), torch.randn(0, 2, 16))
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    k, v = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    win, _ = reference.attention(q[-1:], k, v, window_left=0)  # last query sees only the last key
+    assert torch.allclose(win[0], v[-1].double(), atol=1e-12)
+    causal, _ = reference.attention(q, k[:4], v[:4], causal=True)  # qo_len == kv_len: first sees one
+    assert torch.allclose(causal[0], v[0].double(), atol=1e-12)
+
+
+def test_softcap_bounds_scores():
+    q, k, v = torch.randn(1, 1, 8) * 100, torch.randn(5, 1, 8) * 100, torch.randn(5, 1, 8)
+    _, lse = reference.attention(q, k, v, logits_soft_cap=2.0)
+    assert lse.item() <= 2.0 + math.log(5) + 1e-9

@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from attnforge import AttentionSpec
+
+
+def test_defaults_and_name():
+    s = AttentionSpec(logits_soft_cap=50.0, num_qo_heads=32, num_kv_heads=8)
+    assert s.name == "decode_gqa4_d128_bf16_kvbf16_nhd_softcap"
+    assert s.head_dim_vo == 128 and s.kv_dtype == "bf16" and s.out_dtype == "bf16"
+    assert AttentionSpec(num_qo_heads=8, num_kv_heads=8).head_layout == "mha"
+    assert AttentionSpec(num_qo_heads=16, num_kv_heads=1).head_layout == "mqa16"
+
+
+def test_torch_dtypes_normalize():
+    s = AttentionSpec(q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)
+    assert (s.q_dtype, s.kv_dtype, s.out_dtype) == ("fp16", "fp8_e4m3", "fp16")
+
+
+def test_hash_is_stable_and_content_based():
+    a, b = AttentionSpec(), AttentionSpec()
+    assert a.content_hash == b.content_hash and a == b and hash(a) == hash(b)
+    assert AttentionSpec(causal=True).content_hash != a.content_hash
+    # a fixed value: the hash must not depend on the process (no id(), no Python hash())
+    assert len(a.content_hash) == 64
+
+
+def test_mla_spec():
+    s = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    assert s.name.startswith("mla_decode_mla16_d576x512")
+
+
+@pytest.mark.parametrize("kwargs, field, hint", [
+    (dict(family="encode"), "family", "one of"),
+    (dict(num_qo_heads=0), "num_qo_heads", "positive int"),
+    (dict(num_qo_heads=30, num_kv_heads=8), "num_qo_heads", "multiple of num_kv_heads=8"),
+    (dict(num_qo_heads=128, num_kv_heads=1), "num_qo_heads", "at most 64"),
+    (dict(head_dim_qk=96), "head_dim_qk", "one of (64, 128, 256)"),
+    (dict(head_dim_vo=64), "head_dim_vo", "equal to head_dim_qk"),
+    (dict(q_dtype="fp8_e4m3"), "q_dtype", "fp8 is supported for KV only"),
+    (dict(q_dtype="float32"), "q_dtype", "one of"),
+    (dict(out_dtype="fp8_e4m3"), "out_dtype", "bf16"),
+    (dict(q_dtype="bf16", kv_dtype="fp16"), "kv_dtype", "same as q_dtype"),
+    (dict(family="prefill", kv_dtype="fp8_e4m3"), "kv_dtype", "prefill"),
+    (dict(kv_layout="NCHW"), "kv_layout", "one of"),
+    (dict(page_size=0), "page_size", ">= 1"),
+    (dict(pipeline="fast"), "pipeline", "one of"),
+    (dict(family="prefill", pipeline="transposed"), "pipeline", "'normal' for prefill"),
+    (dict(causal=1), "causal", "a bool"),
+    (dict(window_left=-2), "window_left", "-1 (off)"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap", "finite float"),
+    (dict(logits_soft_cap=float("inf")), "logits_soft_cap", "finite float"),
+    (dict(score_mod=lambda s: s), "score_mod", "cache_key"),
+    (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=2, head_dim_qk=576, head_dim_vo=512),
+     "num_kv_heads", "1 for MLA"),
+    (dict(family="mla_decode", num_qo_heads=12, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512),
+     "num_qo_heads", "mla_decode"),
+    (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1), "head_dim_qk/head_dim_vo", "576"),
+    (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+          kv_layout="HND"), "kv_layout", "'NHD' for MLA"),
+])
+def test_every_invalid_field_is_named(kwargs, field, hint):
+    with pytest.raises(ValueError) as e:
+        AttentionSpec(**kwargs)
+    msg = str(e.value)
+    assert f"AttentionSpec.{field}" in msg and hint in msg and "got" in msg
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown field"):
+        AttentionSpec.from_dict({"family": "decode", "heads": 3})
+    assert AttentionSpec.from_dict(AttentionSpec(causal=True).to_dict()) == AttentionSpec(causal=True)

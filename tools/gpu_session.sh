@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, an optional memcheck pass, and the benchmarks; logs and JSON to $OUT.
+# Usage (on the GPU machine, repo root): bash tools/gpu_session.sh [pytest-args...]
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
+export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" tests 2>&1 | tail -n 150 > "$OUT/pytest.log"
+tail -n 40 "$OUT/pytest.log"
+if [ "${SANITIZE:-0}" = 1 ]; then
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" 2>&1 | tail -n 40 > "$OUT/memcheck.log"
+  tail -n 5 "$OUT/memcheck.log"
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH
+  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/run.py --suites ${SUITES:-merge,decode} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
+  cat "$OUT/bench.log"
+fi
