@@ -27,7 +27,8 @@ def _num_sms(device: torch.device) -> int:
 class BatchDecode:
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
-                 device: Union[str, torch.device, None] = None, **spec_kwargs):
+                 device: Union[str, torch.device, None] = None, tile_kv: int = 64,
+                 num_stages: Optional[int] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -36,7 +37,7 @@ class BatchDecode:
         if spec.family != "decode":
             raise checks.fail("BatchDecode spec.family", "'decode'", repr(spec.family),
                               "Use the wrapper of that family.")
-        self.spec, self.kernel = spec, DecodeKernel(spec)
+        self.spec, self.kernel = spec, DecodeKernel(spec, tile_kv, num_stages)
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
@@ -210,7 +211,7 @@ class BatchDecode:
             checks.check_shape("lse", lse, (b, s.num_qo_heads), "[batch, num_qo_heads]")
             if not lse.is_contiguous():
                 raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
-        lib = registry.get_library(s, self.kernel.module, self.device)
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         rows_cap = (self.cap.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads
         params = DECODE_PARAMS.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),

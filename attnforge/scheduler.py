@@ -70,27 +70,35 @@ def plan_decode(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, cap
     keep = (cut_off > 0) & (cut_off < length[cut_item])
     cut_item, cut_off, cut_pos = cut_item[keep], cut_off[keep], cuts[keep]
 
-    # Chunks: one starting at offset 0 of every item, plus one at every cut; item-major order.
-    chunk_item = np.concatenate([np.arange(n_items), cut_item])
-    chunk_off = np.concatenate([np.zeros(n_items, dtype=np.int64), cut_off])
-    first_token_pos = np.concatenate([start[:-1] + np.where(length > 0, CHUNK_FIXED_COST, 0), cut_pos])
-    order = np.lexsort((chunk_off, chunk_item))
-    chunk_item, chunk_off, first_token_pos = chunk_item[order], chunk_off[order], first_token_pos[order]
-    n_chunks = len(chunk_item)
-    last_of_item = np.ones(n_chunks, dtype=bool)
-    last_of_item[:-1] = chunk_item[1:] != chunk_item[:-1]
-    next_off = np.empty(n_chunks, dtype=np.int64)
-    next_off[:-1] = chunk_off[1:]
-    chunk_end = np.where(last_of_item, length[chunk_item], next_off)
+    # Chunks in stream order: item i's first chunk, then its cuts. Both lists are sorted, so the
+    # merged order is computed directly (no sort): cut j lands at index cut_item[j] + j + 1.
+    n_cuts = len(cut_item)
+    n_chunks = n_items + n_cuts
+    items_range = np.arange(n_items)
+    cuts_before = np.searchsorted(cut_item, items_range, side="left")  # cuts in items < i
+    first_idx = items_range + cuts_before
+    cut_idx = cut_item + np.arange(1, n_cuts + 1)
+    chunk_item = np.empty(n_chunks, dtype=np.int64)
+    chunk_off = np.zeros(n_chunks, dtype=np.int64)
+    token_pos = np.empty(n_chunks, dtype=np.int64)  # stream position of the chunk's first token
+    chunk_item[first_idx] = items_range
+    chunk_item[cut_idx] = cut_item
+    chunk_off[cut_idx] = cut_off
+    token_pos[first_idx] = start[:-1] + np.where(length > 0, CHUNK_FIXED_COST, 0)
+    token_pos[cut_idx] = cut_pos
+    chunk_end = np.empty(n_chunks, dtype=np.int64)
+    chunk_end[:-1] = chunk_off[1:]
+    chunk_end[first_idx - 1] = length[items_range - 1]  # the chunk before an item's first is its item's last
+    chunk_end[-1] = length[-1] if n_items else 0
 
-    cta = np.minimum(first_token_pos // span, cap.num_ctas - 1)  # non-decreasing along chunks
+    cta = np.minimum(token_pos // span, cap.num_ctas - 1)  # non-decreasing along chunks
     work_indptr = np.searchsorted(cta, np.arange(cap.num_ctas + 1), side="left").astype(np.int32)
 
-    pieces = np.bincount(chunk_item, minlength=n_items)
-    slots = np.where(pieces > 1, pieces, 0)
+    pieces = 1 + np.diff(np.append(cuts_before, n_cuts))
     merge_indptr = np.zeros(n_items + 1, dtype=np.int64)
-    np.cumsum(slots, out=merge_indptr[1:])
-    rank = np.arange(n_chunks) - np.searchsorted(chunk_item, chunk_item, side="left")
+    np.cumsum(np.where(pieces > 1, pieces, 0), out=merge_indptr[1:])
+    rank = np.zeros(n_chunks, dtype=np.int64)
+    rank[cut_idx] = np.arange(1, n_cuts + 1) - cuts_before[cut_item]
     partial_slot = np.where(pieces[chunk_item] > 1, merge_indptr[chunk_item] + rank, -1)
 
     items = np.empty((n_chunks, ITEM_FIELDS), dtype=np.int32)

@@ -75,6 +75,9 @@ class LoadedKernel:
         if smem > self._smem_limit:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(drv.cuFuncSetAttribute(self.function, attr, smem), f"cuFuncSetAttribute({self.name}, {smem} B)")
+            # Prefer the largest shared-memory carveout so several such CTAs fit on one SM.
+            carve = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            check(drv.cuFuncSetAttribute(self.function, carve, 100), f"cuFuncSetAttribute({self.name}, carveout)")
             self._smem_limit = smem
         stream = torch.cuda.current_stream() if stream is None else stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]

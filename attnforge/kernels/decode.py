@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 from functools import cached_property
 
 from .. import variants
@@ -37,10 +38,21 @@ DECODE_PARAMS = ParamsLayout("DecodeParams", [
 
 @dataclass(frozen=True)
 class DecodeKernel:
+    """Launch shape of one decode spec. tile_kv / num_stages override the measured defaults."""
+
     spec: AttentionSpec
+    tile_kv: int = TILE_KV
+    stages: Optional[int] = None
 
     def __post_init__(self):
         s = self.spec
+        if self.tile_kv not in (64, 128):
+            raise ValueError(f"DecodeKernel.tile_kv: expected 64 or 128, got {self.tile_kv}")
+        if self.stages is not None and not 2 <= self.stages <= 8:
+            raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
+        if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise ValueError(f"DecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
+                             f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages or a smaller tile")
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
         if s.pipeline == "transposed" and s.group_size > MAX_TRANSPOSED_GROUP:
@@ -54,6 +66,8 @@ class DecodeKernel:
 
     @property
     def num_stages(self) -> int:
+        if self.stages is not None:
+            return self.stages
         d = self.spec.head_dim_qk
         if self.kv_bytes == 1:
             return 4 if d <= 128 else 2
@@ -64,8 +78,8 @@ class DecodeKernel:
         s, d = self.spec, self.spec.head_dim_qk
         head_tile = 8 if s.pipeline == "transposed" else 16
         q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
-        wide = 2 * TILE_KV * d * 2 if self.kv_bytes == 1 else 0
-        return q_rows * d * 2 + self.num_stages * 2 * TILE_KV * d * self.kv_bytes + wide
+        wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 else 0
+        return q_rows * d * 2 + self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
 
     @property
     def ctas_per_sm(self) -> int:
@@ -75,12 +89,13 @@ class DecodeKernel:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
-               "tile_kv": TILE_KV, "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
+               "tile_kv": self.tile_kv, "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "params_struct": DECODE_PARAMS.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *([f"win"] if s.window_left >= 0 else []),
-                         *(["mod"] if s.score_mod is not None else [])])
+                         *(["mod"] if s.score_mod is not None else []),
+                         f"t{self.tile_kv}s{self.num_stages}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel", "decode_merge_kernel"))

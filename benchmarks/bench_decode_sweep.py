@@ -1,0 +1,32 @@
+"""Suite `decode_sweep`: tile/stage/pipeline configurations on a few decode cases (for perf-notes)."""
+from __future__ import annotations
+
+import torch
+
+from attnforge import AttentionSpec, BatchDecode
+from bench_decode import HKV, HQ, D, cases, kv_bytes, paged_inputs
+from harness import Report, time_us
+
+CONFIGS = [(64, 3), (64, 4), (128, 2), (128, 3)]
+CASES = ("B16 L8192", "B64 Lrand page1", "B16 L8192 fp8kv", "B256 L1024")
+
+
+def run(report: Report, peers: bool = False) -> None:
+    for case, lengths, page_size, kv_dtype in cases():
+        if case not in CASES:
+            continue
+        q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype)
+        for pipeline in ("normal", "transposed"):
+            spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
+                                 pipeline=pipeline)
+            for tile, stages in CONFIGS:
+                try:
+                    w = BatchDecode(spec, max_batch_size=256, tile_kv=tile, num_stages=stages)
+                except ValueError as e:
+                    report.note(f"{case} {pipeline} t{tile}s{stages}: {e}")
+                    continue
+                w.plan(indptr, indices, last, page_size=page_size)
+                out = torch.empty_like(q)
+                report.add("decode_sweep", case, f"attnforge-{pipeline}-t{tile}s{stages}",
+                           time_us(lambda: w.run(q, cache, out=out)), kv_bytes(lengths, kv_dtype))
+        del q, cache
