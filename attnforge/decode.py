@@ -28,7 +28,7 @@ class BatchDecode:
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  device: Union[str, torch.device, None] = None, tile_kv: int = 64,
-                 num_stages: Optional[int] = None, **spec_kwargs):
+                 num_stages: Optional[int] = None, num_warps: int = 4, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -37,7 +37,7 @@ class BatchDecode:
         if spec.family != "decode":
             raise checks.fail("BatchDecode spec.family", "'decode'", repr(spec.family),
                               "Use the wrapper of that family.")
-        self.spec, self.kernel = spec, DecodeKernel(spec, tile_kv, num_stages)
+        self.spec, self.kernel = spec, DecodeKernel(spec, tile_kv, num_stages, num_warps)
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
@@ -225,7 +225,8 @@ class BatchDecode:
             num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, merge_rows=rows_cap,
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]))
         with torch.cuda.device(self.device):
-            lib["batch_decode_kernel"].launch((self.num_ctas,), (THREADS,), params, smem=self.kernel.smem_bytes)
+            lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
+                                             smem=self.kernel.smem_bytes)
             tx = s.head_dim_vo // 4
             ty = max(1, THREADS // tx)
             lib["decode_merge_kernel"].launch((-(-rows_cap // ty),), (tx, ty), params)

@@ -7,7 +7,7 @@ from attnforge import AttentionSpec, BatchDecode
 from bench_decode import HKV, HQ, D, cases, kv_bytes, paged_inputs
 from harness import Report, time_us
 
-CONFIGS = [(64, 3), (64, 4), (128, 2), (128, 3)]
+CONFIGS = [(64, 3, 4), (64, 2, 4), (64, 4, 4), (128, 2, 8), (128, 3, 8)]
 CASES = ("B16 L8192", "B64 Lrand page1", "B16 L8192 fp8kv", "B256 L1024")
 
 
@@ -19,14 +19,14 @@ def run(report: Report, peers: bool = False) -> None:
         for pipeline in ("normal", "transposed"):
             spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                                  pipeline=pipeline)
-            for tile, stages in CONFIGS:
+            for tile, stages, warps in CONFIGS:
                 try:
-                    w = BatchDecode(spec, max_batch_size=256, tile_kv=tile, num_stages=stages)
+                    w = BatchDecode(spec, max_batch_size=256, tile_kv=tile, num_stages=stages, num_warps=warps)
                 except ValueError as e:
-                    report.note(f"{case} {pipeline} t{tile}s{stages}: {e}")
+                    report.note(f"{case} {pipeline} t{tile}s{stages}w{warps}: {e}")
                     continue
                 w.plan(indptr, indices, last, page_size=page_size)
                 out = torch.empty_like(q)
-                report.add("decode_sweep", case, f"attnforge-{pipeline}-t{tile}s{stages}",
+                report.add("decode_sweep", case, f"attnforge-{pipeline}-t{tile}s{stages}w{warps}",
                            time_us(lambda: w.run(q, cache, out=out)), kv_bytes(lengths, kv_dtype))
         del q, cache

@@ -11,8 +11,11 @@ timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovide
 tail -n 40 "$OUT/pytest.log"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" 2>&1 | tail -n 40 > "$OUT/memcheck.log"
-  tail -n 5 "$OUT/memcheck.log"
+    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" > "$OUT/memcheck.full" 2>&1
+  echo "memcheck exit $?" > "$OUT/memcheck.log"
+  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
+  head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
+  cat "$OUT/memcheck.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH

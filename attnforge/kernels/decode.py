@@ -43,11 +43,16 @@ class DecodeKernel:
     spec: AttentionSpec
     tile_kv: int = TILE_KV
     stages: Optional[int] = None
+    num_warps: int = 4
 
     def __post_init__(self):
         s = self.spec
         if self.tile_kv not in (64, 128):
             raise ValueError(f"DecodeKernel.tile_kv: expected 64 or 128, got {self.tile_kv}")
+        if self.num_warps not in (4, 8) or self.tile_kv // 16 < self.num_warps // (
+                1 if s.pipeline == "transposed" else -(-s.group_size // 16)):
+            raise ValueError(f"DecodeKernel.num_warps: expected 4 or 8 with at least one 16-token "
+                             f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
@@ -79,7 +84,15 @@ class DecodeKernel:
         head_tile = 8 if s.pipeline == "transposed" else 16
         q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
         wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 else 0
-        return q_rows * d * 2 + self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
+        pipe = self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
+        states = self.num_warps if s.pipeline == "transposed" else \
+            self.num_warps // -(-s.group_size // 16)
+        merge = states * s.group_size * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
+        return q_rows * d * 2 + max(pipe, merge)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
 
     @property
     def ctas_per_sm(self) -> int:
@@ -89,7 +102,7 @@ class DecodeKernel:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
-               "tile_kv": self.tile_kv, "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
+               "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "params_struct": DECODE_PARAMS.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
@@ -97,5 +110,5 @@ class DecodeKernel:
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *([f"win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
-                         f"t{self.tile_kv}s{self.num_stages}"])
+                         f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel", "decode_merge_kernel"))

@@ -56,6 +56,19 @@ template <> AF_DEVICE uint32_t pack2<fp16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two e4m3 values (low byte first) -> a packed pair of T: one cvt.f16x2.e4m3x2, plus a
+// round trip through f32 for bf16 (exact: every e4m3 value is representable in both).
+template <class T> AF_DEVICE uint32_t fp8x2_to(uint16_t two);
+template <> AF_DEVICE uint32_t fp8x2_to<fp16>(uint16_t two) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+template <> AF_DEVICE uint32_t fp8x2_to<bf16>(uint16_t two) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+  return pack2<bf16>(f.x, f.y);
+}
+
 // A 16-byte vector of T: the unit of every global load and store.
 template <class T>
 struct Vec16 {
