@@ -42,10 +42,13 @@ class BatchDecode:
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
         self.num_ctas = _num_sms(self.device) * self.kernel.ctas_per_sm
-        self.cap = scheduler.Capacity(max_batch_size, spec.num_kv_heads, self.num_ctas)
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
+        self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
         g, d = spec.group_size, spec.head_dim_vo
-        need = self.cap.max_partial_slots * g * (d + 1) * 4
+        self.num_slots = 2 * self.num_ctas  # two partial slots per CTA (attnforge/scheduler.py)
+        need = self.workspace_bytes(spec, self.num_ctas)
         if workspace is None:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         checks.check_cuda("workspace", workspace, self.device)
@@ -53,18 +56,17 @@ class BatchDecode:
             raise checks.fail("workspace", f"at least {need} bytes", workspace.numel() * workspace.element_size(),
                               f"Allocate BatchDecode.workspace_bytes(...)={need} bytes or let the wrapper allocate.")
         ws = workspace.view(torch.uint8)[:need].view(torch.float32)
-        self._partial_o = ws[: self.cap.max_partial_slots * g * d]
-        self._partial_lse = ws[self.cap.max_partial_slots * g * d:]
+        self._partial_o = ws[: self.num_slots * g * d]
+        self._partial_lse = ws[self.num_slots * g * d:]
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
         self._copy_done = None
 
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
-        c = self.cap
-        sizes = {"kv_indptr": c.max_batch_size + 1, "kv_len": c.max_batch_size, "work_indptr": c.num_ctas + 1,
-                 "work_items": c.max_items * scheduler.ITEM_FIELDS,
-                 "merge_indptr": c.max_batch_size * c.num_kv_heads + 1, "kv_indices": max(max_pages, 1)}
+        b = self.max_batch_size
+        sizes = {"meta": 3, "kv_indptr": b + 1, "kv_len": b, "kv_begin": b, "stream_prefix": b + 1,
+                 "kv_indices": max(max_pages, 1)}
         self._offsets, total = {}, 0
         for k, n in sizes.items():
             self._offsets[k] = (total, n)
@@ -82,10 +84,9 @@ class BatchDecode:
         return self._dev.data_ptr() + 4 * self._offsets[name][0]
 
     @staticmethod
-    def workspace_bytes(spec: AttentionSpec, num_sms: int, ctas_per_sm: Optional[int] = None) -> int:
-        k = DecodeKernel(spec)
-        slots = 2 * max(num_sms * (ctas_per_sm or k.ctas_per_sm) - 1, 1)
-        return slots * spec.group_size * (spec.head_dim_vo + 1) * 4
+    def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
+        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA."""
+        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4
 
     # -- plan ----------------------------------------------------------------------------------------
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
@@ -113,6 +114,9 @@ class BatchDecode:
                 raise checks.fail("plan: number of pages", f"at most max_num_pages={self.max_num_pages}",
                                   len(table.indices), "Construct the wrapper with a larger max_num_pages.")
             self._alloc_int_buffers(2 * len(table.indices))
+        if table.batch_size > self.max_batch_size:
+            raise checks.fail("plan: batch size", f"at most max_batch_size={self.max_batch_size}", table.batch_size,
+                              "Construct the wrapper with a larger max_batch_size.")
         if self.use_cuda_graph and self._plan is not None and table.batch_size != self._plan["batch"]:
             raise checks.fail("plan: batch size in CUDA-graph mode", f"{self._plan['batch']} (as captured)",
                               table.batch_size, "Capture one graph per batch size.")
@@ -120,18 +124,16 @@ class BatchDecode:
         kv_begin = np.zeros_like(kv_end)
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - 1 - self.spec.window_left, 0)
-        work = scheduler.plan_decode(kv_begin, kv_end, self.spec.num_kv_heads, self.cap)
+        work = scheduler.plan_stream(kv_begin, kv_end, self.spec.num_kv_heads, self.num_ctas)
 
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous plan's copy still reads the pinned buffer
         b = table.batch_size
+        self._region("meta", True)[:] = (b, work.span, work.total)
         self._region("kv_indptr", True)[: b + 1] = table.indptr
         self._region("kv_len", True)[:b] = kv_end
-        self._region("work_indptr", True)[:] = work.work_indptr
-        self._region("work_items", True)[: work.work_items.size] = work.work_items.ravel()
-        merge = self._region("merge_indptr", True)
-        merge[: len(work.merge_indptr)] = work.merge_indptr
-        merge[len(work.merge_indptr):] = work.merge_indptr[-1]  # padding rows: nothing to merge
+        self._region("kv_begin", True)[:b] = kv_begin
+        self._region("stream_prefix", True)[: b + 1] = work.prefix
         self._region("kv_indices", True)[: len(table.indices)] = table.indices
         stream = torch.cuda.current_stream(self.device)
         used = self._offsets["kv_indices"][0] + len(table.indices)
@@ -212,17 +214,17 @@ class BatchDecode:
             if not lse.is_contiguous():
                 raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
-        rows_cap = (self.cap.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads
+        rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads  # kernel reads the batch
         params = DECODE_PARAMS.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
             partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
             kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
-            work_indptr=self._dev_ptr("work_indptr"), work_items=self._dev_ptr("work_items"),
-            merge_indptr=self._dev_ptr("merge_indptr"), q_stride_b=q.stride(0), q_stride_h=q.stride(1),
+            kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
+            meta=self._dev_ptr("meta"), q_stride_b=q.stride(0), q_stride_h=q.stride(1),
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
-            num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, merge_rows=rows_cap,
+            num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]))
         with torch.cuda.device(self.device):
             lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,

@@ -16,6 +16,12 @@ DTYPES_16 = ("bf16", "fp16")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 LAYOUTS = ("NHD", "HND")
 PIPELINES = ("normal", "transposed")
+
+
+def default_pipeline(family: str, group_size: int) -> str:
+    """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
+    (transposed) for groups up to 16, where padding query heads to 16 rows wastes work."""
+    return "transposed" if family == "decode" and group_size <= 16 else "normal"
 HEAD_DIMS = (64, 128, 256)
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
 MLA_HEADS = (8, 16, 32, 64, 128)
@@ -60,7 +66,7 @@ class AttentionSpec:
     out_dtype: Any = None  # None: same as q_dtype
     kv_layout: str = "NHD"
     page_size: Optional[int] = None  # None: any page size at run time
-    pipeline: str = "normal"
+    pipeline: str = "auto"  # "auto": the measured winner for the shape (default_pipeline)
     causal: bool = False
     window_left: int = -1  # -1: no sliding window; else keys with qo_pos - kv_pos <= window_left
     logits_soft_cap: float = 0.0  # 0: off; else score = cap * tanh(score / cap)
@@ -130,8 +136,10 @@ class AttentionSpec:
         if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
             raise _bad("page_size", self.page_size, "None (any, at run time) or an int >= 1",
                        "Pass the cache's tokens per page.")
+        if self.pipeline == "auto":
+            object.__setattr__(self, "pipeline", default_pipeline(self.family, self._group_or_one()))
         if self.pipeline not in PIPELINES:
-            raise _bad("pipeline", self.pipeline, f"one of {PIPELINES}",
+            raise _bad("pipeline", self.pipeline, f"'auto' or one of {PIPELINES}",
                        "'normal' puts query heads on the MMA's M side; 'transposed' puts KV tokens there.")
         if self.pipeline == "transposed" and self.family == "prefill":
             raise _bad("pipeline", self.pipeline, "'normal' for prefill",
@@ -148,6 +156,9 @@ class AttentionSpec:
         if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):
             raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key",
                        "Build modifiers with the attnforge.mods factories.")
+
+    def _group_or_one(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads if self.family != "mla_decode" else self.num_qo_heads
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -175,7 +186,7 @@ class AttentionSpec:
             parts.append(f"out{self.out_dtype}")
         if self.page_size is not None:
             parts.append(f"page{self.page_size}")
-        if self.pipeline != "normal":
+        if self.pipeline != default_pipeline(self.family, self._group_or_one()):
             parts.append(self.pipeline)
         if self.causal:
             parts.append("causal")

@@ -70,3 +70,13 @@ def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown field"):
         AttentionSpec.from_dict({"family": "decode", "heads": 3})
     assert AttentionSpec.from_dict(AttentionSpec(causal=True).to_dict()) == AttentionSpec(causal=True)
+
+
+def test_auto_pipeline_resolves_to_measured_winner():
+    from attnforge.spec import default_pipeline
+    assert AttentionSpec().pipeline == "transposed" == default_pipeline("decode", 4)
+    assert AttentionSpec(num_qo_heads=64, num_kv_heads=1).pipeline == "normal"
+    assert AttentionSpec(family="prefill").pipeline == "normal"
+    # the name mentions the pipeline only when it is not the default for the shape
+    assert "normal" in AttentionSpec(pipeline="normal").name
+    assert AttentionSpec(pipeline="normal").content_hash != AttentionSpec().content_hash

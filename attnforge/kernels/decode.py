@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 from functools import cached_property
 
-from .. import variants
+from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from ..spec import AttentionSpec
@@ -23,14 +23,14 @@ DECODE_PARAMS = ParamsLayout("DecodeParams", [
     ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
     ParamField("partial_lse", "float*", "ptr"),
     ParamField("kv_indptr", "const int32_t*", "ptr"), ParamField("kv_indices", "const int32_t*", "ptr"),
-    ParamField("kv_len", "const int32_t*", "ptr"), ParamField("work_indptr", "const int32_t*", "ptr"),
-    ParamField("work_items", "const int32_t*", "ptr"), ParamField("merge_indptr", "const int32_t*", "ptr"),
+    ParamField("kv_len", "const int32_t*", "ptr"), ParamField("kv_begin", "const int32_t*", "ptr"),
+    ParamField("stream_prefix", "const int32_t*", "ptr"), ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
     ParamField("q_stride_b", "int64_t", "i64"), ParamField("q_stride_h", "int64_t", "i64"),
     ParamField("out_stride_b", "int64_t", "i64"), ParamField("out_stride_h", "int64_t", "i64"),
     ParamField("stride_page", "int64_t", "i64"), ParamField("stride_token", "int64_t", "i64"),
     ParamField("stride_head", "int64_t", "i64"),
     ParamField("page_size", "int32_t", "i32"), ParamField("num_qo_heads", "int32_t", "i32"),
-    ParamField("num_kv_heads", "int32_t", "i32"), ParamField("merge_rows", "int32_t", "i32"),
+    ParamField("num_kv_heads", "int32_t", "i32"),
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 ])
@@ -74,9 +74,7 @@ class DecodeKernel:
         if self.stages is not None:
             return self.stages
         d = self.spec.head_dim_qk
-        if self.kv_bytes == 1:
-            return 4 if d <= 128 else 2
-        return 3 if d <= 128 else 2
+        return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
 
     @cached_property
     def smem_bytes(self) -> int:
@@ -103,7 +101,8 @@ class DecodeKernel:
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps, "smem_bytes": self.smem_bytes,
-               "variant_decl": variants.variant_decl(s), "params_struct": DECODE_PARAMS.cpp()}
+               "variant_decl": variants.variant_decl(s),
+               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": DECODE_PARAMS.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,

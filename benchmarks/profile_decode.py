@@ -1,0 +1,17 @@
+"""One decode case, for `ncu --kernel-name batch_decode_kernel --launch-skip 3 --launch-count 1`."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnforge import AttentionSpec, BatchDecode  # noqa: E402
+from bench_decode import paged_inputs  # noqa: E402
+
+lengths = [8192] * 16
+q, cache, indptr, indices, last = paged_inputs(lengths, 16, "bf16")
+w = BatchDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128))
+w.plan(indptr, indices, last, page_size=16)
+for _ in range(5):
+    w.run(q, cache)
+torch.cuda.synchronize()
