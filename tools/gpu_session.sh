@@ -10,12 +10,18 @@ python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" tests 2>&1 | tail -n 150 > "$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 if [ "${SANITIZE:-0}" = 1 ]; then
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+  timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
     tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" > "$OUT/memcheck.full" 2>&1
   echo "memcheck exit $?" > "$OUT/memcheck.log"
   grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
   cat "$OUT/memcheck.log"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 150 ncu --clock-control none --kernel-name batch_decode_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats python3 benchmarks/profile_decode.py > "$OUT/ncu.log" 2>&1
+  grep -vE "^==PROF==|^\s*$" "$OUT/ncu.log" | tail -n 120
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH
