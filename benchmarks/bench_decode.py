@@ -46,13 +46,13 @@ def kv_bytes(lengths, kv_dtype):
 
 def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
     nbytes = kv_bytes(lengths, kv_dtype)
-    for pipeline in ("normal", "transposed"):
+    for pipeline in ("auto", "normal", "transposed"):
         spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                              pipeline=pipeline)
         w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
         w.plan(indptr, indices, last, page_size=page_size)
         out = torch.empty_like(q)
-        impl = "attnforge" if pipeline == "normal" else "attnforge-transposed"
+        impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}"  # auto: the default
         report.add("decode", case, impl, time_us(lambda: w.run(q, cache, out=out)), nbytes)
 
 
