@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import DECODE_PARAMS, THREADS, DecodeKernel
+from .kernels.decode import THREADS, DecodeKernel
 from .jit import registry
 from .spec import AttentionSpec
 
@@ -215,7 +215,8 @@ class BatchDecode:
                 raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads  # kernel reads the batch
-        params = DECODE_PARAMS.pack(
+        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
+        params = self.kernel.params.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
             partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
@@ -225,7 +226,7 @@ class BatchDecode:
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
             num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
-            v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]))
+            v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         with torch.cuda.device(self.device):
             lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                              smem=self.kernel.smem_bytes)

@@ -1,7 +1,8 @@
 """The torch oracle every kernel test compares against (float64 by default, on any device).
 
 Conventions shared with the kernels: scores are q.k * sm_scale; soft-cap is cap*tanh(s/cap);
-queries are aligned to the END of the keys (query i of qo_len sits at kv_len - qo_len + i);
+queries are aligned to the END of the keys (query i of qo_len sits at kv_len - qo_len + i, which is
+also the q_idx a score_mod / mask_mod sees; it equals FlexAttention's q_idx when qo_len == kv_len);
 window_left=W keeps keys with qo_pos - W <= kv <= qo_pos; LSE is natural-log; a row with no
 visible key gives output 0 and LSE -inf.
 """
@@ -28,27 +29,31 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, dtype=torch.float64):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Optional[float] = None,
               causal: bool = False, window_left: int = -1, logits_soft_cap: float = 0.0,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-              batch_index: int = 0, dtype=torch.float64):
-    """One request. q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> (out [Lq, Hq, Dv], lse [Lq, Hq])."""
+              sink: Optional[torch.Tensor] = None, batch_index: int = 0, dtype=torch.float64):
+    """One request. q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> (out [Lq, Hq, Dv], lse [Lq, Hq]).
+
+    sink [Hq]: attention-sink logits added to each row's softmax denominator (not to the output).
+    """
     lq, hq, d = q.shape
     lk, hkv, dv = v.shape
     if hq % hkv:
         raise ValueError(f"reference.attention: Hq={hq} must be a multiple of Hkv={hkv}")
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if lk == 0:
-        return (torch.zeros(lq, hq, dv, dtype=dtype, device=q.device),
-                torch.full((lq, hq), -math.inf, dtype=dtype, device=q.device))
+        lse = torch.full((lq, hq), -math.inf, dtype=dtype, device=q.device)
+        if sink is not None:
+            lse = sink.to(dtype).to(q.device)[None].expand(lq, hq).clone()
+        return torch.zeros(lq, hq, dv, dtype=dtype, device=q.device), lse
     g = hq // hkv
     qf, kf, vf = q.to(dtype), k.to(dtype).repeat_interleave(g, dim=1), v.to(dtype).repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale  # [Hq, Lq, Lk]
     if logits_soft_cap > 0:
         s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
-    q_idx = torch.arange(lq, device=q.device)[:, None]
+    qo_pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
     kv_idx = torch.arange(lk, device=q.device)[None, :]
     h_idx = torch.arange(hq, device=q.device)[:, None, None]
     if score_mod is not None:
-        s = score_mod(s, torch.tensor(batch_index, device=q.device), h_idx, q_idx[None], kv_idx[None])
-    qo_pos = q_idx + (lk - lq)
+        s = score_mod(s, torch.tensor(batch_index, device=q.device), h_idx, qo_pos[None], kv_idx[None]).to(dtype)
     keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     if causal:
         keep &= kv_idx <= qo_pos
@@ -56,11 +61,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Op
         keep &= kv_idx >= qo_pos - window_left
     keep = keep[None].expand(hq, lq, lk)
     if mask_mod is not None:
-        keep = keep & mask_mod(torch.tensor(batch_index, device=q.device), h_idx, q_idx[None], kv_idx[None])
+        keep = keep & mask_mod(torch.tensor(batch_index, device=q.device), h_idx, qo_pos[None], kv_idx[None])
     s = s.masked_fill(~keep, -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hqk,khd->qhd", p, vf)
+    if sink is not None:  # the sink takes part of the mass: scale rows by e^(lse - lse')
+        total = torch.logaddexp(lse, sink.to(dtype).to(q.device)[:, None])
+        out = out * torch.exp(lse - total).nan_to_num(0.0).transpose(0, 1)[..., None]
+        lse = total
     return out, lse.transpose(0, 1)
 
 

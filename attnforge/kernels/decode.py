@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
@@ -17,7 +17,7 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 MAX_TRANSPOSED_GROUP = 16
 
-DECODE_PARAMS = ParamsLayout("DecodeParams", [
+BASE_FIELDS = (
     ParamField("q", "const void*", "ptr"), ParamField("k_cache", "const void*", "ptr"),
     ParamField("v_cache", "const void*", "ptr"), ParamField("out", "void*", "ptr"),
     ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
@@ -33,7 +33,15 @@ DECODE_PARAMS = ParamsLayout("DecodeParams", [
     ParamField("num_kv_heads", "int32_t", "i32"),
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
-])
+)
+
+
+@lru_cache(maxsize=64)
+def params_layout(extra: tuple = ()) -> ParamsLayout:
+    """The kernel's parameter struct: the base fields plus those of a score modifier."""
+    return ParamsLayout("DecodeParams", [*BASE_FIELDS, *extra])
+
+
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,11 @@ class DecodeKernel:
         return q_rows * d * 2 + max(pipe, merge)
 
     @property
+    def params(self) -> ParamsLayout:
+        mod = self.spec.score_mod
+        return params_layout(tuple(mod.param_fields()) if mod is not None else ())
+
+    @property
     def threads(self) -> int:
         return 32 * self.num_warps
 
@@ -102,7 +115,7 @@ class DecodeKernel:
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s),
-               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": DECODE_PARAMS.cpp()}
+               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,

@@ -5,6 +5,8 @@
 //   template <class P> float logits_transform(const P&, float score, const LogitsIndex&) const;
 //   template <class P> bool  logits_mask(const P&, const LogitsIndex&) const;     (false: masked out)
 //   template <class P> float output_transform(const P&, float o, const OutputIndex&) const;
+//   static constexpr bool kHasSink; template <class P> float sink_logit(const P&, uint32_t qo_head) const;
+//     (an attention sink: an extra logit, natural-log units, added to the softmax denominator only)
 // `score` is q.k * sm_scale (natural-log units, as FlexAttention's score_mod sees it); the kernel
 // converts to the log2 domain after the hooks. Extra tensors and scalars a variant needs live in
 // the kernel's Params struct (rendered from the same field list the host packs).
@@ -35,6 +37,8 @@ concept AttentionVariant = requires(const V& v, const P& p, float s, LogitsIndex
   { V::kHasLogitsTransform } -> std::convertible_to<bool>;
   { V::kHasMask } -> std::convertible_to<bool>;
   { V::kHasOutputTransform } -> std::convertible_to<bool>;
+  { V::kHasSink } -> std::convertible_to<bool>;
+  { v.sink_logit(p, 0u) } -> std::same_as<float>;
   { v.logits_transform(p, s, li) } -> std::same_as<float>;
   { v.logits_mask(p, li) } -> std::same_as<bool>;
   { v.output_transform(p, s, oi) } -> std::same_as<float>;
@@ -50,6 +54,8 @@ struct IdentityVariant {
   static constexpr bool kHasLogitsTransform = false;
   static constexpr bool kHasMask = false;
   static constexpr bool kHasOutputTransform = false;
+  static constexpr bool kHasSink = false;
+  template <class P> AF_DEVICE float sink_logit(const P&, uint32_t) const { return kNegInf; }
   template <class P> AF_DEVICE float logits_transform(const P&, float s, const LogitsIndex&) const { return s; }
   template <class P> AF_DEVICE bool logits_mask(const P&, const LogitsIndex&) const { return true; }
   template <class P> AF_DEVICE float output_transform(const P&, float o, const OutputIndex&) const { return o; }
@@ -74,5 +80,20 @@ struct WithPositionMask : Base {
     return keep;
   }
 };
+
+// Fold a sink logit into a finished row: lse' = log(e^lse + e^sink), o' = o * e^(lse - lse').
+template <class V, class P>
+AF_DEVICE float apply_sink(const V& var, const P& p, uint32_t qo_head, float& lse) {
+  if constexpr (V::kHasSink) {
+    const float s = var.sink_logit(p, qo_head);
+    const float m = fmaxf(lse, s);
+    if (m == kNegInf) return 0.f;
+    const float total = m + logf(expf(lse - m) + expf(s - m));
+    const float scale = expf(lse - total);
+    lse = total;
+    return scale;
+  }
+  return 1.f;
+}
 
 }  // namespace attnforge

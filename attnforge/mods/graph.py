@@ -1,0 +1,163 @@
+"""The expression graph of a traced modifier: evaluation in torch and emission as C++.
+
+Nodes are immutable tuples (op, args...) so equal expressions are equal values and the cache key
+is their canonical text. Types: "f" (float32), "i" (int64), "b" (bool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling)
+    "exp": (torch.exp, "expf"), "log": (torch.log, "logf"), "tanh": (torch.tanh, "tanhf"),
+    "sqrt": (torch.sqrt, "sqrtf"), "sin": (torch.sin, "sinf"), "cos": (torch.cos, "cosf"),
+    "sigmoid": (torch.sigmoid, "af_sigmoid"), "log2": (torch.log2, "log2f"), "exp2": (torch.exp2, "exp2f"),
+}
+BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
+    "add": (torch.add, "({a} + {b})"), "sub": (torch.sub, "({a} - {b})"), "mul": (torch.mul, "({a} * {b})"),
+    "truediv": (torch.true_divide, "(float({a}) / float({b}))"),
+    "floordiv": (lambda a, b: torch.div(a, b, rounding_mode="floor"), "af_floordiv({a}, {b})"),
+    "mod": (torch.remainder, "af_mod({a}, {b})"),
+    "lt": (torch.lt, "({a} < {b})"), "le": (torch.le, "({a} <= {b})"), "gt": (torch.gt, "({a} > {b})"),
+    "ge": (torch.ge, "({a} >= {b})"), "eq": (torch.eq, "({a} == {b})"), "ne": (torch.ne, "({a} != {b})"),
+    "and": (torch.logical_and, "({a} && {b})"), "or": (torch.logical_or, "({a} || {b})"),
+    "minimum": (torch.minimum, "af_min({a}, {b})"), "maximum": (torch.maximum, "af_max({a}, {b})"),
+    "pow": (torch.pow, "af_pow({a}, {b})"),
+}
+UNARY = {"neg": (torch.neg, "(-{a})"), "abs": (torch.abs, "af_abs({a})"), "not": (torch.logical_not, "(!{a})")}
+COMPARE = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or"}
+INPUT_TYPES = {"score": "f", "b": "i", "h": "i", "q_idx": "i", "kv_idx": "i"}
+
+
+def result_type(op: str, types: list[str]) -> str:
+    if op in COMPARE or op == "not":
+        return "b"
+    if op in FLOAT_FUNCS or op == "truediv":
+        return "f"
+    if op == "pow":
+        return "f"
+    return "f" if "f" in types else ("i" if "i" in types or op in ("add", "sub", "mul", "neg", "abs") else types[0])
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A captured tensor: its position, element type and rank (values are runtime parameters)."""
+    index: int
+    kind: str  # "f" or "i"
+    ndim: int
+
+
+def node_type(node: tuple, slots: dict[int, TensorSlot]) -> str:
+    op = node[0]
+    if op == "input":
+        return INPUT_TYPES[node[1]]
+    if op == "const":
+        return node[2]
+    if op == "scalar":
+        return "f"
+    if op == "load":
+        return slots[node[1]].kind
+    if op == "where":
+        t = {node_type(node[2], slots), node_type(node[3], slots)}
+        return "f" if "f" in t else ("i" if "i" in t else "b")
+    if op == "cast":
+        return node[1]
+    return result_type(op, [node_type(a, slots) for a in node[1:]])
+
+
+def evaluate(node: tuple, env: dict[str, torch.Tensor], tensors: list[torch.Tensor], scalars: list[float]):
+    """Evaluate in torch with broadcasting (the reference path)."""
+    op = node[0]
+    ev = lambda n: evaluate(n, env, tensors, scalars)  # noqa: E731
+    if op == "input":
+        return env[node[1]]
+    if op == "const":
+        return torch.tensor(node[1], dtype=torch.float32 if node[2] == "f" else
+                            (torch.bool if node[2] == "b" else torch.int64))
+    if op == "scalar":
+        return torch.tensor(float(scalars[node[1]]), dtype=torch.float32)
+    if op == "load":
+        t = tensors[node[1]]
+        idx = [_wrap_clamp(ev(i).to(torch.int64), t.shape[d]) for d, i in enumerate(node[2:])]
+        idx = torch.broadcast_tensors(*idx)
+        out = t[tuple(i.to(t.device) for i in idx)]
+        return out.float() if out.is_floating_point() else out.to(torch.int64)
+    if op == "where":
+        return torch.where(ev(node[1]).bool(), ev(node[2]), ev(node[3]))
+    if op == "cast":
+        v = ev(node[2])
+        return v.float() if node[1] == "f" else (v.bool() if node[1] == "b" else v.to(torch.int64))
+    args = [ev(a) for a in node[1:]]
+    dev = next((a.device for a in args if a.dim() > 0), args[0].device)
+    args = [a.to(dev) for a in args]
+    if op in FLOAT_FUNCS:
+        return FLOAT_FUNCS[op][0](args[0].float())
+    if op in UNARY:
+        return UNARY[op][0](args[0])
+    if op == "truediv" or op == "pow":
+        return BINARY[op][0](args[0].float(), args[1].float() if op == "pow" else args[1])
+    return BINARY[op][0](*args)
+
+
+def _wrap_clamp(i: torch.Tensor, size: int) -> torch.Tensor:
+    """Python-style negative indices, then clamped into range: never an out-of-bounds read."""
+    return torch.where(i < 0, i + size, i).clamp(0, size - 1)
+
+
+_CPP_TYPE = {"f": "float", "i": "long long", "b": "bool"}
+
+
+def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
+    """One C++ statement per node (shared sub-expressions are emitted once), ending in a return."""
+    names: dict[tuple, str] = {}
+    lines: list[str] = []
+
+    def visit(node: tuple) -> str:
+        if node in names:
+            return names[node]
+        op = node[0]
+        if op == "input":
+            return node[1]
+        if op == "const":
+            v, t = node[1], node[2]
+            return ("true" if v else "false") if t == "b" else (f"{float(v)!r}f" if t == "f" else f"{int(v)}LL")
+        if op == "scalar":
+            expr = f"a.scalar({node[1]})"
+        elif op == "load":
+            slot = slots[node[1]]
+            idx = ", ".join(visit(i) for i in node[2:])
+            fn = "load_f" if slot.kind == "f" else "load_i"
+            expr = f"a.{fn}({node[1]}, {{{idx}}})"
+        elif op == "where":
+            t = node_type(node, slots)
+            expr = f"({visit(node[1])} ? {_cpp_cast(visit(node[2]), t)} : {_cpp_cast(visit(node[3]), t)})"
+        elif op == "cast":
+            expr = _cpp_cast(visit(node[2]), node[1])
+        elif op in FLOAT_FUNCS:
+            expr = f"{FLOAT_FUNCS[op][1]}(float({visit(node[1])}))"
+        elif op in UNARY:
+            expr = UNARY[op][1].format(a=visit(node[1]))
+        else:
+            a, b = visit(node[1]), visit(node[2])
+            if op in ("minimum", "maximum", "add", "sub", "mul") and "f" in (
+                    node_type(node[1], slots), node_type(node[2], slots)):
+                a, b = f"float({a})", f"float({b})"
+            expr = BINARY[op][1].format(a=a, b=b)
+        name = f"v{len(names)}"
+        names[node] = name
+        lines.append(f"const {_CPP_TYPE[node_type(node, slots)]} {name} = {expr};")
+        return name
+
+    result = visit(root)
+    lines.append(f"return {_cpp_cast(result, ret)};")
+    return "\n".join(lines)
+
+
+def _cpp_cast(expr: str, t: str) -> str:
+    return f"{_CPP_TYPE[t]}({expr})"
+
+
+def canonical(node: Any) -> str:
+    return repr(node)

@@ -1,0 +1,20 @@
+import torch
+
+from .variant import ScoreMod, compile_mod
+
+
+def relative_position_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
+    """T5-style learned bias: score + table[h, clamp(kv_idx - q_idx, -max, max) + max];
+    table [num_qo_heads, 2 * max_distance + 1]."""
+    if table.dim() != 2 or table.shape[1] != 2 * max_distance + 1:
+        raise ValueError(f"relative_position_bias: expected table [H, {2 * max_distance + 1}], got {list(table.shape)}")
+
+    def relative_bias_score(score, b, h, q_idx, kv_idx):
+        rel = torch.clamp(kv_idx - q_idx, -max_distance, max_distance)
+        return score + table[h, rel + max_distance]
+    return compile_mod(score_mod=relative_bias_score, name="relative_bias")
+
+
+def reference(score, h, q_pos, kv_idx, table, max_distance):
+    rel = (kv_idx[None, :] - q_pos[:, None]).clamp(-max_distance, max_distance) + max_distance
+    return score + table[h][:, rel]

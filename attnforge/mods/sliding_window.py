@@ -1,0 +1,18 @@
+import torch
+
+from .variant import ScoreMod, compile_mod
+
+
+def sliding_window(window: int) -> ScoreMod:
+    """Causal sliding window: a query sees itself and the `window` keys before it."""
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window(window): expected an int >= 0, got {window!r}")
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    return compile_mod(mask_mod=sliding_window_mask, name=f"sliding_window{window}")
+
+
+def reference(q_pos: torch.Tensor, kv_idx: torch.Tensor, window: int) -> torch.Tensor:
+    d = q_pos[:, None] - kv_idx[None, :]
+    return (d >= 0) & (d <= window)

@@ -1,0 +1,249 @@
+"""ScoreMod: traced score_mod / mask_mod (or a raw C++ snippet) as one attnforge variant.
+
+The compiled code depends only on the expression (`cache_key`); captured tensors and 0-d tensor
+scalars are kernel parameters packed at every launch, so new values never trigger a rebuild.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..codegen import ParamField
+from . import graph
+from .trace import ModTraceError, trace
+
+MAX_TENSORS, MAX_SCALARS = 8, 8
+_F_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_I_DTYPES = (torch.int32, torch.int64)
+
+# Helpers shared by generated code on the device and in the g++ host test.
+CPP_PRELUDE = r"""
+#ifndef AF_MOD_PRELUDE
+#define AF_MOD_PRELUDE
+#ifdef __CUDACC__
+#define AF_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#define AF_HD inline
+#endif
+AF_HD long long af_floordiv(long long a, long long b) { long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
+AF_HD long long af_mod(long long a, long long b) { long long r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+AF_HD float af_floordiv(float a, float b) { return floorf(a / b); }
+AF_HD float af_mod(float a, float b) { return a - b * floorf(a / b); }
+AF_HD float af_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+AF_HD long long af_abs(long long x) { return x < 0 ? -x : x; }
+AF_HD float af_abs(float x) { return fabsf(x); }
+AF_HD long long af_min(long long a, long long b) { return a < b ? a : b; }
+AF_HD long long af_max(long long a, long long b) { return a > b ? a : b; }
+AF_HD float af_min(float a, float b) { return fminf(a, b); }
+AF_HD float af_max(float a, float b) { return fmaxf(a, b); }
+AF_HD float af_pow(float a, float b) { return powf(a, b); }
+AF_HD long long af_index(long long i, long long size) { i = i < 0 ? i + size : i; return i < 0 ? 0 : (i >= size ? size - 1 : i); }
+#endif
+"""
+
+
+@dataclass(eq=False)
+class ScoreMod:
+    """A compiled-modifier description. Equality and hashing follow `cache_key` only."""
+
+    score_root: Optional[tuple]
+    mask_root: Optional[tuple]
+    tensors: list = field(default_factory=list)
+    scalars: list = field(default_factory=list)
+    slots: dict = field(default_factory=dict)
+    raw_cpp: Optional[str] = None  # escape hatch: a C++ body for the variant struct
+    name: str = "mod"
+    sink: Optional[torch.Tensor] = None  # attention sink logits [Hq] (added to the softmax denominator)
+
+    @property
+    def cache_key(self) -> str:
+        parts = [graph.canonical(self.score_root), graph.canonical(self.mask_root),
+                 repr(sorted((k, s.kind, s.ndim) for k, s in self.slots.items())), str(len(self.scalars)),
+                 self.raw_cpp or "", "sink" if self.sink is not None else ""]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+    def __eq__(self, other):
+        return isinstance(other, ScoreMod) and other.cache_key == self.cache_key
+
+    def __hash__(self):
+        return hash(self.cache_key)
+
+    @property
+    def cpp_struct_name(self) -> str:
+        return f"AfMod_{self.cache_key[:12]}"
+
+    # -- C++ --------------------------------------------------------------------------------
+    def host_functions(self) -> str:
+        """Plain C++ (compiles with g++ and nvcc): the mod bodies over an accessor `a`."""
+        out = [CPP_PRELUDE]
+        if self.score_root is not None:
+            body = graph.emit_cpp(self.score_root, self.slots, "f")
+            out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_score(float score, long long b, "
+                       f"long long h, long long q_idx, long long kv_idx, const A& a) {{\n{body}\n}}")
+        if self.mask_root is not None:
+            body = graph.emit_cpp(self.mask_root, self.slots, "b")
+            out.append(f"template <class A> AF_HD bool {self.cpp_struct_name}_mask(long long b, long long h, "
+                       f"long long q_idx, long long kv_idx, const A& a) {{\n{body}\n}}")
+        return "\n".join(out)
+
+    @property
+    def cpp_decl(self) -> str:
+        n = self.cpp_struct_name
+        loads = []
+        for k, s in sorted(self.slots.items()):
+            dims = ", ".join(f"p.mod_t{k}_size{d}" for d in range(s.ndim))
+            loads.append(f"    if (k == {k}) {{ const long long sz[{s.ndim}] = {{{dims}}}; long long off = 0;\n"
+                         f"      for (int d = 0; d < {s.ndim}; ++d) off = off * sz[d] + af_index(idx.begin()[d], sz[d]);\n"
+                         f"      return load_elem(p.mod_t{k}, p.mod_t{k}_dtype, off); }}")
+        scalars = "\n".join(f"    if (k == {k}) return p.mod_s{k};" for k in range(len(self.scalars)))
+        accessor = f"""
+template <class P>
+struct {n}_Access {{
+  const P& p;
+  static AF_HD float load_elem(const void* ptr, int dtype, long long off) {{
+    switch (dtype) {{  // 0 f32, 1 f16, 2 bf16, 3 i32, 4 i64
+      case 0: return static_cast<const float*>(ptr)[off];
+      case 1: return __half2float(static_cast<const __half*>(ptr)[off]);
+      case 2: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[off]);
+      case 3: return float(static_cast<const int*>(ptr)[off]);
+      default: return float(static_cast<const long long*>(ptr)[off]);
+    }}
+  }}
+  AF_HD float load_f(int k, std::initializer_list<long long> idx) const {{
+{chr(10).join(loads) if loads else ''}
+    return 0.f;
+  }}
+  AF_HD long long load_i(int k, std::initializer_list<long long> idx) const {{
+{chr(10).join(l.replace('return load_elem(', 'return load_int(') for l in loads) if loads else ''}
+    return 0;
+  }}
+  static AF_HD long long load_int(const void* ptr, int dtype, long long off) {{
+    return dtype == 3 ? static_cast<const int*>(ptr)[off] : static_cast<const long long*>(ptr)[off];
+  }}
+  AF_HD float scalar(int k) const {{
+{scalars}
+    return 0.f;
+  }}
+}};
+"""
+        methods = []
+        if self.score_root is not None:
+            methods.append(f"""  static constexpr bool kHasLogitsTransform = true;
+  template <class P> AF_DEVICE float logits_transform(const P& p, float s, const attnforge::LogitsIndex& i) const {{
+    return {n}_score(s, i.batch, i.qo_head, i.qo_pos(), i.kv, {n}_Access<P>{{p}});
+  }}""")
+        if self.mask_root is not None:
+            methods.append(f"""  static constexpr bool kHasMask = true;
+  template <class P> AF_DEVICE bool logits_mask(const P& p, const attnforge::LogitsIndex& i) const {{
+    return {n}_mask(i.batch, i.qo_head, i.qo_pos(), i.kv, {n}_Access<P>{{p}});
+  }}""")
+        if self.sink is not None:
+            methods.append("""  static constexpr bool kHasSink = true;
+  template <class P> AF_DEVICE float sink_logit(const P& p, uint32_t qo_head) const {
+    return static_cast<const float*>(p.mod_sink)[qo_head];
+  }""")
+        if self.raw_cpp:
+            methods.append(self.raw_cpp)
+        struct = f"struct {n} : attnforge::IdentityVariant {{\n" + "\n".join(methods) + "\n};"
+        return "#include <initializer_list>\n" + self.host_functions() + accessor + struct
+
+    # -- runtime parameters ------------------------------------------------------------------
+    def param_fields(self) -> list[ParamField]:
+        fields = []
+        for k, s in sorted(self.slots.items()):
+            fields += [ParamField(f"mod_t{k}", "const void*", "ptr"), ParamField(f"mod_t{k}_dtype", "int32_t", "i32")]
+            fields += [ParamField(f"mod_t{k}_size{d}", "int32_t", "i32") for d in range(s.ndim)]
+        fields += [ParamField(f"mod_s{k}", "float", "f32") for k in range(len(self.scalars))]
+        if self.sink is not None:
+            fields.append(ParamField("mod_sink", "const void*", "ptr"))
+        return fields
+
+    def param_values(self, device: torch.device) -> dict:
+        vals = {}
+        for k, t in enumerate(self.tensors):
+            if t.device != device:
+                raise ValueError(f"score_mod captured tensor #{k}: expected a tensor on {device}, got {t.device}. "
+                                 f"Create it on the GPU (or call .to('{device}')) before building the mod.")
+            if not t.is_contiguous():
+                raise ValueError(f"score_mod captured tensor #{k}: expected a contiguous tensor. Pass t.contiguous().")
+            code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}.get(t.dtype)
+            if code is None:
+                raise ValueError(f"score_mod captured tensor #{k}: dtype {t.dtype} unsupported; use float32/16, "
+                                 "bfloat16, int32 or int64.")
+            vals[f"mod_t{k}"] = t.data_ptr()
+            vals[f"mod_t{k}_dtype"] = code
+            for d in range(t.dim()):
+                vals[f"mod_t{k}_size{d}"] = t.shape[d]
+        for k, v in enumerate(self.scalars):
+            vals[f"mod_s{k}"] = float(v)
+        if self.sink is not None:
+            vals["mod_sink"] = self.sink.data_ptr()
+        return vals
+
+    # -- reference ------------------------------------------------------------------------------
+    def torch_score(self, score, b, h, q_idx, kv_idx):
+        if self.score_root is None:
+            return score
+        env = {"score": score.float(), "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+        return graph.evaluate(self.score_root, env, self.tensors, self.scalars).to(score.dtype)
+
+    def torch_mask(self, b, h, q_idx, kv_idx):
+        if self.mask_root is None:
+            return torch.ones((), dtype=torch.bool)
+        return graph.evaluate(self.mask_root, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx},
+                              self.tensors, self.scalars).bool()
+
+
+def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None, *,
+                sink: Optional[torch.Tensor] = None, name: Optional[str] = None) -> ScoreMod:
+    """Trace Python modifiers into a ScoreMod (the value AttentionSpec.score_mod takes)."""
+    if score_mod is None and mask_mod is None and sink is None:
+        raise ValueError("compile_mod: pass a score_mod, a mask_mod or a sink")
+    tensors, scalars, slots = [], [], {}
+    roots = {}
+    for kind, fn in (("score", score_mod), ("mask", mask_mod)):
+        if fn is None:
+            roots[kind] = None
+            continue
+        root, tracer = trace(fn, kind)
+        # renumber this function's tensors and scalars after the previous function's
+        t_off, s_off = len(tensors), len(scalars)
+        root = _shift(root, t_off, s_off)
+        for k, t in enumerate(tracer.tensors):
+            tensors.append(t)
+            s = tracer.slots[k]
+            slots[k + t_off] = graph.TensorSlot(k + t_off, s.kind, s.ndim)
+        scalars += tracer.scalars
+        roots[kind] = root
+    if len(tensors) > MAX_TENSORS or len(scalars) > MAX_SCALARS:
+        raise ModTraceError(f"modifiers capture {len(tensors)} tensors and {len(scalars)} scalars; at most "
+                            f"{MAX_TENSORS} and {MAX_SCALARS} are supported")
+    label = name or "_".join(getattr(f, "__name__", "mod") for f in (score_mod, mask_mod) if f is not None) or "sink"
+    return ScoreMod(roots["score"], roots["mask"], tensors, scalars, slots, name=label,
+                    sink=None if sink is None else sink.float().contiguous())
+
+
+def raw_mod(cpp_body: str, tensors: Sequence[torch.Tensor] = (), scalars: Sequence[float] = (),
+            name: str = "raw") -> ScoreMod:
+    """Escape hatch: C++ methods for the variant struct (see attnforge/variant.cuh), with extra
+    parameters p.mod_t<k> (const void*, plus p.mod_t<k>_dtype / _size<d>) and p.mod_s<k> (float)."""
+    slots = {k: graph.TensorSlot(k, "f" if t.is_floating_point() else "i", t.dim()) for k, t in enumerate(tensors)}
+    return ScoreMod(None, None, list(tensors), [float(s) for s in scalars], slots, raw_cpp=cpp_body, name=name)
+
+
+def _shift(node, t_off, s_off):
+    if not isinstance(node, tuple):
+        return node
+    if node[0] == "load":
+        return ("load", node[1] + t_off, *[_shift(a, t_off, s_off) for a in node[2:]])
+    if node[0] == "scalar":
+        return ("scalar", node[1] + s_off)
+    if node[0] in ("input", "const"):
+        return node
+    if node[0] == "cast":
+        return ("cast", node[1], _shift(node[2], t_off, s_off))
+    return (node[0], *[_shift(a, t_off, s_off) for a in node[1:]])

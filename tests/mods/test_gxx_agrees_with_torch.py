@@ -1,0 +1,127 @@
+"""The C++ emitted for each modifier, compiled for the host with g++, agrees with the torch
+evaluation of the same graph on random inputs (CPU)."""
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import attnforge.mods as m
+from attnforge.mods import compile_mod
+from attnforge.mods.alibi import default_slopes
+
+N = 400
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+
+
+def user_mods():
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(4, 33, generator=g)
+    lut = torch.randint(-5, 5, (17,), generator=g)
+    scale = torch.tensor(0.75)
+
+    def arith(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + (kv_idx - q_idx) * 0.01 - h * 2 + b
+
+    def where_minmax(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx > q_idx, max(score, -1.0), min(score * 2, torch.abs(score)))
+
+    def intops(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx) // 3 + (kv_idx - 7 * q_idx) % 5 + abs(q_idx - kv_idx) // 2
+
+    def transcendental(score, b, h, q_idx, kv_idx):
+        return torch.sigmoid(score) + torch.log(torch.exp(score * 0.1) + 1.0) + torch.tanh(score) * scale
+
+    def table_negative_index(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx - q_idx] + lut[kv_idx % 17 - 8]
+
+    def clamp_and_cast(score, b, h, q_idx, kv_idx):
+        return torch.clamp(score, -2.0, 2.0) + (kv_idx >= q_idx).to(torch.float32)
+
+    def mask_combo(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 4 != 0) | ~(kv_idx > q_idx) & (h < 2)
+
+    return [compile_mod(score_mod=f) for f in (arith, where_minmax, intops, transcendental, table_negative_index,
+                                              clamp_and_cast)] + [compile_mod(mask_mod=mask_combo)]
+
+
+def library_mods():
+    g = torch.Generator().manual_seed(1)
+    return [m.causal(), m.sliding_window(5), m.softcap(3.0), m.softcap(torch.tensor(2.5)),
+            m.alibi(default_slopes(4)), m.relative_position_bias(torch.randn(4, 9, generator=g), 4),
+            m.document_mask(torch.randint(0, 3, (2, 64), generator=g, dtype=torch.int32)),
+            m.document_mask(torch.randint(0, 3, (2, 64), generator=g), causal=False),
+            m.prefix_lm(torch.tensor([5, 17]))]
+
+
+def _host_program(mod, inputs) -> str:
+    tensors = []
+    for k, t in enumerate(mod.tensors):
+        flat = t.flatten()
+        vals = ", ".join(repr(float(v)) + "f" if t.is_floating_point() else f"{int(v)}LL" for v in flat.tolist())
+        ctype = "float" if t.is_floating_point() else "long long"
+        sizes = ", ".join(str(s) for s in t.shape)
+        tensors.append(f"static const {ctype} T{k}[] = {{{vals}}}; static const long long S{k}[] = {{{sizes}}};")
+    def loader(kind):
+        ctype = "float" if kind == "f" else "long long"
+        cases = []
+        for k, s in mod.slots.items():
+            src = f"(({ctype})T{k}[off])"
+            cases.append(f"    if (k == {k}) {{ long long off = 0; int d = 0; for (long long i : idx) {{ "
+                         f"off = off * S{k}[d] + af_index(i, S{k}[d]); ++d; }} return {src}; }}")
+        return "\n".join(cases)
+    scalars = "\n".join(f"    if (k == {k}) return {float(v)!r}f;" for k, v in enumerate(mod.scalars))
+    n = mod.cpp_struct_name
+    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
+    call = (f"{n}_score(in[i].s, in[i].b, in[i].h, in[i].q, in[i].kv, a)" if mod.score_root is not None
+            else f"(float){n}_mask(in[i].b, in[i].h, in[i].q, in[i].kv, a)")
+    return f"""#include <cstdio>
+#include <initializer_list>
+{mod.host_functions()}
+{chr(10).join(tensors)}
+struct HostAccess {{
+  float load_f(int k, std::initializer_list<long long> idx) const {{
+{loader("f")}
+    return 0.f;
+  }}
+  long long load_i(int k, std::initializer_list<long long> idx) const {{
+{loader("i")}
+    return 0;
+  }}
+  float scalar(int k) const {{
+{scalars}
+    return 0.f;
+  }}
+}};
+struct In {{ float s; long long b, h, q, kv; }};
+static const In in[] = {{
+{rows}
+}};
+int main() {{
+  HostAccess a;
+  for (unsigned i = 0; i < sizeof(in) / sizeof(in[0]); ++i) std::printf("%.9g\\n", (double){call});
+}}
+"""
+
+
+@pytest.mark.parametrize("mod", user_mods() + library_mods(), ids=lambda x: x.name)
+def test_gxx_matches_torch(mod, tmp_path):
+    g = torch.Generator().manual_seed(2)
+    score = torch.randn(N, generator=g) * 3
+    b = torch.randint(0, 2, (N,), generator=g)
+    h = torch.randint(0, 4, (N,), generator=g)
+    q = torch.randint(0, 60, (N,), generator=g)
+    kv = torch.randint(0, 60, (N,), generator=g)
+    inputs = list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist()))
+    src = tmp_path / "mod.cpp"
+    src.write_text(_host_program(mod, inputs))
+    exe = tmp_path / "mod"
+    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    got = torch.tensor([float(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                          check=True).stdout.split()])
+    if mod.score_root is not None:
+        want = mod.torch_score(score, b, h, q, kv)
+    else:
+        want = mod.torch_mask(b, h, q, kv).float()
+    assert got.shape == want.shape
+    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want).abs().max()

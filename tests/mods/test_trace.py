@@ -1,0 +1,97 @@
+"""Tracing rules: what compiles, what is refused (with the construct and the line), cache keys."""
+import pytest
+import torch
+
+import attnforge.mods as m
+from attnforge import AttentionSpec
+from attnforge.kernels import module_for_attention
+from attnforge.mods import ModTraceError, compile_mod, raw_mod
+
+
+def test_if_on_traced_value_names_construct_and_line():
+    def bad(score, b, h, q_idx, kv_idx):
+        if kv_idx > q_idx:  # the offending line
+            return score
+        return score * 2
+    with pytest.raises(ModTraceError) as e:
+        compile_mod(score_mod=bad)
+    msg = str(e.value)
+    assert "truth value" in msg and "if kv_idx > q_idx" in msg and "test_trace.py" in msg
+
+
+@pytest.mark.parametrize("body, construct", [
+    (lambda s, b, h, q, kv: sum(x for x in kv), "iteration"),
+    (lambda s, b, h, q, kv: s + int(kv), "int()"),
+    (lambda s, b, h, q, kv: s + float(q), "float()"),
+    (lambda s, b, h, q, kv: s + len(range(kv)), "Python index"),
+    (lambda s, b, h, q, kv: torch.erf(s), "torch function erf"),
+    (lambda s, b, h, q, kv: s + torch.zeros(4, 4)[kv], "rank 2 must be indexed with 2"),
+    (lambda s, b, h, q, kv: s + torch.zeros(4)[0:kv], "slices"),
+    (lambda s, b, h, q, kv: s + "x", "type str"),
+])
+def test_unsupported_constructs(body, construct):
+    with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)")):
+        compile_mod(score_mod=body)
+
+
+def test_wrong_arity_and_mask_type():
+    with pytest.raises(ModTraceError, match="score_mod\\(score, b, h, q_idx, kv_idx\\)"):
+        compile_mod(score_mod=lambda s, b, h, q: s)
+    with pytest.raises(ModTraceError, match="mask_mod\\(b, h, q_idx, kv_idx\\)"):
+        compile_mod(mask_mod=lambda s, b, h, q, kv: q > kv)
+    with pytest.raises(ModTraceError, match="boolean"):
+        compile_mod(mask_mod=lambda b, h, q, kv: q - kv)
+    with pytest.raises(ValueError, match="pass a score_mod"):
+        compile_mod()
+
+
+def test_cache_key_follows_the_expression_not_the_object():
+    a = compile_mod(score_mod=lambda s, b, h, q, kv: s + (kv - q) * 0.5)
+    b = compile_mod(score_mod=lambda s, b, h, q, kv: s + (kv - q) * 0.5)
+    c = compile_mod(score_mod=lambda s, b, h, q, kv: s + (kv - q) * 0.25)  # a compiled-in constant
+    assert a.cache_key == b.cache_key and a == b and hash(a) == hash(b)
+    assert c.cache_key != a.cache_key
+    assert AttentionSpec(score_mod=a) == AttentionSpec(score_mod=b)
+    assert AttentionSpec(score_mod=a).content_hash != AttentionSpec(score_mod=c).content_hash
+
+
+def test_runtime_values_do_not_rebuild():
+    # 0-d tensors and captured tensors' values are kernel parameters: same source, same build
+    x, y = m.softcap(torch.tensor(30.0)), m.softcap(torch.tensor(50.0))
+    assert x.cache_key == y.cache_key and x.scalars == [30.0] and y.scalars == [50.0]
+    s1, s2 = m.alibi(torch.rand(8)), m.alibi(torch.rand(8))
+    assert module_for_attention(AttentionSpec(score_mod=s1)).source == module_for_attention(
+        AttentionSpec(score_mod=s2)).source
+    assert m.alibi(torch.rand(8)).cache_key != m.relative_position_bias(torch.rand(8, 3), 1).cache_key
+
+
+def test_torch_eval_matches_library_references():
+    import importlib
+    alibi_mod, doc_mod, win_mod = (importlib.import_module(f"attnforge.mods.{n}")
+                                   for n in ("alibi", "document_mask", "sliding_window"))
+    q, kv, h = torch.arange(10, 20), torch.arange(0, 20), torch.arange(4)
+    slopes = alibi_mod.default_slopes(4)
+    score = torch.randn(4, 10, 20)
+    traced = m.alibi(slopes).torch_score(score, torch.tensor(0), h[:, None, None], q[None, :, None], kv[None, None])
+    assert torch.allclose(traced, alibi_mod.reference(score, h, q, kv, slopes))
+    keep = m.sliding_window(3).torch_mask(torch.tensor(0), torch.tensor(0), q[:, None], kv[None])
+    assert torch.equal(keep, win_mod.reference(q, kv, 3))
+    ids = torch.randint(0, 3, (1, 20))
+    keep = m.document_mask(ids).torch_mask(torch.tensor(0), torch.tensor(0), q[:, None], kv[None])
+    assert torch.equal(keep, doc_mod.reference(ids[0], q, kv))
+
+
+def test_raw_cpp_escape_hatch_compiles():
+    mod = raw_mod("""  static constexpr bool kHasLogitsTransform = true;
+  template <class P> AF_DEVICE float logits_transform(const P& p, float s, const attnforge::LogitsIndex& i) const {
+    return s * p.mod_s0 + static_cast<const float*>(p.mod_t0)[i.qo_head];
+  }""", tensors=[torch.zeros(32)], scalars=[0.5])
+    src = module_for_attention(AttentionSpec(score_mod=mod)).source
+    assert "p.mod_s0" in src and "float mod_s0;" in src
+
+
+def test_library_is_one_factory_per_file():
+    import importlib
+    for name in m.LIBRARY:
+        module = importlib.import_module(f"attnforge.mods.{'relative_bias' if name == 'relative_position_bias' else name}")
+        assert getattr(module, name).__doc__ and hasattr(module, "reference"), name
