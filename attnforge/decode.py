@@ -156,35 +156,7 @@ class BatchDecode:
             raise checks.fail("q", "16-byte aligned rows", f"strides {q.stride()}", "Call q.contiguous().")
 
     def _split_cache(self, kv_cache: KVCache):
-        s = self.spec
-        if isinstance(kv_cache, torch.Tensor):
-            checks.check_cuda("kv_cache", kv_cache, self.device)
-            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-                raise checks.fail("kv_cache.shape", "[P, 2, page, Hkv, D] (NHD) or [P, 2, Hkv, page, D] (HND)",
-                                  list(kv_cache.shape), "Or pass a (K, V) pair of 4-D tensors.")
-            k, v = kv_cache[:, 0], kv_cache[:, 1]
-        elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
-            k, v = kv_cache
-        else:
-            raise checks.fail("kv_cache", "a 5-D tensor or a (K, V) pair", type(kv_cache).__name__,
-                              "See BatchDecode.run's docstring.")
-        ps = self._plan["page_size"]
-        shape = (None, ps, s.num_kv_heads, s.head_dim_qk) if s.kv_layout == "NHD" else \
-            (None, s.num_kv_heads, ps, s.head_dim_qk)
-        meaning = "[pages, page_size, Hkv, D] (NHD)" if s.kv_layout == "NHD" else "[pages, Hkv, page_size, D] (HND)"
-        for name, t in (("k_cache", k), ("v_cache", v)):
-            checks.check_cuda(name, t, self.device)
-            checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
-            checks.check_shape(name, t, shape, meaning)
-            checks.check_contiguous_last(name, t)
-        if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
-            raise checks.fail("kv_cache", "K and V with the same shape and strides",
-                              f"{list(k.shape)}/{k.stride()} vs {list(v.shape)}/{v.stride()}", "Allocate them alike.")
-        if self._plan["max_page"] >= k.shape[0]:
-            raise checks.fail("kv_indices", f"page ids < {k.shape[0]} (pages in the cache)",
-                              f"max id {self._plan['max_page']}", "Fix the page table or pass the right cache.")
-        tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
-        return k, v, k.stride(0), k.stride(tok), k.stride(head)
+        return paged.split_cache(self.spec, kv_cache, self._plan["page_size"], self._plan["max_page"], self.device)
 
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):

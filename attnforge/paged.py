@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import checks
 from .checks import fail
 
 
@@ -85,3 +86,71 @@ def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
     indices = table[np.arange(table.shape[1])[None, :] < pages[:, None]]  # row-major: request order
     last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
     return from_csr(indptr, indices, last, page_size)
+
+
+def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):
+    """A paged cache (one [P, 2, ...] tensor or a (K, V) pair) -> K, V views and their strides."""
+    if isinstance(kv_cache, torch.Tensor):
+        checks.check_cuda("kv_cache", kv_cache, device)
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise checks.fail("kv_cache.shape", "[P, 2, page, Hkv, D] (NHD) or [P, 2, Hkv, page, D] (HND)",
+                              list(kv_cache.shape), "Or pass a (K, V) pair of 4-D tensors.")
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        k, v = kv_cache
+    else:
+        raise checks.fail("kv_cache", "a 5-D tensor or a (K, V) pair", type(kv_cache).__name__,
+                          "See BatchDecode.run's docstring.")
+    shape = (None, ps, s.num_kv_heads, s.head_dim_qk) if s.kv_layout == "NHD" else \
+        (None, s.num_kv_heads, ps, s.head_dim_qk)
+    meaning = "[pages, page_size, Hkv, D] (NHD)" if s.kv_layout == "NHD" else "[pages, Hkv, page_size, D] (HND)"
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        checks.check_cuda(name, t, device)
+        checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
+        checks.check_shape(name, t, shape, meaning)
+        checks.check_contiguous_last(name, t)
+    if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
+        raise checks.fail("kv_cache", "K and V with the same shape and strides",
+                          f"{list(k.shape)}/{k.stride()} vs {list(v.shape)}/{v.stride()}", "Allocate them alike.")
+    if max_page >= k.shape[0]:
+        raise checks.fail("kv_indices", f"page ids < {k.shape[0]} (pages in the cache)",
+                          f"max id {max_page}", "Fix the page table or pass the right cache.")
+    tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
+    return k, v, k.stride(0), k.stride(tok), k.stride(head)
+
+
+def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
+                          kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """Write new tokens into their pages: token i of k/v [N, Hkv, D] belongs to request
+    batch_indices[i] at position positions[i]; its page is kv_indices[kv_indptr[b] + pos // page].
+
+    All index tensors live on the GPU: no host synchronisation, so the call is graph-capturable.
+    kv_cache is [P, 2, page, Hkv, D] (NHD) / [P, 2, Hkv, page, D] (HND) or a (K, V) pair.
+    """
+    if kv_layout not in ("NHD", "HND"):
+        raise fail("kv_layout", "'NHD' or 'HND'", repr(kv_layout), "Pass the cache's layout.")
+    if isinstance(kv_cache, torch.Tensor):
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise fail("kv_cache.shape", "[P, 2, ...] (5-D)", list(kv_cache.shape), "Or pass a (K, V) pair.")
+        kc, vc = kv_cache[:, 0], kv_cache[:, 1]
+    else:
+        kc, vc = kv_cache
+    page = kc.shape[1] if kv_layout == "NHD" else kc.shape[2]
+    hkv, d = (kc.shape[2], kc.shape[3]) if kv_layout == "NHD" else (kc.shape[1], kc.shape[3])
+    n = k.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        checks.check_cuda(name, t, kc.device)
+        checks.check_shape(name, t, (n, hkv, d), f"[tokens, {hkv}, {d}] matching the cache")
+        checks.check_dtype(name, t, (kc.dtype,))
+    for name, t in (("batch_indices", batch_indices), ("positions", positions)):
+        checks.check_cuda(name, t, kc.device)
+        checks.check_shape(name, t, (n,), "one per new token")
+    slot = kv_indptr.to(torch.int64)[batch_indices.to(torch.int64)] + positions.to(torch.int64) // page
+    pages = kv_indices.to(torch.int64)[slot]
+    offs = positions.to(torch.int64) % page
+    if kv_layout == "NHD":
+        kc[pages, offs] = k
+        vc[pages, offs] = v
+    else:
+        kc[pages, :, offs] = k
+        vc[pages, :, offs] = v

@@ -156,6 +156,9 @@ class AttentionSpec:
         if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):
             raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key",
                        "Build modifiers with the attnforge.mods factories.")
+        if self.score_mod is not None and self.logits_soft_cap > 0:
+            raise _bad("logits_soft_cap", self.logits_soft_cap, "0 when a score_mod is given",
+                       "Put the cap inside the modifier: attnforge.mods.softcap(cap), or compose it in your score_mod.")
 
     def _group_or_one(self) -> int:
         return self.num_qo_heads // self.num_kv_heads if self.family != "mla_decode" else self.num_qo_heads

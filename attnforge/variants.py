@@ -25,6 +25,7 @@ def variant_decl(spec: AttentionSpec) -> str:
     else:
         prelude = ""
     causal = "true" if spec.causal and spec.family != "decode" else "false"  # decode: trivially causal
+    # prefill's causal mask runs per element; whole tiles past the diagonal are skipped by the kernel
     window = "true" if spec.window_left >= 0 else "false"
     return f"{prelude}using Variant = attnforge::WithPositionMask<{base}, {causal}, {window}>;"
 

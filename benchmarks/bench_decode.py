@@ -5,7 +5,6 @@ FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashI
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np

@@ -9,5 +9,8 @@ def module_for_attention(spec: AttentionSpec) -> JitModule:
     if spec.family == "decode":
         from .decode import DecodeKernel
         return DecodeKernel(spec).module()
+    if spec.family == "prefill":
+        from .prefill import PrefillKernel
+        return PrefillKernel(spec).module()
     raise NotImplementedError(f"kernel family {spec.family!r} is not implemented yet; "
-                              "available: 'decode'")
+                              "available: 'decode', 'prefill'")

@@ -81,7 +81,6 @@ class DecodeKernel:
     def num_stages(self) -> int:
         if self.stages is not None:
             return self.stages
-        d = self.spec.head_dim_qk
         return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
 
     @cached_property
@@ -120,7 +119,7 @@ class DecodeKernel:
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
-                         *([f"win"] if s.window_left >= 0 else []),
+                         *(["win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel", "decode_merge_kernel"))

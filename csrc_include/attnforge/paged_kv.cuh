@@ -11,12 +11,13 @@ struct PagedKV {
   const int32_t* page_ids;  // this request's pages: kv_indices + kv_indptr[request]
   int64_t stride_page, stride_token, stride_head;
   int32_t page_size;
+  int64_t token_base = 0;  // ragged (unpaged) KV: the request's first token, one huge "page"
 
   // Offset (in elements) of token `pos` of the request, head `head`, dim 0.
   AF_DEVICE int64_t offset(int32_t pos, int32_t head) const {
     const int32_t slot = pos / page_size;  // page-table entry read once per row per tile
     const int32_t in_page = pos - slot * page_size;
-    return int64_t(__ldg(page_ids + slot)) * stride_page + int64_t(in_page) * stride_token +
+    return token_base + int64_t(__ldg(page_ids + slot)) * stride_page + int64_t(in_page) * stride_token +
            int64_t(head) * stride_head;
   }
 };

@@ -142,8 +142,8 @@ def test_compile_error_carries_output_and_source_path(cache):
 
 
 VARIANT_MATRIX = [  # one representative per template option, not the cross product
-    AttentionSpec(),
-    AttentionSpec(pipeline="transposed"),
+    AttentionSpec(),  # decode, transposed pipeline (the default for this group size)
+    AttentionSpec(pipeline="normal"),
     AttentionSpec(q_dtype="fp16"),
     AttentionSpec(kv_dtype="fp8_e4m3"),
     AttentionSpec(q_dtype="fp16", kv_dtype="fp8_e4m3", pipeline="transposed"),
@@ -153,11 +153,20 @@ VARIANT_MATRIX = [  # one representative per template option, not the cross prod
     AttentionSpec(num_qo_heads=64, num_kv_heads=1),
     AttentionSpec(num_qo_heads=24, num_kv_heads=8, out_dtype="fp16"),
     AttentionSpec(logits_soft_cap=30.0, window_left=256),
+    AttentionSpec(family="prefill", causal=True),
+    AttentionSpec(family="prefill", head_dim_qk=256, num_qo_heads=8, num_kv_heads=8, q_dtype="fp16"),
+    AttentionSpec(family="prefill", head_dim_qk=64, window_left=64, logits_soft_cap=20.0),
 ]
 
 
+def _mod_specs():
+    import attnforge.mods as m
+    return [AttentionSpec(score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
+            AttentionSpec(family="prefill", score_mod=m.attention_sink(torch.zeros(32)))]
+
+
 def test_nvcc_compiles_the_variant_matrix():
-    mods = [module_for_attention(s) for s in VARIANT_MATRIX]
+    mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     paths = build_many(mods, ARCHS)
     assert len(set(paths)) == len(mods)

@@ -1,0 +1,214 @@
+"""Batch prefill: plan/run over ragged, dense or paged KV; plus the one-shot `attention` API.
+
+    w = BatchPrefill(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, causal=True)
+    w.plan(qo_indptr, kv_indptr)                     # ragged K/V: kv_indptr counts tokens
+    out = w.run(q, (k, v))                           # q [Nq, 32, 128], k/v [Nk, 8, 128]
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size=16)   # paged KV
+    out = w.run(q, kv_cache)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import checks, paged, variants
+from .jit import registry
+from .kernels.prefill import TILE_Q, PrefillKernel
+from .spec import AttentionSpec
+
+RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
+
+
+class BatchPrefill:
+    def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, **spec_kwargs):
+        if spec is None:
+            spec = AttentionSpec(family="prefill", **spec_kwargs)
+        elif spec_kwargs:
+            raise TypeError(f"BatchPrefill: pass either a spec or keyword arguments (extra {sorted(spec_kwargs)})")
+        if spec.family != "prefill":
+            raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
+        self.spec, self.kernel = spec, PrefillKernel(spec)
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self._plan = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
+             sm_scale: Optional[float] = None, q_offset=None, kv_offset=None) -> None:
+        """Ragged KV when kv_indices is None (kv_indptr then counts tokens), else a paged KV table."""
+        qo = paged.host_int_array("qo_indptr", qo_indptr)
+        if qo.ndim != 1 or len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
+            raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", qo[:8],
+                              "Build it as the prefix sum of query lengths.")
+        b = len(qo) - 1
+        if kv_indices is None:
+            kvp = paged.host_int_array("kv_indptr", kv_indptr)
+            if kvp.shape != (b + 1,) or kvp[0] != 0 or np.any(np.diff(kvp) < 0):
+                raise checks.fail("kv_indptr", f"a non-decreasing array [{b + 1}] starting at 0 (token offsets)",
+                                  kvp[:8], "For paged KV also pass kv_indices and kv_last_page_len.")
+            kv_len, ragged, indices, page = np.diff(kvp), True, np.zeros(1, dtype=np.int64), RAGGED_PAGE
+            kv_off = kvp[:-1] if kv_offset is None else paged.host_int_array("kv_offset", kv_offset)
+            max_page = -1
+        else:
+            page = page_size if page_size is not None else self.spec.page_size
+            if page is None:
+                raise checks.fail("plan(page_size=...)", "an int >= 1 for a paged KV cache", None,
+                                  "Pass the cache's tokens per page.")
+            table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page)
+            if table.batch_size != b:
+                raise checks.fail("kv_indptr", f"{b + 1} entries (same batch as qo_indptr)", len(table.indptr),
+                                  "Pass one page range per request.")
+            kv_len, ragged, indices, kvp = table.kv_len, False, table.indices, table.indptr
+            kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index
+        q_off = qo[:-1] if q_offset is None else paged.host_int_array("q_offset", q_offset)
+        qo_len = np.diff(qo)
+        g = self.spec.group_size
+        # Work: one CTA per (request, kv head, 64 packed query rows); the longest KV range first.
+        tiles = -(-(qo_len * g) // TILE_Q)
+        req = np.repeat(np.arange(b), tiles * self.spec.num_kv_heads)
+        within = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(tiles * self.spec.num_kv_heads)[:-1]]),
+                                                  tiles * self.spec.num_kv_heads)
+        head, tile = within % self.spec.num_kv_heads, within // self.spec.num_kv_heads
+        last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * TILE_Q - 1) // g)
+        cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if self.spec.causal else kv_len[req]
+        order = np.argsort(-cost, kind="stable")
+        work = np.stack([req[order], head[order], tile[order] * TILE_Q], axis=1).astype(np.int32)
+        parts = [qo, q_off, kvp, indices, kv_len, kv_off, work.ravel()]
+        if any(int(np.max(np.abs(x), initial=0)) >= 2**31 for x in parts):
+            raise ValueError("plan: an offset or index does not fit in int32; split the batch")
+        host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        offsets = np.cumsum([0] + [len(x) for x in parts])
+        ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
+        d = self.spec.head_dim_qk
+        self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()), "page_size": int(page),
+                      "max_page": max_page, "kv_len": kv_len, "num_work": len(work), "dev": dev, "host": host,
+                      "ptrs": {"qo_indptr": ptr(0), "q_offset": ptr(1), "kv_indptr": ptr(2), "kv_indices": ptr(3),
+                               "kv_len": ptr(4), "kv_offset": ptr(5), "work": ptr(6)},
+                      "sm_scale": 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)}
+
+    def _kv(self, kv):
+        """-> k, v, stride_page, stride_token, stride_head, after checking them against the plan."""
+        s, pl = self.spec, self._plan
+        if not pl["ragged"]:
+            return paged.split_cache(s, kv, pl["page_size"], pl["max_page"], self.device)
+        if not (isinstance(kv, (tuple, list)) and len(kv) == 2):
+            raise checks.fail("kv", "a (k, v) pair of ragged [tokens, Hkv, D] tensors (planned without kv_indices)",
+                              type(kv).__name__, "Or plan with a page table for a paged cache.")
+        k, v = kv
+        for name, t in (("k", k), ("v", v)):
+            checks.check_cuda(name, t, self.device)
+            checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
+            checks.check_shape(name, t, (None, s.num_kv_heads, s.head_dim_qk), "[tokens, Hkv, D]")
+            checks.check_contiguous_last(name, t)
+        if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
+            raise checks.fail("kv", "k and v with equal shapes and strides", f"{k.stride()} vs {v.stride()}",
+                              "Allocate them alike.")
+        if k.shape[0] < pl["kv_tokens"]:
+            raise checks.fail("k.shape[0]", f"at least kv_indptr[-1]={pl['kv_tokens']} tokens", k.shape[0],
+                              "Pass the whole ragged K/V.")
+        return k, v, 0, k.stride(0), k.stride(1)
+
+    def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, return_lse: bool = False):
+        """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out (and lse
+        [total_q, Hq] float32, natural log, with return_lse)."""
+        if self._plan is None:
+            raise RuntimeError("BatchPrefill.run: call plan(...) first")
+        s, pl = self.spec, self._plan
+        checks.check_cuda("q", q, self.device)
+        checks.check_dtype("q", q, (checks.TORCH_DTYPES[s.q_dtype],))
+        checks.check_shape("q", q, (pl["total_q"], s.num_qo_heads, s.head_dim_qk), "[total_q, Hq, D]")
+        checks.check_contiguous_last("q", q)
+        k, v, sp, st, sh = self._kv(kv)
+        if out is None:
+            out = torch.empty(q.shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+        checks.check_shape("out", out, tuple(q.shape), "like q")
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device) if return_lse else None
+        self._launch(q, k, v, out, lse, dict(stride_page=sp, stride_token=st, stride_head=sh,
+                                               q_stride_n=q.stride(0), q_stride_h=q.stride(1),
+                                               out_stride_n=out.stride(0), out_stride_h=out.stride(1),
+                                               lse_stride_n=s.num_qo_heads, lse_stride_h=1))
+        return (out, lse) if return_lse else out
+
+    def _launch(self, q, k, v, out, lse, strides: dict) -> None:
+        s, pl = self.spec, self._plan
+        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
+        params = self.kernel.params.pack(
+            q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
+            lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
+            ragged=int(pl["ragged"]), **strides, **variants.variant_values(s, pl["sm_scale"]), **mod_values)
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        with torch.cuda.device(self.device):
+            lib["batch_prefill_kernel"].launch((pl["num_work"],), (self.kernel.threads,), params,
+                                               smem=self.kernel.smem_bytes)
+
+
+def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   sm_scale: Optional[float] = None, return_lse: bool = False, **spec_kwargs):
+    """One request: q [Lq, Hq, D], k/v [Lk, Hkv, D]."""
+    spec = AttentionSpec(family="prefill", num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
+                         q_dtype=q.dtype, causal=causal, **spec_kwargs)
+    w = _cached_wrapper(spec, q.device)
+    w.plan([0, q.shape[0]], [0, k.shape[0]], sm_scale=sm_scale)
+    return w.run(q, (k, v), return_lse=return_lse)
+
+
+_WRAPPERS: dict = {}
+
+
+def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
+    key = (spec, str(device))
+    if key not in _WRAPPERS:
+        _WRAPPERS[key] = BatchPrefill(spec, device=device)
+    return _WRAPPERS[key]
+
+
+def _mod_key(fn):
+    if fn is None:
+        return None
+    cells = tuple(id(c.cell_contents) for c in (fn.__closure__ or ()))
+    return (fn, cells)
+
+
+_MODS: dict = {}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
+              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
+    """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D]
+    (and lse [B, Hq, Lq], natural log). score_mod / mask_mod follow FlexAttention's signatures;
+    q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk)."""
+    from .mods import compile_mod
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_cuda(name, t, q.device if name != "q" else None)
+        if t.dim() != 4:
+            raise checks.fail(f"{name}.shape", "[B, H, L, D]", list(t.shape), "Use SDPA's layout.")
+    bq, hq, lq, d = q.shape
+    bk, hkv, lk, dk = k.shape
+    if (bk, dk) != (bq, d) or v.shape != k.shape:
+        raise checks.fail("k/v shape", f"[{bq}, Hkv, Lk, {d}] each, k and v equal", f"{list(k.shape)}, {list(v.shape)}",
+                          "Match batch and head_dim; v must have k's shape.")
+    if hq != hkv and not enable_gqa:
+        raise checks.fail("num heads", f"q heads == k heads ({hkv})", hq, "Pass enable_gqa=True for GQA/MQA.")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise checks.fail("k/v dtype", f"{q.dtype} (q's)", f"{k.dtype}/{v.dtype}", "Cast them to one dtype.")
+    mod = None
+    if score_mod is not None or mask_mod is not None:
+        key = (_mod_key(score_mod), _mod_key(mask_mod))
+        if key not in _MODS:
+            _MODS[key] = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
+        mod = _MODS[key]
+    spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
+                         score_mod=mod)
+    q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]
+    w = _cached_wrapper(spec, q.device)
+    # Dense batches are ragged batches whose request r starts r*H*L "tokens" (rows of D) in.
+    w.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale, q_offset=np.arange(bq) * hq * lq,
+           kv_offset=np.arange(bq) * hkv * lk)
+    out = torch.empty_like(q)
+    lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
+    w._launch(q, k, v, out, lse, dict(stride_page=0, stride_token=d, stride_head=lk * d, q_stride_n=d,
+                                      q_stride_h=lq * d, out_stride_n=d, out_stride_h=lq * d,
+                                      lse_stride_n=1, lse_stride_h=lq))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,101 @@
+"""Suite `prefill`: GQA 32/8, head_dim 128, bf16, causal. TFLOP/s count only the causal half."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill
+from harness import Report, time_us
+
+HQ, HKV, D = 32, 8, 128
+
+
+def cases():
+    torch.manual_seed(0)
+    rag = torch.randint(128, 8193, (16,)).tolist()
+    return [("B1 S8192", [8192]), ("B1 S32768", [32768]), ("B16 S2048", [2048] * 16),
+            ("ragged 16 random 128-8192", rag), ("B1 S8192 paged16", [8192])]
+
+
+def causal_flops(lengths):
+    return sum(4 * D * HQ * L * (L + 1) / 2 for L in lengths)
+
+
+def ragged(lengths):
+    n = sum(lengths)
+    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return q, k, v, np.concatenate([[0], np.cumsum(lengths)])
+
+
+def run(report: Report, peers: bool = True) -> None:
+    spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True)
+    for case, lengths in cases():
+        q, k, v, indptr = ragged(lengths)
+        flops = causal_flops(lengths)
+        w = BatchPrefill(spec)
+        if "paged16" in case:
+            n_pages = -(-sum(lengths) // 16)
+            cache = torch.randn(n_pages, 2, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
+            perm = np.random.default_rng(0).permutation(n_pages)
+            last = [sum(lengths) - (n_pages - 1) * 16]
+            w.plan(indptr, [0, n_pages], perm, last, page_size=16)
+            report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
+            if peers:
+                bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
+            continue
+        w.plan(indptr, indptr)
+        report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
+        if not peers:
+            continue
+        bench_flashinfer(report, case, q, k, v, indptr, flops)
+        if len(set(lengths)) == 1:
+            bench_dense(report, case, len(lengths), lengths[0], flops)
+
+
+def bench_dense(report, case, b, L, flops):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(b, HQ, L, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for impl, backend in (("cudnn-sdpa", SDPBackend.CUDNN_ATTENTION), ("fa2-sdpa", SDPBackend.FLASH_ATTENTION)):
+        try:
+            def fn():
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            report.add("prefill", case, impl, time_us(fn, calls=2, reps=10), None, flops)
+        except Exception as e:
+            report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def bench_flashinfer(report, case, q, k, v, indptr, flops):
+    try:
+        import flashinfer
+    except Exception as e:
+        report.note(f"flashinfer unavailable: {e}")
+        return
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
+    for backend in ("fa2", "fa3"):
+        try:
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(ind, ind, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+            report.add("prefill", case, f"flashinfer-{backend}", time_us(lambda: w.run(q, k, v), calls=2, reps=10),
+                       None, flops)
+        except Exception as e:
+            report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")
+
+
+def bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops):
+    try:
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+        dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
+        w.plan(dev(indptr), dev([0, len(perm)]), dev(perm), dev(last), HQ, HKV, D, 16, causal=True,
+               q_data_type=torch.bfloat16)
+        report.add("prefill", case, "flashinfer-fa3", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
+    except Exception as e:
+        report.note(f"flashinfer paged on {case}: {type(e).__name__}: {str(e)[:160]}")
+

@@ -1,0 +1,87 @@
+// attnforge/kv_tile.cuh: pipelined loads of K/V tiles from a paged cache into shared memory.
+//
+// Tile layout in shared memory, per matrix (K, then V):  [kTileKV rows][kHeadDim] elements.
+//   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
+//   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile.
+// Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep. Page ids are
+// fetched one tile ahead (Pages), so no cp.async waits on a page-table load.
+#pragma once
+#include "attnforge/common.cuh"
+#include "attnforge/cp_async.cuh"
+#include "attnforge/paged_kv.cuh"
+
+namespace attnforge {
+
+template <class T, int kHeadDim>
+AF_DEVICE T* swizzled_row(T* base, int row, int chunk) {  // 16-bit tile: kHeadDim / 8 chunks per row
+  return base + row * kHeadDim + swizzle(row, chunk) * 8;
+}
+
+template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads>
+struct KVTileLoader {
+  static constexpr bool kFp8 = sizeof(TKV) == 1;
+  static constexpr int kElems = 16 / sizeof(TKV);
+  static constexpr int kChunks = kHeadDim / kElems;  // 16-byte chunks per stored row
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kRowsPerThread = kTileKV / kRowStep;
+  static constexpr int kTileBytes = kTileKV * kHeadDim * int(sizeof(TKV));  // one matrix
+  static_assert(kThreads % kChunks == 0 && kTileKV % kRowStep == 0, "tile/thread mapping");
+
+  struct Pages {
+    int32_t page[kRowsPerThread];     // physical page of each of this thread's rows
+    int32_t in_page[kRowsPerThread];  // token within the page; -1 past kv_end (zero-filled)
+  };
+
+  static AF_DEVICE Pages fetch(const PagedKV& kv, int kv_end, int t0) {
+    Pages tp;
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int pos = t0 + threadIdx.x / kChunks + j * kRowStep;
+      const bool valid = pos < kv_end;
+      const int slot = valid ? pos / kv.page_size : 0;
+      tp.page[j] = valid ? __ldg(kv.page_ids + slot) : 0;
+      tp.in_page[j] = valid ? pos - slot * kv.page_size : -1;
+    }
+    return tp;
+  }
+
+  // cp.async K and V rows of one tile into `stage` (K tile, then V tile).
+  static AF_DEVICE void load(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
+                             const Pages& tp, char* stage) {
+    TKV* sk = reinterpret_cast<TKV*>(stage);
+    TKV* sv = sk + kTileKV * kHeadDim;
+    const int ch = threadIdx.x % kChunks;
+    const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * kElems;
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int row = threadIdx.x / kChunks + j * kRowStep;
+      const bool valid = tp.in_page[j] >= 0;
+      const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
+      const int dst = row * kHeadDim + (kFp8 ? ch : swizzle(row, ch)) * kElems;
+      cp_async_16(sk + dst, k_cache + off, valid);
+      cp_async_16(sv + dst, v_cache + off, valid);
+    }
+  }
+
+  // fp8 -> 16-bit for both matrices of a stage, into the swizzled layout the MMA loads expect.
+  static AF_DEVICE void widen(const char* stage, TMma* wide) {
+    const uint4* src = reinterpret_cast<const uint4*>(stage);
+    for (int i = threadIdx.x; i < 2 * kTileKV * kChunks; i += kThreads) {
+      const int mat = i / (kTileKV * kChunks), rem = i % (kTileKV * kChunks);
+      const int row = rem / kChunks, ch = rem % kChunks;  // one fp8 chunk = 16 values = 2 chunks out
+      const uint4 raw = src[i];
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
+      TMma* base = wide + mat * kTileKV * kHeadDim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = fp8x2_to<TMma>(v[half * 4 + j]);
+        *reinterpret_cast<uint4*>(swizzled_row<TMma, kHeadDim>(base, row, 2 * ch + half)) = out;
+      }
+    }
+  }
+};
+
+}  // namespace attnforge

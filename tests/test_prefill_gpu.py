@@ -1,0 +1,158 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnforge
+import attnforge.mods as m
+from attnforge import AttentionSpec, BatchPrefill, reference
+from helpers import assert_attention_close, assert_lse_close, make_paged_case
+
+pytestmark = pytest.mark.gpu
+
+
+def ragged_case(spec, qo_lens, kv_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = attnforge.checks.TORCH_DTYPES[spec.q_dtype]
+    q = torch.randn(sum(qo_lens), spec.num_qo_heads, spec.head_dim_qk, generator=g).to(dt).cuda()
+    k = torch.randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk, generator=g).to(dt).cuda()
+    v = torch.randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk, generator=g).to(dt).cuda()
+    return q, k, v, np.concatenate([[0], np.cumsum(qo_lens)]), np.concatenate([[0], np.cumsum(kv_lens)])
+
+
+def check_against_reference(spec, q, out, lse, per_request, qo_indptr, sm_scale=None):
+    mod = spec.score_mod
+    for b, (k, v) in enumerate(per_request):
+        qs = q[qo_indptr[b]:qo_indptr[b + 1]]
+        kw = dict(causal=spec.causal, window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
+                  sm_scale=sm_scale, batch_index=b)
+        if mod is not None:
+            kw.update(score_mod=mod.torch_score if mod.score_root is not None else None,
+                      mask_mod=mod.torch_mask if mod.mask_root is not None else None, sink=mod.sink)
+        ref, ref_lse = reference.attention(qs, k, v, **kw)
+        low, _ = reference.attention(qs.float(), k.float(), v.float(), dtype=torch.float32, **kw)
+        o = out[qo_indptr[b]:qo_indptr[b + 1]]
+        assert_attention_close(o, ref, low.to(q.dtype), f"{spec.name} request {b}")
+        assert_lse_close(lse[qo_indptr[b]:qo_indptr[b + 1]], ref_lse, spec.name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_ragged(causal, heads, head_dim):
+    spec = AttentionSpec(family="prefill", num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=head_dim,
+                         causal=causal)
+    qo_lens, kv_lens = [1, 77, 300, 129], [1, 200, 300, 1000]  # qo_len < kv_len: chunked prefill
+    q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=head_dim)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out = torch.full_like(q, math.nan)
+    out, lse = w.run(q, (k, v), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
+def test_long_causal_fp16_and_window():
+    spec = AttentionSpec(family="prefill", q_dtype="fp16", causal=True, window_left=500)
+    q, k, v, qo, kv = ragged_case(spec, [3000, 4096], [3000, 8192], seed=3)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(2)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_kv(page_size, layout):
+    spec = AttentionSpec(family="prefill", causal=True, kv_layout=layout)
+    kv_lens, qo_lens = [100, 1, 777], [37, 1, 777]
+    _, cache, (indptr, indices, last), per = make_paged_case(
+        AttentionSpec(kv_layout=layout), kv_lens, page_size, seed=page_size)
+    q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    w = BatchPrefill(spec)
+    w.plan(qo, indptr, indices, last, page_size=page_size)
+    out, lse = w.run(q, cache, return_lse=True)
+    check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "softcap", "alibi", "relative_bias", "document_mask",
+                                  "prefix_lm", "attention_sink"])
+def test_library_mods_in_prefill(name):
+    from mod_library import library
+    mod = library()[name]
+    spec = AttentionSpec(family="prefill", score_mod=mod)
+    q, k, v, qo, kv = ragged_case(spec, [200, 1, 515, 64], [200, 700, 515, 2999], seed=11)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
+def test_functional_attention_matches_sdpa_and_flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 300, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ours, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (ours.float() - sdpa).abs().max().item() < 2e-2
+    ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+    docs = (torch.arange(300, device="cuda") // 37)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    def tilt(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx)
+    ours = attnforge.attention(q, k, v, score_mod=tilt, mask_mod=doc_causal, enable_gqa=True)
+    bm = create_block_mask(doc_causal, None, None, 300, 300, device="cuda")
+    flex = flex_attention(q, k, v, score_mod=tilt, block_mask=bm, enable_gqa=True)
+    assert (ours.float() - flex.float()).abs().max().item() < 2e-2
+
+
+def test_append_paged_kv_cache_round_trip():
+    torch.manual_seed(0)
+    page, hkv, d = 16, 8, 128
+    for layout in ("NHD", "HND"):
+        shape = (20, 2, page, hkv, d) if layout == "NHD" else (20, 2, hkv, page, d)
+        cache = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        lengths = [5, 40, 17]
+        pages = [-(-n // page) for n in lengths]
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), device="cuda", dtype=torch.int32)
+        indices = torch.randperm(20, device="cuda")[: int(indptr[-1])].int()
+        batch = torch.cat([torch.full((n,), b) for b, n in enumerate(lengths)]).cuda()
+        pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+        k = torch.randn(sum(lengths), hkv, d, device="cuda").bfloat16()
+        v = torch.randn_like(k)
+        attnforge.append_paged_kv_cache(k, v, batch, pos, cache, indices, indptr, kv_layout=layout)
+        last = [n - (p - 1) * page for n, p in zip(lengths, pages)]
+        per = reference.gather_paged(cache[:, 0], cache[:, 1], layout, indptr.cpu().numpy(), indices.cpu().numpy(),
+                                     last, page)
+        assert torch.equal(torch.cat([kk for kk, _ in per]), k) and torch.equal(torch.cat([vv for _, vv in per]), v)
+
+
+def test_prefill_bad_inputs():
+    spec = AttentionSpec(family="prefill")
+    q, k, v, qo, kv = ragged_case(spec, [10], [20])
+    w = BatchPrefill(spec)
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(q, (k, v))
+    with pytest.raises(ValueError, match="qo_indptr"):
+        w.plan([0, 5, 3], kv)
+    w.plan(qo, kv)
+    with pytest.raises(ValueError, match="q.shape"):
+        w.run(q[:5], (k, v))
+    with pytest.raises(ValueError, match="k.shape\\[0\\]"):
+        w.run(q, (k[:3], v[:3]))
+    with pytest.raises(ValueError, match="k.dtype"):
+        w.run(q, (k.half(), v.half()))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        attnforge.attention(torch.zeros(1, 4, 8, 64, device="cuda"), torch.zeros(1, 2, 8, 64, device="cuda"),
+                            torch.zeros(1, 2, 8, 64, device="cuda"))
