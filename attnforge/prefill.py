@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import checks, paged, variants
+from . import blockmask, checks, paged, variants
 from .jit import registry
-from .kernels.prefill import TILE_Q, PrefillKernel
+from .kernels.prefill import TILE_KV, TILE_Q, PrefillKernel
 from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
@@ -72,9 +72,23 @@ class BatchPrefill:
         head, tile = within % self.spec.num_kv_heads, within // self.spec.num_kv_heads
         last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * TILE_Q - 1) // g)
         cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if self.spec.causal else kv_len[req]
+        work = np.stack([req, head, tile * TILE_Q], axis=1)
+        tile_indptr = tile_ids = None
+        mod = self.spec.score_mod
+        if mod is not None and mod.mask_root is not None:  # block-sparse: visit only tiles with a visible pair
+            tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, TILE_Q, TILE_KV,
+                                                         self.device)
+            cost = np.diff(tile_indptr)
         order = np.argsort(-cost, kind="stable")
-        work = np.stack([req[order], head[order], tile[order] * TILE_Q], axis=1).astype(np.int32)
+        work = work[order].astype(np.int32)
+        if tile_indptr is not None:  # reorder the lists with their work items
+            counts = np.diff(tile_indptr)[order]
+            starts = tile_indptr[:-1][order]
+            tile_ids = np.concatenate([tile_ids[a:a + n] for a, n in zip(starts, counts)]) if len(order) else tile_ids
+            tile_indptr = np.concatenate([[0], np.cumsum(counts)])
         parts = [qo, q_off, kvp, indices, kv_len, kv_off, work.ravel()]
+        if tile_indptr is not None:
+            parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         if any(int(np.max(np.abs(x), initial=0)) >= 2**31 for x in parts):
             raise ValueError("plan: an offset or index does not fit in int32; split the batch")
         host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
@@ -85,7 +99,9 @@ class BatchPrefill:
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()), "page_size": int(page),
                       "max_page": max_page, "kv_len": kv_len, "num_work": len(work), "dev": dev, "host": host,
                       "ptrs": {"qo_indptr": ptr(0), "q_offset": ptr(1), "kv_indptr": ptr(2), "kv_indices": ptr(3),
-                               "kv_len": ptr(4), "kv_offset": ptr(5), "work": ptr(6)},
+                               "kv_len": ptr(4), "kv_offset": ptr(5), "work": ptr(6),
+                               "kv_tile_indptr": ptr(7) if tile_indptr is not None else 0,
+                               "kv_tiles": ptr(8) if tile_indptr is not None else 0},
                       "sm_scale": 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)}
 
     def _kv(self, kv):

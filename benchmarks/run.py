@@ -17,7 +17,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args()
     report = Report()
-    for suite in args.suites.split(","):
+    for suite in args.suites.split(","):  # results are written after every suite
         mod = __import__(f"bench_{suite}")
         try:
             mod.run(report, peers=not args.no_peers) if suite != "merge" else mod.run(report)

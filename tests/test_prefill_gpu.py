@@ -156,3 +156,13 @@ def test_prefill_bad_inputs():
     with pytest.raises(ValueError, match="enable_gqa"):
         attnforge.attention(torch.zeros(1, 4, 8, 64, device="cuda"), torch.zeros(1, 2, 8, 64, device="cuda"),
                             torch.zeros(1, 2, 8, 64, device="cuda"))
+
+
+def test_fully_masked_rows_give_zeros_and_neg_inf():
+    mod = m.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx > q_idx + 100000)
+    spec = AttentionSpec(family="prefill", score_mod=mod)
+    q, k, v, qo, kv = ragged_case(spec, [70, 3], [70, 500])
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)  # every tile is skipped: the kernel visits none
+    out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)

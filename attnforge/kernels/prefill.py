@@ -21,6 +21,7 @@ BASE_FIELDS = (
     ParamField("kv_indptr", "const int32_t*", "ptr"), ParamField("kv_indices", "const int32_t*", "ptr"),
     ParamField("kv_len", "const int32_t*", "ptr"), ParamField("kv_offset", "const int32_t*", "ptr"),
     ParamField("work", "const int32_t*", "ptr"),
+    ParamField("kv_tile_indptr", "const int32_t*", "ptr"), ParamField("kv_tiles", "const int32_t*", "ptr"),
     ParamField("q_stride_n", "int64_t", "i64"), ParamField("q_stride_h", "int64_t", "i64"),
     ParamField("out_stride_n", "int64_t", "i64"), ParamField("out_stride_h", "int64_t", "i64"),
     ParamField("lse_stride_n", "int64_t", "i64"), ParamField("lse_stride_h", "int64_t", "i64"),

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling)
-    "exp": (torch.exp, "expf"), "log": (torch.log, "logf"), "tanh": (torch.tanh, "tanhf"),
-    "sqrt": (torch.sqrt, "sqrtf"), "sin": (torch.sin, "sinf"), "cos": (torch.cos, "cosf"),
-    "sigmoid": (torch.sigmoid, "af_sigmoid"), "log2": (torch.log2, "log2f"), "exp2": (torch.exp2, "exp2f"),
+FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling: fast intrinsics on the device, libm on the host)
+    "exp": (torch.exp, "af_exp"), "log": (torch.log, "af_log"), "tanh": (torch.tanh, "af_tanh"),
+    "sqrt": (torch.sqrt, "sqrtf"), "sin": (torch.sin, "af_sin"), "cos": (torch.cos, "af_cos"),
+    "sigmoid": (torch.sigmoid, "af_sigmoid"), "log2": (torch.log2, "af_log2"), "exp2": (torch.exp2, "af_exp2"),
 }
 BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
     "add": (torch.add, "({a} + {b})"), "sub": (torch.sub, "({a} - {b})"), "mul": (torch.mul, "({a} * {b})"),

@@ -1,0 +1,49 @@
+"""Block-sparse tile lists (CPU): a tile pair is kept iff some element in it is visible."""
+import numpy as np
+import pytest
+import torch
+
+import attnforge.mods as m
+from attnforge import AttentionSpec, blockmask
+
+
+def brute(mod, request, heads, qo_len, kv_len, tq, tk, causal, window):
+    g = len(heads)
+    keep = np.zeros((qo_len * g, kv_len), dtype=bool)
+    for t in range(qo_len):
+        pos = t + kv_len - qo_len
+        for gi, h in enumerate(heads.tolist()):
+            for kv in range(kv_len):
+                ok = bool(mod.torch_mask(torch.tensor(request), torch.tensor(h), torch.tensor(pos), torch.tensor(kv)))
+                ok &= (not causal) or kv <= pos
+                ok &= window < 0 or kv >= pos - window
+                keep[t * g + gi, kv] = ok
+    n_qt, n_kt = -(-(qo_len * g) // tq), -(-kv_len // tk)
+    out = np.zeros((n_qt, n_kt), dtype=bool)
+    for i in range(n_qt):
+        for j in range(n_kt):
+            out[i, j] = keep[i * tq:(i + 1) * tq, j * tk:(j + 1) * tk].any()
+    return out
+
+
+@pytest.mark.parametrize("causal,window", [(False, -1), (True, -1), (True, 5)])
+@pytest.mark.parametrize("max_elements", [1 << 26, 50])  # 50: many chunks, starting inside tiles
+def test_visible_tiles_match_brute_force(causal, window, max_elements, monkeypatch):
+    monkeypatch.setattr(blockmask, "MAX_ELEMENTS", max_elements)
+    docs = torch.tensor([[0] * 9 + [1] * 14 + [2] * 7])
+    per_head = m.compile_mod(mask_mod=lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) | (h == 1))
+    for mod in (m.document_mask(docs, causal=False), per_head):
+        heads = torch.arange(2)
+        got = blockmask.visible_tiles(mod, 0, heads, 11, 30, 4, 8, causal, window, "cpu")
+        assert np.array_equal(got, brute(mod, 0, heads, 11, 30, 4, 8, causal, window))
+
+
+def test_tile_lists_follow_work_items():
+    docs = torch.arange(256)[None] // 64
+    mod = m.document_mask(docs)
+    spec = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, score_mod=mod)
+    work = np.array([[0, h, t * 64] for h in range(2) for t in range(4)])
+    indptr, tiles = blockmask.tile_lists(mod, spec, np.array([256]), np.array([256]), work, 64, 64, "cpu")
+    # causal within 4 equal documents of one tile each: query tile t sees exactly kv tile t
+    assert np.diff(indptr).tolist() == [1] * 8 and tiles.tolist() == [0, 1, 2, 3] * 2
+    assert not blockmask.uses_input(mod.mask_root, "h") and blockmask.uses_input(mod.mask_root, "q_idx")
