@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 MAX_ELEMENTS = 1 << 26  # per evaluated chunk of the mask
+FULL_TILE = 1 << 30  # flag on a tile id: every pair in it is visible, so the kernel skips the mask
 
 
 def uses_input(node, name: str) -> bool:
@@ -23,12 +24,14 @@ def uses_input(node, name: str) -> bool:
 
 def visible_tiles(mod, request: int, heads: torch.Tensor, qo_len: int, kv_len: int, tile_q: int, tile_kv: int,
                   causal: bool, window_left: int, device) -> np.ndarray:
-    """bool [n_q_tiles, n_kv_tiles] over packed rows (token, head) of one request and KV head."""
+    """(visible, full): bool [n_q_tiles, n_kv_tiles] over packed rows (token, head) of one request and
+    KV head: some pair of the tile pair is visible / every existing pair is."""
     g = len(heads)
     n_qt, n_kt = -(-(qo_len * g) // tile_q), -(-kv_len // tile_kv)
     out = np.zeros((n_qt, n_kt), dtype=bool)
+    full = np.ones((n_qt, n_kt), dtype=bool)
     if kv_len == 0 or qo_len == 0:
-        return out
+        return out, full & False
     kv_idx = torch.arange(kv_len, device=device)
     rows_per_chunk = max(tile_q, (MAX_ELEMENTS // max(kv_len, 1)) // tile_q * tile_q)
     tokens_per_chunk = max(1, rows_per_chunk // g)
@@ -44,21 +47,22 @@ def visible_tiles(mod, request: int, heads: torch.Tensor, qo_len: int, kv_len: i
         if window_left >= 0:
             keep = keep & (kv_idx[None, None, :] >= pos[:, None, None] - window_left)
         rows = keep.reshape((t1 - t0) * g, kv_len)  # packed row = token * G + head
-        r0 = t0 * g
-        pad_r = (-rows.shape[0]) % tile_q if t1 == qo_len else 0
-        pad_k = (-kv_len) % tile_kv
-        rows = torch.nn.functional.pad(rows, (0, pad_k, 0, pad_r))
-        # a chunk's rows may start inside a query tile: fold them in with a logical or
-        first_tile, offset = divmod(r0, tile_q)
-        rows = torch.nn.functional.pad(rows, (0, 0, offset, (-(offset + rows.shape[0])) % tile_q))
-        tiles = rows.view(-1, tile_q, n_kt, tile_kv).any(dim=3).any(dim=1).cpu().numpy()
-        out[first_tile:first_tile + len(tiles)] |= tiles
-    return out
+        # pad to whole tiles (a chunk may start inside a query tile): padding is neither visible
+        # nor a reason for a tile not to be full
+        first_tile, offset = divmod(t0 * g, tile_q)
+        pad = (0, (-kv_len) % tile_kv, offset, (-(offset + rows.shape[0])) % tile_q)
+        shape = (-1, tile_q, n_kt, tile_kv)
+        vis = torch.nn.functional.pad(rows, pad, value=False).view(shape).any(dim=3).any(dim=1).cpu().numpy()
+        all_ = torch.nn.functional.pad(rows, pad, value=True).view(shape).all(dim=3).all(dim=1).cpu().numpy()
+        out[first_tile:first_tile + len(vis)] |= vis
+        full[first_tile:first_tile + len(all_)] &= all_
+    return out, full & out
 
 
 def tile_lists(mod, spec, qo_len: np.ndarray, kv_len: np.ndarray, work: np.ndarray, tile_q: int, tile_kv: int,
                device) -> tuple[np.ndarray, np.ndarray]:
-    """CSR (indptr [n_work + 1], kv tile ids) of the tiles each work item (request, kv_head, row0) visits."""
+    """CSR (indptr [n_work + 1], kv tile ids) of the tiles each work item (request, kv_head, row0) visits;
+    ids of full tiles carry FULL_TILE."""
     per_head = uses_input(mod.mask_root, "h")
     g = spec.group_size
     cache: dict = {}
@@ -69,7 +73,9 @@ def tile_lists(mod, spec, qo_len: np.ndarray, kv_len: np.ndarray, work: np.ndarr
             heads = torch.arange(g) + (kvh * g if per_head else 0)
             cache[key] = visible_tiles(mod, r, heads, int(qo_len[r]), int(kv_len[r]), tile_q, tile_kv, spec.causal,
                                        spec.window_left, device)
-        tiles = np.flatnonzero(cache[key][row0 // tile_q]) if cache[key].size else np.zeros(0, dtype=np.int64)
+        vis, full = cache[key]
+        tiles = np.flatnonzero(vis[row0 // tile_q]) if vis.size else np.zeros(0, dtype=np.int64)
+        tiles = tiles | np.where(full[row0 // tile_q][tiles], FULL_TILE, 0) if len(tiles) else tiles
         counts.append(len(tiles))
         ids.append(tiles)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

@@ -19,11 +19,12 @@ def brute(mod, request, heads, qo_len, kv_len, tq, tk, causal, window):
                 ok &= window < 0 or kv >= pos - window
                 keep[t * g + gi, kv] = ok
     n_qt, n_kt = -(-(qo_len * g) // tq), -(-kv_len // tk)
-    out = np.zeros((n_qt, n_kt), dtype=bool)
+    vis, full = np.zeros((n_qt, n_kt), dtype=bool), np.zeros((n_qt, n_kt), dtype=bool)
     for i in range(n_qt):
         for j in range(n_kt):
-            out[i, j] = keep[i * tq:(i + 1) * tq, j * tk:(j + 1) * tk].any()
-    return out
+            block = keep[i * tq:(i + 1) * tq, j * tk:(j + 1) * tk]
+            vis[i, j], full[i, j] = block.any(), block.all()
+    return vis, full
 
 
 @pytest.mark.parametrize("causal,window", [(False, -1), (True, -1), (True, 5)])
@@ -34,8 +35,9 @@ def test_visible_tiles_match_brute_force(causal, window, max_elements, monkeypat
     per_head = m.compile_mod(mask_mod=lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) | (h == 1))
     for mod in (m.document_mask(docs, causal=False), per_head):
         heads = torch.arange(2)
-        got = blockmask.visible_tiles(mod, 0, heads, 11, 30, 4, 8, causal, window, "cpu")
-        assert np.array_equal(got, brute(mod, 0, heads, 11, 30, 4, 8, causal, window))
+        vis, full = blockmask.visible_tiles(mod, 0, heads, 11, 30, 4, 8, causal, window, "cpu")
+        want_vis, want_full = brute(mod, 0, heads, 11, 30, 4, 8, causal, window)
+        assert np.array_equal(vis, want_vis) and np.array_equal(full, want_full)
 
 
 def test_tile_lists_follow_work_items():
@@ -44,6 +46,10 @@ def test_tile_lists_follow_work_items():
     spec = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, score_mod=mod)
     work = np.array([[0, h, t * 64] for h in range(2) for t in range(4)])
     indptr, tiles = blockmask.tile_lists(mod, spec, np.array([256]), np.array([256]), work, 64, 64, "cpu")
-    # causal within 4 equal documents of one tile each: query tile t sees exactly kv tile t
+    # causal within 4 equal documents of one tile each: query tile t sees exactly kv tile t, partly
     assert np.diff(indptr).tolist() == [1] * 8 and tiles.tolist() == [0, 1, 2, 3] * 2
+    mod2 = m.document_mask(docs, causal=False)  # whole-document tiles are full: no mask in the kernel
+    spec2 = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, score_mod=mod2)
+    _, tiles2 = blockmask.tile_lists(mod2, spec2, np.array([256]), np.array([256]), work, 64, 64, "cpu")
+    assert tiles2.tolist() == [t | blockmask.FULL_TILE for t in (0, 1, 2, 3)] * 2
     assert not blockmask.uses_input(mod.mask_root, "h") and blockmask.uses_input(mod.mask_root, "q_idx")

@@ -41,12 +41,17 @@ def result_type(op: str, types: list[str]) -> str:
     return "f" if "f" in types else ("i" if "i" in types or op in ("add", "sub", "mul", "neg", "abs") else types[0])
 
 
+DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int32: "i32",
+               torch.int64: "i64"}
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """A captured tensor: its position, element type and rank (values are runtime parameters)."""
     index: int
     kind: str  # "f" or "i"
     ndim: int
+    dtype: str = "f32"  # one of DTYPE_NAMES' values: loads are typed at compile time
 
 
 def node_type(node: tuple, slots: dict[int, TensorSlot]) -> str:

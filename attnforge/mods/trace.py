@@ -44,12 +44,14 @@ class Tracer:
         for i, known in enumerate(self.tensors):
             if known is t:
                 return i
-        if t.is_complex() or t.dtype == torch.bool or t.dim() == 0 or t.dim() > 4:
+        if t.dtype not in graph.DTYPE_NAMES or t.dim() == 0 or t.dim() > 4:
             raise ModTraceError(f"captured tensor of dtype {t.dtype} and rank {t.dim()} cannot be indexed by a "
-                                f"modifier; use a float or integer tensor of rank 1..4 (at {_user_line()})")
+                                f"modifier; use a float32/float16/bfloat16/int32/int64 tensor of rank 1..4 "
+                                f"(at {_user_line()})")
         self.tensors.append(t)
         kind = "f" if t.is_floating_point() else "i"
-        self.slots[len(self.tensors) - 1] = graph.TensorSlot(len(self.tensors) - 1, kind, t.dim())
+        self.slots[len(self.tensors) - 1] = graph.TensorSlot(len(self.tensors) - 1, kind, t.dim(),
+                                                             graph.DTYPE_NAMES[t.dtype])
         return len(self.tensors) - 1
 
     def scalar_slot(self, t: torch.Tensor) -> int:

@@ -79,7 +79,7 @@ class ScoreMod:
     @property
     def cache_key(self) -> str:
         parts = [graph.canonical(self.score_root), graph.canonical(self.mask_root),
-                 repr(sorted((k, s.kind, s.ndim) for k, s in self.slots.items())), str(len(self.scalars)),
+                 repr(sorted((k, s.kind, s.ndim, s.dtype) for k, s in self.slots.items())), str(len(self.scalars)),
                  self.raw_cpp or "", "sink" if self.sink is not None else ""]
         return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
@@ -110,36 +110,29 @@ class ScoreMod:
     @property
     def cpp_decl(self) -> str:
         n = self.cpp_struct_name
-        loads = []
-        for k, s in sorted(self.slots.items()):
+        reads = {"f32": "float({ptr}[off])", "f16": "__half2float({ptr}[off])",
+                 "bf16": "__bfloat162float({ptr}[off])", "i32": "{ptr}[off]", "i64": "{ptr}[off]"}
+        ctypes_ = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i32": "int", "i64": "long long"}
+        loads = {"f": [], "i": []}
+        for k, s in sorted(self.slots.items()):  # typed at compile time: the dtype is in the cache key
             dims = ", ".join(f"p.mod_t{k}_size{d}" for d in range(s.ndim))
-            loads.append(f"    if (k == {k}) {{ const long long sz[{s.ndim}] = {{{dims}}}; long long off = 0;\n"
-                         f"      for (int d = 0; d < {s.ndim}; ++d) off = off * sz[d] + af_index(idx.begin()[d], sz[d]);\n"
-                         f"      return load_elem(p.mod_t{k}, p.mod_t{k}_dtype, off); }}")
+            ptr = f"static_cast<const {ctypes_[s.dtype]}*>(p.mod_t{k})"
+            loads[s.kind].append(
+                f"    if (k == {k}) {{ const long long sz[{s.ndim}] = {{{dims}}}; long long off = 0;\n"
+                f"      for (int d = 0; d < {s.ndim}; ++d) off = off * sz[d] + af_index(idx.begin()[d], sz[d]);\n"
+                f"      return {reads[s.dtype].format(ptr=ptr)}; }}")
         scalars = "\n".join(f"    if (k == {k}) return p.mod_s{k};" for k in range(len(self.scalars)))
         accessor = f"""
 template <class P>
 struct {n}_Access {{
   const P& p;
-  static AF_HD float load_elem(const void* ptr, int dtype, long long off) {{
-    switch (dtype) {{  // 0 f32, 1 f16, 2 bf16, 3 i32, 4 i64
-      case 0: return static_cast<const float*>(ptr)[off];
-      case 1: return __half2float(static_cast<const __half*>(ptr)[off]);
-      case 2: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[off]);
-      case 3: return float(static_cast<const int*>(ptr)[off]);
-      default: return float(static_cast<const long long*>(ptr)[off]);
-    }}
-  }}
   AF_HD float load_f(int k, std::initializer_list<long long> idx) const {{
-{chr(10).join(loads) if loads else ''}
+{chr(10).join(loads["f"])}
     return 0.f;
   }}
   AF_HD long long load_i(int k, std::initializer_list<long long> idx) const {{
-{chr(10).join(l.replace('return load_elem(', 'return load_int(') for l in loads) if loads else ''}
+{chr(10).join(loads["i"])}
     return 0;
-  }}
-  static AF_HD long long load_int(const void* ptr, int dtype, long long off) {{
-    return dtype == 3 ? static_cast<const int*>(ptr)[off] : static_cast<const long long*>(ptr)[off];
   }}
   AF_HD float scalar(int k) const {{
 {scalars}
@@ -188,9 +181,9 @@ struct {n}_Access {{
             if not t.is_contiguous():
                 raise ValueError(f"score_mod captured tensor #{k}: expected a contiguous tensor. Pass t.contiguous().")
             code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}.get(t.dtype)
-            if code is None:
-                raise ValueError(f"score_mod captured tensor #{k}: dtype {t.dtype} unsupported; use float32/16, "
-                                 "bfloat16, int32 or int64.")
+            if graph.DTYPE_NAMES.get(t.dtype) != self.slots[k].dtype:
+                raise ValueError(f"score_mod captured tensor #{k}: compiled for {self.slots[k].dtype}, now {t.dtype}. "
+                                 "Keep the tensor's dtype or build the modifier again.")
             vals[f"mod_t{k}"] = t.data_ptr()
             vals[f"mod_t{k}_dtype"] = code
             for d in range(t.dim()):
@@ -233,7 +226,7 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
         for k, t in enumerate(tracer.tensors):
             tensors.append(t)
             s = tracer.slots[k]
-            slots[k + t_off] = graph.TensorSlot(k + t_off, s.kind, s.ndim)
+            slots[k + t_off] = graph.TensorSlot(k + t_off, s.kind, s.ndim, s.dtype)
         scalars += tracer.scalars
         roots[kind] = root
     if len(tensors) > MAX_TENSORS or len(scalars) > MAX_SCALARS:
@@ -248,7 +241,8 @@ def raw_mod(cpp_body: str, tensors: Sequence[torch.Tensor] = (), scalars: Sequen
             name: str = "raw") -> ScoreMod:
     """Escape hatch: C++ methods for the variant struct (see attnforge/variant.cuh), with extra
     parameters p.mod_t<k> (const void*, plus p.mod_t<k>_dtype / _size<d>) and p.mod_s<k> (float)."""
-    slots = {k: graph.TensorSlot(k, "f" if t.is_floating_point() else "i", t.dim()) for k, t in enumerate(tensors)}
+    slots = {k: graph.TensorSlot(k, "f" if t.is_floating_point() else "i", t.dim(), graph.DTYPE_NAMES[t.dtype])
+             for k, t in enumerate(tensors)}
     return ScoreMod(None, None, list(tensors), [float(s) for s in scalars], slots, raw_cpp=cpp_body, name=name)
 
 
