@@ -1,0 +1,64 @@
+"""python -m attnforge: build (presets and spec files, one parallel ninja run), info, cache clear, demo."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, cache):
+    env = {**os.environ, "ATTNFORGE_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), "ATTNFORGE_CUDA_ARCH_LIST": "9.0a"}
+    return subprocess.run([sys.executable, "-m", "attnforge", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_build_spec_file_info_and_clear(tmp_path):
+    cache = tmp_path / "cache"
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps([{"family": "decode", "num_qo_heads": 8, "num_kv_heads": 8, "head_dim_qk": 64},
+                                 {"family": "prefill", "causal": True}]))
+    r = cli("build", "--spec-file", str(specs), cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert "building 2 modules" in r.stderr and "decode_mha_d64" in r.stdout and "prefill_gqa4" in r.stdout
+    cubins = list(cache.rglob("kernel.cubin"))
+    assert len(cubins) == 2
+    r = cli("info", cache=cache)
+    assert r.returncode == 0 and str(cache) in r.stdout and "ATTNFORGE_CACHE_DIR" in r.stdout
+    assert "MiB" in r.stdout
+    r = cli("cache", "clear", cache=cache)
+    assert r.returncode == 0 and not cache.exists()
+
+
+def test_build_preset(tmp_path):
+    r = cli("build", "--preset", "merge", cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip().splitlines()) == 6 and len(list(tmp_path.rglob("manifest.json"))) == 6
+
+
+def test_build_errors_are_clear(tmp_path):
+    r = cli("build", cache=tmp_path)
+    assert r.returncode == 2 and "--preset" in r.stderr
+    r = cli("build", "--preset", "nope", cache=tmp_path)
+    assert r.returncode == 2 and "llama-decode" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"family": "decode", "head_dim_qk": 96}]))
+    r = cli("build", "--spec-file", str(bad), cache=tmp_path)
+    assert r.returncode != 0 and "AttentionSpec.head_dim_qk" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path of the demo runs in the gpu suite")
+def test_demo_without_gpu_builds_and_says_so(tmp_path):
+    r = cli("demo", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and "kernel.cubin" in r.stdout
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu(tmp_path):
+    r = cli("demo", cache=tmp_path / "cache")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
