@@ -6,7 +6,9 @@ soft-cap out of the compiled code, so changing them never triggers a rebuild.
 """
 from __future__ import annotations
 
-from .codegen import ParamField
+from functools import lru_cache
+
+from .codegen import ParamField, ParamsLayout
 from .spec import AttentionSpec
 
 COMMON_VARIANT_FIELDS = (
@@ -34,3 +36,14 @@ def variant_values(spec: AttentionSpec, sm_scale: float) -> dict:
     cap = spec.logits_soft_cap
     return {"sm_scale": sm_scale, "logits_soft_cap": cap, "inv_logits_soft_cap": (1.0 / cap) if cap > 0 else 0.0,
             "window_left": spec.window_left}
+
+
+@lru_cache(maxsize=128)
+def _layout(struct_name: str, fields: tuple) -> ParamsLayout:
+    return ParamsLayout(struct_name, fields)
+
+
+def params_for(struct_name: str, base_fields: tuple, spec: AttentionSpec) -> ParamsLayout:
+    """A kernel family's parameter struct: its base fields plus the score modifier's, if any."""
+    extra = tuple(spec.score_mod.param_fields()) if spec.score_mod is not None else ()
+    return _layout(struct_name, (*base_fields, *extra))

@@ -58,3 +58,30 @@ def test_merge_module_renders_types():
     import torch
     src = MergeSpec(torch.float32, torch.float16).module().source
     assert "using T = float;" in src and "using TOut = fp16;" in src
+
+
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+def test_params_field_offsets_match_a_c_compiler(family, tmp_path):
+    """ctypes (host packing) and the C++ struct place every field at the same offset (g++ offsetof;
+    every pointer type is 8 bytes like void*)."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    import attnforge.mods as m
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    from attnforge.kernels.decode import DecodeKernel
+    from attnforge.kernels.prefill import PrefillKernel
+    spec = AttentionSpec(family=family, score_mod=m.relative_position_bias(torch.zeros(32, 3), 1))
+    layout = (DecodeKernel(spec) if family == "decode" else PrefillKernel(spec)).params
+    body = "\n".join(f"  {'void*' if f.kind == 'ptr' else f.cpp_type} {f.name};" for f in layout.fields)
+    prints = "\n".join(f'  std::printf("%zu\\n", offsetof(P, {f.name}));' for f in layout.fields)
+    src = tmp_path / "p.cpp"
+    src.write_text(f"#include <cstddef>\n#include <cstdint>\n#include <cstdio>\nstruct P {{\n{body}\n}};\n"
+                   f"int main() {{\n{prints}\n  std::printf(\"%zu\\n\", sizeof(P));\n}}\n")
+    subprocess.run(["g++", "-o", str(tmp_path / "p"), str(src)], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "p")], capture_output=True, text=True).stdout.split()]
+    want = [getattr(layout.ctype, f.name).offset for f in layout.fields] + [layout.size]
+    assert got == want

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
+from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 from ..jit import JitModule
 from ..spec import AttentionSpec
 
@@ -18,28 +19,15 @@ SMEM_RESERVED_PER_CTA = 1024
 MAX_TRANSPOSED_GROUP = 16
 
 BASE_FIELDS = (
-    ParamField("q", "const void*", "ptr"), ParamField("k_cache", "const void*", "ptr"),
-    ParamField("v_cache", "const void*", "ptr"), ParamField("out", "void*", "ptr"),
-    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
-    ParamField("partial_lse", "float*", "ptr"),
-    ParamField("kv_indptr", "const int32_t*", "ptr"), ParamField("kv_indices", "const int32_t*", "ptr"),
-    ParamField("kv_len", "const int32_t*", "ptr"), ParamField("kv_begin", "const int32_t*", "ptr"),
-    ParamField("stream_prefix", "const int32_t*", "ptr"), ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
-    ParamField("q_stride_b", "int64_t", "i64"), ParamField("q_stride_h", "int64_t", "i64"),
-    ParamField("out_stride_b", "int64_t", "i64"), ParamField("out_stride_h", "int64_t", "i64"),
-    ParamField("stride_page", "int64_t", "i64"), ParamField("stride_token", "int64_t", "i64"),
-    ParamField("stride_head", "int64_t", "i64"),
-    ParamField("page_size", "int32_t", "i32"), ParamField("num_qo_heads", "int32_t", "i32"),
-    ParamField("num_kv_heads", "int32_t", "i32"),
+    *IO_FIELDS, *PAGED_KV_FIELDS,
+    ParamField("partial_o", "float*", "ptr"), ParamField("partial_lse", "float*", "ptr"),
+    *ptrs("kv_begin", "stream_prefix"), ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
+    *scalars("i64", "int64_t", "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h"),
+    *scalars("i32", "int32_t", "num_qo_heads", "num_kv_heads"),
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
 
-
-@lru_cache(maxsize=64)
-def params_layout(extra: tuple = ()) -> ParamsLayout:
-    """The kernel's parameter struct: the base fields plus those of a score modifier."""
-    return ParamsLayout("DecodeParams", [*BASE_FIELDS, *extra])
 
 
 
@@ -97,8 +85,7 @@ class DecodeKernel:
 
     @property
     def params(self) -> ParamsLayout:
-        mod = self.spec.score_mod
-        return params_layout(tuple(mod.param_fields()) if mod is not None else ())
+        return variants.params_for("DecodeParams", BASE_FIELDS, self.spec)
 
     @property
     def threads(self) -> int:

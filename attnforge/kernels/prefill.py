@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 from .. import variants
 from ..codegen import ParamField, ParamsLayout
+from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 from ..jit import JitModule
 from ..spec import AttentionSpec
 
@@ -14,27 +15,14 @@ TILE_Q, TILE_KV = 64, 64
 SMEM_PER_SM = 228 * 1024
 
 BASE_FIELDS = (
-    ParamField("q", "const void*", "ptr"), ParamField("k_cache", "const void*", "ptr"),
-    ParamField("v_cache", "const void*", "ptr"), ParamField("out", "void*", "ptr"),
-    ParamField("lse", "float*", "ptr"),
-    ParamField("qo_indptr", "const int32_t*", "ptr"), ParamField("q_offset", "const int32_t*", "ptr"),
-    ParamField("kv_indptr", "const int32_t*", "ptr"), ParamField("kv_indices", "const int32_t*", "ptr"),
-    ParamField("kv_len", "const int32_t*", "ptr"), ParamField("kv_offset", "const int32_t*", "ptr"),
-    ParamField("work", "const int32_t*", "ptr"),
-    ParamField("kv_tile_indptr", "const int32_t*", "ptr"), ParamField("kv_tiles", "const int32_t*", "ptr"),
-    ParamField("q_stride_n", "int64_t", "i64"), ParamField("q_stride_h", "int64_t", "i64"),
-    ParamField("out_stride_n", "int64_t", "i64"), ParamField("out_stride_h", "int64_t", "i64"),
-    ParamField("lse_stride_n", "int64_t", "i64"), ParamField("lse_stride_h", "int64_t", "i64"),
-    ParamField("stride_page", "int64_t", "i64"), ParamField("stride_token", "int64_t", "i64"),
-    ParamField("stride_head", "int64_t", "i64"),
-    ParamField("page_size", "int32_t", "i32"), ParamField("ragged", "int32_t", "i32"),
+    *IO_FIELDS, *PAGED_KV_FIELDS,
+    *ptrs("qo_indptr", "q_offset", "kv_offset", "work", "kv_tile_indptr", "kv_tiles"),
+    *scalars("i64", "int64_t", "q_stride_n", "q_stride_h", "out_stride_n", "out_stride_h", "lse_stride_n",
+             "lse_stride_h"),
+    ParamField("ragged", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
 
-
-@lru_cache(maxsize=64)
-def params_layout(extra: tuple = ()) -> ParamsLayout:
-    return ParamsLayout("PrefillParams", [*BASE_FIELDS, *extra])
 
 
 @dataclass(frozen=True)
@@ -57,8 +45,7 @@ class PrefillKernel:
 
     @property
     def params(self) -> ParamsLayout:
-        mod = self.spec.score_mod
-        return params_layout(tuple(mod.param_fields()) if mod is not None else ())
+        return variants.params_for("PrefillParams", BASE_FIELDS, self.spec)
 
     def module(self) -> JitModule:
         s = self.spec
