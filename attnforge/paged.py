@@ -10,7 +10,7 @@ from . import checks
 from .checks import fail
 
 
-def host_int_array(name: str, x) -> np.ndarray:
+def host_int_array(name: str, x, widen: bool = True) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.is_cuda:
             raise fail(name, "a host (CPU) int array: plan() reads it without syncing the GPU",
@@ -19,7 +19,7 @@ def host_int_array(name: str, x) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
         raise fail(f"{name}.dtype", "an integer array", arr.dtype, f"Pass int32 values for {name}.")
-    return arr.astype(np.int64, copy=False)
+    return arr.astype(np.int64, copy=False) if widen else arr
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,13 @@ class PageTable:
 
 def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTable:
     indptr = host_int_array("kv_indptr", kv_indptr)
-    indices = host_int_array("kv_indices", kv_indices)
+    indices = host_int_array("kv_indices", kv_indices, widen=False)  # only scanned: no widening copy
     last = host_int_array("kv_last_page_len", kv_last_page_len)
     if indptr.ndim != 1 or len(indptr) < 1 or indptr[0] != 0:
         raise fail("kv_indptr", "a 1-D array [B+1] starting at 0", indptr[:4], "Build it as a prefix sum.")
-    if np.any(np.diff(indptr) < 0):
-        bad = int(np.argmax(np.diff(indptr) < 0))
+    pages = np.diff(indptr)
+    if (pages < 0).any():
+        bad = int(np.argmax(pages < 0))
         raise fail("kv_indptr", "non-decreasing values", f"kv_indptr[{bad}]={indptr[bad]} > "
                    f"kv_indptr[{bad + 1}]={indptr[bad + 1]}", "Pages per request must be >= 0.")
     if indices.ndim != 1 or len(indices) != indptr[-1]:
@@ -57,10 +58,10 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     if last.shape != (batch,):
         raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),
                    "Pass one entry per request.")
-    pages = np.diff(indptr)
     used = pages > 0
-    if np.any(used & ((last < 1) | (last > page_size))):
-        b = int(np.argmax(used & ((last < 1) | (last > page_size))))
+    bad_last = used & ((last < 1) | (last > page_size))
+    if bad_last.any():
+        b = int(np.argmax(bad_last))
         raise fail(f"kv_last_page_len[{b}]", f"a value in [1, page_size={page_size}]", int(last[b]),
                    "A request's last page holds between 1 and page_size tokens.")
     kv_len = np.where(used, (pages - 1) * page_size + last, 0)

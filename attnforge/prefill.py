@@ -96,8 +96,9 @@ class BatchPrefill:
         offsets = np.cumsum([0] + [len(x) for x in parts])
         ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
         d = self.spec.head_dim_qk
-        self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()), "page_size": int(page),
-                      "max_page": max_page, "kv_len": kv_len, "num_work": len(work), "dev": dev, "host": host,
+        self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
+                      "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
+                      "dev": dev, "host": host,
                       "ptrs": {"qo_indptr": ptr(0), "q_offset": ptr(1), "kv_indptr": ptr(2), "kv_indices": ptr(3),
                                "kv_len": ptr(4), "kv_offset": ptr(5), "work": ptr(6),
                                "kv_tile_indptr": ptr(7) if tile_indptr is not None else 0,
@@ -139,7 +140,10 @@ class BatchPrefill:
         k, v, sp, st, sh = self._kv(kv)
         if out is None:
             out = torch.empty(q.shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+        checks.check_cuda("out", out, self.device)
+        checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
         checks.check_shape("out", out, tuple(q.shape), "like q")
+        checks.check_contiguous_last("out", out)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device) if return_lse else None
         self._launch(q, k, v, out, lse, dict(stride_page=sp, stride_token=st, stride_head=sh,
                                                q_stride_n=q.stride(0), q_stride_h=q.stride(1),

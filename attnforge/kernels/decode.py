@@ -99,7 +99,8 @@ class DecodeKernel:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
-               "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps, "smem_bytes": self.smem_bytes,
+               "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
+               "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.

@@ -93,5 +93,6 @@ def test_raw_cpp_escape_hatch_compiles():
 def test_library_is_one_factory_per_file():
     import importlib
     for name in m.LIBRARY:
-        module = importlib.import_module(f"attnforge.mods.{'relative_bias' if name == 'relative_position_bias' else name}")
+        file = "relative_bias" if name == "relative_position_bias" else name
+        module = importlib.import_module(f"attnforge.mods.{file}")
         assert getattr(module, name).__doc__ and hasattr(module, "reference"), name
