@@ -1,0 +1,89 @@
+"""Shared-prefix (cascade) decode: attention over each shared KV level is computed once for all the
+queries that share it (those queries form one multi-row query block against one KV, i.e. a prefill
+problem), each request's own suffix by batch decode, and the levels are merged by LSE.
+
+    c = CascadeDecode(spec)                                    # spec: a decode spec
+    c.plan(levels=[(group_indptr, kv_indptr, kv_indices, kv_last_page_len)],   # shared prefixes
+           suffix=(kv_indptr, kv_indices, kv_last_page_len), page_size=16)     # per request
+    out = c.run(q, kv_cache)
+
+A level's `group_indptr` [G+1] splits the batch's requests (in order) into groups sharing one
+KV range, given as a CSR page table over the same cache. Levels nest like FlashInfer's multi-level
+cascade: level 0 is the longest-shared prefix. Not yet CUDA-graph capturable (the prefill levels
+re-allocate their plan buffers).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import checks, paged
+from .decode import BatchDecode
+from .merge import merge_states
+from .prefill import BatchPrefill
+from .spec import AttentionSpec
+
+
+def check_levels(batch: int, levels: Sequence[tuple]) -> None:
+    """Each level's groups must cover requests 0..B-1 in order (host-side, before any launch)."""
+    for i, level in enumerate(levels):
+        if len(level) != 4:
+            raise checks.fail(f"levels[{i}]", "(group_indptr, kv_indptr, kv_indices, kv_last_page_len)",
+                              f"a tuple of {len(level)}", "Give each level its groups and their page table.")
+        groups = paged.host_int_array(f"levels[{i}].group_indptr", level[0])
+        if groups.ndim != 1 or len(groups) < 2 or groups[0] != 0 or groups[-1] != batch or np.any(np.diff(groups) < 0):
+            raise checks.fail(f"levels[{i}].group_indptr", f"a non-decreasing array from 0 to the batch size {batch}",
+                              groups[:8], "Groups are contiguous runs of requests covering the whole batch.")
+        kv = paged.host_int_array(f"levels[{i}].kv_indptr", level[1])
+        if len(kv) != len(groups):
+            raise checks.fail(f"levels[{i}].kv_indptr", f"{len(groups)} entries (one page range per group)", len(kv),
+                              "Give every group of the level its shared pages.")
+
+
+class CascadeDecode:
+    def __init__(self, spec: AttentionSpec, device=None, **decode_kwargs):
+        if spec.family != "decode":
+            raise checks.fail("CascadeDecode spec.family", "'decode'", repr(spec.family), "Pass a decode spec.")
+        if spec.score_mod is not None or spec.window_left >= 0:
+            raise checks.fail("CascadeDecode spec", "no score_mod and no sliding window (positions differ per level)",
+                              spec.name, "Use BatchDecode for those variants.")
+        if spec.kv_dtype == "fp8_e4m3":
+            raise checks.fail("CascadeDecode spec.kv_dtype", "bf16 or fp16 (the prefill levels read 16-bit KV)",
+                              spec.kv_dtype, "Use BatchDecode with fp8 KV.")
+        self.spec = spec
+        self.suffix = BatchDecode(spec, device=device, **decode_kwargs)
+        self.device = self.suffix.device
+        self.level_spec = AttentionSpec(family="prefill", num_qo_heads=spec.num_qo_heads,
+                                        num_kv_heads=spec.num_kv_heads, head_dim_qk=spec.head_dim_qk,
+                                        q_dtype=spec.q_dtype, kv_dtype=spec.kv_dtype, out_dtype=spec.out_dtype,
+                                        kv_layout=spec.kv_layout, logits_soft_cap=spec.logits_soft_cap)
+        self.levels: list[BatchPrefill] = []
+
+    def plan(self, levels: Sequence[tuple], suffix: tuple, *, page_size: int, sm_scale=None) -> None:
+        batch = len(paged.host_int_array("suffix kv_indptr", suffix[0])) - 1
+        check_levels(batch, levels)
+        self.levels = []
+        for group_indptr, kv_indptr, kv_indices, last in levels:
+            w = BatchPrefill(self.level_spec, device=self.device)
+            # the group's queries (one decode token per request) form one query block
+            w.plan(paged.host_int_array("group_indptr", group_indptr), kv_indptr, kv_indices, last,
+                   page_size=page_size, sm_scale=sm_scale)
+            self.levels.append(w)
+        self.suffix.plan(*suffix, page_size=page_size, sm_scale=sm_scale)
+        self.batch = batch
+
+    def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        if not hasattr(self, "batch"):
+            raise RuntimeError("CascadeDecode.run: call plan(...) first")
+        outs, lses = [], []
+        for w in self.levels:
+            o, s = w.run(q, kv_cache, return_lse=True)
+            outs.append(o)
+            lses.append(s)
+        o, s = self.suffix.run(q, kv_cache, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+        merged, lse = merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1), out=out)
+        return (merged, lse) if return_lse else merged

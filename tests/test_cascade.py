@@ -1,0 +1,43 @@
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, reference
+from attnforge.cascade import CascadeDecode, check_levels
+
+
+def test_level_bookkeeping_errors():
+    check_levels(4, [([0, 2, 4], [0, 3, 5], list(range(5)), [16, 4])])
+    with pytest.raises(ValueError, match="batch size 4"):
+        check_levels(4, [([0, 2, 3], [0, 3, 5], list(range(5)), [16, 4])])
+    with pytest.raises(ValueError, match="one page range per group"):
+        check_levels(4, [([0, 2, 4], [0, 5], list(range(5)), [4])])
+    with pytest.raises(ValueError, match="group_indptr, kv_indptr"):
+        check_levels(4, [([0, 4], [0, 5])])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cascade_equals_decode_over_concatenated_kv(layout):
+    torch.manual_seed(0)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, kv_layout=layout)
+    page, batch, prefix_pages = 16, 6, 20
+    own = [3, 1, 7, 2, 5, 4]  # own pages per request; the last page of each is partly filled
+    last = [9, 16, 1, 5, 12, 3]
+    total = prefix_pages + sum(own)
+    shape = (total, 2, page, 8, 128) if layout == "NHD" else (total, 2, 8, page, 128)
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    perm = np.random.default_rng(0).permutation(total)
+    prefix, rest = perm[:prefix_pages], perm[prefix_pages:]
+    own_indptr = np.concatenate([[0], np.cumsum(own)])
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    c = CascadeDecode(spec)
+    c.plan(levels=[([0, batch], [0, prefix_pages], prefix, [page])], suffix=(own_indptr, rest, last), page_size=page)
+    out = c.run(q, cache)
+    # the same requests as plain paged decode over prefix + own pages
+    indptr = np.concatenate([[0], np.cumsum([prefix_pages + n for n in own])])
+    indices = np.concatenate([np.concatenate([prefix, rest[own_indptr[b]:own_indptr[b + 1]]]) for b in range(batch)])
+    per = reference.gather_paged(cache[:, 0], cache[:, 1], layout, indptr, indices, last, page)
+    for b, (k, v) in enumerate(per):
+        ref, _ = reference.attention(q[b:b + 1], k, v)
+        assert (out[b].double() - ref[0]).abs().max().item() < 2e-2

@@ -1,0 +1,76 @@
+"""Quest bookkeeping on the CPU: index maintenance, page scores and selection against plain loops."""
+import math
+
+import numpy as np
+import torch
+
+from attnforge.sparse import QuestIndex, page_scores, select_pages
+
+
+def test_index_tracks_min_and_max_and_resets():
+    torch.manual_seed(0)
+    idx = QuestIndex(6, 2, 4)
+    k = torch.randn(30, 2, 4)
+    pages = torch.randint(0, 5, (30,))
+    idx.append(k[:17], pages[:17])
+    idx.append(k[17:], pages[17:])
+    for p in range(6):
+        rows = k[pages == p]
+        if len(rows):
+            assert torch.equal(idx.kmin[p], rows.min(0).values) and torch.equal(idx.kmax[p], rows.max(0).values)
+        else:
+            assert torch.all(idx.kmin[p] == math.inf) and torch.all(idx.kmax[p] == -math.inf)
+    idx.reset(torch.tensor([1]))
+    assert torch.all(idx.kmin[1] == math.inf)
+
+
+def test_scores_are_the_quest_bound_summed_over_the_group():
+    torch.manual_seed(1)
+    idx = QuestIndex(8, 2, 4)
+    idx.append(torch.randn(64, 2, 4), torch.arange(64) % 8)
+    q = torch.randn(2, 4, 4)  # GQA group of 2
+    indptr, indices = torch.tensor([0, 3, 8]), torch.tensor([5, 0, 7, 1, 2, 3, 4, 6])
+    got = page_scores(q, idx, indptr, indices, per_head=True)
+    for b in range(2):
+        for j in range(int(indptr[b]), int(indptr[b + 1])):
+            p = int(indices[j])
+            for h in range(2):
+                want = sum(float(torch.maximum(q[b, hq] * idx.kmin[p, h], q[b, hq] * idx.kmax[p, h]).sum())
+                           for hq in (2 * h, 2 * h + 1))
+                assert abs(float(got[j, h]) - want) < 1e-4
+    assert torch.allclose(page_scores(q, idx, indptr, indices), got.sum(-1))
+
+
+def test_bound_is_an_upper_bound_of_every_key():
+    torch.manual_seed(2)
+    k = torch.randn(16, 1, 8)
+    idx = QuestIndex(1, 1, 8)
+    idx.append(k, torch.zeros(16, dtype=torch.int64))
+    q = torch.randn(1, 1, 8)
+    bound = page_scores(q, idx, torch.tensor([0, 1]), torch.tensor([0]))
+    assert float(bound) >= float((k[:, 0] @ q[0, 0]).max()) - 1e-5
+
+
+def test_selection_keeps_top_pages_and_the_last_in_order():
+    rng = np.random.default_rng(3)
+    counts = [5, 1, 9, 0, 3]
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(counts)]))
+    indices = torch.tensor(rng.permutation(30)[: sum(counts)])
+    scores = torch.tensor(rng.standard_normal(sum(counts)), dtype=torch.float32)
+    new_ptr, new_idx = select_pages(scores, indptr, indices, budget_pages=3)
+    for b, n in enumerate(counts):
+        got = new_idx[new_ptr[b]:new_ptr[b + 1]].tolist()
+        if n == 0:
+            assert got == []
+            continue
+        s = scores[indptr[b]:indptr[b + 1]].clone()
+        s[-1] = math.inf
+        top = sorted(torch.topk(s, min(3, n)).indices.tolist())
+        assert got == [int(indices[int(indptr[b]) + j]) for j in top]
+        assert got[-1] == int(indices[int(indptr[b + 1]) - 1])  # the newest page stays, last
+
+
+def test_full_budget_selects_everything():
+    indptr, indices = torch.tensor([0, 4, 6]), torch.tensor([3, 1, 0, 2, 5, 4])
+    new_ptr, new_idx = select_pages(torch.randn(6), indptr, indices, budget_pages=100)
+    assert torch.equal(new_ptr, indptr) and torch.equal(new_idx, indices)
