@@ -1,0 +1,124 @@
+"""VirtualKVCache bookkeeping on the CPU, against a fake driver that checks every call."""
+import numpy as np
+import pytest
+import torch
+
+from attnforge.kvcache import OutOfPhysicalMemory, VirtualKVCache, paged_bytes
+
+GRAN = 2 << 20
+
+
+class FakeVMM:
+    def __init__(self, capacity_chunks=10_000):
+        self.capacity, self.live, self.next_handle, self.next_va = capacity_chunks, set(), 0, 1 << 40
+        self.maps, self.reserved = {}, {}
+
+    def granularity(self):
+        return GRAN
+
+    def reserve(self, size):
+        va = self.next_va
+        self.next_va += size + GRAN
+        self.reserved[va] = size
+        return va
+
+    def create(self, size):
+        assert size == GRAN
+        if len(self.live) >= self.capacity:
+            return None
+        self.next_handle += 1
+        self.live.add(self.next_handle)
+        return self.next_handle
+
+    def map(self, va, size, handle):
+        assert va % GRAN == 0 and va not in self.maps and handle in self.live
+        assert handle not in self.maps.values(), "a chunk mapped twice"
+        assert any(base <= va and va + size <= base + n for base, n in self.reserved.items())
+        self.maps[va] = handle
+
+    def unmap(self, va, size):
+        assert va in self.maps
+        del self.maps[va]
+
+    def release(self, handle):
+        assert handle in self.live and handle not in self.maps.values()
+        self.live.remove(handle)
+
+    def free_va(self, va, size):
+        assert self.reserved.pop(va) == size and not any(base for base in self.maps if va <= base < va + size)
+
+
+def cache(capacity=10_000, **kw):
+    args = dict(num_layers=2, max_batch=4, max_len=5000, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                device="cpu")
+    args.update(kw)
+    return VirtualKVCache(**args, backend=FakeVMM(capacity))
+
+
+def test_grow_maps_chunks_on_demand_in_every_region():
+    c = cache()
+    assert c.tokens_per_chunk == 1024 and c.chunks_per_slot == 5  # 2 MB / (8 heads x 128 x 2 B)
+    c.grow(1, 1)
+    assert c.mapped_bytes == 1 * 4 * GRAN  # one chunk x (K, V) x 2 layers
+    c.grow(1, 1024)
+    assert c.mapped_bytes == 4 * GRAN and c.backed_tokens(1) == 1024
+    c.grow(1, 1025)
+    c.grow(2, 5000)
+    assert c.mapped_bytes == (2 + 5) * 4 * GRAN and c.backed_tokens(2) == 5000
+    c.grow(1, 10)  # shrinking requests nothing
+    assert c.mapped_bytes == 7 * 4 * GRAN
+
+
+def test_free_recycles_chunks_and_ten_thousand_cycles_do_not_leak():
+    c = cache()
+    rng = np.random.default_rng(0)
+    for _ in range(10_000):
+        slot = int(rng.integers(4))
+        if rng.random() < 0.5:
+            c.grow(slot, int(rng.integers(0, 5001)))
+        else:
+            c.free(slot)
+    peak = c.created
+    assert peak <= 4 * 5 * 4  # never more chunks than every slot at max_len needs
+    for slot in range(4):
+        c.free(slot)
+    assert c.mapped_bytes == 0 and not c.backend.maps and len(c.pool) == c.created == peak
+    c.trim_pool()
+    assert c.created == 0 and not c.backend.live
+    c.close()
+    assert not c.backend.reserved
+
+
+def test_out_of_memory_is_clear_and_leaves_sequences_intact():
+    c = cache(capacity=9)  # 9 chunks: slot 0 takes 2 x 4 regions = 8
+    c.grow(0, 2000)
+    before = dict(c.backend.maps)
+    with pytest.raises(OutOfPhysicalMemory, match="Existing sequences are intact"):
+        c.grow(1, 2000)  # needs 8 more chunks; only 1 left
+    assert c.backend.maps == before and c.backed_tokens(1) == 0 and c.backed_tokens(0) == 2048
+    c.free(0)
+    c.grow(1, 2000)  # the freed chunks serve the new sequence
+    assert c.created <= 9
+
+
+def test_physical_limit_and_argument_errors():
+    c = cache(max_physical_bytes=3 * GRAN)
+    with pytest.raises(OutOfPhysicalMemory):
+        c.grow(0, 1)  # 4 regions need 4 chunks
+    assert c.mapped_bytes == 0
+    with pytest.raises(ValueError, match="slot"):
+        c.grow(4, 1)
+    with pytest.raises(ValueError, match="max_len=5000"):
+        c.grow(0, 5001)
+
+
+def test_memory_against_a_paged_cache_and_decode_plan():
+    c = cache()
+    lengths = [100, 1500, 0, 4097]
+    for slot, n in enumerate(lengths):
+        c.grow(slot, n)
+    vmm = c.mapped_bytes
+    paged = paged_bytes(lengths, 16, c.token_bytes, 2)
+    assert paged <= vmm <= paged + 4 * 2 * 2 * GRAN  # at most one partial chunk per slot and region
+    indptr, indices, last = VirtualKVCache.decode_plan([0, 1, 2, 3], lengths)
+    assert indptr.tolist() == [0, 1, 2, 2, 3] and indices.tolist() == [0, 1, 3] and last.tolist() == [100, 1500, 0, 4097]
