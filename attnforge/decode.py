@@ -60,8 +60,7 @@ class BatchDecode:
         self._partial_lse = ws[self.num_slots * g * d:]
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
-        self._copy_done = torch.cuda.Event()  # reused: marks when the last plan's copy has left the pinned buffer
-        self._copy_pending = False
+        self._copy_done = None
 
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
@@ -75,8 +74,11 @@ class BatchDecode:
         self._host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self._host_views = {k: self._host_np[o:o + n] for k, (o, n) in self._offsets.items()}
         self.max_num_pages = max_pages
+
+    def _region(self, name: str, host: bool):
+        off, n = self._offsets[name]
+        return self._host_np[off:off + n] if host else self._dev[off:off + n]
 
     def _dev_ptr(self, name: str) -> int:
         return self._dev.data_ptr() + 4 * self._offsets[name][0]
@@ -124,21 +126,20 @@ class BatchDecode:
             kv_begin = np.maximum(kv_end - 1 - self.spec.window_left, 0)
         work = scheduler.plan_stream(kv_begin, kv_end, self.spec.num_kv_heads, self.num_ctas)
 
-        if self._copy_pending:
-            self._copy_done.synchronize()  # the previous plan's copy may still read the pinned buffer
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous plan's copy still reads the pinned buffer
         b = table.batch_size
-        host = self._host_views
-        host["meta"][:] = (b, work.span, work.total)
-        host["kv_indptr"][: b + 1] = table.indptr
-        host["kv_len"][:b] = kv_end
-        host["kv_begin"][:b] = kv_begin
-        host["stream_prefix"][: b + 1] = work.prefix
-        host["kv_indices"][: len(table.indices)] = table.indices
+        self._region("meta", True)[:] = (b, work.span, work.total)
+        self._region("kv_indptr", True)[: b + 1] = table.indptr
+        self._region("kv_len", True)[:b] = kv_end
+        self._region("kv_begin", True)[:b] = kv_begin
+        self._region("stream_prefix", True)[: b + 1] = work.prefix
+        self._region("kv_indices", True)[: len(table.indices)] = table.indices
         stream = torch.cuda.current_stream(self.device)
         used = self._offsets["kv_indices"][0] + len(table.indices)
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._copy_done = torch.cuda.Event()
         self._copy_done.record(stream)
-        self._copy_pending = True
         d = self.spec.head_dim_qk
         scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
