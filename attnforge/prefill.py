@@ -23,7 +23,13 @@ RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base
 
 
 class BatchPrefill:
-    def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, **spec_kwargs):
+    """use_cuda_graph=True: plan() writes into buffers sized at construction (max_* capacities), the
+    grid covers max_work_items and idle CTAs exit, so a graph captured once replays any later plan
+    with the same page size and scale."""
+
+    def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, use_cuda_graph: bool = False,
+                 max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
+                 max_tiles: int = 1 << 20, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -33,6 +39,17 @@ class BatchPrefill:
         self.spec, self.kernel = spec, PrefillKernel(spec)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
+        self.use_cuda_graph = use_cuda_graph
+        self.capacity = {"batch": max_batch_size, "work": max_work_items, "pages": max_num_pages, "tiles": max_tiles}
+        if use_cuda_graph:
+            b, w = max_batch_size, max_work_items
+            # regions, in the order plan() fills them: (name, int32 entries)
+            self._regions = [("qo_indptr", b + 1), ("q_offset", b), ("kv_indptr", b + 1), ("kv_indices", max_num_pages),
+                             ("kv_len", b), ("kv_offset", b), ("work", 3 * w), ("kv_tile_indptr", w + 1),
+                             ("kv_tiles", max_tiles), ("num_work", 1)]
+            total = sum(-(-n // 4) * 4 for _, n in self._regions)
+            self._graph_host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+            self._graph_dev = torch.zeros(total, dtype=torch.int32, device=self.device)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              sm_scale: Optional[float] = None, q_offset=None, kv_offset=None) -> None:
@@ -91,19 +108,56 @@ class BatchPrefill:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         if any(int(np.max(np.abs(x), initial=0)) >= 2**31 for x in parts):
             raise ValueError("plan: an offset or index does not fit in int32; split the batch")
-        host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        offsets = np.cumsum([0] + [len(x) for x in parts])
-        ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
         d = self.spec.head_dim_qk
+        scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        if self.use_cuda_graph:
+            ptrs, host, dev = self._fill_graph_buffers(parts, tile_indptr is not None, len(work), int(page), scale,
+                                                       ragged)
+        else:
+            host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
+            dev = host.to(self.device, non_blocking=True)
+            offsets = np.cumsum([0] + [len(x) for x in parts])
+            ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
+            names = ["qo_indptr", "q_offset", "kv_indptr", "kv_indices", "kv_len", "kv_offset", "work",
+                     "kv_tile_indptr", "kv_tiles"]
+            ptrs = {n: (ptr(i) if i < len(parts) else 0) for i, n in enumerate(names)}
+            ptrs["num_work"] = 0
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
-                      "dev": dev, "host": host,
-                      "ptrs": {"qo_indptr": ptr(0), "q_offset": ptr(1), "kv_indptr": ptr(2), "kv_indices": ptr(3),
-                               "kv_len": ptr(4), "kv_offset": ptr(5), "work": ptr(6),
-                               "kv_tile_indptr": ptr(7) if tile_indptr is not None else 0,
-                               "kv_tiles": ptr(8) if tile_indptr is not None else 0},
-                      "sm_scale": 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)}
+                      "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale,
+                      "grid": self.capacity["work"] if self.use_cuda_graph else len(work)}
+
+    def _fill_graph_buffers(self, parts, has_tiles: bool, num_work: int, page: int, scale: float, ragged: bool):
+        """Write the plan into the persistent buffers (graph mode) and copy them with one async memcpy."""
+        first = getattr(self, "_graph_fixed", None)
+        fixed = (page, scale, ragged, has_tiles)
+        if first is not None and first != fixed:
+            raise checks.fail("plan in CUDA-graph mode", f"page_size, sm_scale, KV kind and mask as captured {first}",
+                              fixed, "Capture one graph per configuration (these are baked into the launch).")
+        self._graph_fixed = fixed
+        caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 3 * self.capacity["work"],
+                "kv_indices": self.capacity["pages"], "kv_tiles": self.capacity["tiles"]}
+        names = [n for n, _ in self._regions]
+        values = dict(zip(names, parts))
+        values["num_work"] = np.array([num_work])
+        if getattr(self, "_graph_copy", None) is not None:
+            self._graph_copy.synchronize()  # the previous plan's copy may still read the pinned buffer
+        host, ptrs, off = self._graph_host.numpy(), {}, 0
+        for name, n in self._regions:
+            v = values.get(name)
+            if v is not None and len(v) > n:
+                raise checks.fail(f"plan: {name} in CUDA-graph mode", f"at most {caps.get(name, n)} entries",
+                                  len(v), "Construct BatchPrefill with larger max_* capacities.")
+            if v is not None:
+                host[off:off + len(v)] = v
+            ptrs[name] = self._graph_dev.data_ptr() + 4 * off if (v is not None or name == "num_work") else 0
+            off += -(-n // 4) * 4
+        if not has_tiles:
+            ptrs["kv_tile_indptr"] = ptrs["kv_tiles"] = 0
+        self._graph_dev.copy_(self._graph_host, non_blocking=True)
+        self._graph_copy = torch.cuda.Event()
+        self._graph_copy.record(torch.cuda.current_stream(self.device))
+        return ptrs, self._graph_host, self._graph_dev
 
     def _kv(self, kv):
         """-> k, v, stride_page, stride_token, stride_head, after checking them against the plan."""
@@ -135,7 +189,13 @@ class BatchPrefill:
         s, pl = self.spec, self._plan
         checks.check_cuda("q", q, self.device)
         checks.check_dtype("q", q, (checks.TORCH_DTYPES[s.q_dtype],))
-        checks.check_shape("q", q, (pl["total_q"], s.num_qo_heads, s.head_dim_qk), "[total_q, Hq, D]")
+        if self.use_cuda_graph:  # captured buffers are sized for the largest plan; extra rows are untouched
+            checks.check_shape("q", q, (None, s.num_qo_heads, s.head_dim_qk), "[rows >= total_q, Hq, D]")
+            if q.shape[0] < pl["total_q"]:
+                raise checks.fail("q.shape[0]", f"at least the planned {pl['total_q']} query rows", q.shape[0],
+                                  "Size the captured query buffer for the largest plan.")
+        else:
+            checks.check_shape("q", q, (pl["total_q"], s.num_qo_heads, s.head_dim_qk), "[total_q, Hq, D]")
         checks.check_contiguous_last("q", q)
         k, v, sp, st, sh = self._kv(kv)
         if out is None:
@@ -160,7 +220,7 @@ class BatchPrefill:
             ragged=int(pl["ragged"]), **strides, **variants.variant_values(s, pl["sm_scale"]), **mod_values)
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
-            lib["batch_prefill_kernel"].launch((pl["num_work"],), (self.kernel.threads,), params,
+            lib["batch_prefill_kernel"].launch((pl["grid"],), (self.kernel.threads,), params,
                                                smem=self.kernel.smem_bytes)
 
 

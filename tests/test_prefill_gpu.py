@@ -166,3 +166,37 @@ def test_fully_masked_rows_give_zeros_and_neg_inf():
     w.plan(qo, kv)  # every tile is skipped: the kernel visits none
     out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_cuda_graph_replays_after_replans():
+    spec = AttentionSpec(family="prefill", causal=True)
+    rng = np.random.default_rng(0)
+    w = BatchPrefill(spec, use_cuda_graph=True, max_batch_size=4, max_work_items=4096)
+    total_q, total_kv = 4 * 600, 4 * 900
+    q = torch.randn(total_q, 32, 128, device="cuda").bfloat16()
+    k = torch.randn(total_kv, 8, 128, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+
+    def replan():
+        qo = rng.integers(1, 600, size=4)
+        kv = qo + rng.integers(0, 300, size=4)
+        qo_indptr, kv_indptr = np.concatenate([[0], np.cumsum(qo)]), np.concatenate([[0], np.cumsum(kv)])
+        w.plan(qo_indptr, kv_indptr)
+        return qo_indptr, kv_indptr
+
+    qo_indptr, kv_indptr = replan()
+    w.run(q[: qo_indptr[-1]], (k, v), out=out[: qo_indptr[-1]])  # warm-up: build and load
+    # capture with the full-size buffers; every later plan fits them (rows beyond a plan are untouched)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, (k, v), out=out)
+    for _ in range(10):
+        qo_indptr, kv_indptr = replan()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in range(4):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+            ref, _ = reference.attention(q[qs], k[ks], v[ks], causal=True)
+            assert (out[qs].double() - ref).abs().max().item() < 2e-2

@@ -16,7 +16,7 @@ SMEM_PER_SM = 228 * 1024
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
-    *ptrs("qo_indptr", "q_offset", "kv_offset", "work", "kv_tile_indptr", "kv_tiles"),
+    *ptrs("qo_indptr", "q_offset", "kv_offset", "work", "kv_tile_indptr", "kv_tiles", "num_work"),
     *scalars("i64", "int64_t", "q_stride_n", "q_stride_h", "out_stride_n", "out_stride_h", "lse_stride_n",
              "lse_stride_h"),
     ParamField("ragged", "int32_t", "i32"),
