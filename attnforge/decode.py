@@ -142,6 +142,11 @@ class BatchDecode:
         self._copy_done.record(stream)
         d = self.spec.head_dim_qk
         scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
+        if self.use_cuda_graph and self._plan is not None:  # launch parameters are baked into a captured graph
+            was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"])
+            if was != (page_size, scale, float(v_scale)):
+                raise checks.fail("plan in CUDA-graph mode", f"page_size, sm_scale*k_scale, v_scale as captured {was}",
+                                  (page_size, scale, float(v_scale)), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work}
 

@@ -169,5 +169,9 @@ def test_bad_inputs_raise_before_launch():
         g.plan(indptr, indices, last, page_size=16)
     with pytest.raises(ValueError, match="max_num_pages=4"):
         g.plan([0, 5], list(range(5)), [1], page_size=16)
+    g1 = BatchDecode(spec, use_cuda_graph=True, max_batch_size=2)
+    g1.plan(indptr, indices, last, page_size=16)
+    with pytest.raises(ValueError, match="as captured"):
+        g1.plan(indptr, indices, last, page_size=16, sm_scale=0.5)
     with pytest.raises(ValueError, match="group sizes up to 16"):
         BatchDecode(AttentionSpec(num_qo_heads=64, num_kv_heads=2, pipeline="transposed"))
