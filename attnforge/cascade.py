@@ -9,8 +9,9 @@ problem), each request's own suffix by batch decode, and the levels are merged b
 
 A level's `group_indptr` [G+1] splits the batch's requests (in order) into groups sharing one
 KV range, given as a CSR page table over the same cache. Levels nest like FlashInfer's multi-level
-cascade: level 0 is the longest-shared prefix. Not yet CUDA-graph capturable (the prefill levels
-re-allocate their plan buffers).
+cascade: level 0 is the longest-shared prefix. With use_cuda_graph=True every level plans into
+persistent buffers, so `run` can be captured once and replayed after re-plans with the same number
+of levels and batch size.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
 
 
 class CascadeDecode:
-    def __init__(self, spec: AttentionSpec, device=None, **decode_kwargs):
+    def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False, **decode_kwargs):
         if spec.family != "decode":
             raise checks.fail("CascadeDecode spec.family", "'decode'", repr(spec.family), "Pass a decode spec.")
         if spec.score_mod is not None or spec.window_left >= 0:
@@ -53,7 +54,8 @@ class CascadeDecode:
             raise checks.fail("CascadeDecode spec.kv_dtype", "bf16 or fp16 (the prefill levels read 16-bit KV)",
                               spec.kv_dtype, "Use BatchDecode with fp8 KV.")
         self.spec = spec
-        self.suffix = BatchDecode(spec, device=device, **decode_kwargs)
+        self.use_cuda_graph = use_cuda_graph
+        self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, **decode_kwargs)
         self.device = self.suffix.device
         self.level_spec = AttentionSpec(family="prefill", num_qo_heads=spec.num_qo_heads,
                                         num_kv_heads=spec.num_kv_heads, head_dim_qk=spec.head_dim_qk,
@@ -64,13 +66,16 @@ class CascadeDecode:
     def plan(self, levels: Sequence[tuple], suffix: tuple, *, page_size: int, sm_scale=None) -> None:
         batch = len(paged.host_int_array("suffix kv_indptr", suffix[0])) - 1
         check_levels(batch, levels)
-        self.levels = []
-        for group_indptr, kv_indptr, kv_indices, last in levels:
-            w = BatchPrefill(self.level_spec, device=self.device)
+        if self.use_cuda_graph and self.levels and len(self.levels) != len(levels):
+            raise checks.fail("plan: number of levels in CUDA-graph mode", f"{len(self.levels)} (as captured)",
+                              len(levels), "Capture one graph per number of levels.")
+        if not (self.use_cuda_graph and self.levels):  # graph mode keeps its wrappers (and their buffers)
+            self.levels = [BatchPrefill(self.level_spec, device=self.device, use_cuda_graph=self.use_cuda_graph,
+                                        max_batch_size=self.suffix.max_batch_size) for _ in levels]
+        for w, (group_indptr, kv_indptr, kv_indices, last) in zip(self.levels, levels):
             # the group's queries (one decode token per request) form one query block
             w.plan(paged.host_int_array("group_indptr", group_indptr), kv_indptr, kv_indices, last,
                    page_size=page_size, sm_scale=sm_scale)
-            self.levels.append(w)
         self.suffix.plan(*suffix, page_size=page_size, sm_scale=sm_scale)
         self.batch = batch
 

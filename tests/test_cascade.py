@@ -41,3 +41,40 @@ def test_cascade_equals_decode_over_concatenated_kv(layout):
     for b, (k, v) in enumerate(per):
         ref, _ = reference.attention(q[b:b + 1], k, v)
         assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_cascade_graph_replay_after_replans():
+    torch.manual_seed(1)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    page, batch, pool = 16, 4, 400
+    cache = torch.randn(pool, 2, page, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    rng = np.random.default_rng(0)
+    c = CascadeDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pool)
+
+    def replan():
+        perm = rng.permutation(pool)
+        n_prefix = int(rng.integers(1, 50))
+        own = rng.integers(1, 20, size=batch)
+        last = rng.integers(1, page + 1, size=batch)
+        own_indptr = np.concatenate([[0], np.cumsum(own)])
+        prefix, rest = perm[:n_prefix], perm[n_prefix:n_prefix + own_indptr[-1]]
+        c.plan(levels=[([0, batch], [0, n_prefix], prefix, [page])], suffix=(own_indptr, rest, last), page_size=page)
+        return prefix, rest, own_indptr, last
+
+    replan()
+    out = torch.empty_like(q)
+    c.run(q, cache, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.run(q, cache, out=out)
+    for _ in range(5):
+        prefix, rest, own_indptr, last = replan()
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in range(batch):
+            pages = np.concatenate([prefix, rest[own_indptr[b]:own_indptr[b + 1]]])
+            k, v = reference.gather_paged(cache[:, 0], cache[:, 1], "NHD", [0, len(pages)], pages, [last[b]], page)[0]
+            ref, _ = reference.attention(q[b:b + 1], k, v)
+            assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
