@@ -33,23 +33,19 @@ AF_HD long long af_floordiv(long long a, long long b) { long long q = a / b; ret
 AF_HD long long af_mod(long long a, long long b) { long long r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 AF_HD float af_floordiv(float a, float b) { return floorf(a / b); }
 AF_HD float af_mod(float a, float b) { return a - b * floorf(a / b); }
-#ifdef __CUDA_ARCH__  // SFU approximations: errors far below bf16/fp16 rounding of the scores
-AF_HD float af_exp(float x) { return __expf(x); }
-AF_HD float af_log(float x) { return __logf(x); }
-AF_HD float af_exp2(float x) { return exp2f(x); }
-AF_HD float af_log2(float x) { return __log2f(x); }
-AF_HD float af_sin(float x) { return __sinf(x); }
-AF_HD float af_cos(float x) { return __cosf(x); }
-AF_HD float af_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+#ifdef __CUDA_ARCH__  // SFU approximations on the device: errors far below bf16/fp16 score rounding
+#define AF_PICK(device_fn, host_fn) device_fn
+AF_HD float af_tanh_approx(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 #else
-AF_HD float af_exp(float x) { return expf(x); }
-AF_HD float af_log(float x) { return logf(x); }
-AF_HD float af_exp2(float x) { return exp2f(x); }
-AF_HD float af_log2(float x) { return log2f(x); }
-AF_HD float af_sin(float x) { return sinf(x); }
-AF_HD float af_cos(float x) { return cosf(x); }
-AF_HD float af_tanh(float x) { return tanhf(x); }
+#define AF_PICK(device_fn, host_fn) host_fn
 #endif
+AF_HD float af_exp(float x) { return AF_PICK(__expf, expf)(x); }
+AF_HD float af_log(float x) { return AF_PICK(__logf, logf)(x); }
+AF_HD float af_exp2(float x) { return exp2f(x); }
+AF_HD float af_log2(float x) { return AF_PICK(__log2f, log2f)(x); }
+AF_HD float af_sin(float x) { return AF_PICK(__sinf, sinf)(x); }
+AF_HD float af_cos(float x) { return AF_PICK(__cosf, cosf)(x); }
+AF_HD float af_tanh(float x) { return AF_PICK(af_tanh_approx, tanhf)(x); }
 AF_HD float af_sigmoid(float x) { return 1.f / (1.f + af_exp(-x)); }
 AF_HD long long af_abs(long long x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }
