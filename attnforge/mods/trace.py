@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 import traceback
 from typing import Callable
 
@@ -64,6 +65,7 @@ class Tracer:
 
 
 _TRACER: list[Tracer] = []
+_TRACE_LOCK = threading.Lock()
 
 
 def _lift(x) -> tuple:
@@ -202,8 +204,8 @@ def _dispatch(func, args, kwargs):
         return Sym(x)
     name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
     raise ModTraceError(f"torch function {name} is not supported in modifiers (at {_user_line()}). Supported: "
-                        "arithmetic, comparisons, torch.where, min/max, abs, clamp, exp, log, tanh, sigmoid, sqrt, "
-                        "and indexing captured tensors.")
+                        "arithmetic, comparisons, torch.where, min/max, abs, clamp, exp, exp2, log, log2, sqrt, sin, cos, "
+                        "tanh, sigmoid, and indexing captured tensors (see docs/mods.md).")
 
 
 def _index(tensor: torch.Tensor, index) -> Sym:
@@ -244,9 +246,10 @@ def trace(fn: Callable, kind: str):
                             f"must be {sig}")
     names = ["score", "b", "h", "q_idx", "kv_idx"][5 - want:]
     tracer = Tracer()
-    _TRACER.append(tracer)
     import builtins
     saved = {}
+    _TRACE_LOCK.acquire()  # builtins.min/max are swapped while tracing: one trace at a time
+    _TRACER.append(tracer)
     try:
         for name in ("min", "max"):  # Python's min/max on traced values become minimum/maximum
             saved[name], patched = _builtin_min_max(name)
@@ -256,6 +259,7 @@ def trace(fn: Callable, kind: str):
         for name, orig in saved.items():
             setattr(builtins, name, orig)
         _TRACER.pop()
+        _TRACE_LOCK.release()
     root = _lift(out)
     t = graph.node_type(root, tracer.slots)
     if kind == "mask" and t != "b":
