@@ -7,7 +7,7 @@ export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" tests 2>&1 | tail -n 150 > "$OUT/pytest.log"
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" tests 2>&1 | tail -n 150 > "$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
@@ -25,6 +25,6 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH
-  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/run.py --suites ${SUITES:-merge,decode} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/run.py --suites ${SUITES:-decode,merge,mods,prefill} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
   cat "$OUT/bench.log"
 fi
