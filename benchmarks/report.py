@@ -79,7 +79,8 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "FlexAttention (torch.compile), FlashInfer 0.2.14 (JIT, sm_90a). Decode GB/s counts the KV bytes read "
         "(fp8: bytes actually read); prefill TFLOP/s count the causal half. `attnforge` is the default pipeline for "
         "the shape; `attnforge-normal` / `attnforge-transposed` force one. Regenerate with "
-        "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU, then `python benchmarks/report.py`.",
+        "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU (or `bash tools/gpu_session.sh`, which "
+        "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`.",
         "",
     ]
     if data.get("notes"):
