@@ -74,8 +74,9 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
         "",
         "Method (`benchmarks/harness.py`): warm-up, 5 calls (prefill: 2) captured in one CUDA graph, median over 20 "
-        "(prefill: 10) replays timed with CUDA events, divided by the calls. Decode, prefill and mods data are several times the "
-        "60 MB L2; the first two merge cases read about 67 MB, so L2 may serve part of them. Peers ran in the same process on the same inputs: cuDNN and FlashAttention-2 through torch SDPA, "
+        "(prefill: 10) replays timed with CUDA events, divided by the calls. Decode data are several times the "
+        "60 MB L2 (prefill, compute-bound, reads 100 MB and more); the first two merge cases read about 67 MB, so L2 may "
+        "serve part of them. Peers ran in the same process on the same inputs: cuDNN and FlashAttention-2 through torch SDPA, "
         "FlexAttention (torch.compile), FlashInfer 0.2.14 (JIT, sm_90a). Decode GB/s counts the KV bytes read "
         "(fp8: bytes actually read); prefill TFLOP/s count the causal half. `attnforge` is the default pipeline for "
         "the shape; `attnforge-normal` / `attnforge-transposed` force one. Regenerate with "
