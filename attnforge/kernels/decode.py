@@ -7,9 +7,9 @@ from functools import cached_property
 
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
-from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 from ..jit import JitModule
 from ..spec import AttentionSpec
+from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 THREADS = 128
@@ -27,9 +27,6 @@ BASE_FIELDS = (
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
-
-
-
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,12 @@ from functools import cached_property
 
 from .. import variants
 from ..codegen import ParamField, ParamsLayout
-from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 from ..jit import JitModule
 from ..spec import AttentionSpec
+from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16"}
 TILE_Q, TILE_KV = 64, 64
-SMEM_PER_SM = 228 * 1024
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -22,7 +21,6 @@ BASE_FIELDS = (
     ParamField("ragged", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
-
 
 
 @dataclass(frozen=True)
