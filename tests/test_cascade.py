@@ -78,3 +78,12 @@ def test_cascade_graph_replay_after_replans():
             k, v = reference.gather_paged(cache[:, 0], cache[:, 1], "NHD", [0, len(pages)], pages, [last[b]], page)[0]
             ref, _ = reference.attention(q[b:b + 1], k, v)
             assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
+
+
+def test_cascade_refuses_variants_it_cannot_merge():
+    with pytest.raises(ValueError, match="no score_mod and no sliding window"):
+        CascadeDecode(AttentionSpec(window_left=128))
+    with pytest.raises(ValueError, match="16-bit KV"):
+        CascadeDecode(AttentionSpec(kv_dtype="fp8_e4m3"))
+    with pytest.raises(ValueError, match="'decode'"):
+        CascadeDecode(AttentionSpec(family="prefill"))

@@ -74,3 +74,16 @@ def test_full_budget_selects_everything():
     indptr, indices = torch.tensor([0, 4, 6]), torch.tensor([3, 1, 0, 2, 5, 4])
     new_ptr, new_idx = select_pages(torch.randn(6), indptr, indices, budget_pages=100)
     assert torch.equal(new_ptr, indptr) and torch.equal(new_idx, indices)
+
+
+def test_bad_budgets_are_refused_before_any_work():
+    import pytest
+
+    from attnforge import AttentionSpec
+    from attnforge.sparse import QuestDecode
+    with pytest.raises(ValueError, match="budget_pages"):
+        select_pages(torch.randn(3), torch.tensor([0, 3]), torch.tensor([0, 1, 2]), budget_pages=0)
+    with pytest.raises(ValueError, match="at least one page"):
+        QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=8, page_size=16)
+    with pytest.raises(ValueError, match="k.shape"):
+        QuestIndex(4, 8, 128).append(torch.randn(3, 4, 128), torch.zeros(3, dtype=torch.int64))

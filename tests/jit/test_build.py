@@ -175,3 +175,22 @@ def test_nvcc_compiles_the_variant_matrix():
         assert data[:4] == b"\x7fELF"
         for k in m.kernel_names:  # every exported kernel is in the image under its C name
             assert k.encode() in data, f"{m.name}: {k} missing"
+
+
+def test_cold_build_logs_start_and_elapsed_and_verbose_streams(cache, monkeypatch, capfd, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="attnforge.jit")
+    monkeypatch.setenv("ATTNFORGE_JIT_VERBOSE", "1")
+    logging.getLogger("attnforge").propagate = True  # let caplog see the package's records
+    try:
+        build(merge_module(), ARCHS)
+    finally:
+        logging.getLogger("attnforge").propagate = False
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("building merge_states_fp16_outfp16" in m for m in messages)
+    assert any(m.startswith("attnforge: built merge_states_fp16_outfp16 in") and " s -> " in m for m in messages)
+    err = capfd.readouterr().err
+    assert "nvcc" in err and "-gencode=arch=compute_90a,code=sm_90a" in err  # ninja -v streamed the command
+    caplog.clear()
+    build(merge_module(), ARCHS)  # warm: no build, no log line
+    assert not [r for r in caplog.records if "building" in r.getMessage()]
