@@ -34,10 +34,10 @@ class BatchDecode:
         elif spec_kwargs:
             raise TypeError(f"BatchDecode: pass either a spec or spec keyword arguments, not both "
                             f"(got extra {sorted(spec_kwargs)})")
-        if spec.family != "decode":
-            raise checks.fail("BatchDecode spec.family", "'decode'", repr(spec.family),
+        if spec.family != self.FAMILY:
+            raise checks.fail(f"{type(self).__name__} spec.family", repr(self.FAMILY), repr(spec.family),
                               "Use the wrapper of that family.")
-        self.spec, self.kernel = spec, DecodeKernel(spec, tile_kv, num_stages, num_warps)
+        self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
@@ -46,7 +46,7 @@ class BatchDecode:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
-        g, d = spec.group_size, spec.head_dim_vo
+        g, d = self._rows_per_slot(), spec.head_dim_vo
         self.num_slots = 2 * self.num_ctas  # two partial slots per CTA (attnforge/scheduler.py)
         need = self.workspace_bytes(spec, self.num_ctas)
         if workspace is None:
@@ -61,6 +61,15 @@ class BatchDecode:
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
         self._copy_done = None
+
+    FAMILY = "decode"
+
+    @staticmethod
+    def _make_kernel(spec, tile_kv, num_stages, num_warps):
+        return DecodeKernel(spec, tile_kv, num_stages, num_warps)
+
+    def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
+        return self.spec.group_size
 
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
@@ -93,6 +102,10 @@ class BatchDecode:
              seq_lens=None, block_table=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
              v_scale: float = 1.0) -> None:
         """Host arrays in, one async copy out; no device-to-host synchronisation."""
+        table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
+        self._commit_plan(table, page_size, self.spec.num_kv_heads, 1, sm_scale, k_scale, v_scale)
+
+    def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
         page_size = page_size if page_size is not None else self.spec.page_size
         if page_size is None or page_size < 1:
             raise checks.fail("plan(page_size=...)", "an int >= 1", page_size,
@@ -117,14 +130,18 @@ class BatchDecode:
         if table.batch_size > self.max_batch_size:
             raise checks.fail("plan: batch size", f"at most max_batch_size={self.max_batch_size}", table.batch_size,
                               "Construct the wrapper with a larger max_batch_size.")
+        return table, page_size
+
+    def _commit_plan(self, table, page_size: int, items_per_request: int, q_len: int, sm_scale, k_scale,
+                     v_scale) -> None:
         if self.use_cuda_graph and self._plan is not None and table.batch_size != self._plan["batch"]:
             raise checks.fail("plan: batch size in CUDA-graph mode", f"{self._plan['batch']} (as captured)",
                               table.batch_size, "Capture one graph per batch size.")
         kv_end = table.kv_len
         kv_begin = np.zeros_like(kv_end)
         if self.spec.window_left >= 0:  # keys before the window are never read
-            kv_begin = np.maximum(kv_end - 1 - self.spec.window_left, 0)
-        work = scheduler.plan_stream(kv_begin, kv_end, self.spec.num_kv_heads, self.num_ctas)
+            kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
+        work = scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
 
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous plan's copy still reads the pinned buffer
@@ -140,15 +157,18 @@ class BatchDecode:
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
         self._copy_done = torch.cuda.Event()
         self._copy_done.record(stream)
-        d = self.spec.head_dim_qk
-        scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
+        scale = (self.default_sm_scale() if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph and self._plan is not None:  # launch parameters are baked into a captured graph
-            was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"])
-            if was != (page_size, scale, float(v_scale)):
-                raise checks.fail("plan in CUDA-graph mode", f"page_size, sm_scale*k_scale, v_scale as captured {was}",
-                                  (page_size, scale, float(v_scale)), "Capture one graph per configuration.")
+            was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"], self._plan["q_len"])
+            if was != (page_size, scale, float(v_scale), q_len):
+                raise checks.fail("plan in CUDA-graph mode",
+                                  f"page_size, sm_scale*k_scale, v_scale, q_len as captured {was}",
+                                  (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
-                      "sm_scale": scale, "v_scale": float(v_scale), "work": work}
+                      "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len}
+
+    def default_sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.spec.head_dim_qk)
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, q: torch.Tensor) -> None:

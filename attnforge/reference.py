@@ -73,6 +73,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Op
     return out, lse.transpose(0, 1)
 
 
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, *,
+                  sm_scale: float, batch_index: int = 0, dtype=torch.float64, **kw):
+    """One MLA request. q_nope [Lq, H, 512], q_pe [Lq, H, 64], ckv [Lk, 512], kpe [Lk, 64] ->
+    (out [Lq, H, 512], lse [Lq, H]). The latent row is both key (with its rope part) and value;
+    the Lq query tokens are the request's last positions, causal among themselves."""
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k = torch.cat([ckv, kpe], dim=-1)[:, None, :]
+    return attention(q, k, ckv[:, None, :], sm_scale=sm_scale, causal=True, batch_index=batch_index,
+                     dtype=dtype, **kw)
+
+
 def gather_paged(cache_k: torch.Tensor, cache_v: torch.Tensor, kv_layout: str, indptr, indices,
                  last_page_len, page_size: int):
     """Per-request contiguous (k [L, Hkv, D], v [L, Hkv, D]) from a paged cache of [P, page, H, D]

@@ -60,7 +60,7 @@ def test_merge_module_renders_types():
     assert "using T = float;" in src and "using TOut = fp16;" in src
 
 
-@pytest.mark.parametrize("family", ["decode", "prefill"])
+@pytest.mark.parametrize("family", ["decode", "prefill", "mla_decode"])
 def test_params_field_offsets_match_a_c_compiler(family, tmp_path):
     """ctypes (host packing) and the C++ struct place every field at the same offset (g++ offsetof;
     every pointer type is 8 bytes like void*)."""
@@ -74,8 +74,10 @@ def test_params_field_offsets_match_a_c_compiler(family, tmp_path):
         pytest.skip("g++ not installed")
     from attnforge.kernels.decode import DecodeKernel
     from attnforge.kernels.prefill import PrefillKernel
-    spec = AttentionSpec(family=family, score_mod=m.relative_position_bias(torch.zeros(32, 3), 1))
-    layout = (DecodeKernel(spec) if family == "decode" else PrefillKernel(spec)).params
+    from attnforge.kernels.mla import MLADecodeKernel
+    mla = {"num_qo_heads": 32, "num_kv_heads": 1, "head_dim_qk": 576, "head_dim_vo": 512} if family == "mla_decode" else {}
+    spec = AttentionSpec(family=family, score_mod=m.relative_position_bias(torch.zeros(32, 3), 1), **mla)
+    layout = {"decode": DecodeKernel, "prefill": PrefillKernel, "mla_decode": MLADecodeKernel}[family](spec).params
     body = "\n".join(f"  {'void*' if f.kind == 'ptr' else f.cpp_type} {f.name};" for f in layout.fields)
     prints = "\n".join(f'  std::printf("%zu\\n", offsetof(P, {f.name}));' for f in layout.fields)
     src = tmp_path / "p.cpp"

@@ -12,5 +12,8 @@ def module_for_attention(spec: AttentionSpec) -> JitModule:
     if spec.family == "prefill":
         from .prefill import PrefillKernel
         return PrefillKernel(spec).module()
+    if spec.family == "mla_decode":
+        from .mla import MLADecodeKernel
+        return MLADecodeKernel(spec).module()
     raise NotImplementedError(f"kernel family {spec.family!r} is not implemented yet; "
-                              "available: 'decode', 'prefill'")
+                              "available: 'decode', 'prefill', 'mla_decode'")

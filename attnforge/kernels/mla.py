@@ -1,0 +1,92 @@
+"""The MLA-decode kernel family: template variables, parameter struct and launch shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .. import scheduler, variants
+from ..codegen import ParamField, ParamsLayout
+from ..jit import JitModule
+from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
+from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from .fields import ptrs, scalars
+
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
+THREADS = 256
+TILE_KV = 64
+MAX_ROWS = 64  # query rows (draft token x head) per CTA
+
+BASE_FIELDS = (
+    *ptrs("q_nope", "q_pe", "ckv_cache", "kpe_cache", cpp="const void*"), ParamField("out", "void*", "ptr"),
+    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
+    ParamField("partial_lse", "float*", "ptr"),
+    *ptrs("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix"),
+    ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
+    *scalars("i64", "int64_t", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
+             "out_stride_t", "out_stride_h", "ckv_stride_page", "ckv_stride_token", "kpe_stride_page",
+             "kpe_stride_token"),
+    *scalars("i32", "int32_t", "page_size", "q_len", "num_row_blocks"),
+    ParamField("v_scale", "float", "f32"),
+    *variants.COMMON_VARIANT_FIELDS,
+)
+
+
+def rows_per_cta(num_heads: int, pipeline: str) -> int:
+    """Query rows one CTA owns: all heads of a draft token up to 64; the normal pipeline's m16
+    tiles need at least 16 rows, the transposed pipeline's n8 tiles only 8."""
+    return min(MAX_ROWS, max(num_heads, 16 if pipeline == "normal" else 8))
+
+
+@dataclass(frozen=True)
+class MLADecodeKernel:
+    spec: AttentionSpec
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.spec.family != "mla_decode":
+            raise ValueError(f"MLADecodeKernel: expected a spec with family='mla_decode', got {self.spec.family!r}")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"MLADecodeKernel.num_stages: expected 2..4, got {self.num_stages}")
+        if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise ValueError(f"MLADecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
+                             f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")
+
+    @property
+    def rows(self) -> int:
+        return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline)
+
+    @property
+    def kv_bytes(self) -> int:
+        return 1 if self.spec.kv_dtype == "fp8_e4m3" else 2
+
+    def row_blocks(self, q_len: int) -> int:
+        return -(-q_len * self.spec.num_qo_heads // self.rows)
+
+    @cached_property
+    def smem_bytes(self) -> int:
+        d, rows = MLA_HEAD_DIM_QK, self.rows
+        red = TILE_KV // 16 if self.spec.pipeline == "transposed" else min(8 // (rows // 16), TILE_KV // 16)
+        wide = TILE_KV * d * 2 if self.kv_bytes == 1 else 0
+        return rows * d * 2 + self.num_stages * TILE_KV * d * self.kv_bytes + wide + rows * TILE_KV * 2 + \
+            (2 * red + 3) * rows * 4
+
+    @property
+    def params(self) -> ParamsLayout:
+        return variants.params_for("MLAParams", BASE_FIELDS, self.spec)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+
+    def module(self) -> JitModule:
+        s = self.spec
+        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
+               "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "tile_kv": TILE_KV,
+               "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
+               "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
+               "params_struct": self.params.cpp()}
+        name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
+                         s.pipeline, *(["softcap"] if s.logits_soft_cap > 0 else []),
+                         *(["win"] if s.window_left >= 0 else []), *(["mod"] if s.score_mod is not None else []),
+                         f"r{self.rows}s{self.num_stages}"])
+        return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"))

@@ -1,0 +1,150 @@
+"""BatchMLADecode: DeepSeek multi-head latent attention decode over a paged latent cache.
+
+    w = BatchMLADecode(num_qo_heads=16)                       # pipeline="auto": the measured winner
+    w.plan(kv_indptr, kv_indices, kv_last_page_len, page_size=64, q_len=1)
+    out = w.run(q_nope, q_pe, ckv_cache, kpe_cache)            # or run(q_nope, q_pe, kv_cache_576)
+
+Every cached token is 512 latent values (ckv, which is also the value row) plus 64 rope values
+(kpe). q_len > 1 (speculative decoding) is causal among the request's draft tokens: token t of
+q_len sits at position kv_len - q_len + t. Reuses BatchDecode's planner, buffers and graph mode.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from . import checks, variants
+from .decode import BatchDecode
+from .jit import registry
+from .kernels.mla import MLADecodeKernel, rows_per_cta
+from .spec import MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO, AttentionSpec
+
+ROPE_DIM = MLA_HEAD_DIM_QK - MLA_HEAD_DIM_VO
+MAX_Q_LEN = 4
+DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_head_dim)^-1/2 in DeepSeek-V2/V3
+
+
+class BatchMLADecode(BatchDecode):
+    FAMILY = "mla_decode"
+
+    def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
+                 use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
+                 max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: int = 2,
+                 **spec_kwargs):
+        if spec is None:
+            spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
+                           **spec_kwargs}
+            spec = AttentionSpec(family="mla_decode", **spec_kwargs)
+            spec_kwargs = {}
+        if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
+            raise checks.fail("max_q_len", f"an int in [1, {MAX_Q_LEN}]", max_q_len,
+                              "Query tokens per request (1 + speculative draft tokens).")
+        self.max_q_len = max_q_len
+        super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
+                         max_num_pages=max_num_pages, device=device, num_stages=num_stages, **spec_kwargs)
+
+    @staticmethod
+    def _make_kernel(spec, tile_kv, num_stages, num_warps):
+        return MLADecodeKernel(spec, num_stages if num_stages is not None else 2)
+
+    def _rows_per_slot(self) -> int:
+        return self.kernel.rows
+
+    @staticmethod
+    def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
+        """Two partial (o, lse) slots of one row block per persistent CTA."""
+        return 2 * num_ctas * rows_per_cta(spec.num_qo_heads, spec.pipeline) * (MLA_HEAD_DIM_VO + 1) * 4
+
+    def default_sm_scale(self) -> float:
+        return DEEPSEEK_SM_SCALE
+
+    def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
+             q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """As BatchDecode.plan, plus q_len: query tokens per request (1..max_q_len).
+        sm_scale defaults to DeepSeek's 1/sqrt(192)."""
+        if not isinstance(q_len, int) or not 1 <= q_len <= self.max_q_len:
+            raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", q_len,
+                              "Construct the wrapper with max_q_len >= the tokens per request.")
+        table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
+        self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
+
+    # -- run -----------------------------------------------------------------------------------------
+    def _check_q(self, name: str, t: torch.Tensor, dim: int) -> None:
+        s, rows = self.spec, self._plan["batch"] * self._plan["q_len"]
+        checks.check_cuda(name, t, self.device)
+        checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.q_dtype],))
+        checks.check_shape(name, t, (rows, s.num_qo_heads, dim), "[batch * q_len, num_heads, dim]")
+        checks.check_contiguous_last(name, t)
+        if t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+            raise checks.fail(name, "16-byte aligned rows", f"strides {t.stride()}", f"Call {name}.contiguous().")
+
+    def _split_latent_cache(self, ckv: torch.Tensor, kpe: Optional[torch.Tensor]):
+        s, ps = self.spec, self._plan["page_size"]
+        parts = (("kv_cache", ckv, MLA_HEAD_DIM_QK),) if kpe is None else \
+            (("ckv_cache", ckv, MLA_HEAD_DIM_VO), ("kpe_cache", kpe, ROPE_DIM))
+        for name, t, width in parts:
+            checks.check_cuda(name, t, self.device)
+            checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
+            checks.check_shape(name, t, (None, ps, width), f"[pages, page_size={ps}, {width}]")
+            checks.check_contiguous_last(name, t)
+            if (t.stride(0) * t.element_size()) % 16 or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16:
+                raise checks.fail(name, "16-byte aligned token rows", f"strides {t.stride()}",
+                                  f"Call {name}.contiguous().")
+            if self._plan["max_page"] >= t.shape[0]:
+                raise checks.fail("kv_indices", f"page ids < {t.shape[0]} (pages in {name})",
+                                  f"max id {self._plan['max_page']}", "Fix the page table or pass the right cache.")
+        if kpe is None:  # one [P, page, 576] cache: the rope part starts 512 elements into each row
+            return ckv.data_ptr(), ckv.data_ptr() + MLA_HEAD_DIM_VO * ckv.element_size(), ckv.stride()[:2], \
+                ckv.stride()[:2]
+        return ckv.data_ptr(), kpe.data_ptr(), ckv.stride()[:2], kpe.stride()[:2]
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, return_lse: bool = False):
+        """q_nope [B*q_len, H, 512], q_pe [B*q_len, H, 64]; ckv_cache [P, page, 512] with kpe_cache
+        [P, page, 64], or one [P, page, 576] cache. Returns out [B*q_len, H, 512] (and lse
+        [B*q_len, H] float32, natural log, if return_lse)."""
+        if self._plan is None:
+            raise RuntimeError("BatchMLADecode.run: call plan(...) first (once per batch, outside graph capture).")
+        s, b, q_len = self.spec, self._plan["batch"], self._plan["q_len"]
+        self._check_q("q_nope", q_nope, MLA_HEAD_DIM_VO)
+        self._check_q("q_pe", q_pe, ROPE_DIM)
+        ckv_ptr, kpe_ptr, ckv_strides, kpe_strides = self._split_latent_cache(ckv_cache, kpe_cache)
+        out_shape = (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO)
+        if out is None:
+            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+        else:
+            checks.check_cuda("out", out, self.device)
+            checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
+            checks.check_shape("out", out, out_shape, "[batch * q_len, num_heads, 512]")
+            checks.check_contiguous_last("out", out)
+        if return_lse and lse is None:
+            lse = torch.empty(out_shape[:2], dtype=torch.float32, device=self.device)
+        if lse is not None:
+            checks.check_cuda("lse", lse, self.device)
+            checks.check_dtype("lse", lse, (torch.float32,))
+            checks.check_shape("lse", lse, out_shape[:2], "[batch * q_len, num_heads]")
+            if not lse.is_contiguous():
+                raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
+        params = self.kernel.params.pack(
+            q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), ckv_cache=ckv_ptr, kpe_cache=kpe_ptr,
+            out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
+            partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
+            kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
+            kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
+            meta=self._dev_ptr("meta"), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),
+            q_pe_stride_t=q_pe.stride(0), q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0),
+            out_stride_h=out.stride(1), ckv_stride_page=ckv_strides[0], ckv_stride_token=ckv_strides[1],
+            kpe_stride_page=kpe_strides[0], kpe_stride_token=kpe_strides[1], page_size=self._plan["page_size"],
+            q_len=q_len, num_row_blocks=self.kernel.row_blocks(q_len), v_scale=self._plan["v_scale"],
+            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
+        rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
+        with torch.cuda.device(self.device):
+            lib["mla_decode_kernel"].launch((self.num_ctas,), (256,), params, smem=self.kernel.smem_bytes)
+            lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,38 @@
+"""MLA kernel shapes on the host: rows per CTA, shared memory, row blocks, rendering."""
+import pytest
+
+from attnforge import AttentionSpec
+from attnforge.kernels.decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from attnforge.kernels.mla import MLADecodeKernel, rows_per_cta
+
+
+def spec(h, pipeline, **kw):
+    return AttentionSpec(family="mla_decode", num_qo_heads=h, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         pipeline=pipeline, **kw)
+
+
+@pytest.mark.parametrize("h", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_every_head_count_fits_one_cta(h, pipeline, kv):
+    k = MLADecodeKernel(spec(h, pipeline, kv_dtype=kv))
+    assert k.smem_bytes + SMEM_RESERVED_PER_CTA <= SMEM_PER_SM
+    assert k.rows in (8, 16, 32, 64) and k.rows >= min(h, 64)
+    assert k.rows % (16 if pipeline == "normal" else 8) == 0
+    for q_len in (1, 2, 3, 4):  # every (token, head) row lands in exactly one block
+        assert (k.row_blocks(q_len) - 1) * k.rows < q_len * h <= k.row_blocks(q_len) * k.rows
+
+
+def test_transposed_pipeline_does_not_pad_eight_heads():
+    assert rows_per_cta(8, "transposed") == 8 and rows_per_cta(8, "normal") == 16
+
+
+def test_deeper_pipeline_refused_when_it_does_not_fit():
+    with pytest.raises(ValueError, match="shared memory"):
+        MLADecodeKernel(spec(128, "normal"), num_stages=3)
+
+
+def test_rendered_source_matches_spec():
+    src = MLADecodeKernel(spec(32, "transposed", q_dtype="fp16", kv_dtype="fp8_e4m3")).module().source
+    assert "constexpr int kHeads = 32;" in src and "constexpr int kRows = 32;" in src
+    assert "using TKV = fp8e4m3;" in src and "constexpr bool kTransposed = true;" in src
