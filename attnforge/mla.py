@@ -31,8 +31,9 @@ class BatchMLADecode(BatchDecode):
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
-                 max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: int = 2,
-                 **spec_kwargs):
+                 max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
+                 tile_kv: Optional[int] = None, **spec_kwargs):
+        """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling)."""
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
                            **spec_kwargs}
@@ -43,11 +44,12 @@ class BatchMLADecode(BatchDecode):
                               "Query tokens per request (1 + speculative draft tokens).")
         self.max_q_len = max_q_len
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
-                         max_num_pages=max_num_pages, device=device, num_stages=num_stages, **spec_kwargs)
+                         max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
+                         **spec_kwargs)
 
     @staticmethod
     def _make_kernel(spec, tile_kv, num_stages, num_warps):
-        return MLADecodeKernel(spec, num_stages if num_stages is not None else 2)
+        return MLADecodeKernel(spec, num_stages, tile_kv)
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows

@@ -29,7 +29,7 @@ def test_transposed_pipeline_does_not_pad_eight_heads():
 
 def test_deeper_pipeline_refused_when_it_does_not_fit():
     with pytest.raises(ValueError, match="shared memory"):
-        MLADecodeKernel(spec(128, "normal"), num_stages=3)
+        MLADecodeKernel(spec(128, "normal"), num_stages=3, tile_kv=64)
 
 
 def test_rendered_source_matches_spec():

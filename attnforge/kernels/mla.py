@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 from functools import cached_property
 
 from .. import scheduler, variants
@@ -13,7 +14,6 @@ from .fields import ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 THREADS = 256
-TILE_KV = 64
 MAX_ROWS = 64  # query rows (draft token x head) per CTA
 
 BASE_FIELDS = (
@@ -37,16 +37,26 @@ def rows_per_cta(num_heads: int, pipeline: str) -> int:
     return min(MAX_ROWS, max(num_heads, 16 if pipeline == "normal" else 8))
 
 
+def default_tiling(rows: int) -> tuple[int, int]:
+    """(tile_kv, stages). Few rows are bandwidth-bound: 32-token tiles let two CTAs share an SM
+    (16 rows) or four stages stay in flight (32 rows). 64 rows are compute-bound: 64-token tiles
+    halve the barriers per token. See docs/perf-notes.md."""
+    return {8: (32, 2), 16: (32, 2), 32: (32, 4)}.get(rows, (64, 2))
+
+
 @dataclass(frozen=True)
 class MLADecodeKernel:
     spec: AttentionSpec
-    num_stages: int = 2
+    num_stages: Optional[int] = None
+    tile_kv: Optional[int] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
             raise ValueError(f"MLADecodeKernel: expected a spec with family='mla_decode', got {self.spec.family!r}")
-        if not 2 <= self.num_stages <= 4:
-            raise ValueError(f"MLADecodeKernel.num_stages: expected 2..4, got {self.num_stages}")
+        if self.tile_kv not in (None, 32, 64):
+            raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
+        if self.num_stages is not None and not 2 <= self.num_stages <= 6:
+            raise ValueError(f"MLADecodeKernel.num_stages: expected 2..6, got {self.num_stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise ValueError(f"MLADecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")
@@ -54,6 +64,13 @@ class MLADecodeKernel:
     @property
     def rows(self) -> int:
         return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline)
+
+    @property
+    def tiling(self) -> tuple[int, int]:
+        tile, stages = default_tiling(self.rows)
+        if self.tile_kv is not None and self.tile_kv != tile:  # an override: the shallow pipeline fits
+            tile, stages = self.tile_kv, 2
+        return tile, (self.num_stages or stages)
 
     @property
     def kv_bytes(self) -> int:
@@ -64,29 +81,29 @@ class MLADecodeKernel:
 
     @cached_property
     def smem_bytes(self) -> int:
-        d, rows = MLA_HEAD_DIM_QK, self.rows
-        red = TILE_KV // 16 if self.spec.pipeline == "transposed" else min(8 // (rows // 16), TILE_KV // 16)
-        wide = TILE_KV * d * 2 if self.kv_bytes == 1 else 0
-        return rows * d * 2 + self.num_stages * TILE_KV * d * self.kv_bytes + wide + rows * TILE_KV * 2 + \
-            (2 * red + 3) * rows * 4
+        (tile, stages), d, rows = self.tiling, MLA_HEAD_DIM_QK, self.rows
+        red = tile // 16 if self.spec.pipeline == "transposed" else min(8 // (rows // 16), tile // 16)
+        wide = tile * d * 2 if self.kv_bytes == 1 else 0
+        return rows * d * 2 + stages * tile * d * self.kv_bytes + wide + rows * tile * 2 + (2 * red + 3) * rows * 4
 
     @property
     def params(self) -> ParamsLayout:
         return variants.params_for("MLAParams", BASE_FIELDS, self.spec)
 
     @property
-    def ctas_per_sm(self) -> int:
-        return max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+    def ctas_per_sm(self) -> int:  # 256 threads: two CTAs leave 128 registers per thread
+        return min(2, max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA)))
 
     def module(self) -> JitModule:
         s = self.spec
+        tile, stages = self.tiling
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
-               "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "tile_kv": TILE_KV,
-               "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
+               "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "tile_kv": tile,
+               "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp()}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []), *(["mod"] if s.score_mod is not None else []),
-                         f"r{self.rows}s{self.num_stages}"])
+                         f"r{self.rows}t{tile}s{stages}"])
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"))

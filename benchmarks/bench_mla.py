@@ -1,0 +1,118 @@
+"""Suite `mla`: MLA decode (512 latent + 64 rope, bf16, page 64) against FlashInfer's MLA (fa2, fa3)
+and plain torch, in the same run.
+
+GB/s counts the latent cache read once (576 x 2 bytes per token); TFLOP/s counts
+2 * (576 + 512) FLOPs per head per KV token (the issue's definition).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchMLADecode
+from attnforge.mla import DEEPSEEK_SM_SCALE
+from harness import Report, time_us
+
+PAGE = 64
+
+
+def cases():
+    base = [("B16 L65536", 16, 65536), ("B64 L8192", 64, 8192), ("B128 L4096", 128, 4096), ("B1 L131072", 1, 131072)]
+    out = [(f"h{h} {name}", h, b, L) for h in (16, 128) for name, b, L in base]
+    return out + [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
+
+
+def inputs(heads, batch, length):
+    pages = -(-length // PAGE)
+    indptr = (np.arange(batch + 1) * pages).astype(np.int32)
+    indices = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(1)).numpy().astype(np.int32)
+    last = np.full(batch, length - (pages - 1) * PAGE, dtype=np.int32)
+    kv = torch.empty(batch * pages, PAGE, 576, device="cuda", dtype=torch.bfloat16).normal_()
+    q_nope = torch.randn(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch, heads, 64, device="cuda", dtype=torch.bfloat16)
+    return q_nope, q_pe, kv, indptr, indices, last
+
+
+def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    variants = [("auto", None), ("normal", None), ("transposed", None)]
+    if os.environ.get("ATTNFORGE_BENCH_ABLATION") == "1":  # the other tile size, for docs/perf-notes.md
+        variants += [("normal", 64 if heads <= 32 else 32), ("transposed", 64 if heads <= 32 else 32)]
+    for pipeline, tile in variants:
+        spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
+                             head_dim_vo=512, pipeline=pipeline)
+        w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile)
+        w.plan(indptr, indices, last, page_size=PAGE)
+        out = torch.empty_like(q_nope)
+        impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}" + (f"-t{tile}" if tile else "")
+        report.add("mla", case, impl, time_us(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), reps=10), nbytes, flops)
+
+
+def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
+    import flashinfer
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    b = len(last)
+    dev = lambda a: torch.as_tensor(a, device="cuda", dtype=torch.int32)  # noqa: E731
+    kv_len = dev((np.diff(indptr) - 1) * PAGE + last)
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    for backend in ("fa2", "fa3"):
+        try:
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+            w.plan(dev(np.arange(b + 1)), dev(indptr), dev(indices), kv_len, heads, 512, 64, PAGE, False,
+                   DEEPSEEK_SM_SCALE, torch.bfloat16, torch.bfloat16)
+            report.add("mla", case, f"flashinfer-{backend}", time_us(lambda: w.run(q_nope, q_pe, ckv, kpe), reps=10),
+                       nbytes, flops)
+        except Exception as e:
+            report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")
+
+
+def bench_torch(report, case, q_nope, q_pe, kv, batch, length, nbytes, flops):
+    """Plain torch on a contiguous copy of the cache: S = Q K^T, softmax in fp32, O = P V."""
+    k = kv.view(batch, -1, 576)[:, :length]
+    q = torch.cat([q_nope, q_pe], dim=-1)
+
+    def fn():
+        s = torch.matmul(q, k.transpose(1, 2)).float() * DEEPSEEK_SM_SCALE
+        return torch.matmul(torch.softmax(s, dim=-1).bfloat16(), k[..., :512])
+    try:
+        report.add("mla", case, "torch", time_us(fn, reps=5), nbytes, flops)
+    except Exception as e:
+        report.note(f"torch on {case}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def accuracy(report: Report) -> None:
+    """RMSE against float64 for each pipeline and dtype (the ETAP paper reports 1.25e-5 in fp16)."""
+    from attnforge import reference
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        q_nope, q_pe, kv, indptr, indices, last = inputs(16, 4, 4096)
+        q_nope, q_pe, kv = q_nope.to(dtype), q_pe.to(dtype), kv.to(dtype)
+        rows = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]], dtype=torch.long)].reshape(-1, 576).double()
+                for b in range(4)]
+        ref = torch.cat([reference.mla_attention(q_nope[b:b + 1].double(), q_pe[b:b + 1].double(), r[:, :512],
+                                                 r[:, 512:], sm_scale=DEEPSEEK_SM_SCALE)[0] for b, r in enumerate(rows)])
+        for pipeline in ("normal", "transposed"):
+            spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
+                                 head_dim_vo=512, q_dtype=str(dtype).split(".")[1], pipeline=pipeline)
+            w = BatchMLADecode(spec)
+            w.plan(indptr, indices, last, page_size=PAGE)
+            out = w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:])
+            rmse = (out.double() - ref).pow(2).mean().sqrt().item()
+            report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {pipeline}: RMSE vs float64 {rmse:.3e}")
+
+
+def run(report: Report, peers: bool = True) -> None:
+    accuracy(report)
+    for case, heads, batch, length in cases():
+        q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
+        tokens = batch * length
+        nbytes, flops = tokens * 576 * 2, 2 * (576 + 512) * heads * tokens
+        bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops)
+        if peers:
+            bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops)
+            if batch * heads * length * 4 <= 2**31:  # the fp32 score matrix must fit comfortably
+                bench_torch(report, case, q_nope, q_pe, kv, batch, length, nbytes, flops)
+        del q_nope, q_pe, kv
+        torch.cuda.empty_cache()
