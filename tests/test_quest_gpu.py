@@ -10,16 +10,16 @@ pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
 
 
-def build(lengths, seed=0):
+def build(lengths, seed=0, index_dtype=torch.float32, hkv=HKV):
     g = torch.Generator().manual_seed(seed)
     pages = [-(-n // PAGE) for n in lengths]
     total = sum(pages)
-    cache = torch.randn(total, 2, PAGE, HKV, D, generator=g).bfloat16().cuda()
+    cache = torch.randn(total, 2, PAGE, hkv, D, generator=g).bfloat16().cuda()
     perm = torch.randperm(total, generator=g)
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)])).cuda()
     indices = perm.cuda()
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lengths, pages)])
-    index = QuestIndex(total, HKV, D, device="cuda")
+    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype)
     for b, n in enumerate(lengths):  # append every token's key to its page summary
         own = indices[indptr[b]:indptr[b + 1]]
         pos = torch.arange(n, device="cuda")
@@ -34,9 +34,10 @@ def test_full_budget_equals_dense():
     cache, indptr, indices, last, index = build(lengths)
     q = torch.randn(3, 32, D, device="cuda").bfloat16()
     quest = QuestDecode(spec, index, budget_tokens=1 << 20, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
     dense = BatchDecode(spec)
     dense.plan(indptr.cpu(), indices.cpu(), last, page_size=PAGE)
-    assert torch.equal(quest.run(q, cache, indptr, indices, last), dense.run(q, cache))
+    assert torch.equal(quest.run(q, cache), dense.run(q, cache))
 
 
 def test_needle_page_is_selected():
@@ -53,3 +54,83 @@ def test_needle_page_is_selected():
     sel_ptr, sel = select_pages(scores, indptr, indices, budget_pages=16)
     for b in range(4):
         assert needle_pages[b] in sel[sel_ptr[b]:sel_ptr[b + 1]].tolist()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16])
+def test_scoring_kernel_matches_the_torch_bound(index_dtype):
+    lengths = [300, 1, 0, 2048, 17]
+    cache, indptr, indices, last, index = build(lengths, seed=2, index_dtype=index_dtype)
+    q = torch.randn(len(lengths), 32, D, device="cuda").bfloat16()
+    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=HKV), index, budget_tokens=256, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    got = quest.scores(q)[: len(indices)].clone()
+    want = page_scores(q, index, indptr, indices)
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-2)
+
+
+def selection_reference(spec, q, cache, indptr, indices, last, index, budget_pages):
+    """Dense decode over the torch oracle's selection."""
+    sel_ptr, sel = select_pages(page_scores(q, index, indptr, indices), indptr, indices, budget_pages)
+    dense = BatchDecode(spec)
+    dense.plan(sel_ptr.cpu(), sel.cpu(), last, page_size=PAGE)
+    return dense.run(q, cache)
+
+
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
+def test_sparse_output_equals_dense_over_the_selected_pages(heads):
+    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1])
+    lengths = [5000, 100, 0, 2500, 16, 17]
+    cache, indptr, indices, last, index = build(lengths, seed=3, hkv=heads[1])
+    q = torch.randn(len(lengths), heads[0], D, device="cuda").bfloat16()
+    quest = QuestDecode(spec, index, budget_tokens=512, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    out = quest.run(q, cache)
+    assert torch.equal(out, selection_reference(spec, q, cache, indptr, indices, last, index, 512 // PAGE))
+
+
+def test_cuda_graph_replay_after_replans():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
+    rng = np.random.default_rng(0)
+    pages_total, batch = 4096, 4
+    cache = torch.randn(pages_total, 2, PAGE, HKV, D, device="cuda").bfloat16()
+    index = QuestIndex(pages_total, HKV, D, device="cuda")
+    index.append(cache[:, 0].reshape(-1, HKV, D), torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
+    q = torch.randn(batch, 32, D, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    quest = QuestDecode(spec, index, budget_tokens=1024, page_size=PAGE, use_cuda_graph=True, max_batch_size=batch,
+                        max_num_pages=pages_total, max_pages_per_request=1024)
+
+    def replan():
+        lengths = rng.integers(0, 12000, size=batch)
+        n = -(-lengths // PAGE)
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        indices = rng.permutation(pages_total)[: indptr[-1]]
+        last = np.where(n > 0, lengths - (n - 1) * PAGE, 0)
+        quest.plan(indptr, indices, last)
+        return torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda(), torch.as_tensor(last)
+
+    replan()
+    quest.run(q, cache, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quest.run(q, cache, out=out)
+    for i in range(10):
+        indptr, indices, last = replan()
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = selection_reference(spec, q, cache, indptr, indices, last, index, 1024 // PAGE)
+        assert torch.equal(out, ref), f"replay {i}"
+
+
+def test_bad_arguments_raise():
+    cache, indptr, indices, last, index = build([100])
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
+    with pytest.raises(ValueError, match="QuestIndex shape"):
+        QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=4), index, budget_tokens=64, page_size=PAGE)
+    quest = QuestDecode(spec, index, budget_tokens=64, page_size=PAGE, max_num_pages=4)
+    with pytest.raises(RuntimeError, match="call plan"):
+        quest.run(torch.zeros(1, 32, D, device="cuda").bfloat16(), cache)
+    with pytest.raises(ValueError, match="max_num_pages=4"):
+        quest.plan([0, 7], list(range(7)), [4])

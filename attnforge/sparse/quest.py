@@ -1,27 +1,36 @@
-"""Quest: query-aware page selection for sparse decode (torch ops; CUDA-graph friendly shapes).
+"""Quest: query-aware page selection for sparse decode, CUDA-graph capturable end to end.
 
 Per page and KV head the index keeps the elementwise min and max of the keys. A page's score for a
 query is an upper bound of its best dot product: sum_i max(q_i * min_i, q_i * max_i); with GQA the
 bound is summed over the group's query heads, and over KV heads for a per-request selection. Each
 request keeps its top pages within a token budget, always including its last page (the newest
 tokens), in their original order, so the selection is an ordinary page table for batch decode.
+
+`page_scores` / `select_pages` are the torch definitions (the tests' oracle); QuestDecode runs the
+scoring kernel (templates/quest_score.cu.jinja) and a fixed-shape selection on the device.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..checks import fail
 
 
 class QuestIndex:
-    """kmin / kmax [num_pages, num_kv_heads, head_dim] float32; empty pages hold +inf / -inf."""
+    """kmin / kmax [num_pages, num_kv_heads, head_dim]; empty pages hold +inf / -inf.
 
-    def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None):
+    dtype float32 (default) or bfloat16: bf16 halves the bytes the scoring reads (with page 16 and
+    bf16 keys, fp32 summaries are 1/8 of the KV bytes, bf16 ones 1/16)."""
+
+    def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None, dtype=torch.float32):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise fail("QuestIndex dtype", "torch.float32 or torch.bfloat16", dtype, "Pick one of those.")
         shape = (num_pages, num_kv_heads, head_dim)
-        self.kmin = torch.full(shape, math.inf, dtype=torch.float32, device=device)
-        self.kmax = torch.full(shape, -math.inf, dtype=torch.float32, device=device)
+        self.kmin = torch.full(shape, math.inf, dtype=dtype, device=device)
+        self.kmax = torch.full(shape, -math.inf, dtype=dtype, device=device)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Pages just (re)allocated to a request: forget their old keys."""
@@ -34,8 +43,8 @@ class QuestIndex:
             raise fail("k.shape", f"[N, {self.kmin.shape[1]}, {self.kmin.shape[2]}]", list(k.shape),
                        "Pass the keys being appended, one row per token.")
         idx = page_ids.to(torch.int64)[:, None, None].expand_as(k)
-        self.kmin.scatter_reduce_(0, idx, k.float(), reduce="amin")
-        self.kmax.scatter_reduce_(0, idx, k.float(), reduce="amax")
+        self.kmin.scatter_reduce_(0, idx, k.to(self.kmin.dtype), reduce="amin")
+        self.kmax.scatter_reduce_(0, idx, k.to(self.kmax.dtype), reduce="amax")
 
 
 def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -51,8 +60,9 @@ def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_
     request = torch.repeat_interleave(torch.arange(b, device=q.device), counts.to(torch.int64))
     pages = kv_indices.to(torch.int64)
     qg = q.float()[request].view(-1, hkv, hq // hkv, d)  # [n, Hkv, G, D]
-    lo, hi = index.kmin[pages][:, :, None, :], index.kmax[pages][:, :, None, :]
-    bound = torch.maximum(qg * lo, qg * hi).nan_to_num(0.0).sum(dim=-1).sum(dim=-1)  # [n, Hkv]
+    lo, hi = index.kmin[pages].float()[:, :, None, :], index.kmax[pages].float()[:, :, None, :]
+    written = lo <= hi  # dims of a page with no key yet contribute nothing
+    bound = torch.where(written, torch.maximum(qg * lo, qg * hi), 0.0).sum(dim=-1).sum(dim=-1)  # [n, Hkv]
     return bound if per_head else bound.sum(dim=-1)
 
 
@@ -83,21 +93,117 @@ def select_pages(scores: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torc
 class QuestDecode:
     """Score pages, keep each request's best `budget_tokens`, then batch decode over the selection.
 
-    This first version plans the selection on the host (one device-to-host copy per step), so it is
-    not CUDA-graph capturable yet; the scoring and selection themselves are fixed-shape torch ops.
+        quest = QuestDecode(spec, index, budget_tokens=4096, page_size=16)
+        quest.plan(kv_indptr, kv_indices, kv_last_page_len)   # host arrays, once per step
+        out = quest.run(q, kv_cache)                            # device only: graph-capturable
+
+    plan() knows every request's page count, hence how many pages it keeps, hence the selected
+    lengths: the decode planner runs on the host with placeholder page ids. run() scores the pages
+    (one kernel), picks the top pages with fixed-shape torch ops and writes their ids straight into
+    the decode wrapper's device page table, then decodes. With use_cuda_graph=True all buffers are
+    sized at construction (max_batch_size, max_num_pages, max_pages_per_request).
     """
 
-    def __init__(self, spec, index: QuestIndex, budget_tokens: int, page_size: int, **decode_kwargs):
+    def __init__(self, spec, index: QuestIndex, budget_tokens: int, page_size: int, *, use_cuda_graph: bool = False,
+                 max_batch_size: int = 256, max_num_pages: int = 1 << 16, max_pages_per_request: int = 8192,
+                 **decode_kwargs):
         from ..decode import BatchDecode
-        if budget_tokens < page_size:
+        from ..kernels.quest import QuestScoreKernel
+        if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")
-        self.index, self.page_size = index, page_size
+        if index.kmin.shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
+            raise fail("QuestIndex shape", f"[pages, {spec.num_kv_heads}, {spec.head_dim_qk}] (the spec's KV heads, "
+                       "head_dim)", list(index.kmin.shape), "Build the index for this model.")
+        self.index, self.page_size, self.spec = index, page_size, spec
         self.budget_pages = budget_tokens // page_size
-        self.decode = BatchDecode(spec, **decode_kwargs)
+        self.decode = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
+                                  max_num_pages=max_num_pages + 1, **decode_kwargs)  # +1: _select's dump slot
+        self.device = self.decode.device
+        self.use_cuda_graph = use_cuda_graph
+        self.max_pages_per_request = max_pages_per_request
+        meta = "fp32" if index.kmin.dtype == torch.float32 else "bf16"
+        self.kernel = QuestScoreKernel(spec.q_dtype, meta, spec.head_dim_qk, spec.num_kv_heads, spec.group_size)
+        n = max_num_pages
+        self._pages = torch.zeros(n + 1, dtype=torch.int32, device=self.device)  # all listed pages (+1: dump)
+        self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
+        self._sel_indptr = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
+        self._meta = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._scores = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
+                                 pin_memory=True)
+        self._planned = None
 
-    def run(self, q: torch.Tensor, kv_cache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-            kv_last_page_len: torch.Tensor, return_lse: bool = False):
-        scores = page_scores(q, self.index, kv_indptr, kv_indices)
-        indptr, indices = select_pages(scores, kv_indptr, kv_indices, self.budget_pages)
-        self.decode.plan(indptr.cpu(), indices.cpu(), kv_last_page_len.cpu(), page_size=self.page_size)
-        return self.decode.run(q, kv_cache, return_lse=return_lse)
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        from .. import paged
+        table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, self.page_size)
+        b, n = table.batch_size, len(table.indices)
+        if n > len(self._scores):
+            raise fail("plan: number of pages", f"at most max_num_pages={len(self._scores)}", n,
+                       "Construct QuestDecode with a larger max_num_pages.")
+        counts = np.diff(table.indptr)
+        width = self.max_pages_per_request if self.use_cuda_graph else max(int(counts.max(initial=1)), 1)
+        if counts.max(initial=0) > width:
+            raise fail("plan: pages of one request", f"at most max_pages_per_request={width}", int(counts.max()),
+                       "Construct QuestDecode with a larger max_pages_per_request.")
+        keep = np.minimum(counts, self.budget_pages)
+        sel_indptr = np.concatenate([[0], np.cumsum(keep)])
+        last = np.where(counts > 0, table.kv_len - (counts - 1) * self.page_size, 0)
+        # lengths of the selection: every kept page is full except the last (always kept)
+        self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
+        self.decode._plan["max_page"] = table.max_page_index  # run() checks the cache against the real ids
+        host = self._host.numpy()
+        host[:2] = (b, n)
+        host[2:3 + b] = table.indptr
+        host[3 + b:3 + 2 * b] = sel_indptr[:-1]
+        host[3 + 2 * b:3 + 2 * b + n] = table.indices
+        if self._planned is not None:
+            self._planned["copied"].synchronize()  # the previous plan's copies still read the pinned buffer
+        dev = self._host[:3 + 2 * b + n].to(self.device, non_blocking=True)
+        self._meta.copy_(dev[:2])
+        self._indptr[:b + 1].copy_(dev[2:3 + b])
+        self._sel_indptr[:b].copy_(dev[3 + b:3 + 2 * b])
+        self._pages[:n].copy_(dev[3 + 2 * b:])
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        if self.use_cuda_graph and self._planned is not None and self._planned["batch"] != b:
+            raise fail("plan: batch size in CUDA-graph mode", f"{self._planned['batch']} (as captured)", b,
+                       "Capture one graph per batch size.")
+        self._planned = {"batch": b, "width": width, "copied": copied}
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """Quest bound of every listed page of the plan, [max_num_pages] float32 (the kernel)."""
+        from ..jit import registry
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        params = self.kernel.params.pack(q=q.data_ptr(), kmin=self.index.kmin.data_ptr(),
+                                         kmax=self.index.kmax.data_ptr(), kv_indptr=self._indptr.data_ptr(),
+                                         kv_indices=self._pages.data_ptr(), meta=self._meta.data_ptr(),
+                                         scores=self._scores.data_ptr(), q_stride_b=q.stride(0),
+                                         q_stride_h=q.stride(1))
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        with torch.cuda.device(self.device):
+            lib["quest_score_kernel"].launch((sms * 8,), (256,), params)
+        return self._scores
+
+    def _select(self, scores: torch.Tensor) -> None:
+        """Top pages per request, in order, written into the decode wrapper's device page table."""
+        b, width = self._planned["batch"], self._planned["width"]
+        k = min(self.budget_pages, width)
+        start, end = self._indptr[:b].long(), self._indptr[1:b + 1].long()
+        counts = end - start
+        pos = torch.arange(width, device=self.device)[None, :]
+        flat = (start[:, None] + pos).clamp(max=len(self._scores) - 1)
+        padded = torch.where(pos < counts[:, None], scores[flat], -math.inf)
+        padded = torch.where(pos == (counts - 1)[:, None], math.inf, padded)  # the last page is always kept
+        top = torch.topk(padded, k, dim=1).indices.sort(dim=1).values  # [B, k], original order
+        valid = top < counts[:, None]  # padding sorts after the real pages
+        dump = self.decode.max_num_pages - 1  # one slot past any plan's pages: invalid entries land there
+        dst = torch.where(valid, self._sel_indptr[:b, None] + torch.arange(k, device=self.device)[None, :], dump)
+        src = self._pages[torch.gather(flat, 1, top)]
+        self.decode._region("kv_indices", False).scatter_(0, dst.flatten(), src.flatten())
+
+    def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        if self._planned is None:
+            raise RuntimeError("QuestDecode.run: call plan(...) first (once per step, outside graph capture).")
+        self.decode._check_q(q)
+        self._select(self.scores(q))
+        return self.decode.run(q, kv_cache, out=out, return_lse=return_lse)

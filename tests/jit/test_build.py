@@ -172,6 +172,8 @@ def _mod_specs():
 def test_nvcc_compiles_the_variant_matrix():
     mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
+    from attnforge.kernels.quest import QuestScoreKernel
+    mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module()]
     paths = build_many(mods, ARCHS)
     assert len(set(paths)) == len(mods)
     for m, p in zip(mods, paths):

@@ -1,0 +1,34 @@
+"""The Quest page-scoring kernel: template variables and parameter struct."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..codegen import ParamField, ParamsLayout
+from ..jit import JitModule
+from .fields import ptrs, scalars
+
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float"}
+FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_indices", "meta"),
+          ParamField("scores", "float*", "ptr"), *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"))
+LAYOUT = ParamsLayout("QuestParams", FIELDS)
+
+
+@dataclass(frozen=True)
+class QuestScoreKernel:
+    q_dtype: str  # "bf16" / "fp16"
+    meta_dtype: str  # "fp32" / "bf16"
+    head_dim: int
+    num_kv_heads: int
+    group_size: int
+
+    def __post_init__(self):
+        if self.head_dim % 32:
+            raise ValueError(f"QuestScoreKernel.head_dim: expected a multiple of 32, got {self.head_dim}")
+
+    params = LAYOUT
+
+    def module(self) -> JitModule:
+        ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
+               "num_kv_heads": self.num_kv_heads, "group_size": self.group_size, "params_struct": LAYOUT.cpp()}
+        name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
+        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_score_kernel",))

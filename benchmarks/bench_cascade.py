@@ -1,0 +1,50 @@
+"""Suite `cascade`: B256 requests sharing one 32768-token prefix, each with 512 own tokens, GQA 32/8
+d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-noshare (plain decode over prefix +
+own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels).
+
+GB/s counts the KV bytes that must be read once: the prefix once plus every request's own tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchDecode
+from attnforge.cascade import CascadeDecode
+from harness import Report, time_us
+
+B, PREFIX, OWN, PAGE, HQ, HKV, D = 256, 32768, 512, 16, 32, 8, 128
+CASE = f"B{B} shared{PREFIX}+{OWN}"
+
+
+def run(report: Report, peers: bool = True) -> None:
+    pp, op = PREFIX // PAGE, OWN // PAGE
+    total = pp + B * op
+    cache = torch.empty(total, 2, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16).normal_()
+    perm = np.random.default_rng(0).permutation(total).astype(np.int32)
+    prefix, own = perm[:pp], perm[pp:]
+    own_indptr = (np.arange(B + 1) * op).astype(np.int32)
+    last = np.full(B, PAGE, dtype=np.int32)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+    spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D)
+    nbytes = (PREFIX + B * OWN) * HKV * D * 2 * 2
+    c = CascadeDecode(spec)
+    c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
+    report.add("cascade", CASE, "attnforge", time_us(lambda: c.run(q, cache)), nbytes)
+    full_indptr = (np.arange(B + 1) * (pp + op)).astype(np.int32)
+    full = np.concatenate([np.concatenate([prefix, own[b * op:(b + 1) * op]]) for b in range(B)])
+    plain = BatchDecode(spec)
+    plain.plan(full_indptr, full, last, page_size=PAGE)
+    report.add("cascade", CASE, "attnforge-noshare", time_us(lambda: plain.run(q, cache)), nbytes)
+    if not peers:
+        return
+    try:
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
+        dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
+        w.plan([dev([0, B]), dev(np.arange(B + 1))], [dev([0, pp]), dev(own_indptr)], [dev(prefix), dev(own)],
+               [dev([PAGE]), dev(last)], HQ, HKV, D, PAGE)
+        report.add("cascade", CASE, "flashinfer-cascade", time_us(lambda: w.run(q, cache)), nbytes)
+    except Exception as e:
+        report.note(f"flashinfer-cascade on {CASE}: {type(e).__name__}: {str(e)[:160]}")

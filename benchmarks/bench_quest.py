@@ -1,0 +1,45 @@
+"""Suite `quest`: Quest sparse decode end to end (scoring kernel + top-k + decode over the chosen
+pages, one CUDA graph) against our dense decode over the same cache. B16, context 65536, page 16,
+budget 4096 tokens, d128 bf16; the page summaries are bf16 (1/16 of the KV bytes).
+
+GB/s counts the bytes each path must read: dense = all K and V; Quest = the summaries of every page
+plus K and V of the selected pages.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchDecode
+from attnforge.sparse import QuestDecode, QuestIndex
+from harness import Report, time_us
+
+B, L, PAGE, BUDGET, D = 16, 65536, 16, 4096, 128
+
+
+def run(report: Report, peers: bool = True) -> None:
+    for hq, hkv in ((32, 32), (32, 8)):
+        case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
+        pages = B * L // PAGE
+        cache = torch.empty(pages, 2, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16).normal_()
+        indices = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).numpy().astype(np.int32)
+        indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
+        last = np.full(B, PAGE, dtype=np.int32)
+        index = QuestIndex(pages, hkv, D, device="cuda", dtype=torch.bfloat16)
+        index.kmin.copy_(cache[:, 0].amin(dim=1))
+        index.kmax.copy_(cache[:, 0].amax(dim=1))
+        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+        kv_bytes = pages * PAGE * hkv * D * 2 * 2
+        dense = BatchDecode(spec)
+        dense.plan(indptr, indices, last, page_size=PAGE)
+        out = torch.empty_like(q)
+        report.add("quest", case, "attnforge-dense", time_us(lambda: dense.run(q, cache, out=out)), kv_bytes)
+        quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
+                            max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
+        quest.plan(indptr, indices, last)
+        sparse_bytes = index.kmin.numel() * 2 * 2 + kv_bytes * BUDGET // L
+        report.add("quest", case, "attnforge", time_us(lambda: quest.run(q, cache, out=out)), sparse_bytes)
+        report.add("quest", case, "attnforge-scoring", time_us(lambda: quest.scores(q)), index.kmin.numel() * 4)
+        del cache, index
+        torch.cuda.empty_cache()
