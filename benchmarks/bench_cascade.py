@@ -44,7 +44,8 @@ def run(report: Report, peers: bool = True) -> None:
         w = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
         dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
         w.plan([dev([0, B]), dev(np.arange(B + 1))], [dev([0, pp]), dev(own_indptr)], [dev(prefix), dev(own)],
-               [dev([PAGE]), dev(last)], HQ, HKV, D, PAGE)
+               [dev([PAGE]), dev(last)], HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
         report.add("cascade", CASE, "flashinfer-cascade", time_us(lambda: w.run(q, cache)), nbytes)
     except Exception as e:
         report.note(f"flashinfer-cascade on {CASE}: {type(e).__name__}: {str(e)[:160]}")
