@@ -19,6 +19,13 @@ PAGE = 64
 
 
 def cases():
+    if os.environ.get("ATTNFORGE_BENCH_MLA_CASES"):  # a subset, e.g. for ablations
+        keep = os.environ["ATTNFORGE_BENCH_MLA_CASES"].split(",")
+        return [c for c in _all_cases() if c[0] in keep]
+    return _all_cases()
+
+
+def _all_cases():
     base = [("B16 L65536", 16, 65536), ("B64 L8192", 64, 8192), ("B128 L4096", 128, 4096), ("B1 L131072", 1, 131072)]
     out = [(f"h{h} {name}", h, b, L) for h in (16, 128) for name, b, L in base]
     return out + [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
@@ -37,16 +44,22 @@ def inputs(heads, batch, length):
 
 def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
     ckv, kpe = kv[..., :512], kv[..., 512:]
-    variants = [("auto", None), ("normal", None), ("transposed", None)]
-    if os.environ.get("ATTNFORGE_BENCH_ABLATION") == "1":  # the other tile size, for docs/perf-notes.md
-        variants += [("normal", 64 if heads <= 32 else 32), ("transposed", 64 if heads <= 32 else 32)]
-    for pipeline, tile in variants:
+    variants = [("auto", None, None), ("normal", None, None), ("transposed", None, None)]
+    # ATTNFORGE_BENCH_ABLATION="32:3,64:2": other (tile, stages) of the normal pipeline, for docs/perf-notes.md
+    for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
+        tile, stages = (int(x) for x in item.split(":"))
+        variants.append(("normal", tile, stages))
+    for pipeline, tile, stages in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                              head_dim_vo=512, pipeline=pipeline)
-        w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile)
+        try:
+            w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages)
+        except ValueError as e:  # an ablation that does not fit this head count
+            report.note(f"mla {case} t{tile}s{stages}: {e}")
+            continue
         w.plan(indptr, indices, last, page_size=PAGE)
         out = torch.empty_like(q_nope)
-        impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}" + (f"-t{tile}" if tile else "")
+        impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}" + (f"-t{tile}s{stages}" if tile else "")
         report.add("mla", case, impl, time_us(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), reps=10), nbytes, flops)
 
 

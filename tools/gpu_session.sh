@@ -11,7 +11,8 @@ timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -rfE -p no:cacheprovide
 tail -n 40 "$OUT/pytest.log"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" > "$OUT/memcheck.full" 2>&1
+    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
+    tests/test_mla_gpu.py::test_heads_and_odd_lengths > "$OUT/memcheck.full" 2>&1
   echo "memcheck exit $?" > "$OUT/memcheck.log"
   grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
@@ -22,9 +23,13 @@ if [ "${PROFILE:-0}" = 1 ]; then
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats python3 benchmarks/profile_decode.py > "$OUT/ncu.log" 2>&1
   grep -vE "^==PROF==|^\s*$" "$OUT/ncu.log" | tail -n 120
+  timeout 150 ncu --clock-control none --kernel-name mla_decode_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section SchedulerStats python3 benchmarks/profile_mla.py > "$OUT/ncu_mla.log" 2>&1
+  grep -vE "^==PROF==|^\s*$" "$OUT/ncu_mla.log" | tail -n 80 > "$OUT/ncu_mla.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH
-  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/run.py --suites ${SUITES:-decode,merge,mods,prefill} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/run.py --suites ${SUITES:-decode,merge,mods,prefill,mla,quest,cascade,vmm} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
   cat "$OUT/bench.log"
 fi

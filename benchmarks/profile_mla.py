@@ -1,0 +1,18 @@
+"""One MLA case, for `ncu --kernel-name mla_decode_kernel --launch-skip 3 --launch-count 1`.
+python benchmarks/profile_mla.py [heads] (default 16: the bandwidth-bound case, B64 L8192)."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnforge import BatchMLADecode  # noqa: E402
+from bench_mla import PAGE, inputs  # noqa: E402
+
+heads = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+q_nope, q_pe, kv, indptr, indices, last = inputs(heads, 64, 8192)
+w = BatchMLADecode(num_qo_heads=heads)
+w.plan(indptr, indices, last, page_size=PAGE)
+for _ in range(5):
+    w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:])
+torch.cuda.synchronize()
