@@ -8,7 +8,6 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-METRIC = {"decode": "gbps", "merge": "gbps", "prefill": "tflops"}
 
 
 def table(rows, suite):
@@ -20,8 +19,9 @@ def table(rows, suite):
     def fmt(r):
         if r is None:
             return "–"
-        extra = f"{r['gbps']:.0f} GB/s" if r.get("gbps") else (f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops") else "")
-        return f"{r['us']:.1f} µs" + (f"<br>{extra}" if extra else "")
+        extra = [f"{r['gbps']:.0f} GB/s"] if r.get("gbps") else []
+        extra += [f"{r['tflops']:.0f} TFLOP/s"] if r.get("tflops") else []
+        return f"{r['us']:.1f} µs" + "".join(f"<br>{e}" for e in extra)
     out = ["| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
     out += [f"| {c} | " + " | ".join(fmt(cell.get((c, i))) for i in impls) + " |" for c in cases]
     return "\n".join(out)
@@ -61,11 +61,28 @@ def svg_bars(rows, suite, metric, title, path):
     path.write_text("\n".join(parts))
 
 
+def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
+    """Replace the record's rows of every suite a newer results file measured; keep the rest.
+    Each source's notes are kept, prefixed with the suites it measured."""
+    base = json.loads(Path(into).read_text())
+    for src in sources:
+        new = json.loads(Path(src).read_text())
+        suites = sorted({r["suite"] for r in new["rows"]})
+        base["rows"] = [r for r in base["rows"] if r["suite"] not in suites] + new["rows"]
+        base["notes"] = base.get("notes", []) + [f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
+        base["versions"].update(new["versions"])
+        base["date"] = max(base["date"], new["date"])
+    Path(into).write_text(json.dumps(base, indent=1))
+    return 0
+
+
 def main(src: str = str(DOCS / "h200.json")) -> int:
     data = json.loads(Path(src).read_text())
     rows = data["rows"]
     svg_bars(rows, "decode", "gbps", "Batch decode, GQA 32/8, d128, bf16 (GB/s of KV read)", DOCS / "decode.svg")
     svg_bars(rows, "prefill", "tflops", "Prefill, causal, GQA 32/8, d128, bf16 (TFLOP/s)", DOCS / "prefill.svg")
+    if any(r["suite"] == "mla" for r in rows):
+        svg_bars(rows, "mla", "gbps", "MLA decode, 576/512, bf16, page 64 (GB/s of latent cache read)", DOCS / "mla.svg")
     v = data["versions"]
     lines = [
         "# Benchmarks on the H200",
@@ -79,24 +96,32 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "serve part of them. Peers ran in the same process on the same inputs: cuDNN and FlashAttention-2 through torch SDPA, "
         "FlexAttention (torch.compile), FlashInfer 0.2.14 (JIT, sm_90a). Decode GB/s counts the KV bytes read "
         "(fp8: bytes actually read); prefill TFLOP/s count the causal half. `attnforge` is the default pipeline for "
-        "the shape; `attnforge-normal` / `attnforge-transposed` force one. Regenerate with "
+        "the shape; `attnforge-normal` / `attnforge-transposed` force one. MLA GB/s counts the latent cache read once "
+        "(576 x 2 bytes per token) and TFLOP/s 2 x (576 + 512) FLOPs per head per token; Quest GB/s counts what each "
+        "path must read (dense: all K and V; Quest: every page summary plus the selected pages' K and V); cascade GB/s "
+        "the prefix once plus every request's own tokens. Regenerate with "
         "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU (or `bash tools/gpu_session.sh`, which "
-        "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`.",
+        "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`; "
+        "`python benchmarks/report.py merge new.json` replaces only the suites a partial run measured.",
         "",
     ]
     if data.get("notes"):
         lines += ["Notes from the run:", ""] + [f"- {n}" for n in data["notes"]] + [""]
     titles = {"decode": "Batch decode (suite `decode`)", "merge": "merge_states (suite `merge`)",
-              "prefill": "Prefill (suite `prefill`)", "mods": "Score modifiers (suite `mods`)"}
+              "prefill": "Prefill (suite `prefill`)", "mods": "Score modifiers (suite `mods`)",
+              "mla": "MLA decode (suite `mla`)", "quest": "Quest sparse decode (suite `quest`)",
+              "cascade": "Shared-prefix cascade (suite `cascade`)", "vmm": "VirtualKVCache decode (suite `vmm`)"}
     for suite, title in titles.items():
         if any(r["suite"] == suite for r in rows):
             lines += [f"## {title}", ""]
-            if suite in ("decode", "prefill"):
+            if suite in ("decode", "prefill", "mla"):
                 lines += [f"![{suite}]({suite}.svg)", ""]
             lines += [table(rows, suite), ""]
     (DOCS / "README.md").write_text("\n".join(lines))
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # report.py [results.json] | report.py merge new.json [more.json ...]
+    if sys.argv[1:2] == ["merge"]:
+        sys.exit(merge(*sys.argv[2:]) or main())
     sys.exit(main(*sys.argv[1:]))
