@@ -150,6 +150,9 @@ class AttentionSpec:
         if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or self.window_left < -1:
             raise _bad("window_left", self.window_left, "-1 (off) or an int >= 0",
                        "window_left=W keeps the W keys before the query and the query's own.")
+        if self.window_left >= 0 and self.family == "mla_decode":
+            raise _bad("window_left", self.window_left, "-1 for mla_decode (no sliding window: DeepSeek's MLA "
+                       "attends the whole cache)", "Use a mask_mod in score_mod if you need one.")
         cap = self.logits_soft_cap
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap < float("inf")):
             raise _bad("logits_soft_cap", cap, "0 (off) or a finite float > 0", "Gemma-2 uses 50.0.")

@@ -28,6 +28,7 @@ def test_hash_is_stable_and_content_based():
 def test_mla_spec():
     s = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     assert s.name.startswith("mla_decode_mla16_d576x512")
+    assert s.pipeline == "normal"  # measured faster at every head count with the mma.sync kernels
 
 
 @pytest.mark.parametrize("kwargs, field, hint", [
@@ -58,6 +59,8 @@ def test_mla_spec():
     (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1), "head_dim_qk/head_dim_vo", "576"),
     (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
           kv_layout="HND"), "kv_layout", "'NHD' for MLA"),
+    (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+          window_left=128), "window_left", "-1 for mla_decode"),
 ])
 def test_every_invalid_field_is_named(kwargs, field, hint):
     with pytest.raises(ValueError) as e:

@@ -109,6 +109,6 @@ class MLADecodeKernel:
                "params_struct": self.params.cpp()}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["softcap"] if s.logits_soft_cap > 0 else []),
-                         *(["win"] if s.window_left >= 0 else []), *(["mod"] if s.score_mod is not None else []),
+                         *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"))
