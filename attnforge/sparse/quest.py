@@ -151,13 +151,13 @@ class QuestDecode:
         # lengths of the selection: every kept page is full except the last (always kept)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
         self.decode._plan["max_page"] = table.max_page_index  # run() checks the cache against the real ids
+        if self._planned is not None:
+            self._planned["copied"].synchronize()  # the previous plan's copy may still read the pinned buffer
         host = self._host.numpy()
         host[:2] = (b, n)
         host[2:3 + b] = table.indptr
         host[3 + b:3 + 2 * b] = sel_indptr[:-1]
         host[3 + 2 * b:3 + 2 * b + n] = table.indices
-        if self._planned is not None:
-            self._planned["copied"].synchronize()  # the previous plan's copies still read the pinned buffer
         dev = self._host[:3 + 2 * b + n].to(self.device, non_blocking=True)
         self._meta.copy_(dev[:2])
         self._indptr[:b + 1].copy_(dev[2:3 + b])
