@@ -165,9 +165,6 @@ class QuestDecode:
         self._pages[:n].copy_(dev[3 + 2 * b:])
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))
-        if self.use_cuda_graph and self._planned is not None and self._planned["batch"] != b:
-            raise fail("plan: batch size in CUDA-graph mode", f"{self._planned['batch']} (as captured)", b,
-                       "Capture one graph per batch size.")
         self._planned = {"batch": b, "width": width, "copied": copied}
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
