@@ -25,6 +25,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 class BatchDecode:
+    FAMILY = "decode"  # the spec family this wrapper runs (subclasses: other decode-shaped families)
+
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  device: Union[str, torch.device, None] = None, tile_kv: int = 64,
@@ -61,8 +63,6 @@ class BatchDecode:
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
         self._copy_done = None
-
-    FAMILY = "decode"
 
     @staticmethod
     def _make_kernel(spec, tile_kv, num_stages, num_warps):
