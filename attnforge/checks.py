@@ -41,3 +41,24 @@ def check_contiguous_last(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise fail(f"{name}.stride(-1)", "1 (unit stride along the head dimension)", t.stride(-1),
                    f"Call {name}.contiguous().")
+
+
+def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str):
+    """The (out, lse) a wrapper writes: allocated when not given (lse only if asked for), else checked
+    (device, dtype, shape, unit stride; lse is float32 [shape[0], shape[1]] and contiguous)."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        check_cuda("out", out, device)
+        check_dtype("out", out, (dtype,))
+        check_shape("out", out, shape, meaning)
+        check_contiguous_last("out", out)
+    if return_lse and lse is None:
+        lse = torch.empty(tuple(shape[:2]), dtype=torch.float32, device=device)
+    elif lse is not None:
+        check_cuda("lse", lse, device)
+        check_dtype("lse", lse, (torch.float32,))
+        check_shape("lse", lse, tuple(shape[:2]), lse_meaning)
+        if not lse.is_contiguous():
+            raise fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+    return out, lse

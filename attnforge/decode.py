@@ -194,22 +194,9 @@ class BatchDecode:
         s, b = self.spec, self._plan["batch"]
         self._check_q(q)
         k, v, stride_page, stride_token, stride_head = self._split_cache(kv_cache)
-        out_shape = (b, s.num_qo_heads, s.head_dim_vo)
-        if out is None:
-            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
-        else:
-            checks.check_cuda("out", out, self.device)
-            checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
-            checks.check_shape("out", out, out_shape, "[batch, num_qo_heads, head_dim]")
-            checks.check_contiguous_last("out", out)
-        if return_lse and lse is None:
-            lse = torch.empty((b, s.num_qo_heads), dtype=torch.float32, device=self.device)
-        if lse is not None:
-            checks.check_cuda("lse", lse, self.device)
-            checks.check_dtype("lse", lse, (torch.float32,))
-            checks.check_shape("lse", lse, (b, s.num_qo_heads), "[batch, num_qo_heads]")
-            if not lse.is_contiguous():
-                raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+        out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
+                                         checks.TORCH_DTYPES[s.out_dtype], self.device,
+                                         "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads  # kernel reads the batch
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}

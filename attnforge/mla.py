@@ -115,22 +115,9 @@ class BatchMLADecode(BatchDecode):
         self._check_q("q_nope", q_nope, MLA_HEAD_DIM_VO)
         self._check_q("q_pe", q_pe, ROPE_DIM)
         ckv_ptr, kpe_ptr, ckv_strides, kpe_strides = self._split_latent_cache(ckv_cache, kpe_cache)
-        out_shape = (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO)
-        if out is None:
-            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
-        else:
-            checks.check_cuda("out", out, self.device)
-            checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
-            checks.check_shape("out", out, out_shape, "[batch * q_len, num_heads, 512]")
-            checks.check_contiguous_last("out", out)
-        if return_lse and lse is None:
-            lse = torch.empty(out_shape[:2], dtype=torch.float32, device=self.device)
-        if lse is not None:
-            checks.check_cuda("lse", lse, self.device)
-            checks.check_dtype("lse", lse, (torch.float32,))
-            checks.check_shape("lse", lse, out_shape[:2], "[batch * q_len, num_heads]")
-            if not lse.is_contiguous():
-                raise checks.fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+        out, lse = checks.output_buffers(out, lse, return_lse, (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO),
+                                         checks.TORCH_DTYPES[s.out_dtype], self.device,
+                                         "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]")
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
         params = self.kernel.params.pack(

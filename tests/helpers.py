@@ -31,6 +31,19 @@ def make_paged_case(spec: AttentionSpec, lengths, page_size: int, seed: int = 0,
     return q, cache, (indptr, indices, last), per_request
 
 
+def random_page_table(rng, batch: int, page_size: int, num_pages: int, max_len: int, long_len=None):
+    """Random lengths in [0, max_len) (one request in [long_len[0], long_len[1]) when given), each
+    request's pages drawn without repetition from num_pages. Returns (lengths, indptr, indices, last)."""
+    lengths = rng.integers(0, max_len, size=batch)
+    if long_len is not None:
+        lengths[rng.integers(batch)] = int(rng.integers(*long_len))
+    n = -(-lengths // page_size)
+    indptr = np.concatenate([[0], np.cumsum(n)])
+    indices = rng.permutation(num_pages)[: indptr[-1]]
+    last = np.where(n > 0, lengths - (n - 1) * page_size, 0)
+    return lengths, indptr, indices, last
+
+
 def decode_reference(spec: AttentionSpec, q, per_request, sm_scale=None, v_scale=1.0, dtype=torch.float64):
     outs, lses = [], []
     for b, (k, v) in enumerate(per_request):

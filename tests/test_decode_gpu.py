@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison)
+from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison,
+                     random_page_table)
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 15, 16, 17, 1000, 63, 64, 65]
@@ -109,12 +110,7 @@ def test_cuda_graph_replay_after_replans(pipeline):
     w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
 
     def replan():
-        lengths = rng.integers(0, 6000, size=batch)
-        lengths[rng.integers(batch)] = int(rng.integers(20000, 60000))
-        n = -(-lengths // page_size)
-        indptr = np.concatenate([[0], np.cumsum(n)])
-        indices = rng.permutation(pages)[: indptr[-1]]
-        last = np.where(n > 0, lengths - (n - 1) * page_size, 0)
+        _, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 6000, (20000, 60000))
         w.plan(indptr, indices, last, page_size=page_size)
         return indptr, indices, last
 

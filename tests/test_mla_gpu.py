@@ -8,7 +8,7 @@ import torch
 from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from helpers import assert_attention_close, assert_lse_close, poison
+from helpers import assert_attention_close, assert_lse_close, poison, random_page_table
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]
@@ -146,12 +146,7 @@ def test_cuda_graph_replay_after_replans(pipeline):
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len)
 
     def replan():
-        lengths = rng.integers(0, 3000, size=batch)
-        lengths[rng.integers(batch)] = int(rng.integers(20000, 60000))
-        n = -(-lengths // page_size)
-        indptr = np.concatenate([[0], np.cumsum(n)])
-        indices = rng.permutation(pages)[: indptr[-1]]
-        last = np.where(n > 0, lengths - (n - 1) * page_size, 0)
+        lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 3000, (20000, 60000))
         w.plan(indptr, indices, last, page_size=page_size, q_len=q_len)
         return lengths, indptr, indices
 
@@ -209,5 +204,9 @@ def test_bad_inputs_raise_before_launch():
         w.plan(indptr, indices, [65, 1], page_size=64)
     with pytest.raises(ValueError, match="max_q_len"):
         BatchMLADecode(spec, max_q_len=5)
+    g = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=2, max_q_len=2)
+    g.plan(indptr, indices, last, page_size=64, q_len=1)
+    with pytest.raises(ValueError, match="as captured"):  # the captured grid covers q_len=1 rows only
+        g.plan(indptr, indices, last, page_size=64, q_len=2)
     with pytest.raises(ValueError, match="family"):
         BatchMLADecode(AttentionSpec())

@@ -36,3 +36,13 @@ def test_rendered_source_matches_spec():
     src = MLADecodeKernel(spec(32, "transposed", q_dtype="fp16", kv_dtype="fp8_e4m3")).module().source
     assert "constexpr int kHeads = 32;" in src and "constexpr int kRows = 32;" in src
     assert "using TKV = fp8e4m3;" in src and "constexpr bool kTransposed = true;" in src
+
+
+def test_tiling_defaults_and_overrides():
+    assert MLADecodeKernel(spec(16, "normal")).tiling == (32, 2)  # two CTAs per SM
+    assert MLADecodeKernel(spec(16, "normal")).ctas_per_sm == 2
+    assert MLADecodeKernel(spec(128, "normal")).tiling == (64, 2)
+    assert MLADecodeKernel(spec(16, "normal"), tile_kv=64).tiling == (64, 2)  # an override keeps 2 stages
+    assert MLADecodeKernel(spec(128, "normal"), tile_kv=32, num_stages=3).tiling == (32, 3)
+    with pytest.raises(ValueError, match="tile_kv"):
+        MLADecodeKernel(spec(16, "normal"), tile_kv=48)

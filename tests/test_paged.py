@@ -34,3 +34,14 @@ def test_csr_errors(args, msg):
 def test_block_table_too_narrow():
     with pytest.raises(ValueError, match="Widen the block table"):
         paged.from_block_table([40], np.zeros((1, 2), dtype=np.int32), page_size=16)
+
+
+def test_random_page_table_helper_builds_valid_tables():
+    """The GPU graph-replay tests draw their tables with this helper: each must be a valid CSR table."""
+    from helpers import random_page_table
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths, indptr, indices, last = random_page_table(rng, 6, 16, 4096, 3000, (5000, 9000))
+        table = paged.from_csr(indptr, indices, last, 16)
+        assert np.array_equal(table.kv_len, lengths) and len(set(indices.tolist())) == len(indices)
+        assert lengths.max() >= 5000

@@ -87,3 +87,22 @@ def test_bad_budgets_are_refused_before_any_work():
         QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=8, page_size=16)
     with pytest.raises(ValueError, match="k.shape"):
         QuestIndex(4, 8, 128).append(torch.randn(3, 4, 128), torch.zeros(3, dtype=torch.int64))
+
+
+def test_page_without_keys_scores_zero_not_inf():
+    idx = QuestIndex(3, 2, 4)
+    idx.append(torch.randn(5, 2, 4), torch.tensor([0, 0, 2, 2, 2]))  # page 1 stays empty
+    q = torch.randn(1, 4, 4)
+    scores = page_scores(q, idx, torch.tensor([0, 3]), torch.tensor([0, 1, 2]))
+    assert torch.isfinite(scores).all() and scores[1] == 0
+
+
+def test_bf16_summaries_and_bad_dtype():
+    import pytest
+    idx = QuestIndex(2, 1, 8, dtype=torch.bfloat16)
+    k = torch.randn(3, 1, 8)
+    idx.append(k, torch.tensor([1, 1, 1]))
+    assert idx.kmin.dtype == torch.bfloat16
+    assert torch.equal(idx.kmax[1].float(), k.bfloat16().float().amax(dim=0))
+    with pytest.raises(ValueError, match="torch.float32 or torch.bfloat16"):
+        QuestIndex(2, 1, 8, dtype=torch.float16)

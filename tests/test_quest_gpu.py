@@ -5,6 +5,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
+from helpers import random_page_table
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -101,11 +102,7 @@ def test_cuda_graph_replay_after_replans():
                         max_num_pages=pages_total, max_pages_per_request=1024)
 
     def replan():
-        lengths = rng.integers(0, 12000, size=batch)
-        n = -(-lengths // PAGE)
-        indptr = np.concatenate([[0], np.cumsum(n)])
-        indices = rng.permutation(pages_total)[: indptr[-1]]
-        last = np.where(n > 0, lengths - (n - 1) * PAGE, 0)
+        _, indptr, indices, last = random_page_table(rng, batch, PAGE, pages_total, 12000)
         quest.plan(indptr, indices, last)
         return torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda(), torch.as_tensor(last)
 
@@ -134,3 +131,7 @@ def test_bad_arguments_raise():
         quest.run(torch.zeros(1, 32, D, device="cuda").bfloat16(), cache)
     with pytest.raises(ValueError, match="max_num_pages=4"):
         quest.plan([0, 7], list(range(7)), [4])
+    g = QuestDecode(spec, index, budget_tokens=64, page_size=PAGE, use_cuda_graph=True, max_batch_size=1,
+                    max_pages_per_request=2)
+    with pytest.raises(ValueError, match="max_pages_per_request=2"):
+        g.plan([0, 3], [0, 1, 2], [4])
