@@ -16,7 +16,7 @@ import torch
 
 from . import blockmask, checks, paged, variants
 from .jit import registry
-from .kernels.prefill import TILE_KV, TILE_Q, PrefillKernel
+from .kernels.prefill import PrefillKernel, default_backend
 from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
@@ -29,14 +29,15 @@ class BatchPrefill:
 
     def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
-                 max_tiles: int = 1 << 20, **spec_kwargs):
+                 max_tiles: int = 1 << 20, backend: Optional[str] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
             raise TypeError(f"BatchPrefill: pass either a spec or keyword arguments (extra {sorted(spec_kwargs)})")
         if spec.family != "prefill":
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
-        self.spec, self.kernel = spec, PrefillKernel(spec)
+        # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
+        self.spec, self.kernel = spec, PrefillKernel(spec, backend or default_backend(spec))
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
         self.use_cuda_graph = use_cuda_graph
@@ -80,20 +81,20 @@ class BatchPrefill:
             kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index
         q_off = qo[:-1] if q_offset is None else paged.host_int_array("q_offset", q_offset)
         qo_len = np.diff(qo)
-        g = self.spec.group_size
-        # Work: one CTA per (request, kv head, 64 packed query rows); the longest KV range first.
-        tiles = -(-(qo_len * g) // TILE_Q)
+        g, tile_q, tile_kv = self.spec.group_size, self.kernel.tile_q, self.kernel.tile_kv
+        # Work: one CTA per (request, kv head, tile_q packed query rows); the longest KV range first.
+        tiles = -(-(qo_len * g) // tile_q)
         req = np.repeat(np.arange(b), tiles * self.spec.num_kv_heads)
         within = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(tiles * self.spec.num_kv_heads)[:-1]]),
                                                   tiles * self.spec.num_kv_heads)
         head, tile = within % self.spec.num_kv_heads, within // self.spec.num_kv_heads
-        last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * TILE_Q - 1) // g)
+        last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * tile_q - 1) // g)
         cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if self.spec.causal else kv_len[req]
-        work = np.stack([req, head, tile * TILE_Q], axis=1)
+        work = np.stack([req, head, tile * tile_q], axis=1)
         tile_indptr = tile_ids = None
         mod = self.spec.score_mod
         if mod is not None and mod.mask_root is not None:  # block-sparse: visit only tiles with a visible pair
-            tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, TILE_Q, TILE_KV,
+            tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, tile_q, tile_kv,
                                                          self.device)
             cost = np.diff(tile_indptr)
         order = np.argsort(-cost, kind="stable")
@@ -220,7 +221,7 @@ class BatchPrefill:
             ragged=int(pl["ragged"]), **strides, **variants.variant_values(s, pl["sm_scale"]), **mod_values)
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
-            lib["batch_prefill_kernel"].launch((pl["grid"],), (self.kernel.threads,), params,
+            lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,
                                                smem=self.kernel.smem_bytes)
 
 

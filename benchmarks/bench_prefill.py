@@ -47,6 +47,11 @@ def run(report: Report, peers: bool = True) -> None:
             continue
         w.plan(indptr, indptr)
         report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
+        if case == "B1 S8192" and w.kernel.backend != "mma":  # the portable kernel, for the record
+            wm = BatchPrefill(spec, backend="mma")
+            wm.plan(indptr, indptr)
+            report.add("prefill", case, "attnforge-mma", time_us(lambda: wm.run(q, (k, v)), calls=2, reps=10), None,
+                       flops)
         if not peers:
             continue
         bench_flashinfer(report, case, q, k, v, indptr, flops)

@@ -37,21 +37,48 @@ def check_against_reference(spec, q, out, lse, per_request, qo_indptr, sm_scale=
         assert_lse_close(lse[qo_indptr[b]:qo_indptr[b + 1]], ref_lse, spec.name)
 
 
+# (head_dim, backend): the default (wgmma on this H200 where it applies) and the portable mma.sync kernel
+BACKENDS = [(64, None), (128, None), (256, None), (64, "mma"), (128, "mma")]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (16, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_ragged(causal, heads, head_dim):
+@pytest.mark.parametrize("head_dim,backend", BACKENDS)
+def test_ragged(causal, heads, head_dim, backend):
     spec = AttentionSpec(family="prefill", num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=head_dim,
                          causal=causal)
     qo_lens, kv_lens = [1, 77, 300, 129], [1, 200, 300, 1000]  # qo_len < kv_len: chunked prefill
     q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=head_dim)
-    w = BatchPrefill(spec)
+    w = BatchPrefill(spec, backend=backend)
     w.plan(qo, kv)
     out = torch.full_like(q, math.nan)
     out, lse = w.run(q, (k, v), out=out, return_lse=True)
     torch.cuda.synchronize()
     per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
     check_against_reference(spec, q, out, lse, per, qo)
+
+
+def test_hopper_kernel_is_the_default_on_sm90():
+    spec = AttentionSpec(family="prefill", causal=True)
+    expected = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma"
+    assert BatchPrefill(spec).kernel.backend == expected
+    assert BatchPrefill(AttentionSpec(family="prefill", head_dim_qk=256)).kernel.backend == "mma"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_kv_and_lengths_off_the_tiles(causal):
+    # kv_len 0 (no causal diagonal to keep), 1 and lengths one off the 128-token tiles; groups of 8
+    # pack 16 tokens per 128-row query tile, so query tiles straddle requests' ends too.
+    spec = AttentionSpec(family="prefill", num_qo_heads=64, num_kv_heads=8, causal=causal)
+    qo_lens, kv_lens = [5, 1, 127, 129, 257], [0, 1, 127, 255, 257]
+    q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=7)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.all(out[:5] == 0) and torch.all(lse[:5] == -math.inf)
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(1, 5)]
+    check_against_reference(spec, q[5:], out[5:], lse[5:], per, qo[1:] - 5)
 
 
 def test_long_causal_fp16_and_window():

@@ -69,6 +69,7 @@ class JitModule:
     template: str
     context: dict = field(hash=False, compare=False)
     kernel_names: tuple[str, ...] = ()
+    archs: tuple[str, ...] = ()  # non-empty: build for exactly these (an sm_90a-only kernel), not the arch list
 
     @cached_property
     def source(self) -> str:
@@ -198,7 +199,7 @@ def build(module: JitModule, archs: tuple[str, ...] | None = None) -> Path:
 def build_many(modules: Sequence[JitModule], archs: tuple[str, ...] | None = None) -> list[Path]:
     """Build several modules in one parallel ninja run (subninja), each under its own lock."""
     archs = archs or arch.arch_list()
-    jobs = [_Job(m, archs) for m in modules]
+    jobs = [_Job(m, m.archs or archs) for m in modules]
     todo = [j for j in jobs if not j.is_valid()]
     if not todo:
         return [j.artifact for j in jobs]
@@ -217,7 +218,7 @@ def build_many(modules: Sequence[JitModule], archs: tuple[str, ...] | None = Non
                                     "are that slow") from None
         todo = [j for j in todo if not j.is_valid()]  # re-check: someone may have built it meanwhile
         if todo:
-            _build_locked(todo, archs)
+            _build_locked(todo)
     finally:
         for lk in locks:
             if lk.is_locked:
@@ -225,8 +226,9 @@ def build_many(modules: Sequence[JitModule], archs: tuple[str, ...] | None = Non
     return [j.artifact for j in jobs]
 
 
-def _build_locked(todo: list[_Job], archs: tuple[str, ...]) -> None:
+def _build_locked(todo: list[_Job]) -> None:
     what = todo[0].module.name if len(todo) == 1 else f"{len(todo)} modules"
+    archs = sorted({a for j in todo for a in j.archs})
     log.info("attnforge: building %s for %s with nvcc %s ...", what, " ".join(archs), arch.nvcc_version())
     t0 = time.perf_counter()
     for j in todo:

@@ -57,8 +57,19 @@ MAX_JOBS = Knob("MAX_JOBS", int, lambda: max(1, (os.cpu_count() or 2)),
 CUDA_HOME = Knob("CUDA_HOME", str, lambda: os.environ.get("CUDA_PATH", ""),
                  "CUDA toolkit root; nvcc is looked up there first, then on PATH.")
 
+
+def _prefill_backend(s: str) -> str:
+    s = s.strip().lower()
+    if s not in ("auto", "wgmma", "mma"):
+        raise ValueError("expected auto, wgmma or mma")
+    return s
+
+
+PREFILL_BACKEND = Knob("ATTNFORGE_PREFILL_BACKEND", _prefill_backend, lambda: "auto",
+                       "Prefill kernel: auto (wgmma on sm_90a where it applies, else mma), wgmma or mma.")
+
 ALL_KNOBS = (CACHE_DIR, CUDA_ARCH_LIST, JIT_VERBOSE, DISABLE_JIT, LOG_LEVEL, EXTRA_NVCC_FLAGS,
-             LOCK_TIMEOUT_S, MAX_JOBS, CUDA_HOME)
+             LOCK_TIMEOUT_S, MAX_JOBS, CUDA_HOME, PREFILL_BACKEND)
 
 
 def markdown_table() -> str:

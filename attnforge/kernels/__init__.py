@@ -10,8 +10,8 @@ def module_for_attention(spec: AttentionSpec) -> JitModule:
         from .decode import DecodeKernel
         return DecodeKernel(spec).module()
     if spec.family == "prefill":
-        from .prefill import PrefillKernel
-        return PrefillKernel(spec).module()
+        from .prefill import PrefillKernel, default_backend
+        return PrefillKernel(spec, default_backend(spec)).module()
     if spec.family == "mla_decode":
         from .mla import MLADecodeKernel
         return MLADecodeKernel(spec).module()

@@ -1,17 +1,30 @@
-"""The batch-prefill kernel family: template variables, parameter struct and launch shape."""
+"""The batch-prefill kernel family: template variables, parameter struct and launch shape.
+
+Two kernels share one parameter struct, one work list and the variant hooks:
+  "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
+           two warpgroups; 16-bit Q/KV with head_dim 64 or 128.
+  "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; every
+           head_dim, and the fallback where wgmma does not apply.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 from .. import variants
 from ..codegen import ParamField, ParamsLayout
-from ..jit import JitModule
+from ..jit import JitModule, arch, env
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16"}
-TILE_Q, TILE_KV = 64, 64
+BACKENDS = ("wgmma", "mma")
+WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_ARCH = "9.0a"
+SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
+# backend -> (query rows per CTA, KV tokens per tile, default stages)
+_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2)}
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -23,23 +36,71 @@ BASE_FIELDS = (
 )
 
 
+def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
+    """None when the Hopper kernel can run this spec, else why not."""
+    if spec.head_dim_qk not in WGMMA_HEAD_DIMS:
+        return f"head_dim {spec.head_dim_qk} (the wgmma kernel takes {WGMMA_HEAD_DIMS})"
+    if spec.kv_dtype != spec.q_dtype:
+        return f"kv_dtype {spec.kv_dtype} differs from q_dtype {spec.q_dtype}"
+    return None
+
+
+def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
+    """ATTNFORGE_PREFILL_BACKEND if set, else wgmma where it applies and sm_90a is being built."""
+    forced = env.PREFILL_BACKEND.value
+    if forced != "auto":
+        return forced
+    archs = arch.arch_list() if archs is None else archs
+    hopper = any(a.startswith(WGMMA_ARCH) for a in archs)  # "9.0a" or "9.0a+PTX"
+    return "wgmma" if wgmma_applies(spec) is None and hopper else "mma"
+
+
 @dataclass(frozen=True)
 class PrefillKernel:
     spec: AttentionSpec
-    num_stages: int = 2
+    backend: str = "mma"
+    num_stages: Optional[int] = None
 
     def __post_init__(self):
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"PrefillKernel.backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "wgmma" and (why := wgmma_applies(self.spec)) is not None:
+            raise ValueError(f"PrefillKernel: the wgmma backend does not take {why}; use backend='mma' "
+                             "(or ATTNFORGE_PREFILL_BACKEND=auto)")
+        if self.stages < (3 if self.backend == "wgmma" else 2):
+            raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
+                             f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B; "
+                             "use fewer stages")
+
+    @property
+    def tile_q(self) -> int:
+        return _SHAPES[self.backend][0]
+
+    @property
+    def tile_kv(self) -> int:
+        return _SHAPES[self.backend][1]
+
+    @property
+    def stages(self) -> int:
+        return self.num_stages if self.num_stages is not None else _SHAPES[self.backend][2]
 
     @property
     def threads(self) -> int:
-        return 32 * (TILE_Q // 16)
+        return 2 * self.tile_q if self.backend == "wgmma" else 32 * (self.tile_q // 16)
+
+    @property
+    def kernel_name(self) -> str:
+        return "batch_prefill_wgmma_kernel" if self.backend == "wgmma" else "batch_prefill_kernel"
 
     @cached_property
     def smem_bytes(self) -> int:
         d = self.spec.head_dim_qk
-        return TILE_Q * d * 2 + self.num_stages * 2 * TILE_KV * d * 2
+        align_slack = 1024 if self.backend == "wgmma" else 0  # sw128 tiles need 1024-byte alignment
+        return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + align_slack
 
     @property
     def params(self) -> ParamsLayout:
@@ -49,11 +110,15 @@ class PrefillKernel:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
-               "tile_q": TILE_Q, "tile_kv": TILE_KV, "num_stages": self.num_stages, "smem_bytes": self.smem_bytes,
-               "variant_decl": variants.variant_decl(s), "params_struct": self.params.cpp()}
-        name = "_".join(["prefill", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
+               "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
+               "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
+               "params_struct": self.params.cpp()}
+        name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
+                         f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
-                         f"s{self.num_stages}"])
-        return JitModule(name, "batch_prefill.cu.jinja", ctx, ("batch_prefill_kernel",))
+                         f"s{self.stages}"])
+        if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
+            return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))
+        return JitModule(name, "batch_prefill.cu.jinja", ctx, (self.kernel_name,))

@@ -85,3 +85,30 @@ struct KVTileLoader {
 };
 
 }  // namespace attnforge
+
+namespace attnforge {
+
+// The same copies into the sw128 format of attnforge/wgmma.cuh (K and V tiles as wgmma operands).
+// 16-bit KV only: wgmma reads the tiles as they land.
+template <class TKV, int kHeadDim, int kTileKV, int kThreads>
+struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
+  using Base = KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads>;
+  static_assert(sizeof(TKV) == 2 && kHeadDim % 64 == 0, "sw128 tiles hold 16-bit values in 64-column blocks");
+
+  static AF_DEVICE void load(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
+                             const typename Base::Pages& tp, char* sk, char* sv) {
+    const int ch = threadIdx.x % Base::kChunks;
+    const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems;
+#pragma unroll
+    for (int j = 0; j < Base::kRowsPerThread; ++j) {
+      const int row = threadIdx.x / Base::kChunks + j * Base::kRowStep;
+      const bool valid = tp.in_page[j] >= 0;
+      const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
+      const int dst = sw128_offset(row, ch, kTileKV);
+      cp_async_16(sk + dst, k_cache + off, valid);
+      cp_async_16(sv + dst, v_cache + off, valid);
+    }
+  }
+};
+
+}  // namespace attnforge

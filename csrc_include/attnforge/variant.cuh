@@ -73,6 +73,7 @@ struct SoftCapVariant : IdentityVariant {
 template <class Base, bool kCausal, bool kWindow>
 struct WithPositionMask : Base {
   static constexpr bool kHasMask = Base::kHasMask || kCausal || kWindow;
+  static constexpr bool kHasOwnMask = Base::kHasMask;  // beyond position: tiles inside the causal band still need it
   template <class P> AF_DEVICE bool logits_mask(const P& p, const LogitsIndex& i) const {
     bool keep = Base::logits_mask(p, i);
     if constexpr (kCausal) keep = keep && int32_t(i.kv) <= i.qo_pos();

@@ -171,6 +171,11 @@ def _mod_specs():
 
 def test_nvcc_compiles_the_variant_matrix():
     mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
+    # both prefill kernels: module_for_attention picks wgmma (sm_90a) where it applies
+    from attnforge.kernels.prefill import PrefillKernel, wgmma_applies
+    prefill = [s for s in VARIANT_MATRIX + _mod_specs() if s.family == "prefill"]
+    mods += [PrefillKernel(s, "mma").module() for s in prefill if wgmma_applies(s) is None]
+    assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.kernels.quest import QuestScoreKernel
     mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module()]

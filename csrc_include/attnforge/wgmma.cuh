@@ -1,0 +1,64 @@
+// attnforge/wgmma.cuh: warpgroup tensor-core MMA (sm_90a) over 128-byte-swizzled shared tiles.
+//
+// Shared-memory tile format ("sw128"), the one every wgmma operand here uses: a [rows x W] tile of
+// 16-bit values is stored as W/64 column blocks, each [rows][64] (128-byte rows); in each block,
+// 16-byte chunk c of row r sits at chunk c ^ (r % 8). Blocks are 1024-byte aligned, so the
+// hardware's 128B swizzle (address bits 4-6 ^= bits 7-9) reads exactly this layout.
+//   As a K-major operand ([M or N rows][K]), one k16 step is 32 bytes into a block: start address
+//   + (k % 64) * 2, stride between 8-row groups (SBO) 1024 bytes, LBO unused.
+//   As an MN-major B operand ([K rows][N]: V in P.V), one k16 step is 16 rows = 2048 bytes in;
+//   SBO 1024 bytes (8 K rows), LBO = one column block's bytes (the next 64 N columns).
+//
+// Accumulators of m64nN (f32, N/2 per thread): warp w of the warpgroup owns rows 16w..16w+15, and
+// within them the mma.sync m16n8 layout per n8 column chunk j (g = lane / 4, c = lane % 4):
+//   d[4j + 0, 1] -> (row g,     cols 8j + 2c, +1)     d[4j + 2, 3] -> (row g + 8, cols 8j + 2c, +1)
+// A from registers (RS form) is the mma.sync m16k16 A fragment of the warp's 16 rows.
+#pragma once
+#include "attnforge/common.cuh"
+#include "attnforge/cp_async.cuh"  // sw128_offset
+#include "attnforge/wgmma_ops.cuh"
+
+namespace attnforge {
+
+// Shared-memory matrix descriptor, 128B swizzle (layout type 1 in bits 62-63).
+AF_DEVICE uint64_t sw128_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return uint64_t((smem_addr >> 4) & 0x3FFF) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+// Descriptor of k16 step `k` of a K-major sw128 operand of `rows` rows starting at `tile`.
+AF_DEVICE uint64_t sw128_kmajor_desc(uint32_t tile, int rows, int k) {
+  return sw128_desc(tile + (k / 4) * rows * 128 + (k % 4) * 32, 16, 1024);
+}
+// Descriptor of k16 step `k` (rows 16k..16k+15) of an MN-major sw128 B operand of `rows` rows.
+AF_DEVICE uint64_t sw128_mnmajor_desc(uint32_t tile, int rows, int k) {
+  return sw128_desc(tile + k * 16 * 128, rows * 128, 1024);
+}
+
+// Ordering: fence before the first wgmma that reads registers written by ordinary code;
+// commit closes a group; wait<N> leaves at most N groups in flight.
+AF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+AF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+AF_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pins accumulators after wgmma_wait: the compiler sees them rewritten here, so no read of an
+// accumulator moves above the wait (the asm that issued the wgmma "wrote" them long before).
+template <int N>
+AF_DEVICE void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The same for registers an ordinary instruction wrote and a wgmma reads next (accumulators, A
+// fragments): placed before wgmma_fence(), the writes cannot sink below it.
+template <int N>
+AF_DEVICE void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Ordinary shared-memory writes (st.shared, cp.async) -> reads by the async proxy (wgmma, TMA).
+AF_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+}  // namespace attnforge

@@ -1,0 +1,62 @@
+"""The prefill family's two kernels: which one runs, what each refuses, and the sm_90a-only build."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnforge import AttentionSpec
+from attnforge.jit import build_many
+from attnforge.kernels.prefill import PrefillKernel, default_backend, wgmma_applies
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = AttentionSpec(family="prefill", causal=True)  # GQA 32/8, d128, bf16
+
+
+def test_wgmma_where_it_applies_and_sm90a_is_built(monkeypatch):
+    monkeypatch.delenv("ATTNFORGE_PREFILL_BACKEND", raising=False)
+    assert default_backend(SPEC, ("9.0a",)) == "wgmma"
+    assert default_backend(SPEC, ("8.0", "9.0a+PTX")) == "wgmma"
+    assert default_backend(SPEC, ("8.0",)) == "mma"
+    d256 = AttentionSpec(family="prefill", head_dim_qk=256)
+    assert "head_dim 256" in wgmma_applies(d256) and default_backend(d256, ("9.0a",)) == "mma"
+
+
+def test_backend_knob_forces_and_validates(monkeypatch):
+    monkeypatch.setenv("ATTNFORGE_PREFILL_BACKEND", "mma")
+    assert default_backend(SPEC, ("9.0a",)) == "mma"
+    monkeypatch.setenv("ATTNFORGE_PREFILL_BACKEND", "tensor")
+    with pytest.raises(ValueError, match="ATTNFORGE_PREFILL_BACKEND='tensor' is invalid: expected auto, wgmma or mma"):
+        default_backend(SPEC, ("9.0a",))
+
+
+def test_shapes_and_refusals():
+    k = PrefillKernel(SPEC, "wgmma")
+    assert (k.tile_q, k.tile_kv, k.stages, k.threads) == (128, 128, 3, 256)
+    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024
+    assert (PrefillKernel(SPEC, "mma").tile_q, PrefillKernel(SPEC, "mma").threads) == (64, 128)
+    with pytest.raises(ValueError, match="wgmma backend does not take head_dim 256.*backend='mma'"):
+        PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
+    with pytest.raises(ValueError, match="needs at least 3, got 2"):
+        PrefillKernel(SPEC, "wgmma", num_stages=2)
+    with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
+        PrefillKernel(SPEC, "wgmma", num_stages=4)
+    with pytest.raises(ValueError, match="expected one of"):
+        PrefillKernel(SPEC, "tensor")
+
+
+def test_wgmma_module_builds_for_sm90a_whatever_the_arch_list():
+    mod = PrefillKernel(SPEC, "wgmma").module()
+    assert mod.archs == ("9.0a",) and "batch_prefill_wgmma_kernel" in mod.kernel_names
+    (path,) = build_many([mod], ("8.0",))  # an sm_80 list would reject wgmma; the module overrides it
+    assert "/90a/" in path.as_posix() and path.suffix == ".cubin"
+    assert b"batch_prefill_wgmma_kernel" in path.read_bytes()
+
+
+def test_generated_wgmma_header_is_current():
+    out = subprocess.run([sys.executable, "-c", "import runpy,sys; sys.argv=['x']; "
+                          "m = runpy.run_path('tools/gen_wgmma.py', run_name='lib'); print(m['render'](), end='')"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    committed = (ROOT / "csrc_include" / "attnforge" / "wgmma_ops.cuh").read_text()
+    assert out == committed, "run: python tools/gen_wgmma.py"
+    assert committed.count("wgmma.mma_async.sync.aligned") == 12  # {ss, rs} x {64, 128, 256} x {bf16, fp16}
