@@ -1,6 +1,8 @@
 """Suite `prefill`: GQA 32/8, head_dim 128, bf16, causal. TFLOP/s count only the causal half."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -15,6 +17,15 @@ def cases():
     rag = torch.randint(128, 8193, (16,)).tolist()
     return [("B1 S8192", [8192]), ("B1 S32768", [32768]), ("B16 S2048", [2048] * 16),
             ("ragged 16 random 128-8192", rag), ("B1 S8192 paged16", [8192])]
+
+
+def ablations(backend):
+    """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages,..." wgmma configurations."""
+    out = [("attnforge-mma", {"backend": "mma"})] if backend != "mma" else []
+    for item in filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_ABLATION", "").split(",")):
+        tile, stages = (int(x) for x in item.split(":"))
+        out.append((f"attnforge-t{tile}s{stages}", {"backend": "wgmma", "kv_tile": tile, "num_stages": stages}))
+    return out
 
 
 def causal_flops(lengths):
@@ -47,11 +58,11 @@ def run(report: Report, peers: bool = True) -> None:
             continue
         w.plan(indptr, indptr)
         report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
-        if case == "B1 S8192" and w.kernel.backend != "mma":  # the portable kernel, for the record
-            wm = BatchPrefill(spec, backend="mma")
-            wm.plan(indptr, indptr)
-            report.add("prefill", case, "attnforge-mma", time_us(lambda: wm.run(q, (k, v)), calls=2, reps=10), None,
-                       flops)
+        if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record
+            for name, kw in ablations(w.kernel.backend):
+                wa = BatchPrefill(spec, **kw)
+                wa.plan(indptr, indptr)
+                report.add("prefill", case, name, time_us(lambda: wa.run(q, (k, v)), calls=2, reps=10), None, flops)
         if not peers:
             continue
         bench_flashinfer(report, case, q, k, v, indptr, flops)

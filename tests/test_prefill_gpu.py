@@ -58,6 +58,17 @@ def test_ragged(causal, heads, head_dim, backend):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("kv_tile,stages", [(64, 4), (64, 3)])
+def test_wgmma_tiling_overrides(kv_tile, stages):
+    spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=2, causal=True)
+    q, k, v, qo, kv = ragged_case(spec, [1, 77, 300, 129, 640], [1, 200, 300, 1000, 640], seed=5)
+    w = BatchPrefill(spec, backend="wgmma", kv_tile=kv_tile, num_stages=stages)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
+    torch.cuda.synchronize()
+    check_against_reference(spec, q, out, lse, [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(5)], qo)
+
+
 def test_hopper_kernel_is_the_default_on_sm90():
     spec = AttentionSpec(family="prefill", causal=True)
     expected = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma"

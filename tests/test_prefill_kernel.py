@@ -60,3 +60,11 @@ def test_generated_wgmma_header_is_current():
     committed = (ROOT / "csrc_include" / "attnforge" / "wgmma_ops.cuh").read_text()
     assert out == committed, "run: python tools/gen_wgmma.py"
     assert committed.count("wgmma.mma_async.sync.aligned") == 12  # {ss, rs} x {64, 128, 256} x {bf16, fp16}
+
+
+def test_kv_tile_override():
+    k = PrefillKernel(SPEC, "wgmma", num_stages=4, kv_tile=64)
+    assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_s4")
+    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024
+    with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
+        PrefillKernel(SPEC, "mma", kv_tile=64)

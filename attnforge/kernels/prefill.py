@@ -60,6 +60,7 @@ class PrefillKernel:
     spec: AttentionSpec
     backend: str = "mma"
     num_stages: Optional[int] = None
+    kv_tile: Optional[int] = None  # wgmma: 64 or 128 KV tokens per tile (default 128)
 
     def __post_init__(self):
         if self.spec.family != "prefill":
@@ -69,6 +70,9 @@ class PrefillKernel:
         if self.backend == "wgmma" and (why := wgmma_applies(self.spec)) is not None:
             raise ValueError(f"PrefillKernel: the wgmma backend does not take {why}; use backend='mma' "
                              "(or ATTNFORGE_PREFILL_BACKEND=auto)")
+        if self.kv_tile is not None and (self.backend != "wgmma" or self.kv_tile not in (64, 128)):
+            raise ValueError(f"PrefillKernel.kv_tile: the wgmma backend takes 64 or 128 (mma: fixed 64), "
+                             f"got {self.kv_tile} with backend {self.backend!r}")
         if self.stages < (3 if self.backend == "wgmma" else 2):
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
                              f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
@@ -82,7 +86,7 @@ class PrefillKernel:
 
     @property
     def tile_kv(self) -> int:
-        return _SHAPES[self.backend][1]
+        return self.kv_tile or _SHAPES[self.backend][1]
 
     @property
     def stages(self) -> int:
@@ -118,6 +122,7 @@ class PrefillKernel:
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
+                         *([f"t{self.tile_kv}"] if self.tile_kv != _SHAPES[self.backend][1] else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))
