@@ -38,7 +38,7 @@ struct KVTileLoader {
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int pos = t0 + threadIdx.x / kChunks + j * kRowStep;
       const bool valid = pos < kv_end;
-      const int slot = valid ? pos / kv.page_size : 0;
+      const int slot = valid ? kv.page_of(pos) : 0;
       tp.page[j] = valid ? __ldg(kv.page_ids + slot) : 0;
       tp.in_page[j] = valid ? pos - slot * kv.page_size : -1;
     }

@@ -13,9 +13,15 @@ struct PagedKV {
   int32_t page_size;
   int64_t token_base = 0;  // ragged (unpaged) KV: the request's first token, one huge "page"
 
+  // Page-table slot of token `pos`: a shift for power-of-two pages (ragged KV's one huge page too),
+  // sparing the ~20-instruction integer division on the hot path.
+  AF_DEVICE int32_t page_of(int32_t pos) const {
+    return (page_size & (page_size - 1)) == 0 ? pos >> (__ffs(page_size) - 1) : pos / page_size;
+  }
+
   // Offset (in elements) of token `pos` of the request, head `head`, dim 0.
   AF_DEVICE int64_t offset(int32_t pos, int32_t head) const {
-    const int32_t slot = pos / page_size;  // page-table entry read once per row per tile
+    const int32_t slot = page_of(pos);  // page-table entry read once per row per tile
     const int32_t in_page = pos - slot * page_size;
     return token_base + int64_t(__ldg(page_ids + slot)) * stride_page + int64_t(in_page) * stride_token +
            int64_t(head) * stride_head;
