@@ -33,7 +33,7 @@ def test_backend_knob_forces_and_validates(monkeypatch):
 def test_shapes_and_refusals():
     k = PrefillKernel(SPEC, "wgmma")
     assert (k.tile_q, k.tile_kv, k.stages, k.threads) == (128, 128, 3, 256)
-    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024
+    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128
     assert (PrefillKernel(SPEC, "mma").tile_q, PrefillKernel(SPEC, "mma").threads) == (64, 128)
     with pytest.raises(ValueError, match="wgmma backend does not take head_dim 256.*backend='mma'"):
         PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
@@ -65,6 +65,6 @@ def test_generated_wgmma_header_is_current():
 def test_kv_tile_override():
     k = PrefillKernel(SPEC, "wgmma", num_stages=4, kv_tile=64)
     assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_s4")
-    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024
+    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128
     with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
         PrefillKernel(SPEC, "mma", kv_tile=64)

@@ -103,8 +103,9 @@ class PrefillKernel:
     @cached_property
     def smem_bytes(self) -> int:
         d = self.spec.head_dim_qk
-        align_slack = 1024 if self.backend == "wgmma" else 0  # sw128 tiles need 1024-byte alignment
-        return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + align_slack
+        # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
+        extra = 1024 + 128 if self.backend == "wgmma" else 0
+        return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
 
     @property
     def params(self) -> ParamsLayout:
