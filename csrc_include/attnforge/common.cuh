@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #define AF_DEVICE __device__ __forceinline__
+#define AF_HOST_DEVICE __host__ __device__ __forceinline__  // pure layout math, host-tested too
 
 namespace attnforge {
 

@@ -21,17 +21,17 @@
 namespace attnforge {
 
 // Shared-memory matrix descriptor, 128B swizzle (layout type 1 in bits 62-63).
-AF_DEVICE uint64_t sw128_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+AF_HOST_DEVICE uint64_t sw128_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   return uint64_t((smem_addr >> 4) & 0x3FFF) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) |
          (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
 // Descriptor of k16 step `k` of a K-major sw128 operand of `rows` rows starting at `tile`.
-AF_DEVICE uint64_t sw128_kmajor_desc(uint32_t tile, int rows, int k) {
+AF_HOST_DEVICE uint64_t sw128_kmajor_desc(uint32_t tile, int rows, int k) {
   return sw128_desc(tile + (k / 4) * rows * 128 + (k % 4) * 32, 16, 1024);
 }
 // Descriptor of k16 step `k` (rows 16k..16k+15) of an MN-major sw128 B operand of `rows` rows.
-AF_DEVICE uint64_t sw128_mnmajor_desc(uint32_t tile, int rows, int k) {
+AF_HOST_DEVICE uint64_t sw128_mnmajor_desc(uint32_t tile, int rows, int k) {
   return sw128_desc(tile + k * 16 * 128, rows * 128, 1024);
 }
 
