@@ -7,17 +7,19 @@
 
 namespace attnforge {
 
+// Page-table slot of token `pos`: a shift for power-of-two pages (ragged KV's one huge page too),
+// sparing the ~20-instruction integer division on the hot path.
+AF_DEVICE int32_t page_slot(int32_t pos, int32_t page_size) {
+  return (page_size & (page_size - 1)) == 0 ? pos >> (__ffs(page_size) - 1) : pos / page_size;
+}
+
 struct PagedKV {
   const int32_t* page_ids;  // this request's pages: kv_indices + kv_indptr[request]
   int64_t stride_page, stride_token, stride_head;
   int32_t page_size;
   int64_t token_base = 0;  // ragged (unpaged) KV: the request's first token, one huge "page"
 
-  // Page-table slot of token `pos`: a shift for power-of-two pages (ragged KV's one huge page too),
-  // sparing the ~20-instruction integer division on the hot path.
-  AF_DEVICE int32_t page_of(int32_t pos) const {
-    return (page_size & (page_size - 1)) == 0 ? pos >> (__ffs(page_size) - 1) : pos / page_size;
-  }
+  AF_DEVICE int32_t page_of(int32_t pos) const { return page_slot(pos, page_size); }
 
   // Offset (in elements) of token `pos` of the request, head `head`, dim 0.
   AF_DEVICE int64_t offset(int32_t pos, int32_t head) const {
