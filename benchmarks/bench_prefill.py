@@ -20,11 +20,12 @@ def cases():
 
 
 def ablations(backend):
-    """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages,..." wgmma configurations."""
+    """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages[:ws],..." wgmma configurations."""
     out = [("attnforge-mma", {"backend": "mma"})] if backend != "mma" else []
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_ABLATION", "").split(",")):
-        tile, stages = (int(x) for x in item.split(":"))
-        out.append((f"attnforge-t{tile}s{stages}", {"backend": "wgmma", "kv_tile": tile, "num_stages": stages}))
+        tile, stages, *ws = item.split(":")  # "128:3:ws": with a producer warpgroup
+        out.append((f"attnforge-t{tile}s{stages}{'-ws' if ws else ''}",
+                    {"backend": "wgmma", "kv_tile": int(tile), "num_stages": int(stages), "producer": bool(ws)}))
     return out
 
 

@@ -68,3 +68,12 @@ def test_kv_tile_override():
     assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128
     with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
         PrefillKernel(SPEC, "mma", kv_tile=64)
+
+
+def test_producer_warpgroup_shape():
+    k = PrefillKernel(SPEC, "wgmma", producer=True)
+    assert k.threads == 384 and k.module().name.endswith("_ws_s3")
+    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma").smem_bytes + 2 * 3 * 8
+    assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<56>" in k.module().source
+    with pytest.raises(ValueError, match="only the wgmma backend has a producer"):
+        PrefillKernel(SPEC, "mma", producer=True)

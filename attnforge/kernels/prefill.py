@@ -61,6 +61,7 @@ class PrefillKernel:
     backend: str = "mma"
     num_stages: Optional[int] = None
     kv_tile: Optional[int] = None  # wgmma: 64 or 128 KV tokens per tile (default 128)
+    producer: bool = False  # wgmma: a producer warpgroup owns the copies (mbarrier ring, setmaxnreg)
 
     def __post_init__(self):
         if self.spec.family != "prefill":
@@ -73,6 +74,8 @@ class PrefillKernel:
         if self.kv_tile is not None and (self.backend != "wgmma" or self.kv_tile not in (64, 128)):
             raise ValueError(f"PrefillKernel.kv_tile: the wgmma backend takes 64 or 128 (mma: fixed 64), "
                              f"got {self.kv_tile} with backend {self.backend!r}")
+        if self.producer and self.backend != "wgmma":
+            raise ValueError("PrefillKernel.producer: only the wgmma backend has a producer warpgroup")
         if self.stages < (3 if self.backend == "wgmma" else 2):
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
                              f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
@@ -94,7 +97,9 @@ class PrefillKernel:
 
     @property
     def threads(self) -> int:
-        return 2 * self.tile_q if self.backend == "wgmma" else 32 * (self.tile_q // 16)
+        if self.backend == "wgmma":
+            return 2 * self.tile_q + (128 if self.producer else 0)
+        return 32 * (self.tile_q // 16)
 
     @property
     def kernel_name(self) -> str:
@@ -104,7 +109,8 @@ class PrefillKernel:
     def smem_bytes(self) -> int:
         d = self.spec.head_dim_qk
         # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
-        extra = 1024 + 128 if self.backend == "wgmma" else 0
+        # and, with a producer, two mbarriers per stage
+        extra = 1024 + 128 + (16 * self.stages if self.producer else 0) if self.backend == "wgmma" else 0
         return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
 
     @property
@@ -117,6 +123,7 @@ class PrefillKernel:
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
+               "producer_warpgroup": self.producer,
                "params_struct": self.params.cpp()}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
@@ -124,6 +131,7 @@ class PrefillKernel:
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
                          *([f"t{self.tile_kv}"] if self.tile_kv != _SHAPES[self.backend][1] else []),
+                         *(["ws"] if self.producer else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))

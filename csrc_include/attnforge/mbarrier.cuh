@@ -1,0 +1,31 @@
+// attnforge/mbarrier.cuh: shared-memory arrive/wait barriers (sm_90) for producer/consumer rings.
+//
+// A barrier completes a phase when `count` arrivals have landed; waiters name the phase parity they
+// wait for (phase k of a ring slot used for the k-th time: parity k & 1).
+#pragma once
+#include "attnforge/common.cuh"
+
+namespace attnforge {
+
+AF_DEVICE void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Release semantics: this thread's earlier writes are visible to a thread that sees the phase end.
+AF_DEVICE void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Register budgets of warp-specialised kernels (all warps of a warpgroup execute these together).
+template <int N> AF_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> AF_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+}  // namespace attnforge
