@@ -30,7 +30,7 @@ class BatchPrefill:
     def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
-                 kv_tile: Optional[int] = None, producer: bool = False, **spec_kwargs):
+                 kv_tile: Optional[int] = None, producer: bool = False, pingpong: bool = False, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -38,9 +38,9 @@ class BatchPrefill:
         if spec.family != "prefill":
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
-        # num_stages / kv_tile / producer override the kernel's defaults (attnforge.kernels.prefill).
+        # num_stages / kv_tile / producer / pingpong override the kernel's defaults (kernels/prefill.py).
         self.spec = spec
-        self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer)
+        self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
         self.use_cuda_graph = use_cuda_graph

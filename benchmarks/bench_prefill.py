@@ -20,12 +20,13 @@ def cases():
 
 
 def ablations(backend):
-    """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages[:ws],..." wgmma configurations."""
+    """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages[:ws[:pp]],..." wgmma configurations."""
     out = [("attnforge-mma", {"backend": "mma"})] if backend != "mma" else []
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_ABLATION", "").split(",")):
-        tile, stages, *ws = item.split(":")  # "128:3:ws": with a producer warpgroup
-        out.append((f"attnforge-t{tile}s{stages}{'-ws' if ws else ''}",
-                    {"backend": "wgmma", "kv_tile": int(tile), "num_stages": int(stages), "producer": bool(ws)}))
+        tile, stages, *flags = item.split(":")  # "128:3:ws": a producer warpgroup; "128:3:ws:pp": and ping-pong
+        out.append((f"attnforge-t{tile}s{stages}" + "".join(f"-{f}" for f in flags),
+                    {"backend": "wgmma", "kv_tile": int(tile), "num_stages": int(stages), "producer": "ws" in flags,
+                     "pingpong": "pp" in flags}))
     return out
 
 

@@ -58,11 +58,13 @@ def test_ragged(causal, heads, head_dim, backend):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
-@pytest.mark.parametrize("kv_tile,stages,producer", [(64, 4, False), (64, 3, False), (128, 3, True), (64, 5, True)])
-def test_wgmma_tiling_overrides(kv_tile, stages, producer):
+@pytest.mark.parametrize("kv_tile,stages,producer,pingpong", [(64, 4, False, False), (64, 3, False, False),
+                                                              (128, 3, True, False), (64, 5, True, False),
+                                                              (128, 3, True, True)])
+def test_wgmma_tiling_overrides(kv_tile, stages, producer, pingpong):
     spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=2, causal=True)
     q, k, v, qo, kv = ragged_case(spec, [1, 77, 300, 129, 640, 5], [1, 200, 300, 1000, 640, 0], seed=5)
-    w = BatchPrefill(spec, backend="wgmma", kv_tile=kv_tile, num_stages=stages, producer=producer)
+    w = BatchPrefill(spec, backend="wgmma", kv_tile=kv_tile, num_stages=stages, producer=producer, pingpong=pingpong)
     w.plan(qo, kv)
     out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
     torch.cuda.synchronize()
@@ -70,14 +72,14 @@ def test_wgmma_tiling_overrides(kv_tile, stages, producer):
     assert torch.all(out[qo[5]:] == 0) and torch.all(lse[qo[5]:] == -math.inf)  # kv_len 0
 
 
-@pytest.mark.parametrize("page_size", [1, 7, 64])
-def test_wgmma_producer_paged(page_size):
+@pytest.mark.parametrize("page_size,pingpong", [(1, False), (7, True), (64, False)])
+def test_wgmma_producer_paged(page_size, pingpong):
     spec = AttentionSpec(family="prefill", causal=True)
     kv_lens, qo_lens = [300, 1, 777], [37, 1, 777]
     _, cache, (indptr, indices, last), per = make_paged_case(AttentionSpec(), kv_lens, page_size, seed=page_size)
     q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
     qo = np.concatenate([[0], np.cumsum(qo_lens)])
-    w = BatchPrefill(spec, backend="wgmma", producer=True)
+    w = BatchPrefill(spec, backend="wgmma", producer=True, pingpong=pingpong)
     w.plan(qo, indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)

@@ -77,3 +77,7 @@ def test_producer_warpgroup_shape():
     assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<56>" in k.module().source
     with pytest.raises(ValueError, match="only the wgmma backend has a producer"):
         PrefillKernel(SPEC, "mma", producer=True)
+    pp = PrefillKernel(SPEC, "wgmma", producer=True, pingpong=True)
+    assert pp.module().name.endswith("_ws_pp_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
+    with pytest.raises(ValueError, match="pingpong: needs producer=True"):
+        PrefillKernel(SPEC, "wgmma", pingpong=True)

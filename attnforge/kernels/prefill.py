@@ -62,6 +62,7 @@ class PrefillKernel:
     num_stages: Optional[int] = None
     kv_tile: Optional[int] = None  # wgmma: 64 or 128 KV tokens per tile (default 128)
     producer: bool = False  # wgmma: a producer warpgroup owns the copies (mbarrier ring, setmaxnreg)
+    pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
 
     def __post_init__(self):
         if self.spec.family != "prefill":
@@ -76,6 +77,8 @@ class PrefillKernel:
                              f"got {self.kv_tile} with backend {self.backend!r}")
         if self.producer and self.backend != "wgmma":
             raise ValueError("PrefillKernel.producer: only the wgmma backend has a producer warpgroup")
+        if self.pingpong and not self.producer:
+            raise ValueError("PrefillKernel.pingpong: needs producer=True (the consumers then share no CTA barrier)")
         if self.stages < (3 if self.backend == "wgmma" else 2):
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
                              f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
@@ -123,7 +126,7 @@ class PrefillKernel:
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
-               "producer_warpgroup": self.producer,
+               "producer_warpgroup": self.producer, "pingpong": self.pingpong,
                "params_struct": self.params.cpp()}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
@@ -131,7 +134,7 @@ class PrefillKernel:
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
                          *([f"t{self.tile_kv}"] if self.tile_kv != _SHAPES[self.backend][1] else []),
-                         *(["ws"] if self.producer else []),
+                         *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))

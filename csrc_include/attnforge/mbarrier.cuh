@@ -1,4 +1,5 @@
-// attnforge/mbarrier.cuh: shared-memory arrive/wait barriers (sm_90) for producer/consumer rings.
+// attnforge/mbarrier.cuh: shared-memory arrive/wait barriers (sm_90) for producer/consumer rings,
+// and named barriers for warpgroups that take turns.
 //
 // A barrier completes a phase when `count` arrivals have landed; waiters name the phase parity they
 // wait for (phase k of a ring slot used for the k-th time: parity k & 1).
@@ -23,6 +24,11 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+
+// Named CTA barriers (ids 1..15; 0 is __syncthreads): `count` threads in all, some arriving
+// without waiting. Two warpgroups taking turns at the tensor cores use one each.
+AF_DEVICE void named_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+AF_DEVICE void named_bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
 // Register budgets of warp-specialised kernels (all warps of a warpgroup execute these together).
 template <int N> AF_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
