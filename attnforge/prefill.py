@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import blockmask, checks, paged, variants
+from . import blockmask, checks, paged, scheduler, variants
 from .jit import registry
 from .kernels.prefill import PrefillKernel, default_backend
 from .spec import AttentionSpec
@@ -84,16 +84,10 @@ class BatchPrefill:
             kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index
         q_off = qo[:-1] if q_offset is None else paged.host_int_array("q_offset", q_offset)
         qo_len = np.diff(qo)
-        g, tile_q, tile_kv = self.spec.group_size, self.kernel.tile_q, self.kernel.tile_kv
+        tile_q, tile_kv = self.kernel.tile_q, self.kernel.tile_kv
         # Work: one CTA per (request, kv head, tile_q packed query rows); the longest KV range first.
-        tiles = -(-(qo_len * g) // tile_q)
-        req = np.repeat(np.arange(b), tiles * self.spec.num_kv_heads)
-        within = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(tiles * self.spec.num_kv_heads)[:-1]]),
-                                                  tiles * self.spec.num_kv_heads)
-        head, tile = within % self.spec.num_kv_heads, within // self.spec.num_kv_heads
-        last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * tile_q - 1) // g)
-        cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if self.spec.causal else kv_len[req]
-        work = np.stack([req, head, tile * tile_q], axis=1)
+        work, cost = scheduler.prefill_work(qo_len, kv_len, self.spec.group_size, self.spec.num_kv_heads, tile_q,
+                                            self.spec.causal)
         tile_indptr = tile_ids = None
         mod = self.spec.score_mod
         if mod is not None and mod.mask_root is not None:  # block-sparse: visit only tiles with a visible pair

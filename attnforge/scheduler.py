@@ -85,3 +85,21 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     t_lo = int(plan.prefix[request]) + kv_head * (n + CHUNK_FIXED_COST) + CHUNK_FIXED_COST
     first, last = t_lo // plan.span, (t_lo + n - 1) // plan.span
     return [] if first == last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
+
+
+def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_heads: int, tile_q: int,
+                 causal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill work items, one per (request, kv head, tile_q packed query rows), and their costs.
+
+    Packed row r of a request is (token r // group, head r % group) of one KV head. Returns work
+    [N, 3] = (request, kv_head, first packed row) and cost [N] = the KV tokens the item reads (causal:
+    up to its last token's position, queries aligned to the end of the keys). Unsorted.
+    """
+    tiles = -(-(qo_len * group) // tile_q)
+    per_request = tiles * num_kv_heads
+    req = np.repeat(np.arange(len(qo_len)), per_request)
+    within = np.arange(len(req)) - np.repeat(np.cumsum(per_request) - per_request, per_request)
+    head, tile = within % num_kv_heads, within // num_kv_heads
+    last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * tile_q - 1) // group)
+    cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if causal else kv_len[req]
+    return np.stack([req, head, tile * tile_q], axis=1), cost

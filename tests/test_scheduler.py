@@ -3,6 +3,7 @@ kernel's WorkStream does, and `split_slots` as its merge kernel does."""
 import numpy as np
 import pytest
 
+from attnforge import scheduler
 from attnforge.scheduler import CHUNK_FIXED_COST, MIN_SPAN, cta_loads, expand, plan_stream, split_slots
 
 HKV, CTAS = 8, 264
@@ -93,3 +94,27 @@ def test_window_ranges_respected():
 def test_stream_overflow_is_an_error():
     with pytest.raises(ValueError, match="int32"):
         plan_stream(np.zeros(2, dtype=np.int64), np.full(2, 2**30), 8, 264)
+
+
+@pytest.mark.parametrize("group,tile_q", [(1, 64), (4, 128), (8, 128), (3, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_work_covers_every_packed_row_once_with_its_kv_range(group, tile_q, causal):
+    rng = np.random.default_rng(group * tile_q + causal)
+    qo_len = rng.integers(0, 300, size=9)
+    qo_len[0], qo_len[1] = 1, 0
+    kv_len = qo_len + rng.integers(0, 500, size=9)  # queries end-aligned: kv_len >= qo_len
+    kv_len[2] = 0 if qo_len[2] == 0 else kv_len[2]
+    heads = 3
+    work, cost = scheduler.prefill_work(qo_len, kv_len, group, heads, tile_q, causal)
+    covered = {}
+    for (r, h, row0), c in zip(work.tolist(), cost.tolist()):
+        rows = range(row0, min(row0 + tile_q, qo_len[r] * group))
+        assert len(rows) > 0, "no empty items"
+        for pr in rows:
+            assert covered.setdefault((r, h, pr), 0) == 0
+            covered[(r, h, pr)] = 1
+        # brute force: the KV tokens any of the item's rows may see
+        last_pos = kv_len[r] - qo_len[r] + (rows[-1] // group)
+        assert c == (min(kv_len[r], last_pos + 1) if causal else kv_len[r])
+    expected = {(r, h, pr) for r in range(9) for h in range(heads) for pr in range(qo_len[r] * group)}
+    assert set(covered) == expected
