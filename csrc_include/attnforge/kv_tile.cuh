@@ -4,7 +4,8 @@
 //   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
 //   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile.
 // Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep. Page ids are
-// fetched one tile ahead (Pages), so no cp.async waits on a page-table load.
+// fetched one tile ahead (Pages), so no cp.async waits on a page-table load. Sw128KVLoader writes
+// the same rows in the sw128 format of attnforge/wgmma.cuh instead (wgmma operands).
 #pragma once
 #include "attnforge/common.cuh"
 #include "attnforge/cp_async.cuh"
@@ -83,10 +84,6 @@ struct KVTileLoader {
     }
   }
 };
-
-}  // namespace attnforge
-
-namespace attnforge {
 
 // The same copies into the sw128 format of attnforge/wgmma.cuh (K and V tiles as wgmma operands).
 // 16-bit KV only: wgmma reads the tiles as they land.
