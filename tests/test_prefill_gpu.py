@@ -38,7 +38,7 @@ def check_against_reference(spec, q, out, lse, per_request, qo_indptr, sm_scale=
 
 
 # (head_dim, backend): the default (wgmma on this H200 where it applies) and the portable mma.sync kernel
-BACKENDS = [(64, None), (128, None), (256, None), (64, "mma"), (128, "mma")]
+BACKENDS = [(64, None), (128, None), (256, None), (64, "mma"), (128, "mma"), (256, "mma")]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -89,7 +89,7 @@ def test_hopper_kernel_is_the_default_on_sm90():
     spec = AttentionSpec(family="prefill", causal=True)
     expected = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma"
     assert BatchPrefill(spec).kernel.backend == expected
-    assert BatchPrefill(AttentionSpec(family="prefill", head_dim_qk=256)).kernel.backend == "mma"
+    assert BatchPrefill(AttentionSpec(family="prefill", head_dim_qk=256)).kernel.backend == expected
 
 
 @pytest.mark.parametrize("causal", [False, True])

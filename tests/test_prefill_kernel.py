@@ -18,8 +18,10 @@ def test_wgmma_where_it_applies_and_sm90a_is_built(monkeypatch):
     assert default_backend(SPEC, ("9.0a",)) == "wgmma"
     assert default_backend(SPEC, ("8.0", "9.0a+PTX")) == "wgmma"
     assert default_backend(SPEC, ("8.0",)) == "mma"
-    d256 = AttentionSpec(family="prefill", head_dim_qk=256)
-    assert "head_dim 256" in wgmma_applies(d256) and default_backend(d256, ("9.0a",)) == "mma"
+    for d in (64, 128, 256):
+        for dt in ("bf16", "fp16"):
+            spec = AttentionSpec(family="prefill", head_dim_qk=d, q_dtype=dt)
+            assert wgmma_applies(spec) is None and default_backend(spec, ("9.0a",)) == "wgmma"
 
 
 def test_backend_knob_forces_and_validates(monkeypatch):
@@ -35,8 +37,9 @@ def test_shapes_and_refusals():
     assert (k.tile_q, k.tile_kv, k.stages, k.threads) == (128, 128, 3, 256)
     assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128
     assert (PrefillKernel(SPEC, "mma").tile_q, PrefillKernel(SPEC, "mma").threads) == (64, 128)
-    with pytest.raises(ValueError, match="wgmma backend does not take head_dim 256.*backend='mma'"):
-        PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
+    d256 = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
+    assert (d256.tile_q, d256.tile_kv, d256.stages, d256.threads) == (64, 64, 3, 128)  # Q + 3 stages fit
+    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128
     with pytest.raises(ValueError, match="needs at least 3, got 2"):
         PrefillKernel(SPEC, "wgmma", num_stages=2)
     with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
@@ -81,3 +84,5 @@ def test_producer_warpgroup_shape():
     assert pp.module().name.endswith("_ws_pp_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
     with pytest.raises(ValueError, match="pingpong: needs producer=True"):
         PrefillKernel(SPEC, "wgmma", pingpong=True)
+    with pytest.raises(ValueError, match="pingpong: needs two consumer warpgroups"):
+        PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma", producer=True, pingpong=True)

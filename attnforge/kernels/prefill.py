@@ -2,9 +2,9 @@
 
 Two kernels share one parameter struct, one work list and the variant hooks:
   "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
-           two warpgroups; 16-bit Q/KV with head_dim 64 or 128.
-  "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; every
-           head_dim, and the fallback where wgmma does not apply.
+           two warpgroups (head_dim 256: 64 rows, one warpgroup); 16-bit Q/KV.
+  "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; the
+           fallback where wgmma does not apply (other archs, fp8 KV).
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16"}
 BACKENDS = ("wgmma", "mma")
-WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
 SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
-# backend -> (query rows per CTA, KV tokens per tile, default stages)
-_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2)}
+# backend -> (query rows per CTA, KV tokens per tile, default stages); wgmma at head_dim 256 halves
+# both tiles so Q and three K/V stages fit in shared memory (one consumer warpgroup)
+_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (64, 64, 3)}
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -79,6 +80,9 @@ class PrefillKernel:
             raise ValueError("PrefillKernel.producer: only the wgmma backend has a producer warpgroup")
         if self.pingpong and not self.producer:
             raise ValueError("PrefillKernel.pingpong: needs producer=True (the consumers then share no CTA barrier)")
+        if self.pingpong and self.tile_q != 128:
+            raise ValueError(f"PrefillKernel.pingpong: needs two consumer warpgroups (128 query rows), "
+                             f"but head_dim {self.spec.head_dim_qk} runs {self.tile_q}")
         if self.stages < (3 if self.backend == "wgmma" else 2):
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
                              f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
@@ -87,16 +91,21 @@ class PrefillKernel:
                              "use fewer stages")
 
     @property
+    def _shape(self) -> tuple[int, int, int]:
+        wide = self.backend == "wgmma" and self.spec.head_dim_qk == 256
+        return _SHAPES["wgmma256" if wide else self.backend]
+
+    @property
     def tile_q(self) -> int:
-        return _SHAPES[self.backend][0]
+        return self._shape[0]
 
     @property
     def tile_kv(self) -> int:
-        return self.kv_tile or _SHAPES[self.backend][1]
+        return self.kv_tile or self._shape[1]
 
     @property
     def stages(self) -> int:
-        return self.num_stages if self.num_stages is not None else _SHAPES[self.backend][2]
+        return self.num_stages if self.num_stages is not None else self._shape[2]
 
     @property
     def threads(self) -> int:
@@ -133,7 +142,7 @@ class PrefillKernel:
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
-                         *([f"t{self.tile_kv}"] if self.tile_kv != _SHAPES[self.backend][1] else []),
+                         *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for

@@ -109,19 +109,17 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
 
   // Ragged (unpaged) KV: the tile's rows are consecutive tokens, so one 64-bit offset per thread
   // steps by a constant, with no page-table load, division or branch (load() costs ~600
-  // instructions per warp per tile; this ~60). kRowStep % 8 == 0 keeps every row's swizzle equal.
+  // instructions per warp per tile; this ~60).
   static AF_DEVICE void load_contiguous(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
                                         int kv_end, int t0, char* sk, char* sv) {
-    static_assert(Base::kRowStep % 8 == 0, "rows j * kRowStep apart share one swizzle pattern");
     const int ch = threadIdx.x % Base::kChunks, row0 = threadIdx.x / Base::kChunks;
     const int64_t step = int64_t(Base::kRowStep) * kv.stride_token;
     int64_t off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems +
                   int64_t(t0 + row0) * kv.stride_token;
-    const int dst0 = sw128_offset(row0, ch, kTileKV);
 #pragma unroll
     for (int j = 0; j < Base::kRowsPerThread; ++j, off += step) {
       const bool valid = t0 + row0 + j * Base::kRowStep < kv_end;
-      const int dst = dst0 + j * Base::kRowStep * 128;
+      const int dst = sw128_offset(row0 + j * Base::kRowStep, ch, kTileKV);  // an immediate step when kRowStep % 8 == 0
       cp_async_16(sk + dst, k_cache + (valid ? off : 0), valid);
       cp_async_16(sv + dst, v_cache + (valid ? off : 0), valid);
     }
