@@ -85,6 +85,23 @@ def bench_dense(report, case, b, L, flops):
             report.add("prefill", case, impl, time_us(fn, calls=2, reps=10), None, flops)
         except Exception as e:
             report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+    try:  # FlexAttention, compiled, with its causal block mask (built once, outside the timing)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        bm = create_block_mask(lambda b_, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cuda")
+        flex = _compiled_flex(flex_attention)
+        report.add("prefill", case, "flex", time_us(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), calls=2,
+                                                     reps=10), None, flops)
+    except Exception as e:
+        report.note(f"flex on {case}: {type(e).__name__}: {str(e)[:160]}")
+
+
+_FLEX: dict = {}
+
+
+def _compiled_flex(flex_attention):
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
 
 
 def bench_flashinfer(report, case, q, k, v, indptr, flops):
