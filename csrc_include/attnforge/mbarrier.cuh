@@ -25,6 +25,19 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// Non-blocking: whether the phase of that parity has completed.
+AF_DEVICE bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Named CTA barriers (ids 1..15; 0 is __syncthreads): `count` threads in all, some arriving
 // without waiting. Two warpgroups taking turns at the tensor cores use one each.
 AF_DEVICE void named_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
