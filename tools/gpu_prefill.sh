@@ -16,5 +16,5 @@ if [ "${PROFILE:-1}" = 1 ]; then
   grep -vE "^==PROF==|^\s*$" "$OUT/ncu.log" | tail -n 100 > "$OUT/ncu.txt"
 fi
 export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH
-ATTNFORGE_BENCH_PREFILL_ABLATION=${ATTNFORGE_BENCH_PREFILL_ABLATION:-128:3:ws,128:3:ws:pp} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/run.py --suites ${SUITES:-prefill} --out "$OUT/bench.json" 2>&1 | tail -n 40 > "$OUT/bench.log"
+ATTNFORGE_BENCH_PREFILL_ABLATION=${ATTNFORGE_BENCH_PREFILL_ABLATION:-128:3:ws,128:3:ws:pp} timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --suites ${SUITES:-prefill} --out "$OUT/bench.json" 2>&1 | tail -n 40 > "$OUT/bench.log"
 cat "$OUT/bench.log"
