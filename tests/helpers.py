@@ -77,3 +77,20 @@ def assert_lse_close(lse, ref_lse, what=""):
 
 def poison(shape, dtype, device="cuda"):
     return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+
+def replays_after_replans(run, replan, refresh, rounds: int):
+    """The CUDA-graph protocol every wrapper's test checks: plan, run once outside capture (build and
+    load), capture `run`, then per round re-plan, refresh inputs and poison outputs (`refresh`), replay
+    and synchronise. Yields (round, what replan returned) for the caller's checks."""
+    replan()
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for i in range(rounds):
+        planned = replan()
+        refresh()
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, planned

@@ -4,6 +4,7 @@ import torch
 
 from attnforge import AttentionSpec, reference
 from attnforge.cascade import CascadeDecode, check_levels
+from helpers import replays_after_replans
 
 
 def test_level_bookkeeping_errors():
@@ -63,16 +64,9 @@ def test_cascade_graph_replay_after_replans():
         c.plan(levels=[([0, batch], [0, n_prefix], prefix, [page])], suffix=(own_indptr, rest, last), page_size=page)
         return prefix, rest, own_indptr, last
 
-    replan()
     out = torch.empty_like(q)
-    c.run(q, cache, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        c.run(q, cache, out=out)
-    for _ in range(5):
-        prefix, rest, own_indptr, last = replan()
-        graph.replay()
-        torch.cuda.synchronize()
+    for _, (prefix, rest, own_indptr, last) in replays_after_replans(lambda: c.run(q, cache, out=out), replan,
+                                                                     lambda: out.fill_(float("nan")), 5):
         for b in range(batch):
             pages = np.concatenate([prefix, rest[own_indptr[b]:own_indptr[b + 1]]])
             k, v = reference.gather_paged(cache[:, 0], cache[:, 1], "NHD", [0, len(pages)], pages, [last[b]], page)[0]

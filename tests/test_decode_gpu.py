@@ -6,7 +6,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison,
-                     random_page_table)
+                     random_page_table, replays_after_replans)
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 15, 16, 17, 1000, 63, 64, 65]
@@ -114,18 +114,12 @@ def test_cuda_graph_replay_after_replans(pipeline):
         w.plan(indptr, indices, last, page_size=page_size)
         return indptr, indices, last
 
-    replan()
-    w.run(q, cache, out=out)  # warm-up outside capture: build, load
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(q, cache, out=out)
-    from attnforge import reference
-    for i in range(50):
-        indptr, indices, last = replan()
+    def refresh():
         q.copy_(torch.randn_like(q.float()).bfloat16())
         out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+
+    from attnforge import reference
+    for i, (indptr, indices, last) in replays_after_replans(lambda: w.run(q, cache, out=out), replan, refresh, 50):
         if i % 10 == 0 or i == 49:  # full check on a sample; every replay must be finite
             per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", indptr, indices,
                                          last, page_size)

@@ -8,7 +8,7 @@ import torch
 from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from helpers import assert_attention_close, assert_lse_close, poison, random_page_table
+from helpers import assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]
@@ -150,17 +150,12 @@ def test_cuda_graph_replay_after_replans(pipeline):
         w.plan(indptr, indices, last, page_size=page_size, q_len=q_len)
         return lengths, indptr, indices
 
-    replan()
-    w.run(q_nope, q_pe, ckv, kpe, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(q_nope, q_pe, ckv, kpe, out=out)
-    for i in range(12):
-        lengths, indptr, indices = replan()
+    def refresh():
         q_nope.copy_(torch.randn_like(q_nope.float()).bfloat16())
         out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+
+    for i, (lengths, indptr, indices) in replays_after_replans(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), replan,
+                                                               refresh, 12):
         assert torch.isfinite(out).all(), f"replay {i}"
         if i % 4 == 0:
             per = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]])].reshape(-1, 576)[:lengths[b]].float()

@@ -7,7 +7,7 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, reference
-from helpers import assert_attention_close, assert_lse_close, make_paged_case
+from helpers import assert_attention_close, assert_lse_close, make_paged_case, replays_after_replans
 
 pytestmark = pytest.mark.gpu
 
@@ -239,17 +239,9 @@ def test_cuda_graph_replays_after_replans():
         w.plan(qo_indptr, kv_indptr)
         return qo_indptr, kv_indptr
 
-    qo_indptr, kv_indptr = replan()
-    w.run(q[: qo_indptr[-1]], (k, v), out=out[: qo_indptr[-1]])  # warm-up: build and load
-    # capture with the full-size buffers; every later plan fits them (rows beyond a plan are untouched)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(q, (k, v), out=out)
-    for _ in range(10):
-        qo_indptr, kv_indptr = replan()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    # captured with the full-size buffers, which every later plan fits (rows beyond a plan are untouched)
+    for _, (qo_indptr, kv_indptr) in replays_after_replans(lambda: w.run(q, (k, v), out=out), replan,
+                                                           lambda: out.fill_(float("nan")), 10):
         for b in range(4):
             qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
             ref, _ = reference.attention(q[qs], k[ks], v[ks], causal=True)

@@ -44,7 +44,7 @@ def test_shapes_and_refusals():
         PrefillKernel(SPEC, "wgmma", num_stages=2)
     with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
         PrefillKernel(SPEC, "wgmma", num_stages=4)
-    with pytest.raises(ValueError, match="expected one of"):
+    with pytest.raises(ValueError, match="expected one of .*got 'tensor'; or pass backend=None"):
         PrefillKernel(SPEC, "tensor")
 
 

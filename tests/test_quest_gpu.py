@@ -5,7 +5,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
-from helpers import random_page_table
+from helpers import random_page_table, replays_after_replans
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -106,17 +106,11 @@ def test_cuda_graph_replay_after_replans():
         quest.plan(indptr, indices, last)
         return torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda(), torch.as_tensor(last)
 
-    replan()
-    quest.run(q, cache, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        quest.run(q, cache, out=out)
-    for i in range(10):
-        indptr, indices, last = replan()
+    def refresh():
         q.copy_(torch.randn_like(q.float()).bfloat16())
         out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+
+    for i, (indptr, indices, last) in replays_after_replans(lambda: quest.run(q, cache, out=out), replan, refresh, 10):
         ref = selection_reference(spec, q, cache, indptr, indices, last, index, 1024 // PAGE)
         assert torch.equal(out, ref), f"replay {i}"
 

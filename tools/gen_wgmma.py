@@ -24,25 +24,25 @@ def _acc_constraints(n_acc: int) -> str:
     return ", ".join(f'"+f"(d[{i}])' for i in range(n_acc))
 
 
-def _ss(n: int, ctype: str, ptx: str) -> str:
+def _wrapper(n: int, ctype: str, ptx: str, a_in_registers: bool) -> str:
+    """wgmma_ss (A and B from shared-memory descriptors, B K-major) or wgmma_rs_tb (A from four
+    registers, B MN-major: the transpose bit)."""
     acc = n // 2
-    return (f"template <> AF_DEVICE void wgmma_ss<{n}, {ctype}>(float (&d)[{acc}], uint64_t a, uint64_t b, int accumulate) {{\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
-            f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_operands(0, acc)}}}, "\n'
-            f'               "%{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
-            f"               : {_acc_constraints(acc)}\n"
-            f'               : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
-
-
-def _rs(n: int, ctype: str, ptx: str) -> str:
-    acc = n // 2
-    return (f"template <> AF_DEVICE void wgmma_rs_tb<{n}, {ctype}>(float (&d)[{acc}], const uint32_t (&a)[4], uint64_t b, "
+    if a_in_registers:
+        name, a_param, a_operand = "wgmma_rs_tb", "const uint32_t (&a)[4]", f"{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}"
+        b_operand, pred, imms = f"%{acc + 4}", acc + 5, "1, 1, 1"
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)'
+    else:
+        name, a_param, a_operand = "wgmma_ss", "uint64_t a", f"%{acc}"
+        b_operand, pred, imms = f"%{acc + 1}", acc + 2, "1, 1, 0, 0"
+        inputs = '"l"(a), "l"(b), "r"(accumulate)'
+    return (f"template <> AF_DEVICE void {name}<{n}, {ctype}>(float (&d)[{acc}], {a_param}, uint64_t b, "
             f"int accumulate) {{\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"\n'
             f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_operands(0, acc)}}}, "\n'
-            f'               "{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+            f'               "{a_operand}, {b_operand}, p, {imms};\\n}}\\n"\n'
             f"               : {_acc_constraints(acc)}\n"
-            f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));\n}}\n')
+            f"               : {inputs});\n}}\n")
 
 
 def render() -> str:
@@ -58,8 +58,8 @@ def render() -> str:
            "AF_DEVICE void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate);\n\n"]
     for ctype, ptx in TYPES.items():
         for n in WIDTHS:
-            out.append(_ss(n, ctype, ptx))
-            out.append(_rs(n, ctype, ptx))
+            out.append(_wrapper(n, ctype, ptx, a_in_registers=False))
+            out.append(_wrapper(n, ctype, ptx, a_in_registers=True))
     out.append("}  // namespace attnforge\n")
     return "\n".join(out)
 

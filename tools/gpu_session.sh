@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, an optional memcheck pass, and the benchmarks; logs and JSON to $OUT.
-# Usage (on the GPU machine, repo root): bash tools/gpu_session.sh [pytest-args...]
+# One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
+# benchmarks; logs and JSON to $OUT.
+# Usage (on the GPU machine, repo root): [TESTS=paths] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
+#   bash tools/gpu_session.sh [pytest-args...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" tests 2>&1 | tail -n 150 > "$OUT/pytest.log"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
+# SASS of the default Hopper prefill kernel (B1 S8192 shape), to check wgmma ordering and registers
+f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_s3-* 2>/dev/null | head -1)
+if [ -z "$f" ]; then python3 benchmarks/profile_prefill.py > /dev/null; f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_s3-* | head -1); fi
+cuobjdump -sass "$f/kernel.cubin" > "$OUT/sass_prefill.txt" 2>&1; echo "HGMMA in prefill SASS: $(grep -c HGMMA "$OUT/sass_prefill.txt")"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
     tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
@@ -27,6 +33,10 @@ if [ "${PROFILE:-0}" = 1 ]; then
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section SchedulerStats python3 benchmarks/profile_mla.py > "$OUT/ncu_mla.log" 2>&1
   grep -vE "^==PROF==|^\s*$" "$OUT/ncu_mla.log" | tail -n 80 > "$OUT/ncu_mla.txt"
+  timeout 150 ncu --clock-control none --kernel-name batch_prefill_wgmma_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
+    --section ComputeWorkloadAnalysis python3 benchmarks/profile_prefill.py > "$OUT/ncu_prefill.log" 2>&1
+  grep -vE "^==PROF==|^\s*$" "$OUT/ncu_prefill.log" | tail -n 100 > "$OUT/ncu_prefill.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.anchors/flashinfer:$PYTHONPATH

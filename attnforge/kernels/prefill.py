@@ -69,7 +69,8 @@ class PrefillKernel:
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"PrefillKernel.backend: expected one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"PrefillKernel.backend: expected one of {BACKENDS}, got {self.backend!r}; "
+                             "or pass backend=None to BatchPrefill to pick the best one here")
         if self.backend == "wgmma" and (why := wgmma_applies(self.spec)) is not None:
             raise ValueError(f"PrefillKernel: the wgmma backend does not take {why}; use backend='mma' "
                              "(or ATTNFORGE_PREFILL_BACKEND=auto)")
@@ -85,7 +86,8 @@ class PrefillKernel:
                              f"but head_dim {self.spec.head_dim_qk} runs {self.tile_q}")
         if self.stages < (3 if self.backend == "wgmma" else 2):
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
-                             f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}")
+                             f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}; pass more, or None "
+                             "for the default")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B; "
                              "use fewer stages")
