@@ -17,6 +17,7 @@ import torch
 from . import blockmask, checks, paged, scheduler, variants
 from .jit import registry
 from .kernels.prefill import PrefillKernel, default_backend
+from .merge import merge_states
 from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
@@ -30,7 +31,8 @@ class BatchPrefill:
     def __init__(self, spec: Optional[AttentionSpec] = None, *, device=None, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
-                 kv_tile: Optional[int] = None, producer: bool = False, pingpong: bool = False, **spec_kwargs):
+                 kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
+                 split_kv: bool = True, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -39,7 +41,13 @@ class BatchPrefill:
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong override the kernel's defaults (kernels/prefill.py).
+        # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
+        # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
+        # partial buffers would change size between plans) nor with an attention sink (it joins the
+        # denominator once, after the merge it would join it per chunk).
         self.spec = spec
+        sink = spec.score_mod is not None and spec.score_mod.sink is not None
+        self.split_kv = split_kv and not use_cuda_graph and not sink
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
@@ -49,7 +57,7 @@ class BatchPrefill:
             b, w = max_batch_size, max_work_items
             # regions, in the order plan() fills them: (name, int32 entries)
             self._regions = [("qo_indptr", b + 1), ("q_offset", b), ("kv_indptr", b + 1), ("kv_indices", max_num_pages),
-                             ("kv_len", b), ("kv_offset", b), ("work", 3 * w), ("kv_tile_indptr", w + 1),
+                             ("kv_len", b), ("kv_offset", b), ("work", 6 * w), ("kv_tile_indptr", w + 1),
                              ("kv_tiles", max_tiles), ("num_work", 1)]
             total = sum(-(-n // 4) * 4 for _, n in self._regions)
             self._graph_host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
@@ -94,6 +102,10 @@ class BatchPrefill:
             tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, tile_q, tile_kv,
                                                          self.device)
             cost = np.diff(tile_indptr)
+        split = self._split(work, cost, qo_len, kv_len, tile_indptr is None)
+        work, num_slots = split.work, split.num_slots
+        if split.chunk:  # the chunks' own lengths now order them
+            cost = work[:, 4] - work[:, 3]
         order = np.argsort(-cost, kind="stable")
         work = work[order].astype(np.int32)
         if tile_indptr is not None:  # reorder the lists with their work items
@@ -122,8 +134,21 @@ class BatchPrefill:
             ptrs["num_work"] = 0
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
-                      "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale,
+                      "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "num_slots": num_slots,
                       "grid": self.capacity["work"] if self.use_cuda_graph else len(work)}
+
+    def _split(self, work, cost, qo_len, kv_len, splittable: bool) -> scheduler.PrefillSplit:
+        """Work items [N, 6] with their KV chunk and partial slot (scheduler.split_prefill_work)."""
+        s, k = self.spec, self.kernel
+        if not (self.split_kv and splittable):
+            return scheduler.unsplit_prefill_work(work)
+        req = work[:, 0]
+        if s.window_left >= 0:  # the first KV token the item's first row may see
+            kv_lo = np.maximum(0, kv_len[req] - qo_len[req] + work[:, 2] // s.group_size - s.window_left)
+        else:
+            kv_lo = np.zeros(len(work), dtype=np.int64)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, sms * k.ctas_per_sm)
 
     def _fill_graph_buffers(self, parts, has_tiles: bool, num_work: int, page: int, scale: float, ragged: bool):
         """Write the plan into the persistent buffers (graph mode) and copy them with one async memcpy."""
@@ -133,7 +158,7 @@ class BatchPrefill:
             raise checks.fail("plan in CUDA-graph mode", f"page_size, sm_scale, KV kind and mask as captured {first}",
                               fixed, "Capture one graph per configuration (these are baked into the launch).")
         self._graph_fixed = fixed
-        caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 3 * self.capacity["work"],
+        caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 6 * self.capacity["work"],
                 "kv_indices": self.capacity["pages"], "kv_tiles": self.capacity["tiles"]}
         names = [n for n, _ in self._regions]
         values = dict(zip(names, parts))
@@ -202,11 +227,24 @@ class BatchPrefill:
         checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
         checks.check_shape("out", out, tuple(q.shape), "like q")
         checks.check_contiguous_last("out", out)
+        kv_strides = dict(stride_page=sp, stride_token=st, stride_head=sh, q_stride_n=q.stride(0),
+                          q_stride_h=q.stride(1))
+        slots = pl["num_slots"]
+        if slots > 1:  # split KV: partial states [rows, slots, Hq, D] (unwritten slots keep LSE -inf), merged
+            n, h, d = q.shape
+            part = torch.empty((n, slots, h, d), dtype=out.dtype, device=self.device)
+            part_lse = torch.full((n, slots, h), -math.inf, dtype=torch.float32, device=self.device)
+            self._launch(q, k, v, part, part_lse, dict(**kv_strides, out_stride_n=slots * h * d, out_stride_h=d,
+                                                       out_stride_slot=h * d, lse_stride_n=slots * h,
+                                                       lse_stride_h=1, lse_stride_slot=h))
+            merged, lse = merge_states(part, part_lse, out=out if out.is_contiguous() else None)
+            if merged is not out:
+                out.copy_(merged)
+            return (out, lse) if return_lse else out
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device) if return_lse else None
-        self._launch(q, k, v, out, lse, dict(stride_page=sp, stride_token=st, stride_head=sh,
-                                               q_stride_n=q.stride(0), q_stride_h=q.stride(1),
-                                               out_stride_n=out.stride(0), out_stride_h=out.stride(1),
-                                               lse_stride_n=s.num_qo_heads, lse_stride_h=1))
+        self._launch(q, k, v, out, lse, dict(**kv_strides, out_stride_n=out.stride(0), out_stride_h=out.stride(1),
+                                             out_stride_slot=0, lse_stride_n=s.num_qo_heads, lse_stride_h=1,
+                                             lse_stride_slot=0))
         return (out, lse) if return_lse else out
 
     def _launch(self, q, k, v, out, lse, strides: dict) -> None:
@@ -235,10 +273,10 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 _WRAPPERS: dict = {}
 
 
-def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
-    key = (spec, str(device))
+def _cached_wrapper(spec: AttentionSpec, device, split_kv: bool = True) -> BatchPrefill:
+    key = (spec, str(device), split_kv)
     if key not in _WRAPPERS:
-        _WRAPPERS[key] = BatchPrefill(spec, device=device)
+        _WRAPPERS[key] = BatchPrefill(spec, device=device, split_kv=split_kv)
     return _WRAPPERS[key]
 
 
@@ -280,7 +318,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
                          score_mod=mod)
     q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]
-    w = _cached_wrapper(spec, q.device)
+    w = _cached_wrapper(spec, q.device, split_kv=False)  # it launches into the [B, H, L, D] layout itself
     # Dense batches are ragged batches whose request r starts r*H*L "tokens" (rows of D) in.
     w.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale, q_offset=np.arange(bq) * hq * lq,
            kv_offset=np.arange(bq) * hkv * lk)
@@ -288,5 +326,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
     w._launch(q, k, v, out, lse, dict(stride_page=0, stride_token=d, stride_head=lk * d, q_stride_n=d,
                                       q_stride_h=lq * d, out_stride_n=d, out_stride_h=lq * d,
-                                      lse_stride_n=1, lse_stride_h=lq))
+                                      out_stride_slot=0, lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
     return (out, lse) if return_lse else out

@@ -103,3 +103,53 @@ def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_head
     last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * tile_q - 1) // group)
     cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if causal else kv_len[req]
     return np.stack([req, head, tile * tile_q], axis=1), cost
+
+
+PREFILL_ITEM_FIXED_COST = 2  # per work item, in query-tile rows x this = token-equivalents (load Q, write O)
+MIN_PREFILL_CHUNK_TILES = 4  # a split chunk covers at least this many KV tiles (prologue and merge amortised)
+SPLIT_SLACK = 1.1  # a chunk may exceed the fair share by this much before an item is cut once more
+
+
+@dataclass(frozen=True)
+class PrefillSplit:
+    work: np.ndarray  # [N, 6] int64: request, kv head, first packed row, kv_begin, kv_end, slot
+    num_slots: int  # partial states per query row (1: no item was split, outputs go straight to out)
+    chunk: int  # the longest chunk in KV tokens (0: no split)
+
+
+def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
+    """Every item [N, 3] whole: an unbounded KV chunk, slot 0 (rows written straight to the output)."""
+    n = len(work)
+    cols = [np.asarray(work, np.int64).reshape(n, 3), np.zeros((n, 1), np.int64), np.full((n, 1), 2**31 - 1),
+            np.zeros((n, 1), np.int64)]
+    return PrefillSplit(np.concatenate(cols, axis=1).astype(np.int64), 1, 0)
+
+
+def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: np.ndarray, tile_q: int, tile_kv: int,
+                       num_ctas: int) -> PrefillSplit:
+    """Split prefill items [N, 3] whose KV range [kv_lo, kv_hi) exceeds a fair share of the GPU.
+
+    The fair share is the batch's total cost (KV tokens plus PREFILL_ITEM_FIXED_COST * tile_q per
+    item: the issue's 2*qo + kv) over `num_ctas`. An item is cut into the fewest equal, tile-aligned
+    chunks of at most SPLIT_SLACK x the share (and at least MIN_PREFILL_CHUNK_TILES tiles), counted
+    from its own tile-aligned start: a 2.05-share item becomes two chunks, not two and a sliver that
+    would start a second wave. Chunk c of an item writes partial slot c, merged afterwards by LSE.
+    When no item is cut every item writes its rows directly (slot 0, range unbounded). Input order is
+    kept; the chunks of one item are adjacent.
+    """
+    n = len(work)
+    lo = (kv_lo // tile_kv) * tile_kv
+    tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)
+    total = int(tiles.sum()) * tile_kv + PREFILL_ITEM_FIXED_COST * tile_q * n
+    share_tiles = max(SPLIT_SLACK * total / max(num_ctas, 1) / tile_kv, MIN_PREFILL_CHUNK_TILES)
+    pieces = np.maximum(np.ceil(tiles / share_tiles).astype(np.int64), 1)
+    if n == 0 or int(pieces.max()) == 1:
+        return unsplit_prefill_work(work)
+    per_chunk = -(-tiles // pieces)  # tiles per chunk of each item
+    pieces = np.maximum(-(-tiles // np.maximum(per_chunk, 1)), 1)  # rounding may leave a chunk empty: drop it
+    item = np.repeat(np.arange(n), pieces)
+    slot = np.arange(len(item)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    begin = lo[item] + slot * per_chunk[item] * tile_kv
+    end = np.minimum(begin + per_chunk[item] * tile_kv, np.maximum(kv_hi[item], lo[item]))
+    out = np.column_stack([work[item], begin, end, slot]).astype(np.int64)
+    return PrefillSplit(out, int(pieces.max()), int(per_chunk.max()) * tile_kv)

@@ -59,7 +59,7 @@ def test_ragged(causal, heads, head_dim, backend):
 
 
 @pytest.mark.parametrize("kv_tile,stages,producer,pingpong", [(64, 4, False, False), (64, 3, False, False),
-                                                              (128, 3, True, False), (64, 5, True, False),
+                                                              (128, 3, False, False), (64, 5, True, False),
                                                               (128, 3, True, True)])
 def test_wgmma_tiling_overrides(kv_tile, stages, producer, pingpong):
     spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=2, causal=True)
@@ -83,6 +83,38 @@ def test_wgmma_producer_paged(page_size, pingpong):
     w.plan(qo, indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
+
+
+@pytest.mark.parametrize("backend", [None, "mma"])
+@pytest.mark.parametrize("causal,window,page_size", [(True, -1, None), (False, -1, 7), (True, 3000, 16)])
+def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size):
+    # A handful of query tiles against long KV (a cascade level, a long chunked prefill): the planner
+    # cuts each KV range into chunks merged by LSE. Lengths off the tiles; one request with no KV.
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=causal, window_left=window)
+    qo_lens, kv_lens = [3, 40, 1, 2], [20000, 9001, 0, 130]
+    if page_size is None:
+        q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=11)
+        kv_args, cache = (kv,), (k, v)
+        per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+    else:
+        _, cache, table, per = make_paged_case(AttentionSpec(num_qo_heads=32), kv_lens, page_size, seed=page_size)
+        kv_args, per = (*table,), [(k_.bfloat16(), v_.bfloat16()) for k_, v_ in per]
+        q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    w = BatchPrefill(spec, backend=backend)
+    w.plan(qo, *kv_args, **({} if page_size is None else {"page_size": page_size}))
+    assert w._plan["num_slots"] > 1, "this batch must be split"
+    wide = torch.full((q.shape[0], 32, 2 * 128), math.nan, dtype=q.dtype, device="cuda")
+    out, lse = w.run(q, cache, out=wide[..., :128], return_lse=True)  # a strided out: merged, then copied
+    torch.cuda.synchronize()
+    assert out.data_ptr() == wide.data_ptr() and torch.isnan(wide[..., 128:]).all()
+    assert torch.all(out[qo[2]:qo[3]] == 0) and torch.all(lse[qo[2]:qo[3]] == -math.inf)
+    check_against_reference(spec, q, out, lse, per, qo)
+    whole = BatchPrefill(spec, backend=backend, split_kv=False)  # the same kernel without splitting
+    whole.plan(qo, *kv_args, **({} if page_size is None else {"page_size": page_size}))
+    assert whole._plan["num_slots"] == 1
+    ref = whole.run(q, cache)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
 def test_hopper_kernel_is_the_default_on_sm90():

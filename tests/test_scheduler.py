@@ -1,5 +1,7 @@
 """Planner properties on random and skewed batches (CPU). `expand` derives chunks exactly as the
 kernel's WorkStream does, and `split_slots` as its merge kernel does."""
+import math
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,54 @@ def test_prefill_work_covers_every_packed_row_once_with_its_kv_range(group, tile
         assert c == (min(kv_len[r], last_pos + 1) if causal else kv_len[r])
     expected = {(r, h, pr) for r in range(9) for h in range(heads) for pr in range(qo_len[r] * group)}
     assert set(covered) == expected
+
+
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+@pytest.mark.parametrize("window", [-1, 300])
+def test_prefill_split_covers_each_items_kv_range_once_and_balances(num_ctas, window):
+    rng = np.random.default_rng(num_ctas + window)
+    tile_q, tile_kv, group, heads = 128, 128, 4, 2
+    qo_len = rng.integers(1, 40, size=5)
+    kv_len = qo_len + rng.integers(0, 20000, size=5)
+    kv_len[1] = qo_len[1]  # nothing before the queries
+    work, kv_hi = scheduler.prefill_work(qo_len, kv_len, group, heads, tile_q, causal=True)
+    req = work[:, 0]
+    kv_lo = (np.maximum(0, kv_len[req] - qo_len[req] + work[:, 2] // group - window) if window >= 0
+             else np.zeros(len(work), dtype=np.int64))
+    sp = scheduler.split_prefill_work(work, kv_hi, kv_lo, tile_q, tile_kv, num_ctas)
+    assert sp.work.shape[1] == 6 and sp.work.dtype == np.int64
+    seen = {}
+    for r, h, row0, begin, end, slot in sp.work.tolist():
+        assert 0 <= slot < sp.num_slots and begin % tile_kv == 0 and begin <= end
+        seen.setdefault((r, h, row0), []).append((slot, begin, end))
+    assert len(seen) == len(work), "every item keeps at least one chunk"
+    for (r, h, row0), lo, hi in zip(work.tolist(), kv_lo.tolist(), kv_hi.tolist()):
+        chunks = sorted(seen[(r, h, row0)])
+        assert [c[0] for c in chunks] == list(range(len(chunks))), "slots 0..n-1, one per chunk"
+        # the chunks tile [lo rounded down to a tile, hi) exactly once (the kernel clamps to its own range)
+        start = (lo // tile_kv) * tile_kv
+        covered = [t for _, b, e in chunks for t in range(max(b, start), min(e, max(hi, start)))]
+        assert covered == list(range(start, max(hi, start)))
+        if sp.chunk:
+            assert all(e - b <= sp.chunk for _, b, e in chunks)
+    if sp.chunk:  # balance: no chunk exceeds the slack-scaled fair share (rounded up to a tile), and
+        # an item is never cut into more chunks than that bound needs
+        start = (kv_lo // tile_kv) * tile_kv
+        tiles = -(-(np.maximum(kv_hi, start) - start) // tile_kv)
+        share = (int(tiles.sum()) * tile_kv + scheduler.PREFILL_ITEM_FIXED_COST * tile_q * len(work)) / num_ctas
+        bound = max(scheduler.SPLIT_SLACK * share, scheduler.MIN_PREFILL_CHUNK_TILES * tile_kv)
+        assert sp.chunk <= bound + tile_kv
+        for (r, h, row0), t in zip(work.tolist(), tiles.tolist()):
+            assert len(seen[(r, h, row0)]) <= max(1, math.ceil(t * tile_kv / bound))
+
+
+def test_prefill_split_leaves_busy_batches_whole():
+    qo_len = np.full(4, 8192)
+    work, kv_hi = scheduler.prefill_work(qo_len, qo_len, 4, 8, 128, causal=True)
+    sp = scheduler.split_prefill_work(work, kv_hi, np.zeros(len(work), np.int64), 128, 128, 132)
+    assert (sp.num_slots, sp.chunk) == (1, 0)
+    assert (sp.work[:, :3] == work).all() and (sp.work[:, 3] == 0).all() and (sp.work[:, 4] == 2**31 - 1).all()
+    # a cascade-like level: 8 query tiles per KV head against 32768 shared tokens is cut in two
+    work, kv_hi = scheduler.prefill_work(np.array([256]), np.array([32768]), 4, 8, 128, causal=False)
+    sp = scheduler.split_prefill_work(work, kv_hi, np.zeros(len(work), np.int64), 128, 128, 132)
+    assert sp.num_slots == 2 and len(sp.work) == 128 and sp.chunk == 16384

@@ -12,8 +12,8 @@ python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 # SASS of the default Hopper prefill kernel (B1 S8192 shape), to check wgmma ordering and registers
-f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_s3-* 2>/dev/null | head -1)
-if [ -z "$f" ]; then python3 benchmarks/profile_prefill.py > /dev/null; f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_s3-* | head -1); fi
+f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_ws_s3-* 2>/dev/null | head -1)
+if [ -z "$f" ]; then python3 benchmarks/profile_prefill.py > /dev/null; f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_ws_s3-* | head -1); fi
 cuobjdump -sass "$f/kernel.cubin" > "$OUT/sass_prefill.txt" 2>&1; echo "HGMMA in prefill SASS: $(grep -c HGMMA "$OUT/sass_prefill.txt")"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \

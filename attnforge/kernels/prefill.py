@@ -22,6 +22,7 @@ _CPP = {"bf16": "bf16", "fp16": "fp16"}
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
+SMEM_PER_SM = 228 * 1024  # H100/H200
 SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # backend -> (query rows per CTA, KV tokens per tile, default stages); wgmma at head_dim 256 halves
 # both tiles so Q and three K/V stages fit in shared memory (one consumer warpgroup)
@@ -31,7 +32,7 @@ BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
     *ptrs("qo_indptr", "q_offset", "kv_offset", "work", "kv_tile_indptr", "kv_tiles", "num_work"),
     *scalars("i64", "int64_t", "q_stride_n", "q_stride_h", "out_stride_n", "out_stride_h", "lse_stride_n",
-             "lse_stride_h"),
+             "lse_stride_h", "out_stride_slot", "lse_stride_slot"),
     ParamField("ragged", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
@@ -62,10 +63,13 @@ class PrefillKernel:
     backend: str = "mma"
     num_stages: Optional[int] = None
     kv_tile: Optional[int] = None  # wgmma: 64 or 128 KV tokens per tile (default 128)
-    producer: bool = False  # wgmma: a producer warpgroup owns the copies (mbarrier ring, setmaxnreg)
+    producer: Optional[bool] = None  # wgmma: a producer warpgroup owns the copies (mbarrier ring,
+    # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
 
     def __post_init__(self):
+        if self.producer is None:
+            object.__setattr__(self, "producer", self.backend == "wgmma")
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
         if self.backend not in BACKENDS:
@@ -114,6 +118,11 @@ class PrefillKernel:
         if self.backend == "wgmma":
             return 2 * self.tile_q + (128 if self.producer else 0)
         return 32 * (self.tile_q // 16)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM, as shared memory allows (the split planner's unit of parallelism)."""
+        return max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
 
     @property
     def kernel_name(self) -> str:
