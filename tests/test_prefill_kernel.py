@@ -36,7 +36,7 @@ def test_shapes_and_refusals():
     k = PrefillKernel(SPEC, "wgmma")
     # wgmma defaults to a producer warpgroup beside the two consumers, with a full/empty mbarrier pair per stage
     assert (k.tile_q, k.tile_kv, k.stages, k.threads, k.producer) == (128, 128, 3, 384, True)
-    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128 + 3 * 16
+    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128 + 3 * 16 + 128 * 8
     assert k.ctas_per_sm == 1
     plain = PrefillKernel(SPEC, "wgmma", producer=False)
     assert (plain.threads, plain.smem_bytes) == (256, 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128)
@@ -45,7 +45,7 @@ def test_shapes_and_refusals():
     assert mma.ctas_per_sm == 228 * 1024 // (mma.smem_bytes + 1024) >= 2
     d256 = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
     assert (d256.tile_q, d256.tile_kv, d256.stages, d256.threads) == (64, 64, 3, 256)  # Q + 3 stages fit
-    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128 + 3 * 16
+    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128 + 3 * 16 + 64 * 8
     with pytest.raises(ValueError, match="needs at least 3, got 2"):
         PrefillKernel(SPEC, "wgmma", num_stages=2)
     with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
@@ -74,7 +74,7 @@ def test_generated_wgmma_header_is_current():
 def test_kv_tile_override():
     k = PrefillKernel(SPEC, "wgmma", num_stages=4, kv_tile=64)
     assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_ws_s4")
-    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128 + 4 * 16
+    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128 + 4 * 16 + 64 * 8
     with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
         PrefillKernel(SPEC, "mma", kv_tile=64)
 
@@ -82,7 +82,7 @@ def test_kv_tile_override():
 def test_producer_warpgroup_shape():
     k = PrefillKernel(SPEC, "wgmma", producer=True)
     assert k.threads == 384 and k.module().name.endswith("_ws_s3")
-    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma", producer=False).smem_bytes + 2 * 3 * 8
+    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma", producer=False).smem_bytes + 2 * 3 * 8 + 128 * 8
     assert k == PrefillKernel(SPEC, "wgmma")  # the default on wgmma
     assert not PrefillKernel(SPEC, "wgmma", producer=False).module().name.endswith("_ws_s3")
     assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<56>" in k.module().source

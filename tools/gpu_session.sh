@@ -18,7 +18,8 @@ cuobjdump -sass "$f/kernel.cubin" > "$OUT/sass_prefill.txt" 2>&1; echo "HGMMA in
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
     tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
-    tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" > "$OUT/memcheck.full" 2>&1
+    tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" \
+    tests/test_prefill_gpu.py::test_wgmma_producer_paged tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv > "$OUT/memcheck.full" 2>&1
   echo "memcheck exit $?" > "$OUT/memcheck.log"
   grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"

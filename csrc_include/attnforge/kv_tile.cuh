@@ -107,6 +107,37 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
     }
   }
 
+  // Paged KV, in two steps for a producer warpgroup (kThreads loaders): resolve_rows gives each row
+  // of the tile its element offset once (page-table load and 64-bit math per row, not per 16-byte
+  // chunk; -1 past kv_end) into row_off [kTileKV] in shared memory; after a barrier among the
+  // loaders, load_resolved issues the copies from those offsets.
+  static AF_DEVICE void resolve_rows(const PagedKV& kv, int kv_end, int t0, int64_t* row_off) {
+    for (int r = threadIdx.x % kThreads; r < kTileKV; r += kThreads) {
+      const int pos = t0 + r;
+      int64_t off = -1;
+      if (pos < kv_end) {
+        const int slot = kv.page_of(pos);
+        off = int64_t(__ldg(kv.page_ids + slot)) * kv.stride_page + int64_t(pos - slot * kv.page_size) * kv.stride_token;
+      }
+      row_off[r] = off;
+    }
+  }
+
+  static AF_DEVICE void load_resolved(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
+                                      const int64_t* row_off, char* sk, char* sv) {
+    const int ch = threadIdx.x % Base::kChunks, row0 = threadIdx.x / Base::kChunks;
+    const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems;
+#pragma unroll
+    for (int j = 0; j < Base::kRowsPerThread; ++j) {
+      const int row = row0 + j * Base::kRowStep;
+      const int64_t ro = row_off[row];
+      const bool valid = ro >= 0;
+      const int dst = sw128_offset(row, ch, kTileKV);
+      cp_async_16(sk + dst, k_cache + (valid ? ro + head_off : 0), valid);
+      cp_async_16(sv + dst, v_cache + (valid ? ro + head_off : 0), valid);
+    }
+  }
+
   // Ragged (unpaged) KV: the tile's rows are consecutive tokens, so one 64-bit offset per thread
   // steps by a constant, with no page-table load, division or branch (load() costs ~600
   // instructions per warp per tile; this ~60).
