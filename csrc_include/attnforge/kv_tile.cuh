@@ -107,20 +107,31 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
     }
   }
 
-  // Paged KV, in two steps for a producer warpgroup (kThreads loaders): resolve_rows gives each row
-  // of the tile its element offset once (page-table load and 64-bit math per row, not per 16-byte
-  // chunk; -1 past kv_end) into row_off [kTileKV] in shared memory; after a barrier among the
+  // Paged KV, in two steps for a producer warpgroup (kThreads >= kTileKV loaders, one row each):
+  // resolve_rows gives each row of the tile its element offset once (64-bit math per row, not per
+  // 16-byte chunk; -1 past kv_end) into row_off [kTileKV] in shared memory, from a page id fetched
+  // one tile earlier (RowPage), so no copy waits on a page-table load; after a barrier among the
   // loaders, load_resolved issues the copies from those offsets.
-  static AF_DEVICE void resolve_rows(const PagedKV& kv, int kv_end, int t0, int64_t* row_off) {
-    for (int r = threadIdx.x % kThreads; r < kTileKV; r += kThreads) {
-      const int pos = t0 + r;
-      int64_t off = -1;
-      if (pos < kv_end) {
-        const int slot = kv.page_of(pos);
-        off = int64_t(__ldg(kv.page_ids + slot)) * kv.stride_page + int64_t(pos - slot * kv.page_size) * kv.stride_token;
-      }
-      row_off[r] = off;
+  struct RowPage {
+    int32_t page = 0, in_page = -1;  // this thread's row of a tile; in_page -1: past kv_end
+  };
+
+  static AF_DEVICE RowPage fetch_row(const PagedKV& kv, int kv_end, int t0) {
+    static_assert(kThreads >= kTileKV, "one row per loader");
+    RowPage rp;
+    const int pos = t0 + int(threadIdx.x % kThreads);
+    if (threadIdx.x % kThreads < kTileKV && pos < kv_end) {
+      const int slot = kv.page_of(pos);
+      rp.page = __ldg(kv.page_ids + slot);
+      rp.in_page = pos - slot * kv.page_size;
     }
+    return rp;
+  }
+
+  static AF_DEVICE void resolve_rows(const PagedKV& kv, const RowPage& rp, int64_t* row_off) {
+    if (threadIdx.x % kThreads < kTileKV)
+      row_off[threadIdx.x % kThreads] =
+          rp.in_page < 0 ? -1 : int64_t(rp.page) * kv.stride_page + int64_t(rp.in_page) * kv.stride_token;
   }
 
   static AF_DEVICE void load_resolved(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
