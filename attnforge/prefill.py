@@ -32,7 +32,7 @@ class BatchPrefill:
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
-                 split_kv: bool = True, **spec_kwargs):
+                 split_kv: bool = True, persistent: bool = False, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -40,7 +40,8 @@ class BatchPrefill:
         if spec.family != "prefill":
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
-        # num_stages / kv_tile / producer / pingpong override the kernel's defaults (kernels/prefill.py).
+        # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
+        # (kernels/prefill.py); persistent: one CTA per SM walks the work list.
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with an attention sink (it joins the
@@ -48,7 +49,8 @@ class BatchPrefill:
         self.spec = spec
         sink = spec.score_mod is not None and spec.score_mod.sink is not None
         self.split_kv = split_kv and not use_cuda_graph and not sink
-        self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong)
+        self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
+                                    persistent)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
         self.use_cuda_graph = use_cuda_graph
@@ -135,7 +137,15 @@ class BatchPrefill:
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
                       "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "num_slots": num_slots,
-                      "grid": self.capacity["work"] if self.use_cuda_graph else len(work)}
+                      "grid": self._grid(len(work))}
+
+    def _grid(self, num_work: int) -> int:
+        """CTAs to launch: one per item, or (persistent) one per resident slot; graph mode sizes for
+        the capacity and the kernel reads the planned count from device memory."""
+        if self.kernel.persistent:
+            slots = torch.cuda.get_device_properties(self.device).multi_processor_count * self.kernel.ctas_per_sm
+            return slots if self.use_cuda_graph else max(1, min(num_work, slots))
+        return self.capacity["work"] if self.use_cuda_graph else num_work
 
     def _split(self, work, cost, qo_len, kv_len, splittable: bool) -> scheduler.PrefillSplit:
         """Work items [N, 6] with their KV chunk and partial slot (scheduler.split_prefill_work)."""
@@ -253,7 +263,8 @@ class BatchPrefill:
         params = self.kernel.params.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
-            ragged=int(pl["ragged"]), **strides, **variants.variant_values(s, pl["sm_scale"]), **mod_values)
+            ragged=int(pl["ragged"]), work_count=pl["num_work"], **strides, **variants.variant_values(s, pl["sm_scale"]),
+            **mod_values)
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
             lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,

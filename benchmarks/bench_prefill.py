@@ -23,10 +23,10 @@ def ablations(backend):
     """attnforge-mma, plus ATTNFORGE_BENCH_PREFILL_ABLATION="kv_tile:stages[:ws[:pp]],..." wgmma configurations."""
     out = [("attnforge-mma", {"backend": "mma"})] if backend != "mma" else []
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_ABLATION", "").split(",")):
-        tile, stages, *flags = item.split(":")  # "128:3:ws": a producer warpgroup; "128:3:ws:pp": and ping-pong
+        tile, stages, *flags = item.split(":")  # "128:3:ws": a producer warpgroup; ":pp": ping-pong; ":pers": persistent
         out.append((f"attnforge-t{tile}s{stages}" + "".join(f"-{f}" for f in flags),
                     {"backend": "wgmma", "kv_tile": int(tile), "num_stages": int(stages), "producer": "ws" in flags,
-                     "pingpong": "pp" in flags}))
+                     "pingpong": "pp" in flags, "persistent": "pers" in flags}))
     return out
 
 
@@ -55,11 +55,19 @@ def run(report: Report, peers: bool = True) -> None:
             last = [sum(lengths) - (n_pages - 1) * 16]
             w.plan(indptr, [0, n_pages], perm, last, page_size=16)
             report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
+            wp = BatchPrefill(spec, persistent=True)
+            wp.plan(indptr, [0, n_pages], perm, last, page_size=16)
+            report.add("prefill", case, "attnforge-persistent", time_us(lambda: wp.run(q, cache), calls=2, reps=10),
+                       None, flops)
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
             continue
         w.plan(indptr, indptr)
         report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
+        wp = BatchPrefill(spec, persistent=True)  # persistent CTAs (one per SM walks the work list)
+        wp.plan(indptr, indptr)
+        report.add("prefill", case, "attnforge-persistent", time_us(lambda: wp.run(q, (k, v)), calls=2, reps=10),
+                   None, flops)
         if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record
             for name, kw in ablations(w.kernel.backend):
                 wa = BatchPrefill(spec, **kw)

@@ -117,6 +117,38 @@ def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("page_size", [None, 7])
+def test_persistent_ctas_walk_many_items(page_size):
+    # more items than SMs, an empty one among them (kv_len 0) and lengths off the tiles: the ring's
+    # phases and the q_empty handshake run on across the items of one CTA
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+    qo_lens = [300, 1, 2048, 77, 5, 640, 129, 1000]
+    kv_lens = [300, 0, 2048, 1000, 5, 640, 129, 1500]
+    if page_size is None:
+        q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=31)
+        kv_args, cache, plan_kw = (kv,), (k, v), {}
+        per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(qo_lens))]
+    else:
+        _, cache, table, per = make_paged_case(AttentionSpec(), kv_lens, page_size, seed=31)
+        kv_args, per, plan_kw = table, [(k_.bfloat16(), v_.bfloat16()) for k_, v_ in per], {"page_size": page_size}
+        q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    w = BatchPrefill(spec, persistent=True)
+    w.plan(qo, *kv_args, **plan_kw)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert w._plan["num_work"] > w._plan["grid"] == sms, "each CTA walks several items"
+    out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.all(out[qo[1]:qo[2]] == 0) and torch.all(lse[qo[1]:qo[2]] == -math.inf)
+    keep = [b for b in range(len(qo_lens)) if b != 1]
+    for b in keep:
+        sl = slice(qo[b], qo[b + 1])
+        check_against_reference(spec, q[sl], out[sl], lse[sl], [per[b]], np.array([0, qo_lens[b]]))
+    whole = BatchPrefill(spec)  # the same items, one CTA each
+    whole.plan(qo, *kv_args, **plan_kw)
+    assert torch.equal(whole.run(q, cache), out), "persistence changes who computes an item, not what"
+
+
 def test_hopper_kernel_is_the_default_on_sm90():
     spec = AttentionSpec(family="prefill", causal=True)
     expected = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma"
@@ -254,10 +286,11 @@ def test_fully_masked_rows_give_zeros_and_neg_inf():
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
 
 
-def test_cuda_graph_replays_after_replans():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_cuda_graph_replays_after_replans(persistent):
     spec = AttentionSpec(family="prefill", causal=True)
     rng = np.random.default_rng(0)
-    w = BatchPrefill(spec, use_cuda_graph=True, max_batch_size=4, max_work_items=4096)
+    w = BatchPrefill(spec, use_cuda_graph=True, max_batch_size=4, max_work_items=4096, persistent=persistent)
     total_q, total_kv = 4 * 600, 4 * 900
     q = torch.randn(total_q, 32, 128, device="cuda").bfloat16()
     k = torch.randn(total_kv, 8, 128, device="cuda").bfloat16()

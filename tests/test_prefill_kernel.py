@@ -79,6 +79,18 @@ def test_kv_tile_override():
         PrefillKernel(SPEC, "mma", kv_tile=64)
 
 
+def test_persistent_shape_and_refusals():
+    k = PrefillKernel(SPEC, "wgmma", persistent=True)
+    assert k.module().name.endswith("_ws_pers_s3") and "constexpr bool kPersistent = true;" in k.module().source
+    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma").smem_bytes + 8  # the q_empty mbarrier
+    with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
+        PrefillKernel(SPEC, "wgmma", producer=False, persistent=True)
+    with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
+        PrefillKernel(SPEC, "wgmma", pingpong=True, persistent=True)
+    with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
+        PrefillKernel(SPEC, "mma", persistent=True)
+
+
 def test_producer_warpgroup_shape():
     k = PrefillKernel(SPEC, "wgmma", producer=True)
     assert k.threads == 384 and k.module().name.endswith("_ws_s3")

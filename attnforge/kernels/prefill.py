@@ -33,7 +33,7 @@ BASE_FIELDS = (
     *ptrs("qo_indptr", "q_offset", "kv_offset", "work", "kv_tile_indptr", "kv_tiles", "num_work"),
     *scalars("i64", "int64_t", "q_stride_n", "q_stride_h", "out_stride_n", "out_stride_h", "lse_stride_n",
              "lse_stride_h", "out_stride_slot", "lse_stride_slot"),
-    ParamField("ragged", "int32_t", "i32"),
+    ParamField("ragged", "int32_t", "i32"), ParamField("work_count", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
 
@@ -66,6 +66,7 @@ class PrefillKernel:
     producer: Optional[bool] = None  # wgmma: a producer warpgroup owns the copies (mbarrier ring,
     # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
+    persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
 
     def __post_init__(self):
         if self.producer is None:
@@ -83,6 +84,8 @@ class PrefillKernel:
                              f"got {self.kv_tile} with backend {self.backend!r}")
         if self.producer and self.backend != "wgmma":
             raise ValueError("PrefillKernel.producer: only the wgmma backend has a producer warpgroup")
+        if self.persistent and (not self.producer or self.pingpong):
+            raise ValueError("PrefillKernel.persistent: needs the producer warpgroup (producer=True) and no ping-pong")
         if self.pingpong and not self.producer:
             raise ValueError("PrefillKernel.pingpong: needs producer=True (the consumers then share no CTA barrier)")
         if self.pingpong and self.tile_q != 128:
@@ -133,7 +136,8 @@ class PrefillKernel:
         d = self.spec.head_dim_qk
         # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
-        extra = 1024 + 128 + ((16 * self.stages + 8 * self.tile_kv) if self.producer else 0) if self.backend == "wgmma" else 0
+        ws = 16 * self.stages + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
+        extra = 1024 + 128 + (ws if self.producer else 0) if self.backend == "wgmma" else 0
         return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
 
     @property
@@ -146,7 +150,7 @@ class PrefillKernel:
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
-               "producer_warpgroup": self.producer, "pingpong": self.pingpong,
+               "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "params_struct": self.params.cpp()}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
@@ -155,6 +159,7 @@ class PrefillKernel:
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
                          *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
+                         *(["pers"] if self.persistent else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))
