@@ -60,6 +60,10 @@ def run(report: Report, peers: bool = True) -> None:
             continue
         w.plan(indptr, indptr)
         report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
+        wg = BatchPrefill(spec, work_order="grouped")  # the launch-order ablation (scheduler.order_prefill_work)
+        wg.plan(indptr, indptr)
+        report.add("prefill", case, "attnforge-grouped", time_us(lambda: wg.run(q, (k, v)), calls=2, reps=10), None,
+                   flops)
         if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record
             for name, kw in ablations(w.kernel.backend):
                 wa = BatchPrefill(spec, **kw)
