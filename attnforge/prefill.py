@@ -32,7 +32,8 @@ class BatchPrefill:
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
-                 split_kv: bool = True, persistent: bool = False, **spec_kwargs):
+                 split_kv: bool = True, persistent: bool = False, work_order: str = "longest_first",
+                 **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -46,6 +47,11 @@ class BatchPrefill:
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with an attention sink (it joins the
         # denominator once, after the merge it would join it per chunk).
+        # work_order: the launch order of work items (scheduler.order_prefill_work).
+        if work_order not in scheduler.WORK_ORDERS:
+            raise checks.fail("BatchPrefill(work_order=...)", f"one of {scheduler.WORK_ORDERS}", repr(work_order),
+                              "'grouped' keeps each (request, kv head)'s items together for L2 reuse.")
+        self.work_order = work_order
         self.spec = spec
         sink = spec.score_mod is not None and spec.score_mod.sink is not None
         self.split_kv = split_kv and not use_cuda_graph and not sink
@@ -108,7 +114,7 @@ class BatchPrefill:
         work, num_slots = split.work, split.num_slots
         if split.chunk:  # the chunks' own lengths now order them
             cost = work[:, 4] - work[:, 3]
-        order = np.argsort(-cost, kind="stable")
+        order = scheduler.order_prefill_work(work, cost, self.work_order)
         work = work[order].astype(np.int32)
         if tile_indptr is not None:  # reorder the lists with their work items
             counts = np.diff(tile_indptr)[order]

@@ -153,3 +153,30 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: np.ndarray, t
     end = np.minimum(begin + per_chunk[item] * tile_kv, np.maximum(kv_hi[item], lo[item]))
     out = np.column_stack([work[item], begin, end, slot]).astype(np.int64)
     return PrefillSplit(out, int(pieces.max()), int(per_chunk.max()) * tile_kv)
+
+
+WORK_ORDERS = ("longest_first", "grouped")
+
+
+def order_prefill_work(work: np.ndarray, cost: np.ndarray, mode: str) -> np.ndarray:
+    """A launch order (a permutation) of prefill items [N, >= 2] (request, kv head, ...).
+
+    longest_first: by cost, descending (stable): the shortest tail, but the CTAs resident at one time
+        work on many different (request, kv head) K/V streams, so a batch whose K/V outgrows the L2
+        re-reads each stream's prefix from HBM for every query tile.
+    grouped: the items of one (request, kv head) adjacent, longest first within it (as FA3 launches
+        m-blocks), groups ordered by their longest item: resident CTAs share their K/V through the L2,
+        and the tail is still short items.
+    """
+    if mode == "longest_first":
+        return np.argsort(-cost, kind="stable")
+    if mode != "grouped":
+        raise ValueError(f"order_prefill_work: mode must be one of {WORK_ORDERS}, got {mode!r}")
+    if len(work) == 0:
+        return np.zeros(0, dtype=np.int64)
+    key = work[:, 0].astype(np.int64) * (int(work[:, 1].max()) + 1) + work[:, 1]
+    _, group = np.unique(key, return_inverse=True)
+    group_max = np.zeros(int(group.max()) + 1, dtype=np.int64)
+    np.maximum.at(group_max, group, cost)
+    # lexsort: last key is primary -> longest group first, then by group, then longest item first
+    return np.lexsort((-cost, group, -group_max[group]))

@@ -30,6 +30,10 @@ def ablations(backend):
     return out
 
 
+SCHEDULE_VARIANTS = [("attnforge-persistent", {"persistent": True}), ("attnforge-grouped", {"work_order": "grouped"}),
+                     ("attnforge-persistent-grouped", {"persistent": True, "work_order": "grouped"})]
+
+
 def causal_flops(lengths):
     return sum(4 * D * HQ * L * (L + 1) / 2 for L in lengths)
 
@@ -55,19 +59,19 @@ def run(report: Report, peers: bool = True) -> None:
             last = [sum(lengths) - (n_pages - 1) * 16]
             w.plan(indptr, [0, n_pages], perm, last, page_size=16)
             report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
-            wp = BatchPrefill(spec, persistent=True)
-            wp.plan(indptr, [0, n_pages], perm, last, page_size=16)
-            report.add("prefill", case, "attnforge-persistent", time_us(lambda: wp.run(q, cache), calls=2, reps=10),
-                       None, flops)
+            for name, kw in SCHEDULE_VARIANTS:
+                wv = BatchPrefill(spec, **kw)
+                wv.plan(indptr, [0, n_pages], perm, last, page_size=16)
+                report.add("prefill", case, name, time_us(lambda: wv.run(q, cache), calls=2, reps=10), None, flops)
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
             continue
         w.plan(indptr, indptr)
         report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
-        wp = BatchPrefill(spec, persistent=True)  # persistent CTAs (one per SM walks the work list)
-        wp.plan(indptr, indptr)
-        report.add("prefill", case, "attnforge-persistent", time_us(lambda: wp.run(q, (k, v)), calls=2, reps=10),
-                   None, flops)
+        for name, kw in SCHEDULE_VARIANTS:  # persistent CTAs and the launch order (scheduler.order_prefill_work)
+            wv = BatchPrefill(spec, **kw)
+            wv.plan(indptr, indptr)
+            report.add("prefill", case, name, time_us(lambda: wv.run(q, (k, v)), calls=2, reps=10), None, flops)
         if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record
             for name, kw in ablations(w.kernel.backend):
                 wa = BatchPrefill(spec, **kw)

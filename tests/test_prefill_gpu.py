@@ -149,6 +149,21 @@ def test_persistent_ctas_walk_many_items(page_size):
     assert torch.equal(whole.run(q, cache), out), "persistence changes who computes an item, not what"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_work_order_is_bitwise_equal(causal):
+    # the launch order changes which CTA runs an item, never what it computes
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=causal)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 2048, 77], [300, 5, 2048, 1000], seed=21)
+    outs = []
+    for order in ("longest_first", "grouped"):
+        w = BatchPrefill(spec, work_order=order)
+        w.plan(qo, kv)
+        outs.append(w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+    check_against_reference(spec, q, *outs[1], per, qo)
+
+
 def test_hopper_kernel_is_the_default_on_sm90():
     spec = AttentionSpec(family="prefill", causal=True)
     expected = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma"

@@ -171,3 +171,27 @@ def test_prefill_split_leaves_busy_batches_whole():
     work, kv_hi = scheduler.prefill_work(np.array([256]), np.array([32768]), 4, 8, 128, causal=False)
     sp = scheduler.split_prefill_work(work, kv_hi, np.zeros(len(work), np.int64), 128, 128, 132)
     assert sp.num_slots == 2 and len(sp.work) == 128 and sp.chunk == 16384
+
+
+@pytest.mark.parametrize("mode", scheduler.WORK_ORDERS)
+def test_prefill_orders_are_permutations_with_their_rule(mode):
+    rng = np.random.default_rng(3)
+    qo_len = rng.integers(1, 3000, size=7)
+    work, cost = scheduler.prefill_work(qo_len, qo_len + rng.integers(0, 500, size=7), 4, 3, 128, causal=True)
+    order = scheduler.order_prefill_work(work, cost, mode)
+    assert sorted(order.tolist()) == list(range(len(work)))
+    w, c = work[order], cost[order]
+    if mode == "longest_first":
+        assert np.all(np.diff(c) <= 0)
+        return
+    keys = [tuple(x) for x in w[:, :2].tolist()]
+    runs = [k for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
+    assert len(runs) == len(set(keys)), "each (request, kv head) is one contiguous run"
+    starts = [i for i in range(len(keys)) if i == 0 or keys[i] != keys[i - 1]] + [len(keys)]
+    heads = [c[a] for a in starts[:-1]]
+    assert heads == sorted(heads, reverse=True), "groups by their longest item, descending"
+    for a, b in zip(starts, starts[1:]):
+        assert np.all(np.diff(c[a:b]) <= 0), "longest first within a group"
+    assert scheduler.order_prefill_work(work[:0], cost[:0], mode).size == 0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        scheduler.order_prefill_work(work, cost, "random")
