@@ -34,7 +34,8 @@ class BatchMLADecode(BatchDecode):
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
                  tile_kv: Optional[int] = None, backend: str = "mma", **spec_kwargs):
         """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
-        backend="wgmma": the sm_90a warpgroup-MMA kernel (normal pipeline, 16-bit KV, 64 rows per CTA)."""
+        backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
+        up to 32)."""
         self._backend = backend
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
@@ -138,6 +139,6 @@ class BatchMLADecode(BatchDecode):
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
-            lib["mla_decode_kernel"].launch((self.num_ctas,), (256,), params, smem=self.kernel.smem_bytes)
+            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes)
             lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
         return (out, lse) if return_lse else out

@@ -59,8 +59,13 @@ def test_wgmma_backend_shape_and_refusals():
     mod = k.module()
     assert mod.archs == ("9.0a",) and "_wgmma_" in mod.name and "constexpr bool kWgmma = true;" in mod.source
     assert "wgmma_ss_tb<256, TMma>" in mod.source
-    with pytest.raises(ValueError, match="does not take pipeline 'transposed'"):
-        MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
+    # transposed (ETAP): one warpgroup, rows = heads (8..32), O^T [512 x rows] in registers
+    for h, rows in ((8, 8), (16, 16), (32, 32), (128, 32)):
+        t = MLADecodeKernel(spec(h, "transposed"), backend="wgmma")
+        assert (t.rows, t.tiling, t.threads) == (rows, (64, 2), 128)
+        assert t.smem_bytes == rows * 576 * 2 + 2 * 64 * 576 * 2 + rows * 64 * 2 + 11 * rows * 4 + 1024
+        assert "wgmma_ss_ta<kRows, TMma>" in t.module().source and "kWarps = 4" in t.module().source
+    assert MLADecodeKernel(spec(128, "transposed"), backend="wgmma").row_blocks(1) == 4
     with pytest.raises(ValueError, match="does not take fp8 KV"):
         MLADecodeKernel(spec(16, "normal", kv_dtype="fp8_e4m3"), backend="wgmma")
     with pytest.raises(ValueError, match="64-token tiles in 2 stages"):

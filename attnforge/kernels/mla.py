@@ -16,6 +16,7 @@ _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 THREADS = 256
 MAX_ROWS = 64  # query rows (draft token x head) per CTA
 BACKENDS = ("mma", "wgmma")
+WGMMA_MAX_TRANSPOSED_ROWS = 32
 WGMMA_ARCH = "9.0a"
 
 BASE_FIELDS = (
@@ -36,16 +37,15 @@ BASE_FIELDS = (
 def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
     """Query rows one CTA owns: all heads of a draft token up to 64; the normal pipeline's m16
     tiles need at least 16 rows, the transposed pipeline's n8 tiles only 8; wgmma's m64 tiles
-    always 64 (rows past the heads are zero padding)."""
+    always 64 for the normal pipeline (rows past the heads are zero padding), and at most 32 for the
+    transposed one (its O^T accumulators hold 512 x rows per warpgroup)."""
     if backend == "wgmma":
-        return MAX_ROWS
+        return MAX_ROWS if pipeline == "normal" else min(WGMMA_MAX_TRANSPOSED_ROWS, max(num_heads, 8))
     return min(MAX_ROWS, max(num_heads, 16 if pipeline == "normal" else 8))
 
 
 def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     """None when the wgmma MLA kernel can run this spec, else why not."""
-    if spec.pipeline != "normal":
-        return f"pipeline {spec.pipeline!r} (the wgmma kernel implements 'normal')"
     if spec.kv_dtype == "fp8_e4m3":
         return "fp8 KV (wgmma reads 16-bit tiles as they land)"
     return None
@@ -86,11 +86,17 @@ class MLADecodeKernel:
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")
 
     @property
+    def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
+        return 128 if (self.backend == "wgmma" and self.spec.pipeline == "transposed") else THREADS
+
+    @property
     def rows(self) -> int:
         return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline, self.backend)
 
     @property
     def tiling(self) -> tuple[int, int]:
+        if self.backend == "wgmma":  # m64 tiles of tokens (transposed) or rows; Q + two stages fill the SM
+            return 64, 2
         tile, stages = default_tiling(self.rows)
         if self.tile_kv is not None and self.tile_kv != tile:  # an override: the shallow pipeline fits
             tile, stages = self.tile_kv, 2
