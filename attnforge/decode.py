@@ -50,7 +50,7 @@ class BatchDecode:
         self.max_num_pages = max_num_pages
         g, d = self._rows_per_slot(), spec.head_dim_vo
         self.num_slots = 2 * self.num_ctas  # two partial slots per CTA (attnforge/scheduler.py)
-        need = self.workspace_bytes(spec, self.num_ctas)
+        need = self._workspace_need()
         if workspace is None:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         checks.check_cuda("workspace", workspace, self.device)
@@ -91,6 +91,9 @@ class BatchDecode:
 
     def _dev_ptr(self, name: str) -> int:
         return self._dev.data_ptr() + 4 * self._offsets[name][0]
+
+    def _workspace_need(self) -> int:
+        return self.workspace_bytes(self.spec, self.num_ctas)
 
     @staticmethod
     def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:

@@ -32,8 +32,11 @@ class BatchMLADecode(BatchDecode):
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
-                 tile_kv: Optional[int] = None, **spec_kwargs):
-        """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling)."""
+                 tile_kv: Optional[int] = None, backend: str = "mma", **spec_kwargs):
+        """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
+        backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
+        up to 32)."""
+        self._backend = backend
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
                            **spec_kwargs}
@@ -47,17 +50,19 @@ class BatchMLADecode(BatchDecode):
                          max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
                          **spec_kwargs)
 
-    @staticmethod
-    def _make_kernel(spec, tile_kv, num_stages, num_warps):
-        return MLADecodeKernel(spec, num_stages, tile_kv)
+    def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
+        return MLADecodeKernel(spec, num_stages, tile_kv, self._backend)
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows
 
+    def _workspace_need(self) -> int:
+        return self.workspace_bytes(self.spec, self.num_ctas, self.kernel.backend)
+
     @staticmethod
-    def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
+    def workspace_bytes(spec: AttentionSpec, num_ctas: int, backend: str = "mma") -> int:
         """Two partial (o, lse) slots of one row block per persistent CTA."""
-        return 2 * num_ctas * rows_per_cta(spec.num_qo_heads, spec.pipeline) * (MLA_HEAD_DIM_VO + 1) * 4
+        return 2 * num_ctas * rows_per_cta(spec.num_qo_heads, spec.pipeline, backend) * (MLA_HEAD_DIM_VO + 1) * 4
 
     def default_sm_scale(self) -> float:
         return DEEPSEEK_SM_SCALE
@@ -134,6 +139,6 @@ class BatchMLADecode(BatchDecode):
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
-            lib["mla_decode_kernel"].launch((self.num_ctas,), (256,), params, smem=self.kernel.smem_bytes)
+            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes)
             lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
         return (out, lse) if return_lse else out

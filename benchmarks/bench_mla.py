@@ -44,16 +44,20 @@ def inputs(heads, batch, length):
 
 def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
     ckv, kpe = kv[..., :512], kv[..., 512:]
-    variants = [("auto", None, None), ("normal", None, None), ("transposed", None, None)]
+    variants = [("auto", None, None), ("normal", None, None), ("transposed", None, None), ("wgmma", None, None),
+                ("wgmma-transposed", None, None)]
     # ATTNFORGE_BENCH_ABLATION="32:3,64:2": other (tile, stages) of the normal pipeline, for docs/perf-notes.md
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
         tile, stages = (int(x) for x in item.split(":"))
         variants.append(("normal", tile, stages))
     for pipeline, tile, stages in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
-                             head_dim_vo=512, pipeline=pipeline)
+                             head_dim_vo=512, pipeline={"wgmma": "normal", "wgmma-transposed": "transposed"}.get(
+                                 pipeline, pipeline))
+        backend = "wgmma" if pipeline.startswith("wgmma") else "mma"  # the sm_90a kernels
         try:
-            w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages)
+            w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
+                               backend=backend)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} t{tile}s{stages}: {e}")
             continue
@@ -106,10 +110,11 @@ def accuracy(report: Report) -> None:
                 for b in range(4)]
         ref = torch.cat([reference.mla_attention(q_nope[b:b + 1].double(), q_pe[b:b + 1].double(), r[:, :512],
                                                  r[:, 512:], sm_scale=DEEPSEEK_SM_SCALE)[0] for b, r in enumerate(rows)])
-        for pipeline in ("normal", "transposed"):
+        for pipeline in ("normal", "transposed", "wgmma", "wgmma-transposed"):
             spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
-                                 head_dim_vo=512, q_dtype=str(dtype).split(".")[1], pipeline=pipeline)
-            w = BatchMLADecode(spec)
+                                 head_dim_vo=512, q_dtype=str(dtype).split(".")[1],
+                                 pipeline="transposed" if pipeline.endswith("transposed") else "normal")
+            w = BatchMLADecode(spec, backend="wgmma" if pipeline.startswith("wgmma") else "mma")
             w.plan(indptr, indices, last, page_size=PAGE)
             out = w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:])
             rmse = (out.double() - ref).pow(2).mean().sqrt().item()

@@ -133,6 +133,25 @@ def test_score_mod_soft_cap_and_sink(pipeline):
     run_case(mla_spec(16, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0})
 
 
+@pytest.mark.parametrize("heads", [8, 16, 64, 128])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_wgmma_backend(heads, pipeline):
+    # the sm_90a kernels (normal: 64 rows per CTA, heads padded; transposed: up to 32 rows, one warpgroup):
+    # odd lengths, an empty request, small pages, q_len 3, a request split across CTAs, fp16, a unified
+    # cache, soft-cap and a sink
+    spec = mla_spec(heads, pipeline)
+    run_case(spec, [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="wgmma")
+    run_case(spec, [1, 65, 300, 0, 17], 7, seed=heads + 1, unified=True, backend="wgmma")
+    run_case(spec, [2, 3, 130, 0], 16, q_len=3, seed=heads + 2, backend="wgmma")
+    run_case(spec, [65536, 5, 3000], 64, seed=heads + 3, backend="wgmma")
+    run_case(mla_spec(heads, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, backend="wgmma")
+    sink = torch.randn(heads).cuda()
+    run_case(mla_spec(heads, pipeline, score_mod=mods.attention_sink(sink)), [500, 3, 0], 64,
+             ref_kw={"sink": sink.double().cpu()}, backend="wgmma")
+    run_case(mla_spec(heads, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0},
+             backend="wgmma")
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_cuda_graph_replay_after_replans(pipeline):
     spec = mla_spec(16, pipeline)

@@ -2,6 +2,7 @@
 import pytest
 
 from attnforge import AttentionSpec
+from attnforge.jit import build_many
 from attnforge.kernels.decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from attnforge.kernels.mla import MLADecodeKernel, rows_per_cta
 
@@ -46,3 +47,34 @@ def test_tiling_defaults_and_overrides():
     assert MLADecodeKernel(spec(128, "normal"), tile_kv=32, num_stages=3).tiling == (32, 3)
     with pytest.raises(ValueError, match="tile_kv"):
         MLADecodeKernel(spec(16, "normal"), tile_kv=48)
+
+
+def test_wgmma_backend_shape_and_refusals():
+    k = MLADecodeKernel(spec(16, "normal"), backend="wgmma")
+    assert (k.rows, k.tiling, k.ctas_per_sm) == (64, (64, 2), 1)  # m64 tiles: 16 heads padded to 64 rows
+    # Q + two 576-wide stages + P + row state + the 1024-byte alignment slack: the whole SM
+    assert k.smem_bytes == 64 * 576 * 2 * 3 + 64 * 64 * 2 + 7 * 64 * 4 + 1024
+    assert k.smem_bytes <= 227 * 1024
+    assert k.row_blocks(1) == 1 and MLADecodeKernel(spec(128, "normal"), backend="wgmma").row_blocks(2) == 4
+    mod = k.module()
+    assert mod.archs == ("9.0a",) and "_wgmma_" in mod.name and "constexpr bool kWgmma = true;" in mod.source
+    assert "wgmma_ss_tb<256, TMma>" in mod.source
+    # transposed (ETAP): one warpgroup, rows = heads (8..32), O^T [512 x rows] in registers
+    for h, rows in ((8, 8), (16, 16), (32, 32), (128, 32)):
+        t = MLADecodeKernel(spec(h, "transposed"), backend="wgmma")
+        assert (t.rows, t.tiling, t.threads) == (rows, (64, 2), 128)
+        assert t.smem_bytes == rows * 576 * 2 + 2 * 64 * 576 * 2 + rows * 64 * 2 + 11 * rows * 4 + 1024
+        assert "wgmma_ss_ta<kRows, TMma>" in t.module().source and "kWarps = 4" in t.module().source
+    assert MLADecodeKernel(spec(128, "transposed"), backend="wgmma").row_blocks(1) == 4
+    with pytest.raises(ValueError, match="does not take fp8 KV"):
+        MLADecodeKernel(spec(16, "normal", kv_dtype="fp8_e4m3"), backend="wgmma")
+    with pytest.raises(ValueError, match="64-token tiles in 2 stages"):
+        MLADecodeKernel(spec(16, "normal"), backend="wgmma", tile_kv=32)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        MLADecodeKernel(spec(16, "normal"), backend="tensor")
+
+
+def test_wgmma_backend_builds_for_sm90a_whatever_the_arch_list():
+    mod = MLADecodeKernel(spec(128, "normal"), backend="wgmma").module()
+    (path,) = build_many([mod], ("8.0",))
+    assert "/90a/" in path.as_posix() and b"mla_decode_kernel" in path.read_bytes()

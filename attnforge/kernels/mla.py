@@ -15,6 +15,9 @@ from .fields import ptrs, scalars
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 THREADS = 256
 MAX_ROWS = 64  # query rows (draft token x head) per CTA
+BACKENDS = ("mma", "wgmma")
+WGMMA_MAX_TRANSPOSED_ROWS = 32
+WGMMA_ARCH = "9.0a"
 
 BASE_FIELDS = (
     *ptrs("q_nope", "q_pe", "ckv_cache", "kpe_cache", cpp="const void*"), ParamField("out", "void*", "ptr"),
@@ -31,10 +34,21 @@ BASE_FIELDS = (
 )
 
 
-def rows_per_cta(num_heads: int, pipeline: str) -> int:
+def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
     """Query rows one CTA owns: all heads of a draft token up to 64; the normal pipeline's m16
-    tiles need at least 16 rows, the transposed pipeline's n8 tiles only 8."""
+    tiles need at least 16 rows, the transposed pipeline's n8 tiles only 8; wgmma's m64 tiles
+    always 64 for the normal pipeline (rows past the heads are zero padding), and at most 32 for the
+    transposed one (its O^T accumulators hold 512 x rows per warpgroup)."""
+    if backend == "wgmma":
+        return MAX_ROWS if pipeline == "normal" else min(WGMMA_MAX_TRANSPOSED_ROWS, max(num_heads, 8))
     return min(MAX_ROWS, max(num_heads, 16 if pipeline == "normal" else 8))
+
+
+def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
+    """None when the wgmma MLA kernel can run this spec, else why not."""
+    if spec.kv_dtype == "fp8_e4m3":
+        return "fp8 KV (wgmma reads 16-bit tiles as they land)"
+    return None
 
 
 def default_tiling(rows: int) -> tuple[int, int]:
@@ -49,10 +63,20 @@ class MLADecodeKernel:
     spec: AttentionSpec
     num_stages: Optional[int] = None
     tile_kv: Optional[int] = None
+    backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (normal pipeline, 16-bit KV)
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
             raise ValueError(f"MLADecodeKernel: expected a spec with family='mla_decode', got {self.spec.family!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MLADecodeKernel.backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "wgmma":
+            if (why := wgmma_applies(self.spec)) is not None:
+                raise ValueError(f"MLADecodeKernel: the wgmma backend does not take {why}; use backend='mma'")
+            if (self.tile_kv or 64) != 64 or (self.num_stages or 2) != 2:
+                raise ValueError(f"MLADecodeKernel: the wgmma backend runs 64-token tiles in 2 stages (Q and two "
+                                 f"576-wide tiles fill shared memory), got tile_kv={self.tile_kv}, "
+                                 f"num_stages={self.num_stages}")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -62,11 +86,17 @@ class MLADecodeKernel:
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")
 
     @property
+    def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
+        return 128 if (self.backend == "wgmma" and self.spec.pipeline == "transposed") else THREADS
+
+    @property
     def rows(self) -> int:
-        return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline)
+        return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline, self.backend)
 
     @property
     def tiling(self) -> tuple[int, int]:
+        if self.backend == "wgmma":  # m64 tiles of tokens (transposed) or rows; Q + two stages fill the SM
+            return 64, 2
         tile, stages = default_tiling(self.rows)
         if self.tile_kv is not None and self.tile_kv != tile:  # an override: the shallow pipeline fits
             tile, stages = self.tile_kv, 2
@@ -88,8 +118,9 @@ class MLADecodeKernel:
             red = min(8 // (rows // 16), tile // 16)
             k_split = 8 // (rows // 16 * red)
         wide = tile * d * 2 if self.kv_bytes == 1 else 0
+        align = 1024 if self.backend == "wgmma" else 0  # sw128 tiles start 1024-byte aligned
         return rows * d * 2 + stages * tile * d * self.kv_bytes + wide + rows * tile * 2 + (2 * red + 3) * rows * 4 + \
-            (k_split - 1) * rows * tile * 4
+            (k_split - 1) * rows * tile * 4 + align
 
     @property
     def params(self) -> ParamsLayout:
@@ -103,12 +134,15 @@ class MLADecodeKernel:
         s = self.spec
         tile, stages = self.tiling
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
-               "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "tile_kv": tile,
+               "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
+               "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp()}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
-                         s.pipeline, *(["softcap"] if s.logits_soft_cap > 0 else []),
+                         s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
+                         *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
-        return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"))
+        archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
+        return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)

@@ -1,4 +1,5 @@
 """The JIT cache: content hashing, locking, atomic artifacts, compile errors (CPU only; needs nvcc)."""
+import dataclasses
 import json
 import os
 import shutil
@@ -176,6 +177,11 @@ def test_nvcc_compiles_the_variant_matrix():
     prefill = [s for s in VARIANT_MATRIX + _mod_specs() if s.family == "prefill"]
     mods += [PrefillKernel(s, "mma").module() for s in prefill if wgmma_applies(s) is None]
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
+    from attnforge.kernels.mla import MLADecodeKernel  # and the sm_90a MLA kernels, one with a score modifier
+    mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
+    mods += [MLADecodeKernel(mla[0], backend="wgmma").module(),
+             MLADecodeKernel(dataclasses.replace(mla[1], logits_soft_cap=30.0), backend="wgmma").module(),
+             MLADecodeKernel(dataclasses.replace(mla[0], pipeline="transposed"), backend="wgmma").module()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.kernels.quest import QuestScoreKernel
     mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module()]
