@@ -45,16 +45,19 @@ class BatchPrefill:
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list.
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
-        # partial buffers would change size between plans) nor with an attention sink (it joins the
-        # denominator once, after the merge it would join it per chunk).
+        # partial buffers would change size between plans) nor with a row epilogue that must see the
+        # whole row: an attention sink joins the denominator once, an output transform (raw C++) may
+        # not commute with the merge.
         # work_order: the launch order of work items (scheduler.order_prefill_work).
         if work_order not in scheduler.WORK_ORDERS:
             raise checks.fail("BatchPrefill(work_order=...)", f"one of {scheduler.WORK_ORDERS}", repr(work_order),
                               "'grouped' keeps each (request, kv head)'s items together for L2 reuse.")
         self.work_order = work_order
         self.spec = spec
-        sink = spec.score_mod is not None and spec.score_mod.sink is not None
-        self.split_kv = split_kv and not use_cuda_graph and not sink
+        mod = spec.score_mod
+        row_epilogue = mod is not None and (mod.sink is not None or any(
+            flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
+        self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
                                     persistent)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())

@@ -105,7 +105,7 @@ def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_head
     return np.stack([req, head, tile * tile_q], axis=1), cost
 
 
-PREFILL_ITEM_FIXED_COST = 2  # per work item, in query-tile rows x this = token-equivalents (load Q, write O)
+PREFILL_ITEM_FIXED_COST = 2  # an item's fixed cost, x tile_q token-equivalents (load Q, write O: the 2*qo term)
 MIN_PREFILL_CHUNK_TILES = 4  # a split chunk covers at least this many KV tiles (prologue and merge amortised)
 SPLIT_SLACK = 1.1  # a chunk may exceed the fair share by this much before an item is cut once more
 

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnforge import AttentionSpec
 from attnforge.jit import build_many
@@ -106,3 +107,15 @@ def test_producer_warpgroup_shape():
         PrefillKernel(SPEC, "wgmma", producer=False, pingpong=True)
     with pytest.raises(ValueError, match="pingpong: needs two consumer warpgroups"):
         PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma", producer=True, pingpong=True)
+
+
+def test_split_kv_is_off_where_a_row_epilogue_needs_the_whole_row():
+    import attnforge.mods as m
+    from attnforge import BatchPrefill
+    dev = "cuda:0"  # a device name only: nothing is allocated outside CUDA-graph mode
+    assert BatchPrefill(SPEC, device=dev).split_kv
+    assert not BatchPrefill(SPEC, device=dev, split_kv=False).split_kv
+    sink = AttentionSpec(family="prefill", score_mod=m.attention_sink(torch.zeros(32)))
+    assert not BatchPrefill(sink, device=dev).split_kv  # the sink joins the denominator once
+    raw = m.raw_mod("static constexpr bool kHasOutputTransform = true;")
+    assert not BatchPrefill(AttentionSpec(family="prefill", score_mod=raw), device=dev).split_kv

@@ -136,8 +136,10 @@ class PrefillKernel:
         d = self.spec.head_dim_qk
         # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
+        if self.backend != "wgmma":
+            return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2
         ws = 16 * self.stages + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
-        extra = 1024 + 128 + (ws if self.producer else 0) if self.backend == "wgmma" else 0
+        extra = 1024 + 128 + (ws if self.producer else 0)
         return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
 
     @property
