@@ -293,10 +293,10 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 _WRAPPERS: dict = {}
 
 
-def _cached_wrapper(spec: AttentionSpec, device, split_kv: bool = True) -> BatchPrefill:
-    key = (spec, str(device), split_kv)
+def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
+    key = (spec, str(device))
     if key not in _WRAPPERS:
-        _WRAPPERS[key] = BatchPrefill(spec, device=device, split_kv=split_kv)
+        _WRAPPERS[key] = BatchPrefill(spec, device=device)
     return _WRAPPERS[key]
 
 
@@ -338,13 +338,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
                          score_mod=mod)
     q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]
-    w = _cached_wrapper(spec, q.device, split_kv=False)  # it launches into the [B, H, L, D] layout itself
+    w = _cached_wrapper(spec, q.device)
     # Dense batches are ragged batches whose request r starts r*H*L "tokens" (rows of D) in.
     w.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale, q_offset=np.arange(bq) * hq * lq,
            kv_offset=np.arange(bq) * hkv * lk)
     out = torch.empty_like(q)
+    kv_strides = dict(stride_page=0, stride_token=d, stride_head=lk * d, q_stride_n=d, q_stride_h=lq * d)
+    slots = w._plan["num_slots"]
+    if slots > 1:  # split KV (few query tiles, long keys): partials [B, H, Lq, slots, D], merged by LSE
+        part = torch.empty((bq, hq, lq, slots, d), dtype=q.dtype, device=q.device)
+        part_lse = torch.full((bq, hq, lq, slots), -math.inf, dtype=torch.float32, device=q.device)
+        w._launch(q, k, v, part, part_lse, dict(**kv_strides, out_stride_n=slots * d, out_stride_h=lq * slots * d,
+                                                out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,
+                                                lse_stride_slot=1))
+        rows = bq * hq * lq
+        _, lse = merge_states(part.view(rows, slots, 1, d), part_lse.view(rows, slots, 1), out=out.view(rows, 1, d))
+        return (out, lse.view(bq, hq, lq)) if return_lse else out
     lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
-    w._launch(q, k, v, out, lse, dict(stride_page=0, stride_token=d, stride_head=lk * d, q_stride_n=d,
-                                      q_stride_h=lq * d, out_stride_n=d, out_stride_h=lq * d,
-                                      out_stride_slot=0, lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
+    w._launch(q, k, v, out, lse, dict(**kv_strides, out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
+                                      lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
     return (out, lse) if return_lse else out

@@ -250,6 +250,23 @@ def test_functional_attention_matches_sdpa_and_flex():
     assert (ours.float() - flex.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("lq", [1, 16])
+def test_functional_attention_splits_long_keys(lq):
+    # a few query rows against long keys (decode through the dense API): split KV, merged into [B, H, Lq, D]
+    torch.manual_seed(1)
+    q = torch.randn(2, 32, lq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 20000, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    from attnforge.prefill import _WRAPPERS
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype="bf16")
+    assert _WRAPPERS[(spec, str(q.device))]._plan["num_slots"] > 1, "this shape must be split"
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)
+    assert lse.shape == (2, 32, lq) and (lse - ref_lse).abs().max().item() < 1e-2
+
+
 def test_append_paged_kv_cache_round_trip():
     torch.manual_seed(0)
     page, hkv, d = 16, 8, 128
