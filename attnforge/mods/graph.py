@@ -111,7 +111,7 @@ def _wrap_clamp(i: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(i < 0, i + size, i).clamp(0, size - 1)
 
 
-_CPP_TYPE = {"f": "float", "i": "long long", "b": "bool"}
+_CPP_TYPE = {"f": "float", "i": "af_int", "b": "bool"}  # af_int: 32-bit (attnforge/mods/variant.py)
 
 
 def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
@@ -127,7 +127,7 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
             return node[1]
         if op == "const":
             v, t = node[1], node[2]
-            return ("true" if v else "false") if t == "b" else (f"{float(v)!r}f" if t == "f" else f"{int(v)}LL")
+            return ("true" if v else "false") if t == "b" else (f"{float(v)!r}f" if t == "f" else f"af_int({int(v)})")
         if op == "scalar":
             expr = f"a.scalar({node[1]})"
         elif op == "load":

@@ -29,8 +29,11 @@ CPP_PRELUDE = r"""
 #include <cmath>
 #define AF_HD inline
 #endif
-AF_HD long long af_floordiv(long long a, long long b) { long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
-AF_HD long long af_mod(long long a, long long b) { long long r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+// Integer modifier arithmetic is 32-bit, as in FlexAttention's kernels (positions, heads and batch
+// indices fit; 64-bit temporaries for every score cost registers, and spills, in the prefill loop).
+typedef int af_int;
+AF_HD af_int af_floordiv(af_int a, af_int b) { af_int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
+AF_HD af_int af_mod(af_int a, af_int b) { af_int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 AF_HD float af_floordiv(float a, float b) { return floorf(a / b); }
 AF_HD float af_mod(float a, float b) { return a - b * floorf(a / b); }
 #ifdef __CUDA_ARCH__  // SFU approximations on the device: errors far below bf16/fp16 score rounding
@@ -47,14 +50,14 @@ AF_HD float af_sin(float x) { return AF_PICK(__sinf, sinf)(x); }
 AF_HD float af_cos(float x) { return AF_PICK(__cosf, cosf)(x); }
 AF_HD float af_tanh(float x) { return AF_PICK(af_tanh_approx, tanhf)(x); }
 AF_HD float af_sigmoid(float x) { return 1.f / (1.f + af_exp(-x)); }
-AF_HD long long af_abs(long long x) { return x < 0 ? -x : x; }
+AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }
-AF_HD long long af_min(long long a, long long b) { return a < b ? a : b; }
-AF_HD long long af_max(long long a, long long b) { return a > b ? a : b; }
+AF_HD af_int af_min(af_int a, af_int b) { return a < b ? a : b; }
+AF_HD af_int af_max(af_int a, af_int b) { return a > b ? a : b; }
 AF_HD float af_min(float a, float b) { return fminf(a, b); }
 AF_HD float af_max(float a, float b) { return fmaxf(a, b); }
 AF_HD float af_pow(float a, float b) { return powf(a, b); }
-AF_HD long long af_index(long long i, long long size) { i = i < 0 ? i + size : i; return i < 0 ? 0 : (i >= size ? size - 1 : i); }
+AF_HD af_int af_index(af_int i, af_int size) { i = i < 0 ? i + size : i; return i < 0 ? 0 : (i >= size ? size - 1 : i); }
 #endif
 """
 
@@ -95,12 +98,12 @@ class ScoreMod:
         out = [CPP_PRELUDE]
         if self.score_root is not None:
             body = graph.emit_cpp(self.score_root, self.slots, "f")
-            out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_score(float score, long long b, "
-                       f"long long h, long long q_idx, long long kv_idx, const A& a) {{\n{body}\n}}")
+            out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_score(float score, af_int b, "
+                       f"af_int h, af_int q_idx, af_int kv_idx, const A& a) {{\n{body}\n}}")
         if self.mask_root is not None:
             body = graph.emit_cpp(self.mask_root, self.slots, "b")
-            out.append(f"template <class A> AF_HD bool {self.cpp_struct_name}_mask(long long b, long long h, "
-                       f"long long q_idx, long long kv_idx, const A& a) {{\n{body}\n}}")
+            out.append(f"template <class A> AF_HD bool {self.cpp_struct_name}_mask(af_int b, af_int h, "
+                       f"af_int q_idx, af_int kv_idx, const A& a) {{\n{body}\n}}")
         return "\n".join(out)
 
     @property
@@ -109,6 +112,7 @@ class ScoreMod:
         reads = {"f32": "float({ptr}[off])", "f16": "__half2float({ptr}[off])",
                  "bf16": "__bfloat162float({ptr}[off])", "i32": "{ptr}[off]", "i64": "{ptr}[off]"}
         ctypes_ = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i32": "int", "i64": "long long"}
+        reads["i64"] = "af_int({ptr}[off])"
         loads = {"f": [], "i": []}
         for k, s in sorted(self.slots.items()):  # typed at compile time: the dtype is in the cache key
             dims = ", ".join(f"p.mod_t{k}_size{d}" for d in range(s.ndim))
@@ -122,11 +126,11 @@ class ScoreMod:
 template <class P>
 struct {n}_Access {{
   const P& p;
-  AF_HD float load_f(int k, std::initializer_list<long long> idx) const {{
+  AF_HD float load_f(int k, std::initializer_list<af_int> idx) const {{
 {chr(10).join(loads["f"])}
     return 0.f;
   }}
-  AF_HD long long load_i(int k, std::initializer_list<long long> idx) const {{
+  AF_HD af_int load_i(int k, std::initializer_list<af_int> idx) const {{
 {chr(10).join(loads["i"])}
     return 0;
   }}

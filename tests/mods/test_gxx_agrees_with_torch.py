@@ -63,11 +63,11 @@ def _host_program(mod, inputs) -> str:
         sizes = ", ".join(str(s) for s in t.shape)
         tensors.append(f"static const {ctype} T{k}[] = {{{vals}}}; static const long long S{k}[] = {{{sizes}}};")
     def loader(kind):
-        ctype = "float" if kind == "f" else "long long"
+        ctype = "float" if kind == "f" else "af_int"
         cases = []
         for k, s in mod.slots.items():
             src = f"(({ctype})T{k}[off])"
-            cases.append(f"    if (k == {k}) {{ long long off = 0; int d = 0; for (long long i : idx) {{ "
+            cases.append(f"    if (k == {k}) {{ long long off = 0; int d = 0; for (af_int i : idx) {{ "
                          f"off = off * S{k}[d] + af_index(i, S{k}[d]); ++d; }} return {src}; }}")
         return "\n".join(cases)
     scalars = "\n".join(f"    if (k == {k}) return {float(v)!r}f;" for k, v in enumerate(mod.scalars))
@@ -80,11 +80,11 @@ def _host_program(mod, inputs) -> str:
 {mod.host_functions()}
 {chr(10).join(tensors)}
 struct HostAccess {{
-  float load_f(int k, std::initializer_list<long long> idx) const {{
+  float load_f(int k, std::initializer_list<af_int> idx) const {{
 {loader("f")}
     return 0.f;
   }}
-  long long load_i(int k, std::initializer_list<long long> idx) const {{
+  af_int load_i(int k, std::initializer_list<af_int> idx) const {{
 {loader("i")}
     return 0;
   }}
@@ -93,7 +93,7 @@ struct HostAccess {{
     return 0.f;
   }}
 }};
-struct In {{ float s; long long b, h, q, kv; }};
+struct In {{ float s; af_int b, h, q, kv; }};
 static const In in[] = {{
 {rows}
 }};
