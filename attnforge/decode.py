@@ -155,11 +155,11 @@ class BatchDecode:
         self._region("kv_begin", True)[:b] = kv_begin
         self._region("stream_prefix", True)[: b + 1] = work.prefix
         self._region("kv_indices", True)[: len(table.indices)] = table.indices
-        stream = torch.cuda.current_stream(self.device)
         used = self._offsets["kv_indices"][0] + len(table.indices)
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        self._copy_done = torch.cuda.Event()
-        self._copy_done.record(stream)
+        if self._copy_done is None:  # one event, re-recorded: creating one per plan costs a driver call
+            self._copy_done = torch.cuda.Event()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
         scale = (self.default_sm_scale() if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph and self._plan is not None:  # launch parameters are baked into a captured graph
             was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"], self._plan["q_len"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ class PageTable:
     indices: np.ndarray  # [indptr[-1]]
     kv_len: np.ndarray  # [B]
     page_size: int
+    max_index: Optional[int] = None  # the largest page id, when the checks already found it
 
     @property
     def batch_size(self) -> int:
@@ -35,7 +37,20 @@ class PageTable:
 
     @property
     def max_page_index(self) -> int:
+        if self.max_index is not None:
+            return self.max_index
         return int(self.indices.max()) if len(self.indices) else -1
+
+
+def _max_page_id(indices: np.ndarray) -> int:
+    """The largest page id in one pass that also catches negatives (viewed as unsigned, a negative id
+    outranks every valid one); a negative result is the smallest id, for the error. -1 when empty."""
+    if not len(indices):
+        return -1
+    if indices.dtype.kind == "u":
+        return int(indices.max())
+    top = int(indices.view(np.dtype(f"u{indices.dtype.itemsize}")).max())
+    return int(indices.min()) if top >= 1 << (8 * indices.dtype.itemsize - 1) else top
 
 
 def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTable:
@@ -52,8 +67,9 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     if indices.ndim != 1 or len(indices) != indptr[-1]:
         raise fail("kv_indices", f"kv_indptr[-1]={indptr[-1]} entries", len(indices),
                    "kv_indices must list exactly the pages kv_indptr counts.")
-    if len(indices) and indices.min() < 0:
-        raise fail("kv_indices", "page ids >= 0", int(indices.min()), "Fix the page table.")
+    top = _max_page_id(indices)  # one pass: the check below and the plan's bound on the cache
+    if len(indices) and top < 0:
+        raise fail("kv_indices", "page ids >= 0", top, "Fix the page table.")
     batch = len(indptr) - 1
     if last.shape != (batch,):
         raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),
@@ -65,7 +81,7 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
         raise fail(f"kv_last_page_len[{b}]", f"a value in [1, page_size={page_size}]", int(last[b]),
                    "A request's last page holds between 1 and page_size tokens.")
     kv_len = np.where(used, (pages - 1) * page_size + last, 0)
-    return PageTable(indptr, indices, kv_len, page_size)
+    return PageTable(indptr, indices, kv_len, page_size, top)
 
 
 def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:

@@ -1,0 +1,71 @@
+"""Host-side cost of BatchDecode.plan on a machine without a GPU: the CUDA calls (event, stream,
+pinned memory) are stubbed, so this times the numpy and Python part alone. The GPU number is the
+decode suite's `plan B256` row; the difference is what the driver calls cost there.
+
+    python tools/plan_host_cost.py [--profile]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec
+from attnforge.decode import BatchDecode
+
+
+class _Event:  # stands in for torch.cuda.Event
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def stubbed_wrapper() -> BatchDecode:
+    """A BatchDecode whose buffers live in ordinary host memory and whose CUDA calls do nothing."""
+    torch.cuda.Event = _Event
+    torch.cuda.current_stream = lambda device=None: None
+    w = BatchDecode.__new__(BatchDecode)
+    w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w.kernel = w._make_kernel(w.spec, 64, None, 4)
+    w.device, w.use_cuda_graph, w._plan, w._copy_done = torch.device("cpu"), False, None, None
+    w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 256
+    zeros = torch.zeros
+    torch.zeros = lambda *a, pin_memory=False, **k: zeros(*a, **k)
+    try:
+        w._alloc_int_buffers(1 << 16)
+    finally:
+        torch.zeros = zeros
+    return w
+
+
+def main() -> None:
+    w = stubbed_wrapper()
+    pages = np.full(256, 1024 // 16)  # the decode suite's `plan B256` case: 256 requests of 1024 tokens
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.arange(indptr[-1], dtype=np.int32)
+    last = np.full(256, 16, dtype=np.int32)
+    for _ in range(50):
+        w.plan(indptr, indices, last, page_size=16)
+    times = []
+    for _ in range(500):
+        t = time.perf_counter()
+        w.plan(indptr, indices, last, page_size=16)
+        times.append(time.perf_counter() - t)
+    print(f"plan B256, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            w.plan(indptr, indices, last, page_size=16)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
