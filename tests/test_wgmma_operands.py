@@ -44,47 +44,41 @@ def read_mnmajor(desc, k, n):
     return swz(start + (n // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + 2 * (n % 64))
 
 
+def check_kmajor(desc, rows, tile, tile_rows, row0, col0):
+    """Operand row r, element k of the k16 step -> element (row0 + r, col0 + k) of the stored tile."""
+    for r in range(rows):
+        for k in range(16):
+            assert read_kmajor(desc, r, k) == stored(tile, row0 + r, col0 + k, tile_rows), (r, k)
+
+
+def check_mnmajor(desc, cols, tile, tile_rows, row0, col0):
+    """Operand K row k of the k16 step, column n -> element (row0 + k, col0 + n) of the stored tile."""
+    for k in range(16):
+        for n in range(cols):
+            assert read_mnmajor(desc, k, n) == stored(tile, row0 + k, col0 + n, tile_rows), (k, n)
+
+
 def test_mla_normal_scores_and_pv():
     q, kt, p = BASE, BASE + 64 * 576 * 2, BASE + 3 * 64 * 576 * 2  # Q [64][576], a K tile [64][576], P [64][64]
     for wg in range(2):
         for kk in range(576 // 16):  # S = Q . K[32wg ..]^T: A = Q (64 rows), B = 32 token rows, K-major
-            a, b = kmajor_desc(q, 64, kk), kmajor_desc(kt + wg * 32 * 128, 64, kk)
-            for r in range(64):
-                for k in range(16):
-                    assert read_kmajor(a, r, k) == stored(q, r, 16 * kk + k, 64)
-            for n in range(32):
-                for k in range(16):
-                    assert read_kmajor(b, n, k) == stored(kt, 32 * wg + n, 16 * kk + k, 64)
+            check_kmajor(kmajor_desc(q, 64, kk), 64, q, 64, 0, 16 * kk)
+            check_kmajor(kmajor_desc(kt + wg * 32 * 128, 64, kk), 32, kt, 64, 32 * wg, 16 * kk)
         for kb in range(4):  # O[:, 256wg ..] += P . V: A = P K-major, B = V dims 256wg.. MN-major (N = 256)
-            a, b = kmajor_desc(p, 64, kb), mnmajor_desc(kt + wg * 4 * 64 * 128, 64, kb)
-            for r in range(64):
-                for k in range(16):
-                    assert read_kmajor(a, r, k) == stored(p, r, 16 * kb + k, 64)
-            for k in range(16):
-                for n in range(256):
-                    assert read_mnmajor(b, k, n) == stored(kt, 16 * kb + k, 256 * wg + n, 64)
+            check_kmajor(kmajor_desc(p, 64, kb), 64, p, 64, 0, 16 * kb)
+            check_mnmajor(mnmajor_desc(kt + wg * 4 * 64 * 128, 64, kb), 256, kt, 64, 16 * kb, 256 * wg)
 
 
 @pytest.mark.parametrize("rows", [8, 16, 32])
 def test_mla_transposed_scores_and_pv(rows):
     kt, q, p = BASE, BASE + 2 * 64 * 576 * 2, BASE + 3 * 64 * 576 * 2  # K tile, Q [rows][576], P^T [rows][64]
     for kk in range(576 // 16):  # S^T = K . Q^T: A = the tile (64 tokens), B = Q (rows), both K-major
-        a, b = kmajor_desc(kt, 64, kk), kmajor_desc(q, rows, kk)
-        for m in range(64):
-            for k in range(16):
-                assert read_kmajor(a, m, k) == stored(kt, m, 16 * kk + k, 64)
-        for n in range(rows):
-            for k in range(16):
-                assert read_kmajor(b, n, k) == stored(q, n, 16 * kk + k, rows)
+        check_kmajor(kmajor_desc(kt, 64, kk), 64, kt, 64, 0, 16 * kk)
+        check_kmajor(kmajor_desc(q, rows, kk), rows, q, rows, 0, 16 * kk)
     for d in range(512 // 64):  # O^T tile d += V^T . P^T: A = V^T MN-major (the transpose-A bit), B = P^T K-major
         for kb in range(4):
-            a, b = mnmajor_desc(kt + d * 64 * 128, 64, kb), kmajor_desc(p, rows, kb)
-            for k in range(16):
-                for m in range(64):
-                    assert read_mnmajor(a, k, m) == stored(kt, 16 * kb + k, 64 * d + m, 64)
-            for n in range(rows):
-                for k in range(16):
-                    assert read_kmajor(b, n, k) == stored(p, n, 16 * kb + k, rows)
+            check_mnmajor(mnmajor_desc(kt + d * 64 * 128, 64, kb), 64, kt, 64, 16 * kb, 64 * d)
+            check_kmajor(kmajor_desc(p, rows, kb), rows, p, rows, 0, 16 * kb)
 
 
 @pytest.mark.parametrize("head_dim,tile_kv", [(128, 128), (64, 128), (256, 64)])
@@ -92,21 +86,12 @@ def test_prefill_scores_and_pv(head_dim, tile_kv):
     tile_q = 64 if head_dim == 256 else 128  # kernels/prefill.py: one consumer warpgroup at head_dim 256
     q, kt = BASE, BASE + tile_q * head_dim * 2
     vt = kt + tile_kv * head_dim * 2
-    for wg in range(tile_q // 64):
-        q_tile = q + wg * 64 * 128  # this warpgroup's 64 rows of the Q tile
+    for wg in range(tile_q // 64):  # this warpgroup's 64 rows of the Q tile
         for kk in range(head_dim // 16):
-            a, b = kmajor_desc(q_tile, tile_q, kk), kmajor_desc(kt, tile_kv, kk)
-            for r in range(64):
-                for k in range(16):
-                    assert read_kmajor(a, r, k) == stored(q, 64 * wg + r, 16 * kk + k, tile_q)
-            for n in range(tile_kv):
-                for k in range(16):
-                    assert read_kmajor(b, n, k) == stored(kt, n, 16 * kk + k, tile_kv)
+            check_kmajor(kmajor_desc(q + wg * 64 * 128, tile_q, kk), 64, q, tile_q, 64 * wg, 16 * kk)
+            check_kmajor(kmajor_desc(kt, tile_kv, kk), tile_kv, kt, tile_kv, 0, 16 * kk)
     for kb in range(tile_kv // 16):
-        b = mnmajor_desc(vt, tile_kv, kb)
-        for k in range(16):
-            for n in range(head_dim):
-                assert read_mnmajor(b, k, n) == stored(vt, 16 * kb + k, n, tile_kv)
+        check_mnmajor(mnmajor_desc(vt, tile_kv, kb), head_dim, vt, tile_kv, 16 * kb, 0)
 
 
 def test_the_model_catches_a_wrong_offset():
