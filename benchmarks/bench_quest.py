@@ -41,5 +41,9 @@ def run(report: Report, peers: bool = True) -> None:
         sparse_bytes = index.kmin.numel() * 2 * 2 + kv_bytes * BUDGET // L
         report.add("quest", case, "attnforge", time_us(lambda: quest.run(q, cache, out=out)), sparse_bytes)
         report.add("quest", case, "attnforge-scoring", time_us(lambda: quest.scores(q)), index.kmin.numel() * 4)
+        slow = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B, max_num_pages=pages,
+                           max_pages_per_request=L // PAGE, use_cuda_graph=True, select="torch")
+        slow.plan(indptr, indices, last)  # the selection by torch ops (topk), for the kernel's gain
+        report.add("quest", case, "attnforge-torch-select", time_us(lambda: slow.run(q, cache, out=out)), sparse_bytes)
         del cache, index
         torch.cuda.empty_cache()

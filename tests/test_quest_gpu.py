@@ -78,12 +78,13 @@ def selection_reference(spec, q, cache, indptr, indices, last, index, budget_pag
 
 
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
-def test_sparse_output_equals_dense_over_the_selected_pages(heads):
+@pytest.mark.parametrize("select", ["kernel", "torch"])
+def test_sparse_output_equals_dense_over_the_selected_pages(heads, select):
     spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1])
     lengths = [5000, 100, 0, 2500, 16, 17]
     cache, indptr, indices, last, index = build(lengths, seed=3, hkv=heads[1])
     q = torch.randn(len(lengths), heads[0], D, device="cuda").bfloat16()
-    quest = QuestDecode(spec, index, budget_tokens=512, page_size=PAGE)
+    quest = QuestDecode(spec, index, budget_tokens=512, page_size=PAGE, select=select)
     quest.plan(indptr.cpu(), indices.cpu(), last)
     out = quest.run(q, cache)
     assert torch.equal(out, selection_reference(spec, q, cache, indptr, indices, last, index, 512 // PAGE))

@@ -11,6 +11,11 @@ _CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float"}
 FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_indices", "meta"),
           ParamField("scores", "float*", "ptr"), *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"))
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
+SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
+                 *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
+                 ParamField("budget_pages", "int32_t", "i32"))
+SELECT_LAYOUT = ParamsLayout("QuestSelectParams", SELECT_FIELDS)
+SELECT_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -26,9 +31,11 @@ class QuestScoreKernel:
             raise ValueError(f"QuestScoreKernel.head_dim: expected a multiple of 32, got {self.head_dim}")
 
     params = LAYOUT
+    select_params = SELECT_LAYOUT
 
     def module(self) -> JitModule:
         ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
-               "num_kv_heads": self.num_kv_heads, "group_size": self.group_size, "params_struct": LAYOUT.cpp()}
+               "num_kv_heads": self.num_kv_heads, "group_size": self.group_size, "params_struct": LAYOUT.cpp(),
+               "select_params_struct": SELECT_LAYOUT.cpp()}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
-        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_score_kernel",))
+        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_score_kernel", "quest_select_kernel"))

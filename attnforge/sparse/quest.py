@@ -106,9 +106,13 @@ class QuestDecode:
 
     def __init__(self, spec, index: QuestIndex, budget_tokens: int, page_size: int, *, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_num_pages: int = 1 << 16, max_pages_per_request: int = 8192,
-                 **decode_kwargs):
+                 select: str = "kernel", **decode_kwargs):
         from ..decode import BatchDecode
         from ..kernels.quest import QuestScoreKernel
+        if select not in ("kernel", "torch"):
+            raise fail("QuestDecode(select=...)", "'kernel' (one radix-select launch) or 'torch' (topk)", repr(select),
+                       "Use 'kernel' unless comparing the two.")
+        self.select = select
         if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")
         if index.kmin.shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
@@ -126,7 +130,7 @@ class QuestDecode:
         n = max_num_pages
         self._pages = torch.zeros(n + 1, dtype=torch.int32, device=self.device)  # all listed pages (+1: dump)
         self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self._sel_indptr = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
+        self._sel_indptr = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._meta = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._scores = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
@@ -183,6 +187,20 @@ class QuestDecode:
 
     def _select(self, scores: torch.Tensor) -> None:
         """Top pages per request, in order, written into the decode wrapper's device page table."""
+        if self.select == "torch":
+            return self._select_torch(scores)
+        from ..jit import registry
+        from ..kernels.quest import SELECT_THREADS
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        params = self.kernel.select_params.pack(
+            scores=scores.data_ptr(), kv_indptr=self._indptr.data_ptr(), kv_indices=self._pages.data_ptr(),
+            meta=self._meta.data_ptr(), sel_indptr=self._sel_indptr.data_ptr(),
+            out_indices=self.decode._region("kv_indices", False).data_ptr(), budget_pages=self.budget_pages)
+        with torch.cuda.device(self.device):
+            lib["quest_select_kernel"].launch((self._planned["batch"],), (SELECT_THREADS,), params)
+
+    def _select_torch(self, scores: torch.Tensor) -> None:
+        """The same selection with torch ops (topk over a [batch, width] view): the reference path."""
         b, width = self._planned["batch"], self._planned["width"]
         k = min(self.budget_pages, width)
         start, end = self._indptr[:b].long(), self._indptr[1:b + 1].long()
