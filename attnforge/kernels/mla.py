@@ -63,7 +63,7 @@ class MLADecodeKernel:
     spec: AttentionSpec
     num_stages: Optional[int] = None
     tile_kv: Optional[int] = None
-    backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (normal pipeline, 16-bit KV)
+    backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (both pipelines, 16-bit KV)
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":

@@ -189,6 +189,8 @@ class QuestDecode:
         """Top pages per request, in order, written into the decode wrapper's device page table."""
         if self.select == "torch":
             return self._select_torch(scores)
+        if self._planned["batch"] == 0:
+            return
         from ..jit import registry
         from ..kernels.quest import SELECT_THREADS
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
