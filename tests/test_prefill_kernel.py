@@ -99,11 +99,11 @@ def test_producer_warpgroup_shape():
     assert k == PrefillKernel(SPEC, "wgmma")  # the default on wgmma
     assert not PrefillKernel(SPEC, "wgmma", producer=False).module().name.endswith("_ws_s3")
     assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<56>" in k.module().source
-    with pytest.raises(ValueError, match="only the wgmma backend has a producer"):
+    with pytest.raises(ValueError, match="only the wgmma backend has a producer warpgroup, got backend .mma.; pass"):
         PrefillKernel(SPEC, "mma", producer=True)
     pp = PrefillKernel(SPEC, "wgmma", producer=True, pingpong=True)
     assert pp.module().name.endswith("_ws_pp_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
-    with pytest.raises(ValueError, match="pingpong: needs producer=True"):
+    with pytest.raises(ValueError, match="pingpong: needs the producer warpgroup .*got producer=False; pass producer=True"):
         PrefillKernel(SPEC, "wgmma", producer=False, pingpong=True)
     with pytest.raises(ValueError, match="pingpong: needs two consumer warpgroups"):
         PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma", producer=True, pingpong=True)

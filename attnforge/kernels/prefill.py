@@ -83,11 +83,14 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.kv_tile: the wgmma backend takes 64 or 128 (mma: fixed 64), "
                              f"got {self.kv_tile} with backend {self.backend!r}")
         if self.producer and self.backend != "wgmma":
-            raise ValueError("PrefillKernel.producer: only the wgmma backend has a producer warpgroup")
+            raise ValueError(f"PrefillKernel.producer: only the wgmma backend has a producer warpgroup, got backend "
+                             f"{self.backend!r}; pass producer=None (or False), or backend='wgmma'")
         if self.persistent and (not self.producer or self.pingpong):
-            raise ValueError("PrefillKernel.persistent: needs the producer warpgroup (producer=True) and no ping-pong")
+            raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup and no ping-pong, got "
+                             f"producer={self.producer}, pingpong={self.pingpong}; pass producer=True, pingpong=False")
         if self.pingpong and not self.producer:
-            raise ValueError("PrefillKernel.pingpong: needs producer=True (the consumers then share no CTA barrier)")
+            raise ValueError("PrefillKernel.pingpong: needs the producer warpgroup (the consumers then share no CTA "
+                             "barrier), got producer=False; pass producer=True (the wgmma default) or pingpong=False")
         if self.pingpong and self.tile_q != 128:
             raise ValueError(f"PrefillKernel.pingpong: needs two consumer warpgroups (128 query rows), "
                              f"but head_dim {self.spec.head_dim_qk} runs {self.tile_q}")
