@@ -30,8 +30,9 @@ def ablations(backend):
     return out
 
 
-SCHEDULE_VARIANTS = [("attnforge-persistent", {"persistent": True}), ("attnforge-grouped", {"work_order": "grouped"}),
-                     ("attnforge-persistent-grouped", {"persistent": True, "work_order": "grouped"})]
+# the default is work_order="grouped" (measured: +4-17% on every case but B1 S8192, -3%)
+SCHEDULE_VARIANTS = [("attnforge-persistent", {"persistent": True}),
+                     ("attnforge-longest-first", {"work_order": "longest_first"})]
 
 
 def causal_flops(lengths):

@@ -85,7 +85,11 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):
-    run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
+    # the mma.sync kernel explicitly (from 64 heads the default normal pipeline is the wgmma one,
+    # test_wgmma_backend), then whatever the default picks
+    run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="mma")
+    if heads >= 64:
+        run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 16, 32])
@@ -152,15 +156,16 @@ def test_wgmma_backend(heads, pipeline):
              backend="wgmma")
 
 
+@pytest.mark.parametrize("heads", [16, 128])  # 128: the default normal pipeline is the wgmma kernel
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_cuda_graph_replay_after_replans(pipeline):
-    spec = mla_spec(16, pipeline)
+def test_cuda_graph_replay_after_replans(heads, pipeline):
+    spec = mla_spec(heads, pipeline)
     batch, page_size, pages, q_len = 4, 64, 2048, 2
     rng = np.random.default_rng(0)
     kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
     ckv, kpe = kv[..., :512], kv[..., 512:]
-    q_nope = torch.randn(batch * q_len, 16, 512, device="cuda").bfloat16()
-    q_pe = torch.randn(batch * q_len, 16, 64, device="cuda").bfloat16()
+    q_nope = torch.randn(batch * q_len, heads, 512, device="cuda").bfloat16()
+    q_pe = torch.randn(batch * q_len, heads, 64, device="cuda").bfloat16()
     out = torch.empty_like(q_nope)
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len)
 

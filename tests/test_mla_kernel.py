@@ -78,3 +78,12 @@ def test_wgmma_backend_builds_for_sm90a_whatever_the_arch_list():
     mod = MLADecodeKernel(spec(128, "normal"), backend="wgmma").module()
     (path,) = build_many([mod], ("8.0",))
     assert "/90a/" in path.as_posix() and b"mla_decode_kernel" in path.read_bytes()
+
+
+def test_default_backend_is_the_measured_winner():
+    from attnforge.kernels.mla import WGMMA_MIN_HEADS, default_backend
+    for h in (8, 16, 32, 64, 128):
+        normal, transposed = default_backend(spec(h, "normal"), ("9.0a",)), default_backend(spec(h, "transposed"), ("9.0a",))
+        assert normal == ("wgmma" if h >= WGMMA_MIN_HEADS else "mma") and transposed == "mma"
+        assert default_backend(spec(h, "normal"), ("8.0", "8.9")) == "mma"  # no sm_90a being built
+    assert default_backend(spec(128, "normal", kv_dtype="fp8_e4m3"), ("9.0a",)) == "mma"  # wgmma reads 16-bit tiles

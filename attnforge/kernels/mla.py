@@ -7,7 +7,7 @@ from functools import cached_property
 
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
-from ..jit import JitModule
+from ..jit import JitModule, arch
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
 from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from .fields import ptrs, scalars
@@ -49,6 +49,21 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     if spec.kv_dtype == "fp8_e4m3":
         return "fp8 KV (wgmma reads 16-bit tiles as they land)"
     return None
+
+
+# From this many heads the wgmma normal pipeline beats mma.sync (H200, docs/perf-notes.md: h64 +25%,
+# h128 +29% TFLOP/s); below it the 64-row tiles are mostly padding (h16: -35%, h32: even).
+WGMMA_MIN_HEADS = 64
+
+
+def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
+    """The measured winner: wgmma for the normal pipeline from WGMMA_MIN_HEADS heads when sm_90a is
+    being built and the spec has 16-bit KV; mma.sync otherwise (the transposed pipeline included:
+    its mma.sync kernel beat the wgmma one at every head count measured)."""
+    archs = arch.arch_list() if archs is None else archs
+    hopper = any(a.startswith(WGMMA_ARCH) for a in archs)
+    wins = spec.pipeline == "normal" and spec.num_qo_heads >= WGMMA_MIN_HEADS
+    return "wgmma" if hopper and wins and wgmma_applies(spec) is None else "mma"
 
 
 def default_tiling(rows: int) -> tuple[int, int]:
