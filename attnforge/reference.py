@@ -45,8 +45,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Op
             lse = sink.to(dtype).to(q.device)[None].expand(lq, hq).clone()
         return torch.zeros(lq, hq, dv, dtype=dtype, device=q.device), lse
     g = hq // hkv
-    qf, kf, vf = q.to(dtype), k.to(dtype).repeat_interleave(g, dim=1), v.to(dtype).repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale  # [Hq, Lq, Lk]
+    # grouped einsums, not K/V repeated per query head: MLA (128 heads on one latent row) would need
+    # Hq copies of the whole cache (34 GB in float64 for 64K tokens)
+    kf, vf = k.to(dtype), v.to(dtype)
+    qg = q.to(dtype).reshape(lq, hkv, g, d)
+    s = (torch.einsum("qngd,knd->ngqk", qg, kf) * sm_scale).reshape(hq, lq, lk)  # [Hq, Lq, Lk]
     if logits_soft_cap > 0:
         s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
     qo_pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
@@ -65,7 +68,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Op
     s = s.masked_fill(~keep, -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Lq]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("hqk,khd->qhd", p, vf)
+    out = torch.einsum("ngqk,knd->qngd", p.reshape(hkv, g, lq, lk), vf).reshape(lq, hq, dv)
     if sink is not None:  # the sink takes part of the mass: scale rows by e^(lse - lse')
         total = torch.logaddexp(lse, sink.to(dtype).to(q.device)[:, None])
         out = out * torch.exp(lse - total).nan_to_num(0.0).transpose(0, 1)[..., None]

@@ -1,6 +1,7 @@
 """The oracle itself, on the CPU: split-and-merge equals the whole; masks and caps behave."""
 import math
 
+import pytest
 import torch
 
 from attnforge import reference
@@ -40,3 +41,22 @@ def test_softcap_bounds_scores():
     q, k, v = torch.randn(1, 1, 8) * 100, torch.randn(5, 1, 8) * 100, torch.randn(5, 1, 8)
     _, lse = reference.attention(q, k, v, logits_soft_cap=2.0)
     assert lse.item() <= 2.0 + math.log(5) + 1e-9
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_oracle_matches_torch_sdpa_for_every_head_layout(hq, hkv, causal):
+    """The grouped einsums (MHA, GQA, MQA/MLA) against torch's own SDPA with its GQA broadcast; causal
+    is bottom-right aligned here, so an explicit mask for Lq < Lk."""
+    g = torch.Generator().manual_seed(hq * 10 + hkv)
+    lq, lk, d = 5, 37, 16
+    q, k, v = (torch.randn(n, h, d, generator=g, dtype=torch.float64) for n, h in ((lq, hq), (lk, hkv), (lk, hkv)))
+    out, lse = reference.attention(q, k, v, causal=causal)
+    mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq) if causal else None
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                            attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(hq // hkv, dim=1)) / d ** 0.5
+    if causal:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1).transpose(0, 1), rtol=1e-10, atol=1e-10)

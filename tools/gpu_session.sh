@@ -17,8 +17,8 @@ if [ "${SHARDS:-1}" -gt 1 ]; then
     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" "${shard[@]}" > "$OUT/pytest.$i.log" 2>&1 &
   done
   wait
-  for ((i = 0; i < SHARDS; i++)); do tail -n 60 "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
-  grep -hE "passed|failed|error" "$OUT"/pytest.*.log | tail -n "$SHARDS"; grep -h "^FAILED\|^ERROR" "$OUT"/pytest.*.log
+  for ((i = 0; i < SHARDS; i++)); do tail -n 60 "$OUT/pytest.$i.log"; rm -f "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
+  # (at most 8 files come back from $OUT: the shards' logs are folded into one)
 else
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
   tail -n 40 "$OUT/pytest.log"
@@ -58,3 +58,5 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/run.py --suites ${SUITES:-decode,merge,mods,prefill,mla,quest,cascade,vmm} --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -n 80 > "$OUT/bench.log"
   cat "$OUT/bench.log"
 fi
+# the test summary last, so it survives a long benchmark log in the output tail
+echo "== tests: $(grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log" | tr '\n' ' ')"; grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log"
