@@ -62,7 +62,6 @@ class BatchDecode:
         self._partial_lse = ws[self.num_slots * g * d:]
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
-        self._copy_done = None
 
     @staticmethod
     def _make_kernel(spec, tile_kv, num_stages, num_warps):
@@ -80,8 +79,13 @@ class BatchDecode:
         for k, n in sizes.items():
             self._offsets[k] = (total, n)
             total += -(-n // 4) * 4  # keep each region 16-byte aligned
-        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
-        self._host_np = self._host.numpy()
+        # two pinned staging buffers, used in turn: plan() waits only for the copy of two plans ago
+        # (long done), not for the one it just enqueued
+        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._host_nps = [h.numpy() for h in self._hosts]
+        self._host_copied: list = [None, None]  # per buffer: the event recorded after its last copy
+        self._turn = 0
+        self._host, self._host_np = self._hosts[0], self._host_nps[0]
         self._dev = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.max_num_pages = max_pages
 
@@ -146,8 +150,11 @@ class BatchDecode:
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
         work = scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
 
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous plan's copy still reads the pinned buffer
+        turn = self._turn
+        self._turn ^= 1
+        if self._host_copied[turn] is not None:
+            self._host_copied[turn].synchronize()  # that buffer's last copy (two plans ago) has read it
+        self._host, self._host_np = self._hosts[turn], self._host_nps[turn]
         b = table.batch_size
         self._region("meta", True)[:] = (b, work.span, work.total)
         self._region("kv_indptr", True)[: b + 1] = table.indptr
@@ -157,9 +164,9 @@ class BatchDecode:
         self._region("kv_indices", True)[: len(table.indices)] = table.indices
         used = self._offsets["kv_indices"][0] + len(table.indices)
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        if self._copy_done is None:  # one event, re-recorded: creating one per plan costs a driver call
-            self._copy_done = torch.cuda.Event()
-        self._copy_done.record(torch.cuda.current_stream(self.device))
+        if self._host_copied[turn] is None:  # one event per buffer, re-recorded (creating one is a driver call)
+            self._host_copied[turn] = torch.cuda.Event()
+        self._host_copied[turn].record(torch.cuda.current_stream(self.device))
         scale = (self.default_sm_scale() if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph and self._plan is not None:  # launch parameters are baked into a captured graph
             was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"], self._plan["q_len"])

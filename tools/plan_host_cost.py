@@ -31,7 +31,7 @@ def stubbed_wrapper() -> BatchDecode:
     w = BatchDecode.__new__(BatchDecode)
     w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
     w.kernel = w._make_kernel(w.spec, 64, None, 4)
-    w.device, w.use_cuda_graph, w._plan, w._copy_done = torch.device("cpu"), False, None, None
+    w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
     w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 256
     zeros = torch.zeros
     torch.zeros = lambda *a, pin_memory=False, **k: zeros(*a, **k)

@@ -135,7 +135,7 @@ class MLADecodeKernel:
         wide = tile * d * 2 if self.kv_bytes == 1 else 0
         align = 1024 if self.backend == "wgmma" else 0  # sw128 tiles start 1024-byte aligned
         return rows * d * 2 + stages * tile * d * self.kv_bytes + wide + rows * tile * 2 + (2 * red + 3) * rows * 4 + \
-            (k_split - 1) * rows * tile * 4 + align
+            (k_split - 1) * rows * (tile + 8) * 4 + align  # split-K partials, rows padded by 8 floats
 
     @property
     def params(self) -> ParamsLayout:

@@ -1,0 +1,59 @@
+"""BatchDecode.plan on the host, with the CUDA calls stubbed: what it writes for the kernel and which
+earlier copy it waits for (two pinned staging buffers used in turn)."""
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec
+from attnforge.decode import BatchDecode
+
+
+class RecordingEvent:
+    log: list = []
+
+    def record(self, stream=None):
+        RecordingEvent.log.append(("record", id(self)))
+
+    def synchronize(self):
+        RecordingEvent.log.append(("sync", id(self)))
+
+
+def host_wrapper(monkeypatch) -> BatchDecode:
+    monkeypatch.setattr(torch.cuda, "Event", RecordingEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    w = BatchDecode.__new__(BatchDecode)
+    w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w.kernel = w._make_kernel(w.spec, 64, None, 4)
+    w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
+    w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 16
+    w._alloc_int_buffers(1 << 10)
+    return w
+
+
+def table(lengths, page_size=16):
+    pages = [-(-n // page_size) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.random.default_rng(len(lengths)).permutation(indptr[-1]).astype(np.int32)
+    last = np.array([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=np.int32)
+    return indptr, indices, last
+
+
+def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given(monkeypatch):
+    w = host_wrapper(monkeypatch)
+    RecordingEvent.log = []
+    tables = [table([100, 17, 1000]), table([5, 4096]), table([1, 2, 3, 700])]
+    for t in tables:
+        w.plan(*t, page_size=16)
+        indptr, indices, _ = t
+        # the kernel's device buffer is a copy of the buffer just written: it holds this plan's table
+        got = w._dev  # on this stubbed wrapper the "device" buffer lives on the host
+        off, _ = w._offsets["kv_indices"]
+        assert np.array_equal(got[off:off + len(indices)].numpy(), indices)
+        off, _ = w._offsets["kv_indptr"]
+        assert np.array_equal(got[off:off + len(indptr)].numpy(), indptr)
+    records = [e for op, e in RecordingEvent.log if op == "record"]
+    syncs = [e for op, e in RecordingEvent.log if op == "sync"]
+    assert len(records) == 3 and records[0] != records[1] and records[2] == records[0]
+    # plans 1 and 2 wait for nothing; plan 3 reuses buffer 0 and waits for plan 1's copy only
+    assert syncs == [records[0]] and RecordingEvent.log.index(("sync", records[0])) == 2
