@@ -54,7 +54,9 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                              head_dim_vo=512, pipeline={"wgmma": "normal", "wgmma-transposed": "transposed"}.get(
                                  pipeline, pipeline))
-        backend = "wgmma" if pipeline.startswith("wgmma") else "mma"  # the sm_90a kernels
+        # "auto": the defaults (pipeline and backend); "normal" / "transposed": the mma.sync kernels;
+        # "wgmma*": the sm_90a warpgroup kernels
+        backend = None if pipeline == "auto" else "wgmma" if pipeline.startswith("wgmma") else "mma"
         try:
             w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
                                backend=backend)
