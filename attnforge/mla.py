@@ -32,12 +32,14 @@ class BatchMLADecode(BatchDecode):
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
-                 tile_kv: Optional[int] = None, backend: Optional[str] = None, **spec_kwargs):
+                 tile_kv: Optional[int] = None, backend: Optional[str] = None, schedule: Optional[str] = None,
+                 **spec_kwargs):
         """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
         backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
         up to 32); "mma": mma.sync (any arch, fp8 KV); None: the measured winner for the spec
-        (attnforge.kernels.mla.default_backend), or "mma" when tile_kv / num_stages are given."""
-        self._backend = backend
+        (attnforge.kernels.mla.default_backend), or "mma" when tile_kv / num_stages are given.
+        schedule: the wgmma normal pipeline's warpgroup schedule (attnforge.kernels.mla.SCHEDULES)."""
+        self._backend, self._schedule = backend, schedule
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
                            **spec_kwargs}
@@ -54,7 +56,7 @@ class BatchMLADecode(BatchDecode):
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)
         backend = self._backend or ("mma" if (tile_kv, num_stages) != (None, None) else default_backend(spec))
-        return MLADecodeKernel(spec, num_stages, tile_kv, backend)
+        return MLADecodeKernel(spec, num_stages, tile_kv, backend, self._schedule)
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows

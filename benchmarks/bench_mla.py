@@ -44,28 +44,29 @@ def inputs(heads, batch, length):
 
 def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
     ckv, kpe = kv[..., :512], kv[..., 512:]
-    variants = [("auto", None, None), ("normal", None, None), ("transposed", None, None), ("wgmma", None, None),
-                ("wgmma-transposed", None, None)]
+    # (row name, pipeline, backend, schedule, tile, stages): "attnforge" is the defaults; -normal and
+    # -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
+    variants = [("attnforge", "auto", None, None, None, None),
+                ("attnforge-normal", "normal", "mma", None, None, None),
+                ("attnforge-transposed", "transposed", "mma", None, None, None),
+                ("attnforge-wgmma", "normal", "wgmma", None, None, None),
+                ("attnforge-wgmma-roles", "normal", "wgmma", "roles", None, None),
+                ("attnforge-wgmma-transposed", "transposed", "wgmma", None, None, None)]
     # ATTNFORGE_BENCH_ABLATION="32:3,64:2": other (tile, stages) of the normal pipeline, for docs/perf-notes.md
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
         tile, stages = (int(x) for x in item.split(":"))
-        variants.append(("normal", tile, stages))
-    for pipeline, tile, stages in variants:
+        variants.append((f"attnforge-normal-t{tile}s{stages}", "normal", "mma", None, tile, stages))
+    for impl, pipeline, backend, schedule, tile, stages in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
-                             head_dim_vo=512, pipeline={"wgmma": "normal", "wgmma-transposed": "transposed"}.get(
-                                 pipeline, pipeline))
-        # "auto": the defaults (pipeline and backend); "normal" / "transposed": the mma.sync kernels;
-        # "wgmma*": the sm_90a warpgroup kernels
-        backend = None if pipeline == "auto" else "wgmma" if pipeline.startswith("wgmma") else "mma"
+                             head_dim_vo=512, pipeline=pipeline)
         try:
             w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
-                               backend=backend)
+                               backend=backend, schedule=schedule)
         except ValueError as e:  # an ablation that does not fit this head count
-            report.note(f"mla {case} t{tile}s{stages}: {e}")
+            report.note(f"mla {case} {impl}: {e}")
             continue
         w.plan(indptr, indices, last, page_size=PAGE)
         out = torch.empty_like(q_nope)
-        impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}" + (f"-t{tile}s{stages}" if tile else "")
         report.add("mla", case, impl, time_us(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), reps=10), nbytes, flops)
 
 

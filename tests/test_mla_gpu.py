@@ -140,25 +140,36 @@ def test_score_mod_soft_cap_and_sink(pipeline):
 @pytest.mark.parametrize("heads", [8, 16, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_wgmma_backend(heads, pipeline):
-    # the sm_90a kernels (normal: 64 rows per CTA, heads padded; transposed: up to 32 rows, one warpgroup):
-    # odd lengths, an empty request, small pages, q_len 3, a request split across CTAs, fp16, a unified
-    # cache, soft-cap and a sink
+    # the sm_90a kernels (normal: 64 rows per CTA, heads padded; transposed: up to 32 rows, one warpgroup)
+    wgmma_cases(heads, pipeline, backend="wgmma")
+
+
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_wgmma_roles_schedule(heads):
+    # the normal pipeline with warpgroup 0 on S and softmax, warpgroup 1 on the copies (named barriers)
+    wgmma_cases(heads, "normal", backend="wgmma", schedule="roles")
+
+
+def wgmma_cases(heads, pipeline, **kw):
+    """Odd lengths, an empty request, small pages, q_len 3, a request split across CTAs, fp16, a unified
+    cache, soft-cap and a sink."""
     spec = mla_spec(heads, pipeline)
-    run_case(spec, [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="wgmma")
-    run_case(spec, [1, 65, 300, 0, 17], 7, seed=heads + 1, unified=True, backend="wgmma")
-    run_case(spec, [2, 3, 130, 0], 16, q_len=3, seed=heads + 2, backend="wgmma")
-    run_case(spec, [65536, 5, 3000], 64, seed=heads + 3, backend="wgmma")
-    run_case(mla_spec(heads, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, backend="wgmma")
+    run_case(spec, [1, 63, 64, 65, 1000, 0], 64, seed=heads, **kw)
+    run_case(spec, [1, 65, 300, 0, 17], 7, seed=heads + 1, unified=True, **kw)
+    run_case(spec, [2, 3, 130, 0], 16, q_len=3, seed=heads + 2, **kw)
+    run_case(spec, [65536, 5, 3000], 64, seed=heads + 3, **kw)
+    run_case(mla_spec(heads, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, **kw)
     sink = torch.randn(heads).cuda()
     run_case(mla_spec(heads, pipeline, score_mod=mods.attention_sink(sink)), [500, 3, 0], 64,
-             ref_kw={"sink": sink.double().cpu()}, backend="wgmma")
-    run_case(mla_spec(heads, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0},
-             backend="wgmma")
+             ref_kw={"sink": sink.double().cpu()}, **kw)
+    run_case(mla_spec(heads, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0}, **kw)
 
 
-@pytest.mark.parametrize("heads", [16, 128])  # 128: the default normal pipeline is the wgmma kernel
+@pytest.mark.parametrize("heads,schedule", [(16, None), (128, None), (128, "roles")])  # 128: wgmma by default
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_cuda_graph_replay_after_replans(heads, pipeline):
+def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
+    if schedule and pipeline != "normal":
+        pytest.skip("the roles schedule is the normal pipeline's")
     spec = mla_spec(heads, pipeline)
     batch, page_size, pages, q_len = 4, 64, 2048, 2
     rng = np.random.default_rng(0)
@@ -167,7 +178,8 @@ def test_cuda_graph_replay_after_replans(heads, pipeline):
     q_nope = torch.randn(batch * q_len, heads, 512, device="cuda").bfloat16()
     q_pe = torch.randn(batch * q_len, heads, 64, device="cuda").bfloat16()
     out = torch.empty_like(q_nope)
-    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len)
+    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len,
+                       **({"backend": "wgmma", "schedule": schedule} if schedule else {}))
 
     def replan():
         lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 3000, (20000, 60000))

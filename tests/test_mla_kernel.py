@@ -87,3 +87,21 @@ def test_default_backend_is_the_measured_winner():
         assert normal == ("wgmma" if h >= WGMMA_MIN_HEADS else "mma") and transposed == "mma"
         assert default_backend(spec(h, "normal"), ("8.0", "8.9")) == "mma"  # no sm_90a being built
     assert default_backend(spec(128, "normal", kv_dtype="fp8_e4m3"), ("9.0a",)) == "mma"  # wgmma reads 16-bit tiles
+
+
+def test_roles_schedule_is_the_wgmma_normal_pipelines():
+    k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="roles")
+    assert "roles" in k.module().name and k.module().context["schedule"] == "roles"
+    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").module().context["schedule"] == "symmetric"
+    with pytest.raises(ValueError, match="wgmma normal pipeline"):
+        MLADecodeKernel(spec(16, "transposed"), backend="wgmma", schedule="roles")
+    with pytest.raises(ValueError, match="wgmma normal pipeline"):
+        MLADecodeKernel(spec(16, "normal"), schedule="roles")
+    with pytest.raises(ValueError, match="schedule: expected"):
+        MLADecodeKernel(spec(16, "normal"), backend="wgmma", schedule="pingpong")
+
+
+def test_roles_schedule_compiles_for_sm90a():
+    mod = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="roles").module()
+    (path,) = build_many([mod], ("9.0a",))
+    assert b"mla_decode_kernel" in path.read_bytes()

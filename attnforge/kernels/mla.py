@@ -16,6 +16,7 @@ _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 THREADS = 256
 MAX_ROWS = 64  # query rows (draft token x head) per CTA
 BACKENDS = ("mma", "wgmma")
+SCHEDULES = ("symmetric", "roles")
 WGMMA_MAX_TRANSPOSED_ROWS = 32
 WGMMA_ARCH = "9.0a"
 
@@ -79,6 +80,9 @@ class MLADecodeKernel:
     num_stages: Optional[int] = None
     tile_kv: Optional[int] = None
     backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (both pipelines, 16-bit KV)
+    # wgmma normal pipeline: "symmetric" (the warpgroups split S by tokens) or "roles" (warpgroup 0:
+    # S and softmax, warpgroup 1: the copies; templates/mla_decode.cu.jinja); None: "symmetric"
+    schedule: Optional[str] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -92,6 +96,12 @@ class MLADecodeKernel:
                 raise ValueError(f"MLADecodeKernel: the wgmma backend runs 64-token tiles in 2 stages (Q and two "
                                  f"576-wide tiles fill shared memory), got tile_kv={self.tile_kv}, "
                                  f"num_stages={self.num_stages}")
+        if self.schedule not in (None,) + SCHEDULES:
+            raise ValueError(f"MLADecodeKernel.schedule: expected None or one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "roles" and (self.backend, self.spec.pipeline) != ("wgmma", "normal"):
+            raise ValueError(f"MLADecodeKernel.schedule='roles' is the wgmma normal pipeline's, got backend="
+                             f"{self.backend!r}, pipeline={self.spec.pipeline!r}; pass backend='wgmma' and "
+                             f"pipeline='normal', or leave schedule=None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -150,12 +160,14 @@ class MLADecodeKernel:
         tile, stages = self.tiling
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
+               "schedule": self.schedule or "symmetric",
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp()}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
+                         *(["roles"] if self.schedule == "roles" else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])

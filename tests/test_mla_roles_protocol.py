@@ -1,0 +1,166 @@
+"""CPU model of the wgmma MLA "roles" schedule's named-barrier protocol (templates/mla_decode.cu.jinja,
+run_item_roles): warpgroup 0 computes S, the softmax and half of P.V; warpgroup 1 copies the tiles
+and runs the other half. Four named barriers of count 256 (one warpgroup arrives, the other waits).
+
+Under many random interleavings the model checks that no schedule deadlocks; that every read sees
+the tile, P and rescale factors of the step it belongs to; that no copy lands in a stage and no P
+is written while the other warpgroup still reads it; and that a barrier phase is always completed
+by one arrival of each warpgroup (bar.arrive does not wait, so a warpgroup arriving twice on the
+same barrier before the other waits would complete the phase by itself: the hazard named barriers
+invite). Reads and the asynchronous copies are modelled as intervals the other side can interleave.
+"""
+import random
+
+import pytest
+
+FULL, P, PFREE, STAGE = 1, 2, 3, 4
+
+
+class NamedBarrier:
+    """bar.arrive / bar.sync with count 256: a phase completes when both warpgroups are in."""
+
+    def __init__(self):
+        self.members, self.generation = [], 0
+
+    def join(self, wg: int) -> int:
+        assert wg not in self.members, f"warpgroup {wg} reached a barrier twice in one phase"
+        self.members.append(wg)
+        gen = self.generation
+        if len(self.members) == 2:
+            self.members, self.generation = [], self.generation + 1
+        return gen
+
+    def passed(self, gen: int) -> bool:
+        return self.generation > gen
+
+
+def sync(s, bar, wg):
+    gen = s["bars"][bar].join(wg)
+    while not s["bars"][bar].passed(gen):
+        yield
+
+
+def arrive(s, bar, wg):
+    s["bars"][bar].join(wg)
+
+
+def scores_warpgroup(s, items):
+    """Warpgroup 0 (all its warps run the same sequence)."""
+    for item, n in enumerate(items):
+        yield from s["cta_barrier"](0)
+        for t in range(n):
+            yield from sync(s, FULL, 0)
+            st = t % 2
+            assert s["stage"][st] == ("ready", item, t), f"S({t}) read {s['stage'][st]}"
+            s["readers"][st] += 1  # S(t): Q . K(t)^T
+            yield
+            s["readers"][st] -= 1
+            yield  # softmax
+            if t > 0:
+                yield from sync(s, PFREE, 0)
+            assert s["p_readers"] == 0, "P overwritten while warpgroup 1's P.V reads it"
+            s["p"] = (item, t)  # P(t) and the rescale factors
+            arrive(s, P, 0)
+            s["readers"][st] += 1  # P.V(t), dims [0, 256)
+            yield
+            assert s["stage"][st] == ("ready", item, t)
+            s["readers"][st] -= 1
+            arrive(s, STAGE, 0)
+        if n > 0:
+            yield from sync(s, PFREE, 0)
+    s["done"][0] = True
+
+
+def copy_warpgroup(s, items):
+    """Warpgroup 1: the copies and P.V for dims [256, 512)."""
+
+    def issue(item, t):
+        st = t % 2
+        assert s["readers"][st] == 0, f"tile {t} copied into stage {st} while it is read"
+        s["stage"][st] = ("loading", item, t)
+
+    def land(item, t):
+        s["stage"][t % 2] = ("ready", item, t)
+
+    for item, n in enumerate(items):
+        yield from s["cta_barrier"](1)
+        for t in range(min(n, 2)):
+            issue(item, t)
+        yield
+        if n > 0:
+            land(item, 0)  # cp.async.wait_group (1 if two groups fly, else 0), then the proxy fence
+            arrive(s, FULL, 1)
+        for t in range(n):
+            yield from sync(s, P, 1)
+            assert s["p"] == (item, t), f"P.V({t}) read P {s['p']}"
+            assert s["stage"][t % 2] == ("ready", item, t)
+            s["p_readers"] += 1  # P.V(t), dims [256, 512): in flight while the next tile is announced
+            s["readers"][t % 2] += 1
+            yield
+            if t + 1 < n:
+                land(item, t + 1)  # the only copy group in flight
+                arrive(s, FULL, 1)
+                yield
+            s["p_readers"] -= 1
+            s["readers"][t % 2] -= 1
+            arrive(s, PFREE, 1)
+            yield from sync(s, STAGE, 1)
+            if t + 2 < n:
+                issue(item, t + 2)
+    s["done"][1] = True
+
+
+def run(items, seed):
+    rng = random.Random(seed)
+    s = {"bars": {b: NamedBarrier() for b in (FULL, P, PFREE, STAGE)}, "stage": [None, None], "readers": [0, 0],
+         "p": None, "p_readers": 0, "done": [False, False], "cta": NamedBarrier()}
+
+    def cta_barrier(wg):  # __syncthreads between items: every named barrier must be idle there
+        gen = s["cta"].join(wg)
+        if s["cta"].passed(gen):  # the last one in: the other warpgroup waits here too
+            assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
+        while not s["cta"].passed(gen):
+            yield
+
+    s["cta_barrier"] = cta_barrier
+    agents = [scores_warpgroup(s, items), copy_warpgroup(s, items)]
+    live = [0, 1]
+    for _ in range(100000):
+        if not live:
+            break
+        wg = rng.choice(live)
+        try:
+            next(agents[wg])
+        except StopIteration:
+            live.remove(wg)
+    assert s["done"] == [True, True], f"deadlock: {s}"
+    assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
+
+
+@pytest.mark.parametrize("items", [[1], [2], [3], [7], [0], [0, 3, 1, 0, 5], [2, 2, 2], [9, 1]])
+def test_roles_protocol_never_deadlocks_or_races(items):
+    for seed in range(300):
+        run(items, seed)
+
+
+@pytest.mark.parametrize("skipped", [STAGE, PFREE, P])
+def test_model_catches_a_missing_wait(skipped):
+    """The model is not vacuous: if the waiting side of one barrier did not wait (kBarStage: a copy
+    lands in a stage warpgroup 0 still reads; kBarPFree: P is rewritten under warpgroup 1's P.V;
+    kBarP: warpgroup 1 reads a stale P), some random schedule fails."""
+    global sync
+    real_sync = sync
+
+    def sync_skipping(s, bar, wg):
+        if bar == skipped:
+            s["bars"][bar].join(wg)  # counted, but no wait
+            return
+        yield from real_sync(s, bar, wg)
+
+    sync = sync_skipping
+    try:
+        with pytest.raises(AssertionError):
+            for seed in range(300):
+                run([6], seed)
+    finally:
+        sync = real_sync
