@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
 # benchmarks; logs and JSON to $OUT.
-# Usage (on the GPU machine, repo root): [TESTS=paths] [SHARDS=n] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
+# Usage (on the GPU machine, repo root): [TESTS=paths] [SHARDS=n | TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
 #   bash tools/gpu_session.sh [pytest-args...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -9,7 +9,15 @@ export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
-if [ "${SHARDS:-1}" -gt 1 ]; then
+if [ -n "${TEST_GROUPS:-}" ]; then
+  # TEST_GROUPS="args1;args2;...": one pytest process per group of pytest arguments, in parallel
+  IFS=';' read -ra groups <<< "$TEST_GROUPS"
+  for i in "${!groups[@]}"; do
+    eval "timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $* ${groups[$i]}" > "$OUT/pytest.$i.log" 2>&1 &
+  done
+  wait
+  for i in "${!groups[@]}"; do tail -n 40 "$OUT/pytest.$i.log"; rm -f "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
+elif [ "${SHARDS:-1}" -gt 1 ]; then
   # GPU tests are mostly JIT-compile bound: N pytest processes over the test files (round robin by size)
   mapfile -t files < <(find ${TESTS:-tests} -name "test_*.py" -exec wc -c {} + | grep -v " total$" | sort -rn | awk '{print $2}')
   for ((i = 0; i < SHARDS; i++)); do
@@ -29,11 +37,11 @@ if [ -z "$f" ]; then python3 benchmarks/profile_prefill.py > /dev/null; f=$(ls -
 cuobjdump -sass "$f/kernel.cubin" > "$OUT/sass_prefill.txt" 2>&1; echo "HGMMA in prefill SASS: $(grep -c HGMMA "$OUT/sass_prefill.txt")"
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-    tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
+    ${SANITIZE_TESTS:-tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
     tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" \
     tests/test_prefill_gpu.py::test_wgmma_producer_paged tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv \
     tests/test_prefill_gpu.py::test_persistent_ctas_walk_many_items "tests/test_mla_gpu.py::test_wgmma_backend[transposed-16]" \
-    "tests/test_mla_gpu.py::test_wgmma_backend[normal-128]" tests/test_quest_gpu.py > "$OUT/memcheck.full" 2>&1
+    "tests/test_mla_gpu.py::test_wgmma_backend[normal-128]" tests/test_quest_gpu.py} > "$OUT/memcheck.full" 2>&1
   echo "memcheck exit $?" > "$OUT/memcheck.log"
   grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
