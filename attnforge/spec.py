@@ -21,7 +21,9 @@ PIPELINES = ("normal", "transposed")
 def default_pipeline(family: str, group_size: int) -> str:
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 16, where padding query heads to 16 rows wastes work. MLA decode
-    uses the normal pipeline at every head count (its m16 tiles pad at most 8 heads to 16)."""
+    uses the normal pipeline at every head count (mma.sync's m16 tiles pad at most 8 heads to 16;
+    from 32 heads the wgmma kernel); docs/architecture.md has the table, and the one case the
+    transposed wgmma kernel wins (a single long request)."""
     return "transposed" if family == "decode" and group_size <= 16 else "normal"
 HEAD_DIMS = (64, 128, 256)
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)

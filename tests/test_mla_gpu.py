@@ -7,6 +7,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
+from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE
 from helpers import assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans
 
@@ -88,7 +89,7 @@ def test_heads_and_odd_lengths(heads, pipeline):
     # the mma.sync kernel explicitly (from 64 heads the default normal pipeline is the wgmma one,
     # test_wgmma_backend), then whatever the default picks
     run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="mma")
-    if heads >= 64:
+    if heads >= WGMMA_MIN_HEADS:
         run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
 
 
@@ -140,13 +141,15 @@ def test_score_mod_soft_cap_and_sink(pipeline):
 @pytest.mark.parametrize("heads", [8, 16, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_wgmma_backend(heads, pipeline):
-    # the sm_90a kernels (normal: 64 rows per CTA, heads padded; transposed: up to 32 rows, one warpgroup)
-    wgmma_cases(heads, pipeline, backend="wgmma")
+    # the sm_90a kernels (normal: 64 rows per CTA, heads padded, both warpgroups splitting S; transposed:
+    # up to 32 rows, one warpgroup)
+    wgmma_cases(heads, pipeline, backend="wgmma", schedule="symmetric" if pipeline == "normal" else None)
 
 
 @pytest.mark.parametrize("heads", [8, 64, 128])
 def test_wgmma_roles_schedule(heads):
-    # the normal pipeline with warpgroup 0 on S and softmax, warpgroup 1 on the copies (named barriers)
+    # the normal pipeline with warpgroup 0 on S and softmax, warpgroup 1 on the copies (named barriers);
+    # the default wgmma schedule
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles")
 
 

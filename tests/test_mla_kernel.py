@@ -92,7 +92,10 @@ def test_default_backend_is_the_measured_winner():
 def test_roles_schedule_is_the_wgmma_normal_pipelines():
     k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="roles")
     assert "roles" in k.module().name and k.module().context["schedule"] == "roles"
-    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").module().context["schedule"] == "symmetric"
+    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").module().context["schedule"] == "roles"  # default
+    sym = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="symmetric").module()
+    assert sym.context["schedule"] == "symmetric" and "roles" not in sym.name
+    assert MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module().context["schedule"] == "symmetric"
     with pytest.raises(ValueError, match="wgmma normal pipeline"):
         MLADecodeKernel(spec(16, "transposed"), backend="wgmma", schedule="roles")
     with pytest.raises(ValueError, match="wgmma normal pipeline"):

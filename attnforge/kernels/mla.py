@@ -52,9 +52,10 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-# From this many heads the wgmma normal pipeline beats mma.sync (H200, docs/perf-notes.md: h64 +25%,
-# h128 +29% TFLOP/s); below it the 64-row tiles are mostly padding (h16: -35%, h32: even).
-WGMMA_MIN_HEADS = 64
+# From this many heads the wgmma normal pipeline ("roles" schedule) beats mma.sync (H200,
+# docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +40-64% TFLOP/s); below it the 64-row tiles are
+# mostly padding (h16: -24%).
+WGMMA_MIN_HEADS = 32
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
@@ -81,7 +82,8 @@ class MLADecodeKernel:
     tile_kv: Optional[int] = None
     backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (both pipelines, 16-bit KV)
     # wgmma normal pipeline: "symmetric" (the warpgroups split S by tokens) or "roles" (warpgroup 0:
-    # S and softmax, warpgroup 1: the copies; templates/mla_decode.cu.jinja); None: "symmetric"
+    # S and softmax, warpgroup 1: the copies; templates/mla_decode.cu.jinja); None: "roles" there (it
+    # won every case measured, +7-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
 
     def __post_init__(self):
@@ -109,6 +111,12 @@ class MLADecodeKernel:
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise ValueError(f"MLADecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")
+
+    @property
+    def resolved_schedule(self) -> str:
+        if self.schedule is not None:
+            return self.schedule
+        return "roles" if (self.backend, self.spec.pipeline) == ("wgmma", "normal") else "symmetric"
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
@@ -160,14 +168,14 @@ class MLADecodeKernel:
         tile, stages = self.tiling
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
-               "schedule": self.schedule or "symmetric",
+               "schedule": self.resolved_schedule,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp()}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
-                         *(["roles"] if self.schedule == "roles" else []),
+                         *(["roles"] if self.resolved_schedule == "roles" else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
