@@ -62,13 +62,15 @@ def svg_bars(rows, suite, metric, title, path):
 
 
 def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
-    """Replace the record's rows of every suite a newer results file measured; keep the rest.
-    Each source's notes are kept, prefixed with the suites it measured."""
+    """Replace the record's rows of every (suite, case) a newer results file measured (all of that
+    case's implementations: peers are only compared within one run); keep the rest. Each source's
+    notes are kept, prefixed with the suites it measured."""
     base = json.loads(Path(into).read_text())
     for src in sources:
         new = json.loads(Path(src).read_text())
         suites = sorted({r["suite"] for r in new["rows"]})
-        base["rows"] = [r for r in base["rows"] if r["suite"] not in suites] + new["rows"]
+        cases = {(r["suite"], r["case"]) for r in new["rows"]}
+        base["rows"] = [r for r in base["rows"] if (r["suite"], r["case"]) not in cases] + new["rows"]
         base["notes"] = base.get("notes", []) + [f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
         base["versions"].update(new["versions"])
         base["date"] = max(base["date"], new["date"])
@@ -102,7 +104,7 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "the prefix once plus every request's own tokens. Regenerate with "
         "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU (or `bash tools/gpu_session.sh`, which "
         "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`; "
-        "`python benchmarks/report.py merge new.json` replaces only the suites a partial run measured.",
+        "`python benchmarks/report.py merge new.json` replaces only the (suite, case) pairs a partial run measured.",
         "",
     ]
     if data.get("notes"):

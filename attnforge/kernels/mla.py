@@ -53,7 +53,7 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
 
 
 # From this many heads the wgmma normal pipeline ("roles" schedule) beats mma.sync (H200,
-# docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +40-64% TFLOP/s); below it the 64-row tiles are
+# docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +30-64% TFLOP/s); below it the 64-row tiles are
 # mostly padding (h16: -24%).
 WGMMA_MIN_HEADS = 32
 
@@ -83,7 +83,7 @@ class MLADecodeKernel:
     backend: str = "mma"  # "wgmma": sm_90a warpgroup MMA (both pipelines, 16-bit KV)
     # wgmma normal pipeline: "symmetric" (the warpgroups split S by tokens) or "roles" (warpgroup 0:
     # S and softmax, warpgroup 1: the copies; templates/mla_decode.cu.jinja); None: "roles" there (it
-    # won every case measured, +7-18%), "symmetric" (the only one) elsewhere
+    # won every case measured, +1-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
 
     def __post_init__(self):
