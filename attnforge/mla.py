@@ -1,6 +1,7 @@
 """BatchMLADecode: DeepSeek multi-head latent attention decode over a paged latent cache.
 
-    w = BatchMLADecode(num_qo_heads=16)                       # pipeline="auto": the measured winner
+    w = BatchMLADecode(num_qo_heads=16)                       # pipeline and backend: the measured winner
+                                                              # (mma.sync to 16 heads, wgmma from 32)
     w.plan(kv_indptr, kv_indices, kv_last_page_len, page_size=64, q_len=1)
     out = w.run(q_nope, q_pe, ckv_cache, kpe_cache)            # or run(q_nope, q_pe, kv_cache_576)
 
