@@ -49,7 +49,7 @@ class BatchPrefill:
         # whole row: an attention sink joins the denominator once, an output transform (raw C++) may
         # not commute with the merge.
         # work_order: the launch order of work items (scheduler.order_prefill_work); "grouped" measured
-        # +4-17% over "longest_first" on the H200 (docs/perf-notes.md), -3% only on one request.
+        # +2-13% over "longest_first" on the H200's contiguous cases (docs/perf-notes.md).
         if work_order not in scheduler.WORK_ORDERS:
             raise checks.fail("BatchPrefill(work_order=...)", f"one of {scheduler.WORK_ORDERS}", repr(work_order),
                               "'grouped' keeps each (request, kv head)'s items together for L2 reuse.")
