@@ -4,8 +4,10 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-for cfg in "16 normal mma" "16 transposed wgmma" "128 normal wgmma" "${EXTRA_CFG:-16 transposed mma}"; do
-  set -- $cfg; name="ncu_mla_h$1_$2_$3"
+# CFGS="heads pipeline backend [schedule];...": the default is the kernels the next steps target
+IFS=';' read -ra cfgs <<< "${CFGS:-16 normal mma;128 normal wgmma roles;128 normal wgmma symmetric;16 transposed wgmma}"
+for cfg in "${cfgs[@]}"; do
+  set -- $cfg; name="ncu_mla_h$1_$2_$3${4:+_$4}"
   timeout ${NCU_TIMEOUT:-120} ncu --clock-control none --kernel-name mla_decode_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
