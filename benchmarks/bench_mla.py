@@ -13,7 +13,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchMLADecode
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import Report, time_us
+from harness import Report, time_interleaved, time_us
 
 PAGE = 64
 
@@ -56,6 +56,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
         tile, stages = (int(x) for x in item.split(":"))
         variants.append((f"attnforge-normal-t{tile}s{stages}", "normal", "mma", None, tile, stages))
+    runs = {}
     for impl, pipeline, backend, schedule, tile, stages in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                              head_dim_vo=512, pipeline=pipeline)
@@ -66,8 +67,9 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             report.note(f"mla {case} {impl}: {e}")
             continue
         w.plan(indptr, indices, last, page_size=PAGE)
-        out = torch.empty_like(q_nope)
-        report.add("mla", case, impl, time_us(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), reps=10), nbytes, flops)
+        runs[impl] = lambda w=w, out=torch.empty_like(q_nope): w.run(q_nope, q_pe, ckv, kpe, out=out)
+    for impl, us in time_interleaved(runs, reps=10).items():  # in rotation: no order effect between kernels
+        report.add("mla", case, impl, us, nbytes, flops)
 
 
 def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, time_us
+from harness import Report, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -58,21 +58,13 @@ def run(report: Report, peers: bool = True) -> None:
             cache = torch.randn(n_pages, 2, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
             perm = np.random.default_rng(0).permutation(n_pages)
             last = [sum(lengths) - (n_pages - 1) * 16]
-            w.plan(indptr, [0, n_pages], perm, last, page_size=16)
-            report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
-            for name, kw in SCHEDULE_VARIANTS:
-                wv = BatchPrefill(spec, **kw)
-                wv.plan(indptr, [0, n_pages], perm, last, page_size=16)
-                report.add("prefill", case, name, time_us(lambda: wv.run(q, cache), calls=2, reps=10), None, flops)
+            plan_args = (indptr, [0, n_pages], perm, last)
+            time_schedules(report, case, spec, plan_args, {"page_size": 16}, lambda wv: wv.run(q, cache), flops)
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
             continue
         w.plan(indptr, indptr)
-        report.add("prefill", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None, flops)
-        for name, kw in SCHEDULE_VARIANTS:  # persistent CTAs and the launch order (scheduler.order_prefill_work)
-            wv = BatchPrefill(spec, **kw)
-            wv.plan(indptr, indptr)
-            report.add("prefill", case, name, time_us(lambda: wv.run(q, (k, v)), calls=2, reps=10), None, flops)
+        time_schedules(report, case, spec, (indptr, indptr), {}, lambda wv: wv.run(q, (k, v)), flops)
         if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record
             for name, kw in ablations(w.kernel.backend):
                 wa = BatchPrefill(spec, **kw)
@@ -83,6 +75,19 @@ def run(report: Report, peers: bool = True) -> None:
         bench_flashinfer(report, case, q, k, v, indptr, flops)
         if len(set(lengths)) == 1:
             bench_dense(report, case, len(lengths), lengths[0], flops)
+
+
+def time_schedules(report, case, spec, plan_args, plan_kw, run, flops):
+    """The default and the SCHEDULE_VARIANTS (persistent CTAs, the other launch order), timed in
+    rotation (harness.time_interleaved) so their differences are not the order they ran in."""
+    wrappers = {"attnforge": BatchPrefill(spec)}
+    for name, kw in SCHEDULE_VARIANTS:
+        wrappers[name] = BatchPrefill(spec, **kw)
+    for wv in wrappers.values():
+        wv.plan(*plan_args, **plan_kw)
+    times = time_interleaved({name: (lambda wv=wv: run(wv)) for name, wv in wrappers.items()}, calls=2, reps=10)
+    for name, us in times.items():
+        report.add("prefill", case, name, us, None, flops)
 
 
 def bench_dense(report, case, b, L, flops):

@@ -2,7 +2,8 @@
 
 Timing: warm up, capture `calls` invocations in one CUDA graph, replay it, and take the median of
 CUDA-event times over `reps` replays (divided by `calls`). Inputs should exceed the 60 MB L2 (or be
-rotated by the caller) so every call reads from HBM.
+rotated by the caller) so every call reads from HBM. Variants of one case that are compared with each
+other (our kernels' options) go through time_interleaved: timed in rotation, not one after another.
 Output: one JSON format for all suites:
   {"gpu", "date", "versions", "rows": [{"suite", "case", "impl", "us", "gbps", "tflops"}]}
 """
@@ -19,7 +20,8 @@ import torch
 L2_BYTES = 60 * 2**20
 
 
-def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph: bool = True) -> float:
+def prepare(fn: Callable[[], object], calls: int = 5, use_graph: bool = True) -> Callable[[], None]:
+    """Warm fn up and return a callable running it `calls` times: one CUDA-graph replay, or a loop."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -38,15 +40,39 @@ def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph:
                 fn()
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+    return run
+
+
+def time_run(run: Callable[[], None], calls: int) -> float:
+    """One timed run (CUDA events), in microseconds per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / calls
+
+
+def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph: bool = True) -> float:
+    run = prepare(fn, calls, use_graph)
+    return statistics.median(time_run(run, calls) for _ in range(reps))
+
+
+def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool = True,
+                     timer: Optional[Callable[[Callable[[], None]], float]] = None,
+                     prepare_fn: Callable = prepare) -> dict:
+    """Median time per call of several variants of one case, timed in rotation: repetition r runs
+    them starting from variant r mod n, so drift during the run (clocks, what the L2 holds, the
+    previous variant's tail) falls on every variant alike instead of on whichever was timed first.
+    Timed one after another, the same paged prefill case once ranked two launch orders both ways."""
+    runs = {name: prepare_fn(fn, calls, use_graph) for name, fn in fns.items()}
+    timer = timer or (lambda run: time_run(run, calls))
+    names, times = list(runs), {name: [] for name in runs}
+    for r in range(reps):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            times[name].append(timer(runs[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class Report:

@@ -1,4 +1,5 @@
-"""benchmarks/report.py: merging a partial run into the results of record (host only)."""
+"""benchmarks/report.py (merging a partial run into the results of record) and the harness's
+interleaved timing, on the host."""
 import importlib.util
 import json
 from pathlib import Path
@@ -38,3 +39,29 @@ def test_table_shows_bandwidth_and_flops():
     r = {**row("mla", "h128", "attnforge", 100.0), "gbps": 600.0, "tflops": 150.0}
     text = load_report().table([r], "mla")
     assert "100.0 µs<br>600 GB/s<br>150 TFLOP/s" in text
+
+
+def load_harness():
+    spec = importlib.util.spec_from_file_location("harness", REPORT.parent / "harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_interleaved_timing_rotates_the_variants_so_drift_hits_all_alike():
+    """A machine that slows down during the run (a clock ramp, a filling cache) must not rank
+    variants by the order they were timed in: identical variants get medians one round apart."""
+    harness = load_harness()
+    clock, order = [0], []
+
+    def timer(run):  # every timed run is slower than the one before it
+        clock[0] += 1
+        order.append(run())
+        return 100.0 + clock[0]
+
+    fns = {name: (lambda name=name: name) for name in ("a", "b", "c")}
+    times = harness.time_interleaved(fns, reps=9, timer=timer, prepare_fn=lambda fn, calls, use_graph: fn)
+    assert order[:6] == ["a", "b", "c", "b", "c", "a"]  # repetition r starts at variant r mod 3
+    # within one round of each other (2 ticks); timed back to back the spread would be 2 x 9 ticks
+    assert max(times.values()) - min(times.values()) <= len(fns) - 1
+    assert all(order.count(name) == 9 for name in fns)
