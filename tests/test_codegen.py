@@ -9,7 +9,8 @@ from attnforge.codegen import ParamField, ParamsLayout
 from attnforge.kernels import module_for_attention
 from attnforge.merge import MergeSpec
 
-TEMPLATES = sorted(p.name for p in codegen.templates_dir().glob("*.jinja"))
+# kernel families, and (in subfolders) the parts a family's template includes
+TEMPLATES = sorted(p.relative_to(codegen.templates_dir()).as_posix() for p in codegen.templates_dir().rglob("*.jinja"))
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -20,7 +21,14 @@ def test_header_comment_lists_every_variable(name):
     env = codegen._env()
     used = jinja2.meta.find_undeclared_variables(env.parse(text))
     missing = [v for v in used if not re.search(rf"\b{v}\b", header.group(1))]
-    assert used and not missing, f"{name}: variables used but not documented in the header: {missing}"
+    assert not missing, f"{name}: variables used but not documented in the header: {missing}"
+    assert used or "/" in name, f"{name}: a kernel family's template with no variables"
+
+
+def test_every_part_is_included_by_a_family_template():
+    families = [(codegen.templates_dir() / t).read_text() for t in TEMPLATES if "/" not in t]
+    for part in (p for p in TEMPLATES if "/" in p):
+        assert any(f'{{% include "{part}" %}}' in text for text in families), f"{part} is included nowhere"
 
 
 def test_strict_undefined_raises():

@@ -18,8 +18,8 @@ def test_wheel_contains_templates_and_headers(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(REPO)], check=True, capture_output=True)
     names = zipfile.ZipFile(next(tmp_path.glob("attnforge-*.whl"))).namelist()
-    for template in (REPO / "templates").glob("*.jinja"):
-        assert f"attnforge/_data/templates/{template.name}" in names
+    for template in (REPO / "templates").rglob("*.jinja"):  # the families and their included parts
+        assert f"attnforge/_data/templates/{template.relative_to(REPO / 'templates').as_posix()}" in names
     for header in (REPO / "csrc_include" / "attnforge").glob("*.cuh"):
         assert f"attnforge/_data/csrc_include/attnforge/{header.name}" in names
     assert "attnforge/mods/trace.py" in names and "attnforge/kernels/prefill.py" in names
