@@ -108,3 +108,18 @@ def test_roles_schedule_compiles_for_sm90a():
     mod = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="roles").module()
     (path,) = build_many([mod], ("9.0a",))
     assert b"mla_decode_kernel" in path.read_bytes()
+
+
+def test_wrapper_backend_choice():
+    """BatchMLADecode(backend=None): the measured winner, except that a tile_kv / num_stages override
+    means the mma.sync kernel (the wgmma one has a fixed tiling); an explicit backend always wins."""
+    from attnforge.kernels.mla import default_backend
+    from attnforge.mla import BatchMLADecode
+    w = BatchMLADecode.__new__(BatchMLADecode)  # only _make_kernel: no GPU buffers
+    s128 = spec(128, "normal")
+    for backend, schedule, tile, stages, want in [(None, None, None, None, default_backend(s128)),
+                                                  (None, None, 32, 3, "mma"), (None, None, None, 2, "mma"),
+                                                  ("wgmma", "symmetric", None, None, "wgmma"), ("mma", None, 64, 2, "mma")]:
+        w._backend, w._schedule = backend, schedule
+        k = w._make_kernel(s128, tile, stages, None)
+        assert k.backend == want and (schedule is None or k.schedule == schedule)

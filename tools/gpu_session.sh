@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
 # benchmarks; logs and JSON to $OUT.
-# Usage (on the GPU machine, repo root): [TESTS=paths] [SHARDS=n | TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
+# Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
 #   bash tools/gpu_session.sh [pytest-args...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -10,23 +10,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 if [ -n "${TEST_GROUPS:-}" ]; then
-  # TEST_GROUPS="args1;args2;...": one pytest process per group of pytest arguments, in parallel
+  # TEST_GROUPS="args1;args2;...": one pytest process per group of pytest arguments, in parallel (GPU
+  # tests are mostly JIT-compile bound); at most 8 files come back from $OUT, so the logs fold into one
   IFS=';' read -ra groups <<< "$TEST_GROUPS"
   for i in "${!groups[@]}"; do
     eval "timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $* ${groups[$i]}" > "$OUT/pytest.$i.log" 2>&1 &
   done
   wait
   for i in "${!groups[@]}"; do tail -n 40 "$OUT/pytest.$i.log"; rm -f "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
-elif [ "${SHARDS:-1}" -gt 1 ]; then
-  # GPU tests are mostly JIT-compile bound: N pytest processes over the test files (round robin by size)
-  mapfile -t files < <(find ${TESTS:-tests} -name "test_*.py" -exec wc -c {} + | grep -v " total$" | sort -rn | awk '{print $2}')
-  for ((i = 0; i < SHARDS; i++)); do
-    shard=(); for ((j = i; j < ${#files[@]}; j += SHARDS)); do shard+=("${files[$j]}"); done
-    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" "${shard[@]}" > "$OUT/pytest.$i.log" 2>&1 &
-  done
-  wait
-  for ((i = 0; i < SHARDS; i++)); do tail -n 60 "$OUT/pytest.$i.log"; rm -f "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
-  # (at most 8 files come back from $OUT: the shards' logs are folded into one)
 else
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
   tail -n 40 "$OUT/pytest.log"

@@ -90,7 +90,8 @@ class MLADecodeKernel:
         if self.spec.family != "mla_decode":
             raise ValueError(f"MLADecodeKernel: expected a spec with family='mla_decode', got {self.spec.family!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"MLADecodeKernel.backend: expected one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"MLADecodeKernel.backend: expected one of {BACKENDS}, got {self.backend!r}; or leave "
+                             f"BatchMLADecode(backend=None) to get the measured winner")
         if self.backend == "wgmma":
             if (why := wgmma_applies(self.spec)) is not None:
                 raise ValueError(f"MLADecodeKernel: the wgmma backend does not take {why}; use backend='mma'")
@@ -99,7 +100,8 @@ class MLADecodeKernel:
                                  f"576-wide tiles fill shared memory), got tile_kv={self.tile_kv}, "
                                  f"num_stages={self.num_stages}")
         if self.schedule not in (None,) + SCHEDULES:
-            raise ValueError(f"MLADecodeKernel.schedule: expected None or one of {SCHEDULES}, got {self.schedule!r}")
+            raise ValueError(f"MLADecodeKernel.schedule: expected None or one of {SCHEDULES}, got {self.schedule!r}; "
+                             f"None picks 'roles' for the wgmma normal pipeline (the measured winner)")
         if self.schedule == "roles" and (self.backend, self.spec.pipeline) != ("wgmma", "normal"):
             raise ValueError(f"MLADecodeKernel.schedule='roles' is the wgmma normal pipeline's, got backend="
                              f"{self.backend!r}, pipeline={self.spec.pipeline!r}; pass backend='wgmma' and "
