@@ -13,6 +13,12 @@ AF_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(src_bytes));
 }
+// The same, to a shared-memory address already in the 32-bit shared window (offsets fold into the
+// instruction's immediate when the caller adds constants).
+AF_DEVICE void cp_async_16_at(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
 AF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 AF_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
