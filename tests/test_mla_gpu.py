@@ -244,3 +244,21 @@ def test_bad_inputs_raise_before_launch():
         g.plan(indptr, indices, last, page_size=64, q_len=2)
     with pytest.raises(ValueError, match="family"):
         BatchMLADecode(AttentionSpec())
+
+
+@pytest.mark.parametrize("heads,pipeline,backend", [(16, "normal", "mma"), (16, "transposed", "mma"),
+                                                    (128, "normal", "wgmma"), (16, "transposed", "wgmma")])
+def test_tiles_without_tests_are_bitwise_the_tested_path(heads, pipeline, backend):
+    """Plain tiles skip the per-score bounds and causal tests (scores_to_log2); a mask hook that keeps
+    every score forces the tested path on every tile, and the outputs must agree bit for bit (odd
+    lengths, q_len 2, a request split across CTAs, so both kinds of tile and the merge are covered)."""
+    plain = mla_spec(heads, pipeline)
+    masked = mla_spec(heads, pipeline, score_mod=mods.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= 0))
+    outs = []
+    for spec in (plain, masked):
+        q_nope, q_pe, caches, (indptr, indices, last), _ = make_case(spec, [1, 65, 130, 1000, 40000, 0], 64, q_len=2,
+                                                                     seed=5)
+        w = BatchMLADecode(spec, max_q_len=2, backend=backend)
+        w.plan(indptr, indices, last, page_size=64, q_len=2)
+        outs.append(w.run(q_nope, q_pe, *caches, return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
