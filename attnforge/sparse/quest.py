@@ -197,7 +197,7 @@ class QuestDecode:
         params = self.kernel.select_params.pack(
             scores=scores.data_ptr(), kv_indptr=self._indptr.data_ptr(), kv_indices=self._pages.data_ptr(),
             meta=self._meta.data_ptr(), sel_indptr=self._sel_indptr.data_ptr(),
-            out_indices=self.decode._region("kv_indices", False).data_ptr(), budget_pages=self.budget_pages)
+            out_indices=self._selection_out().data_ptr(), budget_pages=self.budget_pages)
         with torch.cuda.device(self.device):
             lib["quest_select_kernel"].launch((self._planned["batch"],), (SELECT_THREADS,), params)
 
@@ -216,7 +216,11 @@ class QuestDecode:
         dump = self.decode.max_num_pages - 1  # one slot past any plan's pages: invalid entries land there
         dst = torch.where(valid, self._sel_indptr[:b, None] + torch.arange(k, device=self.device)[None, :], dump)
         src = self._pages[torch.gather(flat, 1, top)]
-        self.decode._region("kv_indices", False).scatter_(0, dst.flatten(), src.flatten())
+        self._selection_out().scatter_(0, dst.flatten(), src.flatten())
+
+    def _selection_out(self) -> torch.Tensor:
+        """Where the selected page ids go: the decode wrapper's device page table."""
+        return self.decode._region("kv_indices", False)
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
         if self._planned is None:

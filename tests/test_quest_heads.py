@@ -1,0 +1,74 @@
+"""Quest with one selection per (request, KV head), on the CPU: the head-expanded page lists, the
+single-head view of an HND cache, and that scoring the viewed summaries with the expanded lists and
+selecting per row is Quest's per-head selection (the torch oracle, computed head by head)."""
+import numpy as np
+import pytest
+import torch
+
+from attnforge.sparse import QuestIndex, expand_per_head, page_scores, select_pages
+from attnforge.sparse.quest_heads import head_pages_view
+
+
+def random_table(rng, counts, num_pages):
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(counts)]))
+    return indptr, torch.tensor(rng.permutation(num_pages)[: sum(counts)].astype(np.int32))
+
+
+@pytest.mark.parametrize("hkv", [1, 3, 8])
+def test_expanded_rows_list_each_requests_pages_once_per_head(hkv):
+    rng = np.random.default_rng(hkv)
+    counts = [4, 0, 1, 7, 2]
+    indptr, pages = random_table(rng, counts, 40)
+    row_indptr, ids = expand_per_head(indptr, pages, hkv)
+    assert row_indptr.tolist() == np.concatenate([[0], np.cumsum(np.repeat(counts, hkv))]).tolist()
+    want = [int(p) * hkv + h for b in range(len(counts)) for h in range(hkv)
+            for p in pages[int(indptr[b]):int(indptr[b + 1])]]
+    assert ids.tolist() == want
+
+
+@pytest.mark.parametrize("form", ["pair", "one_tensor"])
+def test_single_head_view_of_an_hnd_cache(form):
+    g = torch.Generator().manual_seed(0)
+    pages, hkv, page, d = 5, 3, 4, 8
+    if form == "pair":
+        k, v = torch.randn(pages, hkv, page, d, generator=g), torch.randn(pages, hkv, page, d, generator=g)
+    else:
+        cache = torch.randn(pages, 2, hkv, page, d, generator=g)
+        k, v = cache[:, 0], cache[:, 1]
+    k1, v1, r = head_pages_view(k, v, k.stride(0), k.stride(2), k.stride(1), hkv)
+    assert r == (hkv if form == "pair" else 2 * hkv) and k1.shape[1:] == (1, page, d)
+    for p in range(pages):
+        for h in range(hkv):
+            assert torch.equal(k1[p * r + h, 0], k[p, h]) and torch.equal(v1[p * r + h, 0], v[p, h])
+
+
+def test_single_head_view_refuses_strides_it_cannot_express():
+    k = torch.randn(4, 3, 16, 8).transpose(0, 1)  # heads outermost: a page is not a whole number of heads
+    with pytest.raises(ValueError, match="page stride that is a multiple"):
+        head_pages_view(k, k, k.stride(0), k.stride(2), k.stride(1), 4)
+
+
+def test_scoring_the_viewed_summaries_and_selecting_per_row_is_quest_per_head():
+    torch.manual_seed(4)
+    rng = np.random.default_rng(4)
+    hkv, group, d, num_pages, budget = 4, 2, 16, 60, 3
+    idx = QuestIndex(num_pages, hkv, d)
+    idx.append(torch.randn(num_pages * 8, hkv, d), torch.arange(num_pages * 8) % num_pages)
+    counts = [7, 1, 0, 12, 3]
+    indptr, pages = random_table(rng, counts, num_pages)
+    q = torch.randn(len(counts), hkv * group, d)
+    # the head-expanded form QuestHeadDecode runs: summaries [P*Hkv, 1, D], rows (b, h), q [B*Hkv, G, D]
+    view = QuestIndex.__new__(QuestIndex)
+    view.kmin, view.kmax = idx.kmin.view(-1, 1, d), idx.kmax.view(-1, 1, d)
+    row_indptr, ids = expand_per_head(indptr, pages, hkv)
+    scores = page_scores(q.reshape(-1, group, d), view, row_indptr, ids)
+    sel_ptr, sel = select_pages(scores, row_indptr, ids, budget)
+    # Quest per head, one head at a time: the bound over the head's group, top pages of each request
+    per_head = page_scores(q, idx, indptr, pages, per_head=True)  # [n, Hkv]
+    for h in range(hkv):
+        want_ptr, want = select_pages(per_head[:, h].contiguous(), indptr, pages, budget)
+        for b in range(len(counts)):
+            row = b * hkv + h
+            got = sel[sel_ptr[row]:sel_ptr[row + 1]]
+            assert torch.equal(got // hkv, want[want_ptr[b]:want_ptr[b + 1]].to(got.dtype)), (b, h)
+            assert torch.all(got % hkv == h)
