@@ -137,22 +137,30 @@ class QuestDecode:
                                  pin_memory=True)
         self._planned = None
 
-    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def _plan_selection(self, kv_indptr, kv_indices, kv_last_page_len, rows_per_request: int = 1):
+        """The host side of plan(): the validated page table, the row width of the selection and, per
+        selection row (rows_per_request consecutive rows per request), the selection's CSR offsets and
+        last-page lengths: every kept page is full except the last, which is always kept."""
         from .. import paged
+        name = type(self).__name__
         table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, self.page_size)
-        b, n = table.batch_size, len(table.indices)
-        if n > len(self._scores):
-            raise fail("plan: number of pages", f"at most max_num_pages={len(self._scores)}", n,
-                       "Construct QuestDecode with a larger max_num_pages.")
+        n = len(table.indices)
+        if n * rows_per_request > len(self._scores):
+            raise fail("plan: number of pages", f"at most max_num_pages={len(self._scores) // rows_per_request}", n,
+                       f"Construct {name} with a larger max_num_pages.")
         counts = np.diff(table.indptr)
         width = self.max_pages_per_request if self.use_cuda_graph else max(int(counts.max(initial=1)), 1)
         if counts.max(initial=0) > width:
             raise fail("plan: pages of one request", f"at most max_pages_per_request={width}", int(counts.max()),
-                       "Construct QuestDecode with a larger max_pages_per_request.")
-        keep = np.minimum(counts, self.budget_pages)
+                       f"Construct {name} with a larger max_pages_per_request.")
+        keep = np.repeat(np.minimum(counts, self.budget_pages), rows_per_request)
         sel_indptr = np.concatenate([[0], np.cumsum(keep)])
-        last = np.where(counts > 0, table.kv_len - (counts - 1) * self.page_size, 0)
-        # lengths of the selection: every kept page is full except the last (always kept)
+        last = np.repeat(np.where(counts > 0, table.kv_len - (counts - 1) * self.page_size, 0), rows_per_request)
+        return table, width, sel_indptr, last
+
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len)
+        b, n = table.batch_size, len(table.indices)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
         self.decode._plan["max_page"] = table.max_page_index  # run() checks the cache against the real ids
         if self._planned is not None:

@@ -97,19 +97,9 @@ class QuestHeadDecode(QuestDecode):
         return self._raw_ids
 
     def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
-        table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, self.page_size)
-        hkv, b, n = self.num_kv_heads, table.batch_size, len(table.indices)
-        if n * hkv > len(self._scores):
-            raise fail("plan: number of pages", f"at most max_num_pages={len(self._scores) // hkv}", n,
-                       "Construct QuestHeadDecode with a larger max_num_pages.")
-        counts = np.diff(table.indptr)
-        width = self.max_pages_per_request if self.use_cuda_graph else max(int(counts.max(initial=1)), 1)
-        if counts.max(initial=0) > width:
-            raise fail("plan: pages of one request", f"at most max_pages_per_request={width}", int(counts.max()),
-                       "Construct QuestHeadDecode with a larger max_pages_per_request.")
-        keep = np.repeat(np.minimum(counts, self.budget_pages), hkv)
-        sel_indptr = np.concatenate([[0], np.cumsum(keep)])
-        last = np.repeat(np.where(counts > 0, table.kv_len - (counts - 1) * self.page_size, 0), hkv)
+        hkv = self.num_kv_heads
+        table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len, hkv)
+        b, n = table.batch_size, len(table.indices)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
         self.decode._plan["max_page"] = -1  # ids are virtual; run() checks the real ones against the cache
         self._max_page = table.max_page_index
