@@ -81,4 +81,10 @@ struct Vec16 {
   AF_DEVICE void set(int i, T v) { reinterpret_cast<T*>(&raw)[i] = v; }
 };
 
+// 16 bytes of floats (written by an earlier kernel) into registers.
+AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
+  const float4 t = __ldg(reinterpret_cast<const float4*>(p));
+  v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+}
+
 }  // namespace attnforge

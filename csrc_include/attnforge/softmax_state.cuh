@@ -24,19 +24,41 @@ struct SoftmaxState {
   // Weight of a logit (log2 domain) under the current max.
   AF_DEVICE float weight(float x) const { return m == kNegInf ? 0.f : ex2(x - m); }
 
-  AF_DEVICE float lse_natural() const { return d > 0.f ? (m + lg2(d)) * kLn2 : kNegInf; }
-};
-
-// Merge weights for states given by natural-log LSEs: w_i = exp(s_i - M) / sum_j exp(s_j - M).
-// All -inf: every weight 0 and the merged LSE -inf (never NaN).
-struct LseMerger {
-  float m = kNegInf;  // max of s_i * log2(e)
-  float d = 0.f;
-  AF_DEVICE void add_max(float s) { m = fmaxf(m, s * kLog2e); }
-  AF_DEVICE float weight(float s) const { return m == kNegInf ? 0.f : ex2(s * kLog2e - m); }
-  AF_DEVICE void add_weight(float w) { d += w; }
   AF_DEVICE float inv_sum() const { return d > 0.f ? 1.f / d : 0.f; }
   AF_DEVICE float lse_natural() const { return d > 0.f ? (m + lg2(d)) * kLn2 : kNegInf; }
 };
+
+// Merge of states given by natural-log LSEs, in one pass: out = sum_i exp(s_i - lse) * v_i.
+// kBatch states per round trip: their loads are issued together, so a row split into hundreds of
+// chunks (one long request over every SM) waits for ~n/kBatch memory latencies, not 2n.
+// lse_of(i) -> float; v_of(i, float (&v)[N]). An -inf state's v is never used (it may be garbage);
+// all -inf: acc stays 0 and lse_natural() is -inf (never NaN).
+constexpr int kMergeBatch = 8;  // states in flight per thread: 8 x 16-byte loads
+
+template <int kBatch, int N, class LseOf, class VOf>
+AF_DEVICE void merge_lse_states(int begin, int end, LseOf lse_of, VOf v_of, SoftmaxState& st, float (&acc)[N]) {
+  for (int b = begin; b < end; b += kBatch) {
+    float x[kBatch], v[kBatch][N];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const bool in = b + k < end;
+      x[k] = in ? lse_of(b + k) * kLog2e : kNegInf;
+      if (in) v_of(b + k, v[k]);
+    }
+    float block_max = kNegInf;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) block_max = fmaxf(block_max, x[k]);
+    const float scale = st.rescale_to(block_max);
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i] *= scale;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const float w = st.weight(x[k]);
+      st.d += w;
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = w > 0.f ? fmaf(w, v[k][i], acc[i]) : acc[i];
+    }
+  }
+}
 
 }  // namespace attnforge
