@@ -15,6 +15,7 @@ import torch
 from . import checks, paged, scheduler, variants
 from .kernels.decode import THREADS, DecodeKernel
 from .jit import registry
+from .jit.upload import StagedUpload
 from .spec import AttentionSpec
 
 KVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -79,22 +80,21 @@ class BatchDecode:
         for k, n in sizes.items():
             self._offsets[k] = (total, n)
             total += -(-n // 4) * 4  # keep each region 16-byte aligned
-        # two pinned staging buffers, used in turn: plan() waits only for the copy of two plans ago
-        # (long done), not for the one it just enqueued
-        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self._host_nps = [h.numpy() for h in self._hosts]
-        self._host_copied: list = [None, None]  # per buffer: the event recorded after its last copy
-        self._turn = 0
-        self._host, self._host_np = self._hosts[0], self._host_nps[0]
-        self._dev = torch.zeros(total, dtype=torch.int32, device=self.device)
+        if getattr(self, "_upload", None) is not None:
+            self._upload.drain()  # its pinned buffers go back to torch's allocator: no copy may still read them
+        self._upload = self._staged_upload(total)
+        self._host_np = self._upload.host()
         self.max_num_pages = max_pages
+
+    def _staged_upload(self, num_int32: int) -> StagedUpload:
+        return StagedUpload(num_int32, self.device)
 
     def _region(self, name: str, host: bool):
         off, n = self._offsets[name]
-        return self._host_np[off:off + n] if host else self._dev[off:off + n]
+        return self._host_np[off:off + n] if host else self._upload.dev[off:off + n]
 
     def _dev_ptr(self, name: str) -> int:
-        return self._dev.data_ptr() + 4 * self._offsets[name][0]
+        return self._upload.dev.data_ptr() + 4 * self._offsets[name][0]
 
     def _workspace_need(self) -> int:
         return self.workspace_bytes(self.spec, self.num_ctas)
@@ -150,11 +150,7 @@ class BatchDecode:
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
         work = scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
 
-        turn = self._turn
-        self._turn ^= 1
-        if self._host_copied[turn] is not None:
-            self._host_copied[turn].synchronize()  # that buffer's last copy (two plans ago) has read it
-        self._host, self._host_np = self._hosts[turn], self._host_nps[turn]
+        self._host_np = self._upload.host()  # waits for that buffer's copy of two plans ago
         b = table.batch_size
         self._region("meta", True)[:] = (b, work.span, work.total)
         self._region("kv_indptr", True)[: b + 1] = table.indptr
@@ -163,10 +159,7 @@ class BatchDecode:
         self._region("stream_prefix", True)[: b + 1] = work.prefix
         self._region("kv_indices", True)[: len(table.indices)] = table.indices
         used = self._offsets["kv_indices"][0] + len(table.indices)
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        if self._host_copied[turn] is None:  # one event per buffer, re-recorded (creating one is a driver call)
-            self._host_copied[turn] = torch.cuda.Event()
-        self._host_copied[turn].record(torch.cuda.current_stream(self.device))
+        self._upload.upload(used)
         scale = (self.default_sm_scale() if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph and self._plan is not None:  # launch parameters are baked into a captured graph
             was = (self._plan["page_size"], self._plan["sm_scale"], self._plan["v_scale"], self._plan["q_len"])

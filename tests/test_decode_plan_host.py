@@ -5,23 +5,11 @@ import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
-
-
-class RecordingEvent:
-    log: list = []
-
-    def record(self, stream=None):
-        RecordingEvent.log.append(("record", id(self)))
-
-    def synchronize(self):
-        RecordingEvent.log.append(("sync", id(self)))
+from attnforge.jit.upload import HostOnlyUpload
 
 
 def host_wrapper(monkeypatch) -> BatchDecode:
-    monkeypatch.setattr(torch.cuda, "Event", RecordingEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    zeros = torch.zeros
-    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    monkeypatch.setattr(BatchDecode, "_staged_upload", lambda self, n: HostOnlyUpload(n))
     w = BatchDecode.__new__(BatchDecode)
     w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
     w.kernel = w._make_kernel(w.spec, 64, None, 4)
@@ -41,19 +29,28 @@ def table(lengths, page_size=16):
 
 def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given(monkeypatch):
     w = host_wrapper(monkeypatch)
-    RecordingEvent.log = []
     tables = [table([100, 17, 1000]), table([5, 4096]), table([1, 2, 3, 700])]
     for t in tables:
         w.plan(*t, page_size=16)
         indptr, indices, _ = t
         # the kernel's device buffer is a copy of the buffer just written: it holds this plan's table
-        got = w._dev  # on this stubbed wrapper the "device" buffer lives on the host
+        got = w._upload.dev  # on this stand-in the "device" buffer lives on the host
         off, _ = w._offsets["kv_indices"]
         assert np.array_equal(got[off:off + len(indices)].numpy(), indices)
         off, _ = w._offsets["kv_indptr"]
         assert np.array_equal(got[off:off + len(indptr)].numpy(), indptr)
-    records = [e for op, e in RecordingEvent.log if op == "record"]
-    syncs = [e for op, e in RecordingEvent.log if op == "sync"]
-    assert len(records) == 3 and records[0] != records[1] and records[2] == records[0]
-    # plans 1 and 2 wait for nothing; plan 3 reuses buffer 0 and waits for plan 1's copy only
-    assert syncs == [records[0]] and RecordingEvent.log.index(("sync", records[0])) == 2
+    # plans 1 and 2 use buffers 0 and 1 and wait for nothing; plan 3 reuses buffer 0 and waits for
+    # plan 1's copy only, before writing it
+    assert w._upload.log == [("record", 0), ("record", 1), ("wait", 0), ("record", 0)]
+
+
+def test_growing_the_page_buffers_drains_the_old_copies_first(monkeypatch):
+    w = host_wrapper(monkeypatch)
+    w.plan(*table([100, 17]), page_size=16)
+    w.plan(*table([5, 40]), page_size=16)
+    old = w._upload
+    big = table([16 * 1024, 16 * 1024])  # 2048 pages > max_num_pages=1024: the buffers grow
+    w.plan(*big, page_size=16)
+    assert w._upload is not old and old.log[-2:] == [("wait", 0), ("wait", 1)]
+    off, _ = w._offsets["kv_indices"]
+    assert np.array_equal(w._upload.dev[off:off + len(big[1])].numpy(), big[1])

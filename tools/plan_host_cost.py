@@ -1,5 +1,5 @@
-"""Host-side cost of BatchDecode.plan on a machine without a GPU: the CUDA calls (event, stream,
-pinned memory) are stubbed, so this times the numpy and Python part alone. The GPU number is the
+"""Host-side cost of BatchDecode.plan on a machine without a GPU: the CUDA calls (copy, event, stream,
+pinned memory) are replaced by HostOnlyUpload, so this times the numpy and Python part alone. The GPU number is the
 decode suite's `plan B256` row; the difference is what the driver calls cost there.
 
     python tools/plan_host_cost.py [--profile]
@@ -14,31 +14,18 @@ import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
-
-
-class _Event:  # stands in for torch.cuda.Event
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
+from attnforge.jit.upload import HostOnlyUpload
 
 
 def stubbed_wrapper() -> BatchDecode:
-    """A BatchDecode whose buffers live in ordinary host memory and whose CUDA calls do nothing."""
-    torch.cuda.Event = _Event
-    torch.cuda.current_stream = lambda device=None: None
+    """A BatchDecode whose plan buffers live in ordinary host memory (HostOnlyUpload)."""
+    BatchDecode._staged_upload = lambda self, n: HostOnlyUpload(n)
     w = BatchDecode.__new__(BatchDecode)
     w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
     w.kernel = w._make_kernel(w.spec, 64, None, 4)
     w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
     w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 256
-    zeros = torch.zeros
-    torch.zeros = lambda *a, pin_memory=False, **k: zeros(*a, **k)
-    try:
-        w._alloc_int_buffers(1 << 16)
-    finally:
-        torch.zeros = zeros
+    w._alloc_int_buffers(1 << 16)
     return w
 
 

@@ -1,0 +1,98 @@
+"""Plan uploads: int32 host arrays to one device buffer, asynchronously, through the driver.
+
+Two pinned host buffers are filled in turn, so a plan waits only for the copy of two plans ago (long
+done), never for the one it just enqueued. The copy and its completion event go straight to the
+driver (cuMemcpyHtoDAsync, cuEventRecord): torch's `copy_` from pinned memory also looks the block
+up in its caching host allocator and records an event of its own, on every plan.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from .loader import check, driver, ensure_context
+
+
+class StagedUpload:
+    """host() -> the numpy buffer to fill; upload(n) copies its first n values to `dev`."""
+
+    def __init__(self, num_int32: int, device: torch.device):
+        self.device = device
+        self.dev, self._hosts = self._alloc(num_int32)
+        self._host_nps = [h.numpy() for h in self._hosts]
+        self._events: list = [None, None]  # per buffer: recorded after its last copy
+        self._turn = 0
+
+    def host(self) -> np.ndarray:
+        """The host buffer of the next upload, once its previous copy has read it."""
+        if self._events[self._turn] is not None:
+            self._wait(self._events[self._turn])
+        return self._host_nps[self._turn]
+
+    def upload(self, num_int32: int) -> None:
+        """Enqueue the copy of the first num_int32 values of host() on torch's current stream."""
+        turn = self._turn
+        stream = self._stream()
+        if num_int32:
+            self._copy(self.dev.data_ptr(), self._hosts[turn].data_ptr(), 4 * num_int32, stream)
+        self._events[turn] = self._record(self._events[turn], stream)
+        self._turn ^= 1
+
+    def drain(self) -> None:
+        """Wait for every copy this object enqueued (before its buffers are freed)."""
+        for event in self._events:
+            if event is not None:
+                self._wait(event)
+
+    # -- the CUDA calls (HostOnlyUpload replaces these) ---------------------------------------------
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _alloc(self, n: int):
+        ensure_context(self.device)
+        return (torch.zeros(n, dtype=torch.int32, device=self.device),
+                [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)])
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        drv = driver()
+        check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, drv.CUstream(stream)), f"cuMemcpyHtoDAsync(plan, {nbytes} B)")
+
+    def _record(self, event, stream: int):
+        drv = driver()
+        if event is None:  # one event per buffer, re-recorded: creating one is a driver call
+            event = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(drv.cuEventRecord(event, drv.CUstream(stream)), "cuEventRecord(plan upload)")
+        return event
+
+    def _wait(self, event) -> None:
+        check(driver().cuEventSynchronize(event), "cuEventSynchronize(plan upload)")
+
+
+class HostOnlyUpload(StagedUpload):
+    """StagedUpload without a GPU, for tests and host-cost timing: `dev` is host memory, the copy is
+    a memmove, and `log` records ("record" | "wait", event id) in order."""
+
+    def __init__(self, num_int32: int):
+        self.log: list = []
+        self._next_event = 0
+        super().__init__(num_int32, torch.device("cpu"))
+
+    def _stream(self) -> int:
+        return 0
+
+    def _alloc(self, n: int):
+        return torch.zeros(n, dtype=torch.int32), [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def _record(self, event, stream: int):
+        if event is None:
+            event, self._next_event = self._next_event, self._next_event + 1
+        self.log.append(("record", event))
+        return event
+
+    def _wait(self, event) -> None:
+        self.log.append(("wait", event))
