@@ -148,7 +148,7 @@ class BatchDecode:
         kv_begin = np.zeros_like(kv_end)
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
-        work = scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
+        work = self._plan_stream(kv_begin, kv_end, items_per_request)
 
         self._host_np = self._upload.host()  # waits for that buffer's copy of two plans ago
         b = table.batch_size
@@ -169,6 +169,9 @@ class BatchDecode:
                                   (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len}
+
+    def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
+        return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
 
     def default_sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.spec.head_dim_qk)

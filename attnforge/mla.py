@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks, variants
+from . import checks, scheduler, variants
 from .decode import BatchDecode
 from .jit import registry
 from .kernels.mla import MLADecodeKernel, default_backend, rows_per_cta
@@ -72,6 +72,12 @@ class BatchMLADecode(BatchDecode):
 
     def default_sm_scale(self) -> float:
         return DEEPSEEK_SM_SCALE
+
+    def _plan_stream(self, kv_begin, kv_end, row_blocks: int) -> scheduler.StreamPlan:
+        """One item per request over num_ctas // row_blocks spans; CTA c runs row block
+        c % row_blocks of span c // row_blocks (templates/mla_decode.cu.jinja), so a request's row
+        blocks read the same tokens at the same time and the second read hits L2."""
+        return scheduler.plan_stream(kv_begin, kv_end, 1, self.num_ctas // row_blocks)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,

@@ -76,12 +76,18 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
 
 
 class Report:
-    def __init__(self):
+    """Rows and notes of one run. With `autosave` (path, versions), the file is rewritten each time a
+    case is complete, so a run cut short by a time limit keeps every case it finished."""
+
+    def __init__(self, autosave: Optional[tuple] = None):
         self.rows: list[dict] = []
         self.notes: list[str] = []
+        self.autosave = autosave
 
     def add(self, suite: str, case: str, impl: str, us: float, nbytes: Optional[float] = None,
             flops: Optional[float] = None) -> None:
+        if self.autosave and self.rows and (self.rows[-1]["suite"], self.rows[-1]["case"]) != (suite, case):
+            self.write(*self.autosave)  # the previous case is complete
         row = {"suite": suite, "case": case, "impl": impl, "us": round(us, 2),
                "gbps": round(nbytes / us / 1e3, 1) if nbytes else None,
                "tflops": round(flops / us / 1e6, 1) if flops else None}

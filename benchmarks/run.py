@@ -16,8 +16,8 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args()
-    report = Report()
-    for suite in args.suites.split(","):  # results are written after every suite
+    report = Report(autosave=(Path(args.out), versions()))
+    for suite in args.suites.split(","):  # results are written after every case and every suite
         mod = __import__(f"bench_{suite}")
         try:
             mod.run(report, peers=not args.no_peers) if suite != "merge" else mod.run(report)
@@ -25,7 +25,7 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             report.note(f"suite {suite} stopped: {type(e).__name__}: {e}")
-        report.write(Path(args.out), versions())
+        report.write(*report.autosave)
     return 0
 
 

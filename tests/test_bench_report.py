@@ -65,3 +65,16 @@ def test_interleaved_timing_rotates_the_variants_so_drift_hits_all_alike():
     # within one round of each other (2 ticks); timed back to back the spread would be 2 x 9 ticks
     assert max(times.values()) - min(times.values()) <= len(fns) - 1
     assert all(order.count(name) == 9 for name in fns)
+
+
+def test_autosave_keeps_every_finished_case_of_a_run_cut_short(tmp_path, monkeypatch):
+    harness = load_harness()
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *a: "H200")
+    out = tmp_path / "bench.json"
+    report = harness.Report(autosave=(out, {"torch": "x"}))
+    report.add("mla", "h16", "attnforge", 10.0)
+    report.add("mla", "h16", "flashinfer-fa3", 8.0)
+    assert not out.exists()  # h16 may still get rows
+    report.add("mla", "h128", "attnforge", 30.0)  # h16 is complete: saved; h128 is not
+    saved = json.loads(out.read_text())
+    assert [(r["case"], r["impl"]) for r in saved["rows"]] == [("h16", "attnforge"), ("h16", "flashinfer-fa3")]

@@ -195,3 +195,32 @@ def test_prefill_orders_are_permutations_with_their_rule(mode):
     assert scheduler.order_prefill_work(work[:0], cost[:0], mode).size == 0
     with pytest.raises(ValueError, match="mode must be one of"):
         scheduler.order_prefill_work(work, cost, "random")
+
+
+@pytest.mark.parametrize("row_blocks", [2, 4])
+@pytest.mark.parametrize("name,lengths", CASES[:6], ids=[c[0] for c in CASES[:6]])
+def test_mla_row_blocks_side_by_side_cover_every_row_once(name, lengths, row_blocks):
+    """BatchMLADecode plans one item per request over CTAS // R spans; physical CTA c runs row block
+    c % R of span c // R, with partial slot s * R + c % R (templates/mla_decode.cu.jinja). Every
+    (request, row block) token is covered once, partner CTAs read the same tokens, slots never
+    collide and stay below the workspace's 2 * CTAS, and the merge finds them."""
+    p, chunks = plan(lengths, hkv=1, ctas=CTAS // row_blocks)
+    covered, slots, item_slots = {}, set(), {}
+    for c in range(CTAS):
+        v, b = divmod(c, row_blocks)
+        for cta, r, _, lo, hi, slot in chunks.tolist():
+            if cta != v:
+                continue
+            covered.setdefault((r, b), []).append((lo, hi))
+            if slot >= 0:
+                phys = slot * row_blocks + b
+                assert phys not in slots and phys < 2 * CTAS
+                slots.add(phys)
+                item_slots.setdefault((r, b), []).append(phys)
+    for r, n in enumerate(lengths):
+        ranges = [sorted(covered[(r, b)]) for b in range(row_blocks)]
+        assert all(rb == ranges[0] for rb in ranges)  # the partners' token ranges are the same
+        assert sum(hi - lo for lo, hi in ranges[0]) == n and (n > 0 or ranges[0] == [(0, 0)])
+        for b in range(row_blocks):  # the merge kernel's slot rows, as it derives them
+            merged = [s * row_blocks + b for s in split_slots(p, r, 0)]
+            assert sorted(merged) == sorted(item_slots.get((r, b), []))
