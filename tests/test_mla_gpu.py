@@ -113,9 +113,10 @@ def test_speculative_q_len(q_len, heads, pipeline):
     run_case(mla_spec(heads, pipeline), [2, 3, 130, 1000, 0], 64, q_len=q_len, seed=q_len)
 
 
+@pytest.mark.parametrize("heads", [16, 128])  # 128: two (wgmma transposed: four) row blocks side by side
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_long_request_split_across_ctas(pipeline):
-    run_case(mla_spec(16, pipeline), [65536, 5, 3000], 64, seed=7)
+def test_long_request_split_across_ctas(pipeline, heads):
+    run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
