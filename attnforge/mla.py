@@ -74,10 +74,11 @@ class BatchMLADecode(BatchDecode):
         return DEEPSEEK_SM_SCALE
 
     def _plan_stream(self, kv_begin, kv_end, row_blocks: int) -> scheduler.StreamPlan:
-        """One item per request over num_ctas // row_blocks spans; CTA c runs row block
-        c % row_blocks of span c // row_blocks (templates/mla_decode.cu.jinja), so a request's row
-        blocks read the same tokens at the same time and the second read hits L2."""
-        return scheduler.plan_stream(kv_begin, kv_end, 1, self.num_ctas // row_blocks)
+        """R / S items per request over num_ctas // S spans, S = the row blocks run side by side
+        (MLADecodeKernel.side_blocks): CTA c runs side c % S of span c // S
+        (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time."""
+        side = self.kernel.side_blocks(row_blocks)
+        return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,
@@ -147,7 +148,8 @@ class BatchMLADecode(BatchDecode):
             q_pe_stride_t=q_pe.stride(0), q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0),
             out_stride_h=out.stride(1), ckv_stride_page=ckv_strides[0], ckv_stride_token=ckv_strides[1],
             kpe_stride_page=kpe_strides[0], kpe_stride_token=kpe_strides[1], page_size=self._plan["page_size"],
-            q_len=q_len, num_row_blocks=self.kernel.row_blocks(q_len), v_scale=self._plan["v_scale"],
+            q_len=q_len, num_row_blocks=self.kernel.row_blocks(q_len),
+            side_blocks=self.kernel.side_blocks(self.kernel.row_blocks(q_len)), v_scale=self._plan["v_scale"],
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):

@@ -197,30 +197,34 @@ def test_prefill_orders_are_permutations_with_their_rule(mode):
         scheduler.order_prefill_work(work, cost, "random")
 
 
-@pytest.mark.parametrize("row_blocks", [2, 4])
+@pytest.mark.parametrize("row_blocks,side", [(2, 1), (2, 2), (4, 4), (4, 2)])
 @pytest.mark.parametrize("name,lengths", CASES[:6], ids=[c[0] for c in CASES[:6]])
-def test_mla_row_blocks_side_by_side_cover_every_row_once(name, lengths, row_blocks):
-    """BatchMLADecode plans one item per request over CTAS // R spans; physical CTA c runs row block
-    c % R of span c // R, with partial slot s * R + c % R (templates/mla_decode.cu.jinja). Every
-    (request, row block) token is covered once, partner CTAs read the same tokens, slots never
-    collide and stay below the workspace's 2 * CTAS, and the merge finds them."""
-    p, chunks = plan(lengths, hkv=1, ctas=CTAS // row_blocks)
+def test_mla_row_blocks_side_by_side_cover_every_row_once(name, lengths, row_blocks, side):
+    """BatchMLADecode plans R / S items per request over CTAS // S spans; physical CTA c runs side
+    c % S of span c // S: row block item * S + c % S, partial slot s * S + c % S
+    (templates/mla_decode.cu.jinja). Every (request, row block) token is covered once, the S side
+    CTAs of an item read the same tokens, slots never collide and stay below the workspace's
+    2 * CTAS, and the merge kernel's derivation finds them."""
+    p, chunks = plan(lengths, hkv=row_blocks // side, ctas=CTAS // side)
     covered, slots, item_slots = {}, set(), {}
     for c in range(CTAS):
-        v, b = divmod(c, row_blocks)
-        for cta, r, _, lo, hi, slot in chunks.tolist():
+        v, sd = divmod(c, side)
+        for cta, r, item, lo, hi, slot in chunks.tolist():
             if cta != v:
                 continue
-            covered.setdefault((r, b), []).append((lo, hi))
+            block = item * side + sd
+            covered.setdefault((r, block), []).append((lo, hi))
             if slot >= 0:
-                phys = slot * row_blocks + b
+                phys = slot * side + sd
                 assert phys not in slots and phys < 2 * CTAS
                 slots.add(phys)
-                item_slots.setdefault((r, b), []).append(phys)
+                item_slots.setdefault((r, block), []).append(phys)
     for r, n in enumerate(lengths):
-        ranges = [sorted(covered[(r, b)]) for b in range(row_blocks)]
-        assert all(rb == ranges[0] for rb in ranges)  # the partners' token ranges are the same
-        assert sum(hi - lo for lo, hi in ranges[0]) == n and (n > 0 or ranges[0] == [(0, 0)])
-        for b in range(row_blocks):  # the merge kernel's slot rows, as it derives them
-            merged = [s * row_blocks + b for s in split_slots(p, r, 0)]
-            assert sorted(merged) == sorted(item_slots.get((r, b), []))
+        for block in range(row_blocks):
+            ranges = sorted(covered[(r, block)])
+            partner = sorted(covered[(r, block - block % side)])
+            assert ranges == partner  # side by side: the same tokens
+            assert sum(hi - lo for lo, hi in ranges) == n and (n > 0 or ranges == [(0, 0)])
+            item, sd = divmod(block, side)  # the merge kernel's slot rows, as it derives them
+            merged = [s * side + sd for s in split_slots(p, r, item)]
+            assert sorted(merged) == sorted(item_slots.get((r, block), []))

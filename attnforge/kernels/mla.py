@@ -29,7 +29,7 @@ BASE_FIELDS = (
     *scalars("i64", "int64_t", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
              "out_stride_t", "out_stride_h", "ckv_stride_page", "ckv_stride_token", "kpe_stride_page",
              "kpe_stride_token"),
-    *scalars("i32", "int32_t", "page_size", "q_len", "num_row_blocks"),
+    *scalars("i32", "int32_t", "page_size", "q_len", "num_row_blocks", "side_blocks"),
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
@@ -143,6 +143,12 @@ class MLADecodeKernel:
 
     def row_blocks(self, q_len: int) -> int:
         return -(-q_len * self.spec.num_qo_heads // self.rows)
+
+    def side_blocks(self, row_blocks: int) -> int:
+        """Row blocks of one request run side by side on the same tokens (their copies share L2):
+        all of them for wgmma (H200, h128: +5-15% normal, +0-6% transposed), none for mma.sync
+        (normal unchanged, transposed -22%: docs/perf-notes.md)."""
+        return row_blocks if self.backend == "wgmma" else 1
 
     @cached_property
     def smem_bytes(self) -> int:
