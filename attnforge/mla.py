@@ -27,6 +27,22 @@ MAX_Q_LEN = 4
 DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_head_dim)^-1/2 in DeepSeek-V2/V3
 
 
+MERGE_CHUNKS_PER_LANE = 16  # two batches of loads in flight (kMergeBatch = 8) per merging thread group
+MAX_MERGE_LANES = 8
+
+
+def merge_lanes(work: scheduler.StreamPlan) -> int:
+    """Thread groups that split one row's chunks in the merge kernel: 1 unless some request is cut
+    into more than MERGE_CHUNKS_PER_LANE chunks (few long requests over every SM), where a single
+    group would wait for one memory round trip per 8 chunks, hundreds of them in a row."""
+    if work.batch_size == 0:
+        return 1
+    chunks = int((work.kv_end - work.kv_begin).max()) // work.span + 2  # an item spans at most this many CTAs
+    if chunks <= MERGE_CHUNKS_PER_LANE:
+        return 1
+    return min(MAX_MERGE_LANES, 1 << (-(-chunks // MERGE_CHUNKS_PER_LANE) - 1).bit_length())
+
+
 class BatchMLADecode(BatchDecode):
     FAMILY = "mla_decode"
 
@@ -90,6 +106,7 @@ class BatchMLADecode(BatchDecode):
                               "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
+        self._plan["merge_lanes"] = 1 if self.use_cuda_graph else merge_lanes(self._plan["work"])
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, name: str, t: torch.Tensor, dim: int) -> None:
@@ -154,5 +171,10 @@ class BatchMLADecode(BatchDecode):
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes)
-            lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
+            lanes = self._plan["merge_lanes"]
+            if lanes == 1:
+                lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
+            else:  # one row per block, its chunks split over `lanes` thread groups
+                lib["mla_merge_kernel"].launch((rows_cap,), (MLA_HEAD_DIM_VO // 4, 1, lanes), params,
+                                               smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4)
         return (out, lse) if return_lse else out

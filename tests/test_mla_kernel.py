@@ -126,3 +126,19 @@ def test_wrapper_backend_choice():
         w._backend, w._schedule = backend, schedule
         k = w._make_kernel(s128, tile, stages, None)
         assert k.backend == want and (schedule is None or k.schedule == schedule)
+
+
+def test_merge_lanes_split_only_rows_cut_into_many_chunks():
+    import numpy as np
+
+    from attnforge import scheduler
+    from attnforge.mla import MAX_MERGE_LANES, merge_lanes
+
+    def lanes(lengths, ctas):
+        end = np.asarray(lengths, dtype=np.int64)
+        return merge_lanes(scheduler.plan_stream(np.zeros_like(end), end, 1, ctas))
+
+    assert lanes([131072], 264) == MAX_MERGE_LANES  # one request over every CTA: ~264 chunks
+    assert lanes([65536] * 16, 264) == 2            # ~18 chunks per request
+    assert lanes([4096] * 128, 66) == 1             # at most 2 chunks: one lane, two rows per block
+    assert lanes([], 264) == 1 and lanes([0, 0], 264) == 1

@@ -61,4 +61,38 @@ AF_DEVICE void merge_lse_states(int begin, int end, LseOf lse_of, VOf v_of, Soft
   }
 }
 
+// blockDim.z lanes merged disjoint subsets of one row's states (threadIdx.x owning 4 of the row's
+// kCols columns); lane 0 gathers them through `scratch` ([blockDim.z][kCols + 4] floats, shared) and
+// returns true with the row's state in st and acc; the other lanes return false. One row per
+// block (every thread reaches the barrier); a single lane returns at once.
+template <int kCols>
+AF_DEVICE bool combine_lanes(SoftmaxState& st, float (&acc)[4], float* scratch) {
+  constexpr int kStride = kCols + 4;  // keeps every lane's float4s 16-byte aligned
+  const int lanes = blockDim.z, d0 = 4 * threadIdx.x;
+  if (lanes == 1) return true;
+  float* mine = scratch + threadIdx.z * kStride;
+  *reinterpret_cast<float4*>(mine + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  if (threadIdx.x == 0) {
+    mine[kCols] = st.m;
+    mine[kCols + 1] = st.d;
+  }
+  __syncthreads();
+  if (threadIdx.z != 0) return false;
+  float m = kNegInf;
+  for (int z = 0; z < lanes; ++z) m = fmaxf(m, scratch[z * kStride + kCols]);
+  float d = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int z = 0; z < lanes; ++z) {
+    const float* lane = scratch + z * kStride;
+    const float w = lane[kCols] == kNegInf ? 0.f : ex2(lane[kCols] - m);  // an empty lane weighs nothing
+    d += w * lane[kCols + 1];
+    const float4 v = *reinterpret_cast<const float4*>(lane + d0);
+    a[0] += w * v.x; a[1] += w * v.y; a[2] += w * v.z; a[3] += w * v.w;
+  }
+  st.m = m;
+  st.d = d;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = a[j];
+  return true;
+}
+
 }  // namespace attnforge
