@@ -28,7 +28,7 @@ DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_hea
 
 
 MERGE_CHUNKS_PER_LANE = 16  # two batches of loads in flight (kMergeBatch = 8) per merging thread group
-MAX_MERGE_LANES = 8
+MAX_MERGE_LANES = 4  # 128 x 4 threads: the merge kernel's __launch_bounds__(512) (8 lanes needed > 64K registers)
 
 
 def merge_lanes(work: scheduler.StreamPlan) -> int:

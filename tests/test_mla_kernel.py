@@ -140,5 +140,6 @@ def test_merge_lanes_split_only_rows_cut_into_many_chunks():
 
     assert lanes([131072], 264) == MAX_MERGE_LANES  # one request over every CTA: ~264 chunks
     assert lanes([65536] * 16, 264) == 2            # ~18 chunks per request
+    assert MAX_MERGE_LANES * 128 <= 512             # the merge kernel's __launch_bounds__
     assert lanes([4096] * 128, 66) == 1             # at most 2 chunks: one lane, two rows per block
     assert lanes([], 264) == 1 and lanes([0, 0], 264) == 1
