@@ -1,6 +1,7 @@
 """BatchDecode.plan on the host, with the CUDA calls stubbed: what it writes for the kernel and which
 earlier copy it waits for (two pinned staging buffers used in turn)."""
 import numpy as np
+import pytest
 import torch
 
 from attnforge import AttentionSpec
@@ -54,3 +55,12 @@ def test_growing_the_page_buffers_drains_the_old_copies_first(monkeypatch):
     assert w._upload is not old and old.log[-2:] == [("wait", 0), ("wait", 1)]
     off, _ = w._offsets["kv_indices"]
     assert np.array_equal(w._upload.dev[off:off + len(big[1])].numpy(), big[1])
+
+
+def test_upload_refuses_to_copy_past_its_buffers():
+    up = HostOnlyUpload(64)
+    up.host()[:] = 7
+    up.upload(64)
+    assert (up.dev.numpy() == 7).all()
+    with pytest.raises(ValueError, match="exceed the 64-value buffers"):
+        up.upload(65)

@@ -33,6 +33,8 @@ class StagedUpload:
 
     def upload(self, num_int32: int) -> None:
         """Enqueue the copy of the first num_int32 values of host() on torch's current stream."""
+        if num_int32 > self.dev.numel():  # a planner bug, not a user error: never copy past the buffers
+            raise ValueError(f"StagedUpload.upload: {num_int32} values exceed the {self.dev.numel()}-value buffers")
         turn = self._turn
         stream = self._stream()
         if num_int32:
