@@ -119,6 +119,32 @@ def test_long_request_split_across_ctas(pipeline, heads):
     run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7)
 
 
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_merge_lanes_agree_with_one_lane(lanes):
+    """The merge's thread groups (MLA rows cut into many chunks) give the one-group result and the
+    reference's: the same partial states combined in another order, a long request beside an empty one."""
+    spec = mla_spec(16, "normal")
+    q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, [65536, 0, 3000], 64, 1, 11, False)
+    w = BatchMLADecode(spec)
+    w.plan(indptr, indices, last, page_size=64)
+    assert w._plan["merge_lanes"] == 4  # the planner splits this long request's rows
+    outs = {}
+    for n in (1, lanes):
+        w._plan["merge_lanes"] = n
+        outs[n] = w.run(q_nope, q_pe, *caches, out=poison((3, 16, 512), q_nope.dtype), return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = mla_reference(q_nope, q_pe, per_req, 1, DEEPSEEK_SM_SCALE, 1.0)
+    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
+    low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, 1, DEEPSEEK_SM_SCALE, 1.0, dtype=torch.float32)
+    for n, (out, lse) in outs.items():
+        assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), f"{n} merge lanes")
+        assert_lse_close(lse, ref_lse, f"{n} merge lanes")
+        assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+    (o1, _), (on, _) = outs[1], outs[lanes]
+    # fp32 sums in another order: at most a rounding step of the bf16 output apart
+    assert (on.float() - o1.float()).abs().max() <= o1.float().abs().max() * 2 ** -7
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_fp16_and_unified_cache(pipeline):
     run_case(mla_spec(32, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, unified=True)
