@@ -15,7 +15,7 @@ import torch
 from . import checks, paged, scheduler, variants
 from .kernels.decode import THREADS, DecodeKernel
 from .jit import registry
-from .jit.upload import StagedUpload
+from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
 
 KVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -88,6 +88,19 @@ class BatchDecode:
 
     def _staged_upload(self, num_int32: int) -> StagedUpload:
         return StagedUpload(num_int32, self.device)
+
+    @classmethod
+    def host_only(cls, spec: AttentionSpec, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
+                  num_sms: int = 132) -> "BatchDecode":
+        """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
+        not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
+        w = cls.__new__(cls)
+        w.spec, w.kernel = spec, w._make_kernel(spec, 64, None, 4)
+        w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
+        w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size
+        w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
+        w._alloc_int_buffers(max_num_pages)
+        return w
 
     def _region(self, name: str, host: bool):
         off, n = self._offsets[name]

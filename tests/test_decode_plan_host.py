@@ -2,22 +2,15 @@
 earlier copy it waits for (two pinned staging buffers used in turn)."""
 import numpy as np
 import pytest
-import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
 from attnforge.jit.upload import HostOnlyUpload
 
 
-def host_wrapper(monkeypatch) -> BatchDecode:
-    monkeypatch.setattr(BatchDecode, "_staged_upload", lambda self, n: HostOnlyUpload(n))
-    w = BatchDecode.__new__(BatchDecode)
-    w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
-    w.kernel = w._make_kernel(w.spec, 64, None, 4)
-    w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
-    w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 16
-    w._alloc_int_buffers(1 << 10)
-    return w
+def host_wrapper() -> BatchDecode:
+    return BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=16,
+                                 max_num_pages=1 << 10)
 
 
 def table(lengths, page_size=16):
@@ -28,8 +21,8 @@ def table(lengths, page_size=16):
     return indptr, indices, last
 
 
-def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given(monkeypatch):
-    w = host_wrapper(monkeypatch)
+def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given():
+    w = host_wrapper()
     tables = [table([100, 17, 1000]), table([5, 4096]), table([1, 2, 3, 700])]
     for t in tables:
         w.plan(*t, page_size=16)
@@ -45,8 +38,8 @@ def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given(mon
     assert w._upload.log == [("record", 0), ("record", 1), ("wait", 0), ("record", 0)]
 
 
-def test_growing_the_page_buffers_drains_the_old_copies_first(monkeypatch):
-    w = host_wrapper(monkeypatch)
+def test_growing_the_page_buffers_drains_the_old_copies_first():
+    w = host_wrapper()
     w.plan(*table([100, 17]), page_size=16)
     w.plan(*table([5, 40]), page_size=16)
     old = w._upload

@@ -10,27 +10,13 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
-from attnforge.jit.upload import HostOnlyUpload
-
-
-def stubbed_wrapper() -> BatchDecode:
-    """A BatchDecode whose plan buffers live in ordinary host memory (HostOnlyUpload)."""
-    BatchDecode._staged_upload = lambda self, n: HostOnlyUpload(n)
-    w = BatchDecode.__new__(BatchDecode)
-    w.spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
-    w.kernel = w._make_kernel(w.spec, 64, None, 4)
-    w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
-    w.num_ctas, w.max_batch_size = 132 * w.kernel.ctas_per_sm, 256
-    w._alloc_int_buffers(1 << 16)
-    return w
 
 
 def main() -> None:
-    w = stubbed_wrapper()
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))  # HostOnlyUpload buffers
     pages = np.full(256, 1024 // 16)  # the decode suite's `plan B256` case: 256 requests of 1024 tokens
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     indices = np.arange(indptr[-1], dtype=np.int32)
