@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import THREADS, DecodeKernel
+from .kernels.decode import DecodeKernel
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -61,6 +61,8 @@ class BatchDecode:
         ws = workspace.view(torch.uint8)[:need].view(torch.float32)
         self._partial_o = ws[: self.num_slots * g * d]
         self._partial_lse = ws[self.num_slots * g * d:]
+        # chunks finished per split (request, kv head): the last one merges and resets it to 0
+        self._merge_count = torch.zeros(max_batch_size * spec.num_kv_heads, dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
 
@@ -217,7 +219,6 @@ class BatchDecode:
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
-        rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * s.num_qo_heads  # kernel reads the batch
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
         params = self.kernel.params.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
@@ -225,15 +226,13 @@ class BatchDecode:
             partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
             kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
             kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
-            meta=self._dev_ptr("meta"), q_stride_b=q.stride(0), q_stride_h=q.stride(1),
+            meta=self._dev_ptr("meta"), merge_count=self._merge_count.data_ptr(),
+            q_stride_b=q.stride(0), q_stride_h=q.stride(1),
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
             num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
             lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                              smem=self.kernel.smem_bytes)
-            tx = s.head_dim_vo // 4
-            ty = max(1, THREADS // tx)
-            lib["decode_merge_kernel"].launch((-(-rows_cap // ty),), (tx, ty), params)
         return (out, lse) if return_lse else out

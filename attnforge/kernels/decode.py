@@ -22,6 +22,7 @@ BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
     ParamField("partial_o", "float*", "ptr"), ParamField("partial_lse", "float*", "ptr"),
     *ptrs("kv_begin", "stream_prefix"), ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
+    ParamField("merge_count", "int*", "ptr"),  # [max_batch * num_kv_heads] chunks in, per split item
     *scalars("i64", "int64_t", "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h"),
     *scalars("i32", "int32_t", "num_qo_heads", "num_kv_heads"),
     ParamField("v_scale", "float", "f32"),
@@ -107,4 +108,4 @@ class DecodeKernel:
                          *(["win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
-        return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel", "decode_merge_kernel"))
+        return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))
