@@ -64,9 +64,17 @@ class DecodeKernel:
         return 1 if self.spec.kv_dtype == "fp8_e4m3" else 2
 
     @property
+    def widens_in_registers(self) -> bool:
+        """fp8 KV on the transposed pipeline at d >= 128: the kernel widens K and V in registers after
+        ldmatrix (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of the tile."""
+        return self.kv_bytes == 1 and self.spec.pipeline == "transposed" and self.spec.head_dim_qk >= 128
+
+    @property
     def num_stages(self) -> int:
         if self.stages is not None:
             return self.stages
+        if self.widens_in_registers:  # the widened copy's space holds two more fp8 stages: same 3 CTAs/SM
+            return 4
         return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
 
     @cached_property
@@ -74,7 +82,7 @@ class DecodeKernel:
         s, d = self.spec, self.spec.head_dim_qk
         head_tile = 8 if s.pipeline == "transposed" else 16
         q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
-        wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 else 0
+        wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 and not self.widens_in_registers else 0
         pipe = self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
         states = self.num_warps if s.pipeline == "transposed" else \
             self.num_warps // -(-s.group_size // 16)

@@ -2,7 +2,8 @@
 //
 // Tile layout in shared memory, per matrix (K, then V):  [kTileKV rows][kHeadDim] elements.
 //   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
-//   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile.
+//   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile; or stored
+//              swizzled (kSwizzleFp8) for kernels that widen in registers after ldmatrix.
 // Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep. Page ids are
 // fetched one tile ahead (Pages), so no cp.async waits on a page-table load. Sw128KVLoader writes
 // the same rows in the sw128 format of attnforge/wgmma.cuh instead (wgmma operands).
@@ -18,7 +19,9 @@ AF_DEVICE T* swizzled_row(T* base, int row, int chunk) {  // 16-bit tile: kHeadD
   return base + row * kHeadDim + swizzle(row, chunk) * 8;
 }
 
-template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads>
+// kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for
+// kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen().
+template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false>
 struct KVTileLoader {
   static constexpr bool kFp8 = sizeof(TKV) == 1;
   static constexpr int kElems = 16 / sizeof(TKV);
@@ -27,6 +30,7 @@ struct KVTileLoader {
   static constexpr int kRowsPerThread = kTileKV / kRowStep;
   static constexpr int kTileBytes = kTileKV * kHeadDim * int(sizeof(TKV));  // one matrix
   static_assert(kThreads % kChunks == 0 && kTileKV % kRowStep == 0, "tile/thread mapping");
+  static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 8), "a swizzled fp8 row needs 8 or more 16-byte chunks");
 
   struct Pages {
     int32_t page[kRowsPerThread];     // physical page of each of this thread's rows
@@ -58,7 +62,7 @@ struct KVTileLoader {
       const int row = threadIdx.x / kChunks + j * kRowStep;
       const bool valid = tp.in_page[j] >= 0;
       const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
-      const int dst = row * kHeadDim + (kFp8 ? ch : swizzle(row, ch)) * kElems;
+      const int dst = row * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(row, ch)) * kElems;
       cp_async_16(sk + dst, k_cache + off, valid);
       cp_async_16(sv + dst, v_cache + off, valid);
     }

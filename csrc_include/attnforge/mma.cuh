@@ -40,4 +40,21 @@ AF_DEVICE void mma_16816<fp16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// fp8 e4m3 fragments widened in registers (ldmatrix treats fp8 rows as b16 pairs; T: bf16 / fp16).
+// Four bytes (b0, b1, b2, b3) of one row (a non-trans ldmatrix: 4 consecutive fp8 columns) as
+// the pairs (b0, b1) and (b2, b3).
+template <class T>
+AF_DEVICE void widen_fp8x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo = fp8x2_to<T>(uint16_t(w & 0xffff));
+  hi = fp8x2_to<T>(uint16_t(w >> 16));
+}
+// Four bytes of an ldmatrix.trans over byte pairs -- (row r: cols 2i, 2i+1), (row r+1: cols 2i,
+// 2i+1) -- regrouped per column: (b0, b2) = column 2i of rows r, r+1 and (b1, b3) = column 2i+1.
+template <class T>
+AF_DEVICE void widen_fp8x4_trans(uint32_t w, uint32_t& even, uint32_t& odd) {
+  const uint32_t cols = __byte_perm(w, 0, 0x3120);  // bytes (b0, b2, b1, b3)
+  even = fp8x2_to<T>(uint16_t(cols & 0xffff));
+  odd = fp8x2_to<T>(uint16_t(cols >> 16));
+}
+
 }  // namespace attnforge
