@@ -69,7 +69,7 @@ def visible_tiles(mod, request: int, heads: torch.Tensor, qo_len: int, kv_len: i
 def tile_lists(mod, spec, qo_len: np.ndarray, kv_len: np.ndarray, work: np.ndarray, tile_q: int, tile_kv: int,
                device) -> tuple[np.ndarray, np.ndarray]:
     """CSR (indptr [n_work + 1], kv tile ids) of the tiles each work item (request, kv_head, row0) visits;
-    ids of full tiles carry FULL_TILE."""
+    ids of full tiles carry FULL_TILE, of tiles where the mod is plain causal CAUSAL_TILE."""
     per_head = uses_input(mod.mask_root, "h")
     g = spec.group_size
     cache: dict = {}
