@@ -19,12 +19,19 @@ def brute(mod, request, heads, qo_len, kv_len, tq, tk, causal, window):
                 ok &= window < 0 or kv >= pos - window
                 keep[t * g + gi, kv] = ok
     n_qt, n_kt = -(-(qo_len * g) // tq), -(-kv_len // tk)
-    vis, full = np.zeros((n_qt, n_kt), dtype=bool), np.zeros((n_qt, n_kt), dtype=bool)
+    vis, full, causal_eq = (np.zeros((n_qt, n_kt), dtype=bool) for _ in range(3))
     for i in range(n_qt):
         for j in range(n_kt):
             block = keep[i * tq:(i + 1) * tq, j * tk:(j + 1) * tk]
             vis[i, j], full[i, j] = block.any(), block.all()
-    return vis, full
+            # CAUSAL: on every existing pair the mod alone says exactly "kv <= position"
+            pairs = [(t, gi, kv) for t in range(qo_len) for gi in range(g) for kv in range(kv_len)
+                     if i * tq <= t * g + gi < (i + 1) * tq and j * tk <= kv < (j + 1) * tk]
+            causal_eq[i, j] = vis[i, j] and not full[i, j] and all(
+                bool(mod.torch_mask(torch.tensor(request), torch.tensor(heads[gi].item()),
+                                    torch.tensor(t + kv_len - qo_len), torch.tensor(kv)))
+                == (kv <= t + kv_len - qo_len) for t, gi, kv in pairs)
+    return vis, full, causal_eq
 
 
 @pytest.mark.parametrize("causal,window", [(False, -1), (True, -1), (True, 5)])
@@ -33,11 +40,15 @@ def test_visible_tiles_match_brute_force(causal, window, max_elements, monkeypat
     monkeypatch.setattr(blockmask, "MAX_ELEMENTS", max_elements)
     docs = torch.tensor([[0] * 9 + [1] * 14 + [2] * 7])
     per_head = m.compile_mod(mask_mod=lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) | (h == 1))
-    for mod in (m.document_mask(docs, causal=False), per_head):
+    flagged = {}
+    for name, mod in (("document", m.document_mask(docs, causal=False)), ("document causal", m.document_mask(docs)),
+                      ("per head", per_head)):
         heads = torch.arange(2)
-        vis, full = blockmask.visible_tiles(mod, 0, heads, 11, 30, 4, 8, causal, window, "cpu")
-        want_vis, want_full = brute(mod, 0, heads, 11, 30, 4, 8, causal, window)
-        assert np.array_equal(vis, want_vis) and np.array_equal(full, want_full)
+        got = blockmask.visible_tiles(mod, 0, heads, 11, 30, 4, 8, causal, window, "cpu")
+        want = brute(mod, 0, heads, 11, 30, 4, 8, causal, window)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), name
+        flagged[name] = int(got[2].sum())
+    assert flagged["document causal"] > 0  # its documents' diagonal tiles are plain causal
 
 
 def test_tile_lists_follow_work_items():
@@ -46,8 +57,10 @@ def test_tile_lists_follow_work_items():
     spec = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, score_mod=mod)
     work = np.array([[0, h, t * 64] for h in range(2) for t in range(4)])
     indptr, tiles = blockmask.tile_lists(mod, spec, np.array([256]), np.array([256]), work, 64, 64, "cpu")
-    # causal within 4 equal documents of one tile each: query tile t sees exactly kv tile t, partly
-    assert np.diff(indptr).tolist() == [1] * 8 and tiles.tolist() == [0, 1, 2, 3] * 2
+    # causal within 4 equal documents of one tile each: query tile t sees exactly kv tile t, partly,
+    # and there the document mask is plain causal: the kernel compares positions, no mod call
+    assert np.diff(indptr).tolist() == [1] * 8
+    assert tiles.tolist() == [t | blockmask.CAUSAL_TILE for t in (0, 1, 2, 3)] * 2
     mod2 = m.document_mask(docs, causal=False)  # whole-document tiles are full: no mask in the kernel
     spec2 = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, score_mod=mod2)
     _, tiles2 = blockmask.tile_lists(mod2, spec2, np.array([256]), np.array([256]), work, 64, 64, "cpu")

@@ -80,7 +80,24 @@ struct WithPositionMask : Base {
     if constexpr (kWindow) keep = keep && int32_t(i.kv) >= i.qo_pos() - p.window_left;
     return keep;
   }
+  // The position masks alone (Base's mask assumed true): for tiles the planner flagged CAUSAL.
+  template <class P> AF_DEVICE bool position_mask(const P& p, const LogitsIndex& i) const {
+    bool keep = true;
+    if constexpr (kCausal) keep = int32_t(i.kv) <= i.qo_pos();
+    if constexpr (kWindow) keep = keep && int32_t(i.kv) >= i.qo_pos() - p.window_left;
+    return keep;
+  }
 };
+
+// One element's mask given its tile's planner flags (attnforge.blockmask): a FULL tile keeps every
+// pair; on a CAUSAL tile the variant's own mask equals kv <= qo_pos for every pair (e.g. a
+// document mask on a document's diagonal), so positions are compared instead of calling the hook.
+template <class V, class P>
+AF_DEVICE bool tile_mask(const V& var, const P& p, const LogitsIndex& i, bool full_tile, bool causal_tile) {
+  if (full_tile) return true;
+  if (causal_tile) return int32_t(i.kv) <= i.qo_pos() && var.position_mask(p, i);
+  return var.logits_mask(p, i);
+}
 
 // Fold a sink logit into a finished row: lse' = log(e^lse + e^sink), o' = o * e^(lse - lse').
 template <class V, class P>
