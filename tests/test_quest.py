@@ -106,3 +106,18 @@ def test_bf16_summaries_and_bad_dtype():
     assert torch.equal(idx.kmax[1].float(), k.bfloat16().float().amax(dim=0))
     with pytest.raises(ValueError, match="torch.float32 or torch.bfloat16"):
         QuestIndex(2, 1, 8, dtype=torch.float16)
+
+
+def test_group_sums_give_the_same_bound_as_per_head_maxima():
+    """quest_score_kernel sums a KV head's group first: sum_g max(q_g l, q_g u) = u P + l N with P, N
+    the sums of the group's positive and negative query values (l <= u; empty dims, l > u, give 0)."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((4, 128))  # a group of 4 query heads
+    lo, hi = rng.standard_normal(128), rng.standard_normal(128)
+    lo, hi = np.minimum(lo, hi), np.maximum(lo, hi)
+    lo[:10], hi[:10] = 1.0, -1.0  # dims with no key written yet
+    written = lo <= hi
+    per_head = np.where(written, np.maximum(q * lo, q * hi), 0.0).sum()
+    pos, neg = np.maximum(q, 0).sum(axis=0), np.minimum(q, 0).sum(axis=0)
+    assert np.isclose(np.where(written, hi * pos + lo * neg, 0.0).sum(), per_head, rtol=1e-12)

@@ -9,7 +9,10 @@ from .fields import ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float"}
 FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_indices", "meta"),
-          ParamField("scores", "float*", "ptr"), *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"))
+          ParamField("scores", "float*", "ptr"),
+          # [B, Hkv, D] each: the sums of a KV head's positive / negative query values (quest_qsplit_kernel)
+          ParamField("q_pos", "float*", "ptr"), ParamField("q_neg", "float*", "ptr"),
+          *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"))
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
 SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
@@ -38,4 +41,4 @@ class QuestScoreKernel:
                "num_kv_heads": self.num_kv_heads, "group_size": self.group_size, "params_struct": LAYOUT.cpp(),
                "select_params_struct": SELECT_LAYOUT.cpp()}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
-        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_score_kernel", "quest_select_kernel"))
+        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel"))

@@ -133,6 +133,9 @@ class QuestDecode:
         self._sel_indptr = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._meta = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._scores = torch.zeros(n, dtype=torch.float32, device=self.device)
+        # per request and KV head: the sums of the group's positive and negative query values
+        self._q_split = torch.zeros(2, max_batch_size, spec.num_kv_heads, spec.head_dim_qk, dtype=torch.float32,
+                                    device=self.device)
         self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
                                  pin_memory=True)
         self._planned = None
@@ -186,10 +189,12 @@ class QuestDecode:
         params = self.kernel.params.pack(q=q.data_ptr(), kmin=self.index.kmin.data_ptr(),
                                          kmax=self.index.kmax.data_ptr(), kv_indptr=self._indptr.data_ptr(),
                                          kv_indices=self._pages.data_ptr(), meta=self._meta.data_ptr(),
-                                         scores=self._scores.data_ptr(), q_stride_b=q.stride(0),
+                                         scores=self._scores.data_ptr(), q_pos=self._q_split[0].data_ptr(),
+                                         q_neg=self._q_split[1].data_ptr(), q_stride_b=q.stride(0),
                                          q_stride_h=q.stride(1))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with torch.cuda.device(self.device):
+            lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values
             lib["quest_score_kernel"].launch((sms * 8,), (256,), params)
         return self._scores
 
