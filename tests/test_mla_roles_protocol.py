@@ -47,37 +47,26 @@ def arrive(s, bar, wg):
 
 
 def scores_warpgroup(s, items):
-    """Warpgroup 0 (all its warps run the same sequence). S(t + 1) is queued behind P.V(t): both are
-    waited for before tile t's stage is released."""
-
-    def read_stage(item, t):
-        assert s["stage"][t % 2] == ("ready", item, t), f"S({t}) read {s['stage'][t % 2]}"
-        s["readers"][t % 2] += 1
-
+    """Warpgroup 0 (all its warps run the same sequence)."""
     for item, n in enumerate(items):
         yield from s["cta_barrier"](0)
-        if n > 0:
-            yield from sync(s, FULL, 0)
-            read_stage(item, 0)  # S(0): Q . K(0)^T, waited
-            yield
-            s["readers"][0] -= 1
         for t in range(n):
+            yield from sync(s, FULL, 0)
             st = t % 2
-            yield  # softmax of S(t)
+            assert s["stage"][st] == ("ready", item, t), f"S({t}) read {s['stage'][st]}"
+            s["readers"][st] += 1  # S(t): Q . K(t)^T
+            yield
+            s["readers"][st] -= 1
+            yield  # softmax
             if t > 0:
                 yield from sync(s, PFREE, 0)
             assert s["p_readers"] == 0, "P overwritten while warpgroup 1's P.V reads it"
             s["p"] = (item, t)  # P(t) and the rescale factors
             arrive(s, P, 0)
-            s["readers"][st] += 1  # P.V(t), dims [0, 256), P from registers
+            s["readers"][st] += 1  # P.V(t), dims [0, 256)
             yield
-            if t + 1 < n:
-                yield from sync(s, FULL, 0)
-                read_stage(item, t + 1)  # S(t + 1), in flight with P.V(t)
-                yield
-                s["readers"][(t + 1) % 2] -= 1
             assert s["stage"][st] == ("ready", item, t)
-            s["readers"][st] -= 1  # wgmma.wait_group 0: P.V(t) (and S(t + 1)) done
+            s["readers"][st] -= 1
             arrive(s, STAGE, 0)
         if n > 0:
             yield from sync(s, PFREE, 0)
