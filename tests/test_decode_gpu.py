@@ -63,6 +63,21 @@ def test_fp8_kv_with_scales(dtype, pipeline):
     run_case(spec, [1, 100, 4000], 16, k_scale=0.5, v_scale=1.5)
 
 
+@pytest.mark.parametrize("magnitude", [1e-3, 30.0, 1000.0])
+def test_fp8_kv_bf16_queries_of_any_magnitude(magnitude):
+    """The register-widening fp8 kernel runs fp16 MMAs and stages bf16 queries as fp16 * 2^-8: tiny
+    and large queries (a peaked softmax at 1000) must still match the float64 reference."""
+    spec = AttentionSpec(q_dtype="bf16", kv_dtype="fp8_e4m3", pipeline="transposed")
+    q, cache, (indptr, indices, last), per_req = make_paged_case(spec, [1, 100, 700], 16, seed=11)
+    q = (q.float() * magnitude).to(q.dtype)
+    w = BatchDecode(spec)
+    w.plan(indptr, indices, last, page_size=16)
+    out = w.run(q, cache, out=poison(q.shape, q.dtype))
+    ref, _ = decode_reference(spec, q, per_req)
+    low, _ = decode_reference(spec, q.float(), per_req, dtype=torch.float32)
+    assert_attention_close(out, ref, low.to(q.dtype), f"fp8 kv, |q| ~ {magnitude}")
+
+
 def test_fp16_and_out_dtype():
     run_case(AttentionSpec(q_dtype="fp16"), LENGTHS, 16)
 

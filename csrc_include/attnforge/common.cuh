@@ -5,6 +5,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #define AF_DEVICE __device__ __forceinline__
 #define AF_HOST_DEVICE __host__ __device__ __forceinline__  // pure layout math, host-tested too
 
@@ -68,6 +70,17 @@ template <> AF_DEVICE uint32_t fp8x2_to<bf16>(uint16_t two) {
   __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
   return pack2<bf16>(f.x, f.y);
+}
+
+// A packed pair of From as a packed pair of To, each value times `scale` (a power of two: exact
+// inside To's range). The identity when the types match and scale is 1.
+template <class From, class To>
+AF_DEVICE uint32_t convert_pair(uint32_t w, float scale) {
+  if constexpr (std::is_same_v<From, To>) {
+    if (scale == 1.f) return w;
+  }
+  const From* v = reinterpret_cast<const From*>(&w);
+  return pack2<To>(to_float(v[0]) * scale, to_float(v[1]) * scale);
 }
 
 // A 16-byte vector of T: the unit of every global load and store.
