@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling: fast intrinsics on the device, libm on the host)
@@ -17,7 +18,7 @@ FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling: fast intrinsics on t
 }
 BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
     "add": (torch.add, "({a} + {b})"), "sub": (torch.sub, "({a} - {b})"), "mul": (torch.mul, "({a} * {b})"),
-    "truediv": (torch.true_divide, "(float({a}) / float({b}))"),
+    "truediv": (torch.true_divide, "af_div(float({a}), float({b}))"),  # emitted by _emit_division
     "floordiv": (lambda a, b: torch.div(a, b, rounding_mode="floor"), "af_floordiv({a}, {b})"),
     "mod": (torch.remainder, "af_mod({a}, {b})"),
     "lt": (torch.lt, "({a} < {b})"), "le": (torch.le, "({a} <= {b})"), "gt": (torch.gt, "({a} > {b})"),
@@ -144,6 +145,8 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
             expr = f"{FLOAT_FUNCS[op][1]}(float({visit(node[1])}))"
         elif op in UNARY:
             expr = UNARY[op][1].format(a=visit(node[1]))
+        elif op == "truediv":
+            expr = _emit_division(visit(node[1]), visit(node[2]), node[2])
         else:
             a, b = visit(node[1]), visit(node[2])
             if op in ("minimum", "maximum", "add", "sub", "mul") and "f" in (
@@ -158,6 +161,18 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
     result = visit(root)
     lines.append(f"return {_cpp_cast(result, ret)};")
     return "\n".join(lines)
+
+
+def _emit_division(a: str, b: str, divisor: tuple) -> str:
+    """IEEE float division is a ~10-instruction sequence with a slow path; a modifier's quotient feeds a
+    score rounded to bf16/fp16 anyway. A constant divisor becomes a multiply by its float32 reciprocal
+    (one FMUL, no SFU: soft-cap's tanh already shares the SFU with the softmax's exp2), a runtime one
+    af_div (device: __fdividef, 2 ulp). Both differ from a / b by at most a few float32 ulp."""
+    if divisor[0] == "const" and divisor[2] != "b" and float(divisor[1]) != 0.0:
+        inv = float(np.float32(1.0 / float(divisor[1])))
+        if np.isfinite(inv) and inv != 0.0:
+            return f"(float({a}) * {inv!r}f)"
+    return f"af_div(float({a}), float({b}))"
 
 
 def _cpp_cast(expr: str, t: str) -> str:

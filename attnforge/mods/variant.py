@@ -49,6 +49,8 @@ AF_HD float af_log2(float x) { return AF_PICK(__log2f, log2f)(x); }
 AF_HD float af_sin(float x) { return AF_PICK(__sinf, sinf)(x); }
 AF_HD float af_cos(float x) { return AF_PICK(__cosf, cosf)(x); }
 AF_HD float af_tanh(float x) { return AF_PICK(af_tanh_approx, tanhf)(x); }
+AF_HD float af_div_exact(float a, float b) { return a / b; }
+AF_HD float af_div(float a, float b) { return AF_PICK(__fdividef, af_div_exact)(a, b); }
 AF_HD float af_sigmoid(float x) { return 1.f / (1.f + af_exp(-x)); }
 AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }

@@ -38,11 +38,14 @@ def user_mods():
     def clamp_and_cast(score, b, h, q_idx, kv_idx):
         return torch.clamp(score, -2.0, 2.0) + (kv_idx >= q_idx).to(torch.float32)
 
+    def divisions(score, b, h, q_idx, kv_idx):  # constant divisors become reciprocal multiplies
+        return score / 3 + score / 0.7 + score / (abs(kv_idx - q_idx) + 0.5) + (h + 1) / scale
+
     def mask_combo(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) % 4 != 0) | ~(kv_idx > q_idx) & (h < 2)
 
     return [compile_mod(score_mod=f) for f in (arith, where_minmax, intops, transcendental, table_negative_index,
-                                              clamp_and_cast)] + [compile_mod(mask_mod=mask_combo)]
+                                              clamp_and_cast, divisions)] + [compile_mod(mask_mod=mask_combo)]
 
 
 def library_mods():
