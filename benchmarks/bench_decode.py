@@ -5,6 +5,8 @@ FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashI
 """
 from __future__ import annotations
 
+import os
+
 import gc
 import time
 
@@ -46,13 +48,23 @@ def kv_bytes(lengths, kv_dtype):
 
 def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
     nbytes = kv_bytes(lengths, kv_dtype)
-    for pipeline in ("auto", "normal", "transposed"):
+    variants = [(p, None) for p in ("auto", "normal", "transposed")]
+    # ATTNFORGE_BENCH_DECODE_ABLATION="3,4": the default pipeline with other stage counts (fewer stages,
+    # more CTAs per SM), for docs/perf-notes.md
+    variants += [("auto", int(x)) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_DECODE_ABLATION", "").split(","))]
+    for pipeline, stages in variants:
         spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                              pipeline=pipeline)
-        w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
+        try:
+            w = BatchDecode(spec, max_batch_size=max(256, len(lengths)), num_stages=stages)
+        except ValueError as e:  # an ablation that does not fit
+            report.note(f"decode {case} stages={stages}: {e}")
+            continue
         w.plan(indptr, indices, last, page_size=page_size)
         out = torch.empty_like(q)
         impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}"  # auto: the default
+        if stages is not None:
+            impl = f"attnforge-s{stages}-{w.kernel.ctas_per_sm}cta"
         report.add("decode", case, impl, time_us(lambda: w.run(q, cache, out=out)), nbytes)
 
 
