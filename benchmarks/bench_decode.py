@@ -20,22 +20,28 @@ HQ, HKV, D = 32, 8, 128
 
 
 def cases():
+    """(name, lengths, page size, kv dtype, layout); ATTNFORGE_BENCH_DECODE_CASES="B16 L8192,..." runs a subset."""
     torch.manual_seed(0)
     rand = torch.randint(512, 32768, (64,)).tolist()
-    return [("B1 L131072", [131072] * 1, 16, "bf16"), ("B16 L8192", [8192] * 16, 16, "bf16"),
-            ("B64 L4096", [4096] * 64, 16, "bf16"), ("B256 L1024", [1024] * 256, 16, "bf16"),
-            ("B16 L65536", [65536] * 16, 16, "bf16"), ("B64 Lrand", rand, 16, "bf16"),
-            ("skew 1x65536+127x512", [65536] + [512] * 127, 16, "bf16"),
-            ("B64 Lrand page1", rand, 1, "bf16"), ("B64 Lrand page64", rand, 64, "bf16"),
-            ("B16 L8192 fp8kv", [8192] * 16, 16, "fp8_e4m3")]
+    out = [("B1 L131072", [131072] * 1, 16, "bf16"), ("B16 L8192", [8192] * 16, 16, "bf16"),
+           ("B64 L4096", [4096] * 64, 16, "bf16"), ("B256 L1024", [1024] * 256, 16, "bf16"),
+           ("B16 L65536", [65536] * 16, 16, "bf16"), ("B64 Lrand", rand, 16, "bf16"),
+           ("skew 1x65536+127x512", [65536] + [512] * 127, 16, "bf16"),
+           ("B64 Lrand page1", rand, 1, "bf16"), ("B64 Lrand page64", rand, 64, "bf16"),
+           ("B16 L8192 fp8kv", [8192] * 16, 16, "fp8_e4m3")]
+    # HND: a page holds each head's tokens contiguously (4 KB runs instead of 256-byte rows 2 KB apart)
+    out = [(*c, "NHD") for c in out] + [("B16 L8192 HND", [8192] * 16, 16, "bf16", "HND")]
+    keep = os.environ.get("ATTNFORGE_BENCH_DECODE_CASES")
+    return [c for c in out if c[0] in keep.split(",")] if keep else out
 
 
-def paged_inputs(lengths, page_size, kv_dtype):
+def paged_inputs(lengths, page_size, kv_dtype, layout="NHD"):
     pages = [-(-L // page_size) for L in lengths]
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     indices = torch.randperm(int(indptr[-1]), generator=torch.Generator().manual_seed(1)).numpy().astype(np.int32)
     last = np.array([L - (n - 1) * page_size for L, n in zip(lengths, pages)], dtype=np.int32)
-    cache = torch.empty(int(indptr[-1]), 2, page_size, HKV, D, device="cuda", dtype=torch.bfloat16).normal_()
+    shape = (page_size, HKV, D) if layout == "NHD" else (HKV, page_size, D)
+    cache = torch.empty(int(indptr[-1]), 2, *shape, device="cuda", dtype=torch.bfloat16).normal_()
     if kv_dtype == "fp8_e4m3":
         cache = cache.to(torch.float8_e4m3fn)
     q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -46,7 +52,7 @@ def kv_bytes(lengths, kv_dtype):
     return sum(lengths) * HKV * D * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
 
 
-def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
+def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
     nbytes = kv_bytes(lengths, kv_dtype)
     variants = [(p, None) for p in ("auto", "normal", "transposed")]
     # ATTNFORGE_BENCH_DECODE_ABLATION="3,4": the default pipeline with other stage counts (fewer stages,
@@ -54,7 +60,7 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr
     variants += [("auto", int(x)) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_DECODE_ABLATION", "").split(","))]
     for pipeline, stages in variants:
         spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
-                             pipeline=pipeline)
+                             pipeline=pipeline, kv_layout=layout)
         try:
             w = BatchDecode(spec, max_batch_size=max(256, len(lengths)), num_stages=stages)
         except ValueError as e:  # an ablation that does not fit
@@ -68,12 +74,12 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, q, cache, indptr
         report.add("decode", case, impl, time_us(lambda: w.run(q, cache, out=out)), nbytes)
 
 
-def bench_flashinfer(report, case, lengths, page_size, kv_dtype, q, cache, indptr, indices, last):
+def bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
     import flashinfer
     nbytes = kv_bytes(lengths, kv_dtype)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for tc in (True,):
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
         dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
         w.plan(dev(indptr), dev(indices), dev(last), HQ, HKV, D, page_size, q_data_type=torch.bfloat16,
                kv_data_type=cache.dtype)
@@ -137,16 +143,18 @@ def run(report: Report, peers: bool = True) -> None:
     except Exception as e:
         have_fi = False
         report.note(f"FlashInfer not importable, skipped: {e}")
-    for case, lengths, page_size, kv_dtype in cases():
-        inputs = paged_inputs(lengths, page_size, kv_dtype)
-        bench_attnforge(report, case, lengths, page_size, kv_dtype, *inputs)
+    for case, lengths, page_size, kv_dtype, layout in cases():
+        inputs = paged_inputs(lengths, page_size, kv_dtype, layout)
+        bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, *inputs)
         if peers and have_fi:
             try:
-                bench_flashinfer(report, case, lengths, page_size, kv_dtype, *inputs)
+                bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, *inputs)
             except Exception as e:
                 report.note(f"flashinfer on {case}: {type(e).__name__}: {str(e)[:160]}")
         del inputs
         torch.cuda.empty_cache()
-        if peers and len(set(lengths)) == 1 and kv_dtype == "bf16" and page_size == 16:
+        # dense peers read a contiguous [B, H, L, D] cache: once per shape, under the NHD case's name
+        if peers and len(set(lengths)) == 1 and kv_dtype == "bf16" and page_size == 16 and layout == "NHD":
             bench_dense_peers(report, case, lengths, flex_cache)
-    bench_plan(report)
+    if not os.environ.get("ATTNFORGE_BENCH_DECODE_CASES"):
+        bench_plan(report)

@@ -12,10 +12,10 @@ CASES = ("B16 L8192", "B64 Lrand page1", "B16 L8192 fp8kv", "B256 L1024")
 
 
 def run(report: Report, peers: bool = False) -> None:
-    for case, lengths, page_size, kv_dtype in cases():
+    for case, lengths, page_size, kv_dtype, layout in cases():
         if case not in CASES:
             continue
-        q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype)
+        q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype, layout)
         for pipeline in ("normal", "transposed"):
             spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                                  pipeline=pipeline)
