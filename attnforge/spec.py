@@ -18,13 +18,18 @@ LAYOUTS = ("NHD", "HND")
 PIPELINES = ("normal", "transposed")
 
 
+TRANSPOSED_DECODE_MAX_GROUP = 8  # one n8 tile of heads; the kernel takes up to 16 when asked
+
+
 def default_pipeline(family: str, group_size: int) -> str:
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
-    (transposed) for groups up to 16, where padding query heads to 16 rows wastes work. MLA decode
-    uses the normal pipeline at every head count (mma.sync's m16 tiles pad at most 8 heads to 16;
-    from 32 heads the wgmma kernel); docs/architecture.md has the table, and the one case the
-    transposed wgmma kernel wins (a single long request)."""
-    return "transposed" if family == "decode" and group_size <= 16 else "normal"
+    (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
+    group 4). Groups 9-16 take two n8 head tiles there, which doubles O's registers (d128: 200, so 2
+    CTAs per SM where the planner counts 3; d256 spills), while the normal pipeline's one m16 tile
+    wastes at most 7 rows. MLA decode uses the normal pipeline at every head count (mma.sync's m16
+    tiles pad at most 8 heads to 16; from 32 heads the wgmma kernel); docs/architecture.md has the
+    table, and the one case the transposed wgmma kernel wins (a single long request)."""
+    return "transposed" if family == "decode" and group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
 HEAD_DIMS = (64, 128, 256)
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
 MLA_HEADS = (8, 16, 32, 64, 128)

@@ -79,6 +79,8 @@ def test_auto_pipeline_resolves_to_measured_winner():
     from attnforge.spec import default_pipeline
     assert AttentionSpec().pipeline == "transposed" == default_pipeline("decode", 4)
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=1).pipeline == "normal"
+    assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"  # group 8: one n8 tile
+    assert AttentionSpec(num_qo_heads=64, num_kv_heads=4).pipeline == "normal"  # group 16: one m16 tile
     assert AttentionSpec(family="prefill").pipeline == "normal"
     # the name mentions the pipeline only when it is not the default for the shape
     assert "normal" in AttentionSpec(pipeline="normal").name

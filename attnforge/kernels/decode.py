@@ -17,6 +17,8 @@ TILE_KV = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 MAX_TRANSPOSED_GROUP = 16
+REGISTERS_PER_SM = 65536
+MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -99,14 +101,29 @@ class DecodeKernel:
 
     @property
     def ctas_per_sm(self) -> int:
-        return max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+        """CTAs the persistent grid puts on an SM: what shared memory holds, capped where registers would
+        drop below MIN_REGISTERS_PER_THREAD (d64 fits 6 by shared memory, 4 by registers: a grid of 6
+        per SM ran its last third as a second wave). __launch_bounds__ makes ptxas honour it."""
+        by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+        by_regs = max(1, REGISTERS_PER_SM // (self.threads * MIN_REGISTERS_PER_THREAD))
+        if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
+            by_regs = min(by_regs, 2)  # two n8 head tiles of O^T: 200 registers at d128 (cubin)
+        return min(by_smem, by_regs)
+
+    @property
+    def register_bound_ctas(self) -> int:
+        """The __launch_bounds__ minimum of CTAs per SM where it binds (MIN_REGISTERS_PER_THREAD or
+        fewer per thread at ctas_per_sm), else 0: no bound, and ptxas allocates as it did when the
+        defaults were measured (tests/jit/test_build.py checks that those still fit)."""
+        binds = REGISTERS_PER_SM // (self.threads * self.ctas_per_sm) <= MIN_REGISTERS_PER_THREAD
+        return self.ctas_per_sm if binds else 0
 
     def module(self) -> JitModule:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
-               "smem_bytes": self.smem_bytes,
+               "smem_bytes": self.smem_bytes, "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp()}
         # The name omits runtime-only fields (layout, page size): they don't change the code.

@@ -195,6 +195,49 @@ def test_nvcc_compiles_the_variant_matrix():
             assert k.encode() in data, f"{m.name}: {k} missing"
 
 
+def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
+    """Persistent grids are sized SMs x ctas_per_sm from shared memory: each kernel's register count
+    (read from the cubin) must let that many CTAs share an SM, and no kernel may use local memory
+    (a non-zero stack frame: spills in a hot loop). Builds hit the cache of the test above."""
+    from attnforge.jit.cubin import kernel_resources
+    from attnforge.kernels.decode import DecodeKernel
+    from attnforge.kernels.mla import MLADecodeKernel
+    from attnforge.kernels.prefill import PrefillKernel, default_backend
+    kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
+    mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
+    normal = [s for s in mla if s.pipeline == "normal"]
+    kernels += [MLADecodeKernel(s) for s in mla]  # and the wgmma ones the matrix test builds
+    kernels += [MLADecodeKernel(normal[0], backend="wgmma"),
+                MLADecodeKernel(dataclasses.replace(normal[1], logits_soft_cap=30.0), backend="wgmma"),
+                MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
+    prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
+    kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(prefill[0], "mma")]
+    paths = build_many([k.module() for k in kernels], ARCHS)
+    checked, problems = 0, []
+    for k, path in zip(kernels, paths):
+        res = kernel_resources(path.read_bytes())
+        name = k.module().name
+        assert res, f"{name}: no register counts in the cubin's .nv.info"
+        problems += [f"{name}: {fn} uses {r.frame_bytes} bytes of local memory (spills)"
+                     for fn, r in res.items() if r.frame_bytes and name not in ALLOWED_SPILLS]
+        main = k.module().kernel_names[0]  # the attention kernel (merge kernels follow it)
+        if main in res:
+            fit = res[main].ctas_by_registers(k.threads)
+            if fit < k.ctas_per_sm:
+                problems.append(f"{name}: {res[main].registers} registers x {k.threads} threads fit {fit} CTAs "
+                                f"per SM, the planner assumes {k.ctas_per_sm}")
+            checked += 1
+    assert not problems, "\n".join(problems)
+    assert checked >= 10
+
+
+# Explicit, non-default choices whose small spills are known (auto never picks them).
+ALLOWED_SPILLS = {
+    "decode_g16_d256_bf16_kvbf16_outbf16_transposed_t64s2w4": "two n8 head tiles of O^T at d256 (auto: normal)",
+    "mla_h8_bf16_kvfp8e4m3_outbf16_transposed_r8t32s2": "8 bytes; MLA auto picks the normal pipeline",
+}
+
+
 def test_cold_build_logs_start_and_elapsed_and_verbose_streams(cache, monkeypatch, capfd, caplog):
     import logging
     caplog.set_level(logging.INFO, logger="attnforge.jit")
