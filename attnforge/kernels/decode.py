@@ -8,6 +8,7 @@ from functools import cached_property
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
+from ..jit.cubin import REGISTERS_PER_SM
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
@@ -17,7 +18,6 @@ TILE_KV = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 MAX_TRANSPOSED_GROUP = 16
-REGISTERS_PER_SM = 65536
 MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
 
 BASE_FIELDS = (
@@ -103,7 +103,8 @@ class DecodeKernel:
     def ctas_per_sm(self) -> int:
         """CTAs the persistent grid puts on an SM: what shared memory holds, capped where registers would
         drop below MIN_REGISTERS_PER_THREAD (d64 fits 6 by shared memory, 4 by registers: a grid of 6
-        per SM ran its last third as a second wave). __launch_bounds__ makes ptxas honour it."""
+        per SM ran its last third as a second wave); where that cap binds, __launch_bounds__ makes ptxas
+        honour it (register_bound_ctas)."""
         by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
         by_regs = max(1, REGISTERS_PER_SM // (self.threads * MIN_REGISTERS_PER_THREAD))
         if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
