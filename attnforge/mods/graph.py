@@ -13,7 +13,7 @@ import torch
 
 FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling: fast intrinsics on the device, libm on the host)
     "exp": (torch.exp, "af_exp"), "log": (torch.log, "af_log"), "tanh": (torch.tanh, "af_tanh"),
-    "sqrt": (torch.sqrt, "sqrtf"), "sin": (torch.sin, "af_sin"), "cos": (torch.cos, "af_cos"),
+    "sqrt": (torch.sqrt, "af_sqrt"), "sin": (torch.sin, "af_sin"), "cos": (torch.cos, "af_cos"),
     "sigmoid": (torch.sigmoid, "af_sigmoid"), "log2": (torch.log2, "af_log2"), "exp2": (torch.exp2, "af_exp2"),
 }
 BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})

@@ -34,11 +34,10 @@ CPP_PRELUDE = r"""
 typedef int af_int;
 AF_HD af_int af_floordiv(af_int a, af_int b) { af_int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
 AF_HD af_int af_mod(af_int a, af_int b) { af_int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
-AF_HD float af_floordiv(float a, float b) { return floorf(a / b); }
-AF_HD float af_mod(float a, float b) { return a - b * floorf(a / b); }
 #ifdef __CUDA_ARCH__  // SFU approximations on the device: errors far below bf16/fp16 score rounding
 #define AF_PICK(device_fn, host_fn) device_fn
 AF_HD float af_tanh_approx(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+AF_HD float af_sqrt_approx(float x) { float y; asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 #else
 #define AF_PICK(device_fn, host_fn) host_fn
 #endif
@@ -49,9 +48,14 @@ AF_HD float af_log2(float x) { return AF_PICK(__log2f, log2f)(x); }
 AF_HD float af_sin(float x) { return AF_PICK(__sinf, sinf)(x); }
 AF_HD float af_cos(float x) { return AF_PICK(__cosf, cosf)(x); }
 AF_HD float af_tanh(float x) { return AF_PICK(af_tanh_approx, tanhf)(x); }
+AF_HD float af_sqrt(float x) { return AF_PICK(af_sqrt_approx, sqrtf)(x); }
+// IEEE division (and sqrt) compile to a multi-instruction sequence with a slow-path call per score;
+// the device takes the 2-ulp forms, the host (the g++ test against torch) the exact ones
 AF_HD float af_div_exact(float a, float b) { return a / b; }
 AF_HD float af_div(float a, float b) { return AF_PICK(__fdividef, af_div_exact)(a, b); }
-AF_HD float af_sigmoid(float x) { return 1.f / (1.f + af_exp(-x)); }
+AF_HD float af_floordiv(float a, float b) { return floorf(af_div(a, b)); }
+AF_HD float af_mod(float a, float b) { return a - b * floorf(af_div(a, b)); }
+AF_HD float af_sigmoid(float x) { return af_div(1.f, 1.f + af_exp(-x)); }
 AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }
 AF_HD af_int af_min(af_int a, af_int b) { return a < b ? a : b; }

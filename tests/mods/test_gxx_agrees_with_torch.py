@@ -41,11 +41,14 @@ def user_mods():
     def divisions(score, b, h, q_idx, kv_idx):  # constant divisors become reciprocal multiplies
         return score / 3 + score / 0.7 + score / (abs(kv_idx - q_idx) + 0.5) + (h + 1) / scale
 
+    def fast_forms(score, b, h, q_idx, kv_idx):  # af_sqrt, af_sigmoid and float floordiv / mod
+        return torch.sqrt(abs(score) + 1.0) + torch.sigmoid(score * 3.0) + score // 0.7 + score % 1.5
+
     def mask_combo(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) % 4 != 0) | ~(kv_idx > q_idx) & (h < 2)
 
     return [compile_mod(score_mod=f) for f in (arith, where_minmax, intops, transcendental, table_negative_index,
-                                              clamp_and_cast, divisions)] + [compile_mod(mask_mod=mask_combo)]
+                                              clamp_and_cast, divisions, fast_forms)] + [compile_mod(mask_mod=mask_combo)]
 
 
 def library_mods():
