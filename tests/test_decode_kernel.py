@@ -1,0 +1,25 @@
+"""DecodeKernel's launch shape (CPU): how many CTAs the persistent grid puts on an SM, and where the
+kernel asks ptxas to honour that (tests/jit/test_build.py checks the compiled registers agree)."""
+import pytest
+
+from attnforge import AttentionSpec
+from attnforge.kernels.decode import DecodeKernel
+
+
+@pytest.mark.parametrize("kw,ctas,bound", [
+    ({}, 3, 0),                                                   # d128 GQA-4: shared memory allows 3
+    ({"kv_dtype": "fp8_e4m3"}, 3, 0),                             # 4 fp8 stages, same 3
+    ({"head_dim_qk": 64, "num_qo_heads": 8, "num_kv_heads": 8}, 4, 4),  # 6 by shared memory, 4 by registers
+    ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 0),  # two head tiles of O^T
+    ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 1, 0),
+])
+def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
+    k = DecodeKernel(AttentionSpec(**kw))
+    assert (k.ctas_per_sm, k.register_bound_ctas) == (ctas, bound)
+    bounds = f"__launch_bounds__(kThreads, {bound})" if bound else "__launch_bounds__(kThreads)"
+    assert bounds + " batch_decode_kernel" in k.module().source
+
+
+def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():
+    k = DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3", pipeline="transposed"), stages=2)
+    assert k.smem_bytes * 6 < 228 * 1024 and k.ctas_per_sm == 4  # 6 fit by shared memory
