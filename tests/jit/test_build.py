@@ -255,3 +255,9 @@ def test_cold_build_logs_start_and_elapsed_and_verbose_streams(cache, monkeypatc
     caplog.clear()
     build(merge_module(), ARCHS)  # warm: no build, no log line
     assert not [r for r in caplog.records if "building" in r.getMessage()]
+
+
+def test_kernel_resources_refuses_what_is_not_a_cubin():
+    from attnforge.jit.cubin import kernel_resources
+    with pytest.raises(ValueError, match="ELF cubin"):
+        kernel_resources(b"\x50\xed\x55\xba" + bytes(60))  # a fatbin's magic, for instance
