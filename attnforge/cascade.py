@@ -22,7 +22,7 @@ import torch
 
 from . import checks, paged
 from .decode import BatchDecode
-from .merge import merge_states
+from .merge import merge_state, merge_states
 from .prefill import BatchPrefill
 from .spec import AttentionSpec
 
@@ -88,7 +88,8 @@ class CascadeDecode:
             outs.append(o)
             lses.append(s)
         o, s = self.suffix.run(q, kv_cache, return_lse=True)
-        outs.append(o)
-        lses.append(s)
-        merged, lse = merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1), out=out)
+        if len(outs) == 1:  # one shared level (the common case): merge the pair, no stacked copies
+            merged, lse = merge_state(outs[0], lses[0], o, s, out=out)
+        else:
+            merged, lse = merge_states(torch.stack(outs + [o], dim=1), torch.stack(lses + [s], dim=1), out=out)
         return (merged, lse) if return_lse else merged

@@ -45,6 +45,35 @@ def test_cascade_equals_decode_over_concatenated_kv(layout):
 
 
 @pytest.mark.gpu
+def test_two_level_cascade_equals_decode_over_concatenated_kv():
+    """A prefix shared by the whole batch, then one shared by each half, then each request's own pages
+    (three states per request: the stacked merge; one level takes the pair merge, tested above)."""
+    torch.manual_seed(1)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    page, batch = 16, 4
+    shared, halves, own = 6, [3, 5], [2, 4, 1, 3]
+    last = [7, 16, 2, 11]
+    total = shared + sum(halves) + sum(own)
+    cache = torch.randn((total, 2, page, 8, 128), device="cuda", dtype=torch.bfloat16)
+    perm = np.random.default_rng(1).permutation(total)
+    lvl0, lvl1, rest = perm[:shared], perm[shared:shared + sum(halves)], perm[shared + sum(halves):]
+    lvl1_indptr, own_indptr = np.concatenate([[0], np.cumsum(halves)]), np.concatenate([[0], np.cumsum(own)])
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    c = CascadeDecode(spec)
+    c.plan(levels=[([0, batch], [0, shared], lvl0, [page]), ([0, 2, 4], lvl1_indptr, lvl1, [page, page])],
+           suffix=(own_indptr, rest, last), page_size=page)
+    out = c.run(q, cache)
+    group = [0, 0, 1, 1]
+    pages = [np.concatenate([lvl0, lvl1[lvl1_indptr[group[b]]:lvl1_indptr[group[b] + 1]],
+                             rest[own_indptr[b]:own_indptr[b + 1]]]) for b in range(batch)]
+    indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
+    per = reference.gather_paged(cache[:, 0], cache[:, 1], "NHD", indptr, np.concatenate(pages), last, page)
+    for b, (k, v) in enumerate(per):
+        ref, _ = reference.attention(q[b:b + 1], k, v)
+        assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
 def test_cascade_graph_replay_after_replans():
     torch.manual_seed(1)
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
