@@ -1,4 +1,4 @@
-"""python -m attnforge {demo, build, info, cache clear}."""
+"""python -m attnforge {demo, build, info, cache list, cache clear}."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +56,23 @@ def _cmd_cache(args) -> int:
     if args.action == "clear":
         shutil.rmtree(root, ignore_errors=True)
         print(f"cleared {root}")
+    elif args.action == "list":
+        _list_cache(root)
     return 0
+
+
+def _list_cache(root) -> None:
+    """Every cached module: its kernels' registers per thread and stack frame (spills show as a frame)."""
+    from .jit.cubin import kernel_resources
+    artifacts = sorted(root.rglob("kernel.cubin")) if root.exists() else []
+    for path in artifacts:
+        try:
+            res = kernel_resources(path.read_bytes())
+            detail = ", ".join(f"{fn} {r.registers} registers, stack {r.frame_bytes} B" for fn, r in sorted(res.items()))
+        except ValueError:  # a multi-arch image: no single .nv.info to read
+            detail = "(not a single-arch cubin)"
+        print(f"{path.parent.relative_to(root)}: {detail}")
+    print(f"{len(artifacts)} modules in {root}")
 
 
 def _cmd_demo(_args) -> int:
@@ -73,7 +89,7 @@ def main(argv=None) -> int:
     b.add_argument("--spec-file", action="append", help="JSON list of AttentionSpec dicts")
     sub.add_parser("info", help="versions, GPU, nvcc, cache location and size")
     c = sub.add_parser("cache", help="manage the kernel cache")
-    c.add_argument("action", choices=["clear"])
+    c.add_argument("action", choices=["list", "clear"], help="list: modules with registers and stack; clear: delete")
     args = ap.parse_args(argv)
     return {"demo": _cmd_demo, "build": _cmd_build, "info": _cmd_info, "cache": _cmd_cache}[args.cmd](args)
 

@@ -30,6 +30,9 @@ def test_build_spec_file_info_and_clear(tmp_path):
     r = cli("info", cache=cache)
     assert r.returncode == 0 and str(cache) in r.stdout and "ATTNFORGE_CACHE_DIR" in r.stdout
     assert "MiB" in r.stdout
+    r = cli("cache", "list", cache=cache)
+    assert r.returncode == 0 and "2 modules" in r.stdout, r.stderr
+    assert "batch_decode_kernel" in r.stdout and "registers, stack 0 B" in r.stdout  # read from the cubins
     r = cli("cache", "clear", cache=cache)
     assert r.returncode == 0 and not cache.exists()
 
