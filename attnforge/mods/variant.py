@@ -53,8 +53,10 @@ AF_HD float af_sqrt(float x) { return AF_PICK(af_sqrt_approx, sqrtf)(x); }
 // the device takes the 2-ulp forms, the host (the g++ test against torch) the exact ones
 AF_HD float af_div_exact(float a, float b) { return a / b; }
 AF_HD float af_div(float a, float b) { return AF_PICK(__fdividef, af_div_exact)(a, b); }
-AF_HD float af_floordiv(float a, float b) { return floorf(af_div(a, b)); }
-AF_HD float af_mod(float a, float b) { return a - b * floorf(af_div(a, b)); }
+// floor and modulo keep the exact quotient: an approximate one can land just below an exact multiple
+// (6 / 3 -> 1.9999999), which floor turns into an off-by-one
+AF_HD float af_floordiv(float a, float b) { return floorf(af_div_exact(a, b)); }
+AF_HD float af_mod(float a, float b) { return a - b * floorf(af_div_exact(a, b)); }
 AF_HD float af_sigmoid(float x) { return af_div(1.f, 1.f + af_exp(-x)); }
 AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }

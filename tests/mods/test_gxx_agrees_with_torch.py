@@ -131,3 +131,12 @@ def test_gxx_matches_torch(mod, tmp_path):
         want = mod.torch_mask(b, h, q, kv).float()
     assert got.shape == want.shape
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def test_floor_division_keeps_the_exact_quotient():
+    """An approximate quotient (__fdividef) can land just below an exact multiple and floor would make
+    it an off-by-one: the device prelude must use the exact division for // and % on floats."""
+    from attnforge.mods.variant import CPP_PRELUDE
+    for fn in ("af_floordiv(float a, float b)", "af_mod(float a, float b)"):
+        line = next(l for l in CPP_PRELUDE.splitlines() if fn in l)
+        assert "af_div_exact" in line and "af_div(" not in line, line
