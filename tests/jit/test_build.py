@@ -196,9 +196,10 @@ def test_nvcc_compiles_the_variant_matrix():
 
 
 def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
-    """Persistent grids are sized SMs x ctas_per_sm from shared memory: each kernel's register count
-    (read from the cubin) must let that many CTAs share an SM, and no kernel may use local memory
-    (a non-zero stack frame: spills in a hot loop). Builds hit the cache of the test above."""
+    """Grids and split-KV work are sized SMs x ctas_per_sm, which the kernel classes derive from shared
+    memory and rules of thumb: each kernel's register count (read from the cubin) must let that many
+    CTAs share an SM, and no kernel may use local memory (a non-zero stack frame: spills in a hot loop).
+    Builds hit the cache of the test above."""
     from attnforge.jit.cubin import kernel_resources
     from attnforge.kernels.decode import DecodeKernel
     from attnforge.kernels.mla import MLADecodeKernel
