@@ -96,3 +96,23 @@ def test_library_is_one_factory_per_file():
         file = "relative_bias" if name == "relative_position_bias" else name
         module = importlib.import_module(f"attnforge.mods.{file}")
         assert getattr(module, name).__doc__ and hasattr(module, "reference"), name
+
+
+def test_hot_path_math_avoids_ieee_division_and_sqrt():
+    """Per-score C++ must not carry IEEE division or sqrt (a slow-path call per score on the device):
+    a constant divisor is a multiply by its float32 reciprocal, a runtime one af_div (__fdividef);
+    sigmoid and sqrt take the approximate device forms. Float // and % stay exact (see the g++ test)."""
+    import re
+    scale = torch.tensor(0.5)
+    mod = compile_mod(score_mod=lambda score, b, h, q_idx, kv_idx:
+                      score / 50.0 + score / scale + torch.sqrt(abs(score)) + torch.sigmoid(score))
+    body = mod.cpp_decl
+    body = body[body.index("_score(float"):]
+    body = body[:body.index("\n}\n")]
+    assert "0.019999999552965164f" in body  # 1 / 50 rounded to float32, multiplied
+    assert "af_div(float(score), float(v" in body and "af_sqrt(" in body and "af_sigmoid(" in body
+    assert not re.search(r"[^/]/ ?float\(", body) and "sqrtf" not in body
+    from attnforge.mods.variant import CPP_PRELUDE
+    device = CPP_PRELUDE[CPP_PRELUDE.index("#ifdef __CUDA_ARCH__"):]
+    assert "AF_PICK(__fdividef, af_div_exact)" in device and "AF_PICK(af_sqrt_approx, sqrtf)" in device
+    assert "af_sigmoid(float x) { return af_div(" in device
