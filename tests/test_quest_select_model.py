@@ -13,10 +13,10 @@ def order_key(f: float) -> int:
     return (~u & 0xFFFFFFFF) if u & 0x80000000 else (u | 0x80000000)
 
 
-def kernel_model(scores: np.ndarray, k_budget: int) -> list[int]:
-    """The positions the kernel keeps, in list order (one request)."""
+def radix_select(scores: np.ndarray, k: int, find_bin) -> tuple[list[int], int, int, bool]:
+    """Keys (the last page's the largest), and the k-th largest key T with the number of keys equal to
+    T in the top k, by 4 MSB-first passes of 8 bits; find_bin(hist, take_eq) -> (bin, keys above it)."""
     n = len(scores)
-    k = min(k_budget, n)
     keys = [0xFFFFFFFF if j == n - 1 else order_key(float(scores[j])) for j in range(n)]
     prefix, mask, take_eq, select = 0, 0, k, n > k
     if select:
@@ -25,13 +25,27 @@ def kernel_model(scores: np.ndarray, k_budget: int) -> list[int]:
             for key in keys:
                 if key & mask == prefix:
                     hist[(key >> shift) & 255] += 1
-            above, b = 0, 255
-            while b > 0 and above + hist[b] < take_eq:
-                above += hist[b]
-                b -= 1
+            b, above = find_bin(hist, take_eq)
             prefix |= b << shift
             take_eq -= above
             mask |= 255 << shift
+    return keys, prefix, take_eq, select
+
+
+def serial_bin(hist: list[int], take_eq: int) -> tuple[int, int]:
+    """One thread walks the bins from the top (select_large)."""
+    above, b = 0, 255
+    while b > 0 and above + hist[b] < take_eq:
+        above += hist[b]
+        b -= 1
+    return b, above
+
+
+def kernel_model(scores: np.ndarray, k_budget: int) -> list[int]:
+    """The positions the kernel keeps, in list order (one request)."""
+    n = len(scores)
+    k = min(k_budget, n)
+    keys, prefix, take_eq, select = radix_select(scores, k, serial_bin)
     kept, eq_seen = [], 0
     for j, key in enumerate(keys):  # the rounds of 256 only batch this walk
         eq = select and key == prefix
@@ -61,3 +75,61 @@ def test_kernel_selection_matches_topk(seed):
 def test_ties_take_the_first_in_list_order():
     scores = np.array([1, 5, 5, 5, 2, 5, 0], dtype=np.float32)  # four 5s for two places (the last page is forced)
     assert kernel_model(scores, 3) == [1, 2, 6]  # any two 5s make a valid top 3: the kernel takes the first
+
+
+def fast_kernel_model(scores: np.ndarray, k_budget: int, threads: int = 16, run: int = 8) -> list[int]:
+    """quest_select_kernel's register path (n <= threads * run): thread t holds keys [t*run, t*run+run);
+    each pass finds its bin by a suffix scan of the histogram (thread t: bin 255 - t); the write-out
+    is an exclusive scan of equal keys, then of kept pages, over the threads in order."""
+    n = len(scores)
+    assert n <= threads * run
+    k = min(k_budget, n)
+
+    def scan_bin(hist, take_eq):
+        h = [hist[255 - t] for t in range(256)]  # thread t's bin, in thread order
+        above = np.concatenate([[0], np.cumsum(h)[:-1]])
+        hits = [t for t in range(256) if above[t] + h[t] >= take_eq > above[t]]
+        assert len(hits) == 1  # exactly one thread writes the new prefix
+        return 255 - hits[0], int(above[hits[0]])
+    keys, prefix, take_eq, select = radix_select(scores, k, scan_bin)
+    runs = [range(t * run, min(n, t * run + run)) for t in range(threads)]
+    eq_counts = [sum(select and keys[j] == prefix for j in r) for r in runs]
+    gt_counts = [sum((not select) or keys[j] > prefix for j in r) for r in runs]
+    eq_before = np.concatenate([[0], np.cumsum(eq_counts)[:-1]])
+    mine = [max(0, min(e, take_eq - int(b))) for e, b in zip(eq_counts, eq_before)]
+    pos = np.concatenate([[0], np.cumsum([g + m for g, m in zip(gt_counts, mine)])[:-1]])
+    out = [None] * k
+    for t, r in enumerate(runs):
+        p, seen = int(pos[t]), int(eq_before[t])
+        for j in r:
+            eq = select and keys[j] == prefix
+            if (not select) or keys[j] > prefix or (eq and seen < take_eq):
+                out[p] = j
+                p += 1
+            seen += eq
+    assert None not in out  # every slot of the selection is written exactly once
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_register_path_matches_topk(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 129))
+    scores = rng.standard_normal(n).astype(np.float32) * float(rng.choice([1e-3, 1.0, 1e4]))
+    if seed % 4 == 0:
+        scores = np.round(scores)  # many exact ties
+    k = int(rng.integers(1, 140))
+    got = fast_kernel_model(scores, k)
+    assert got == kernel_model(scores, k)  # the same pages as the ballot path, ties included
+    ref = reference(scores, k)
+    if seed % 4:  # no exact ties: torch.topk's choice is the only one
+        assert got == ref
+    else:  # ties (and +0 / -0): topk may take other equal keys, so compare the values kept
+        forced = scores.copy()
+        forced[-1] = np.inf
+        assert sorted(forced[got].tolist()) == sorted(forced[ref].tolist())
+
+
+def test_register_path_ties_take_the_first_in_list_order():
+    scores = np.array([1, 5, 5, 5, 2, 5, 0], dtype=np.float32)
+    assert fast_kernel_model(scores, 3, threads=4, run=2) == [1, 2, 6]
