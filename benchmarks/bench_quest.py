@@ -26,8 +26,8 @@ def run(report: Report, peers: bool = True) -> None:
         indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
         last = np.full(B, PAGE, dtype=np.int32)
         index = QuestIndex(pages, hkv, D, device="cuda", dtype=torch.bfloat16)
-        index.kmin.copy_(cache[:, 0].amin(dim=1))
-        index.kmax.copy_(cache[:, 0].amax(dim=1))
+        kmin, kmax = cache[:, 0].amin(dim=1), cache[:, 0].amax(dim=1)
+        index.assign(kmin, kmax)
         q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
         kv_bytes = pages * PAGE * hkv * D * 2 * 2
@@ -45,5 +45,16 @@ def run(report: Report, peers: bool = True) -> None:
                            max_pages_per_request=L // PAGE, use_cuda_graph=True, select="torch")
         slow.plan(indptr, indices, last)  # the selection by torch ops (topk), for the kernel's gain
         report.add("quest", case, "attnforge-torch-select", time_us(lambda: slow.run(q, cache, out=out)), sparse_bytes)
+        # fp8 summaries (1/32 of the KV bytes, rounded outward from a bf16 master; scale for randn keys)
+        scale8 = float(torch.maximum(kmin.abs().max(), kmax.abs().max())) / 448
+        index8 = QuestIndex(pages, hkv, D, device="cuda", dtype=torch.float8_e4m3fn, scale=scale8)
+        index8.assign(kmin, kmax)
+        quest8 = QuestDecode(spec, index8, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
+                             max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
+        quest8.plan(indptr, indices, last)
+        bytes8 = index8.kmin.numel() * 2 + kv_bytes * BUDGET // L
+        report.add("quest", case, "attnforge-fp8-summaries", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
+        report.add("quest", case, "attnforge-fp8-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
+        del index8, quest8
         del cache, index
         torch.cuda.empty_cache()

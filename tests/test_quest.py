@@ -104,8 +104,10 @@ def test_bf16_summaries_and_bad_dtype():
     idx.append(k, torch.tensor([1, 1, 1]))
     assert idx.kmin.dtype == torch.bfloat16
     assert torch.equal(idx.kmax[1].float(), k.bfloat16().float().amax(dim=0))
-    with pytest.raises(ValueError, match="torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="torch.float32, torch.bfloat16 or torch.float8_e4m3fn"):
         QuestIndex(2, 1, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="1.0 for float32"):
+        QuestIndex(2, 1, 8, scale=0.5)
 
 
 def test_group_sums_give_the_same_bound_as_per_head_maxima():
@@ -121,3 +123,61 @@ def test_group_sums_give_the_same_bound_as_per_head_maxima():
     per_head = np.where(written, np.maximum(q * lo, q * hi), 0.0).sum()
     pos, neg = np.maximum(q, 0).sum(axis=0), np.minimum(q, 0).sum(axis=0)
     assert np.isclose(np.where(written, hi * pos + lo * neg, 0.0).sum(), per_head, rtol=1e-12)
+
+
+def test_fp8_outward_rounding_bounds_every_value():
+    """Rounded down, then up: every e4m3 step, zero and both signs, saturation at 448."""
+    from attnforge.sparse.quest import fp8_outward
+    x = torch.cat([torch.randn(20000) * 10, torch.randn(2000) * 1e-3, torch.tensor([0.0, -0.0, 1e-9, -1e-9, 447.0,
+                   -447.0, 448.0, -448.0, 1e6, -1e6])])
+    for scale in (1.0, 0.37, 8.0):
+        lo = fp8_outward(x, scale, up=False).float() * scale
+        hi = fp8_outward(x, scale, up=True).float() * scale
+        inside = x.abs() <= 448 * scale
+        assert torch.all(lo[inside] <= x[inside]) and torch.all(hi[inside] >= x[inside])
+        assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
+        # at most one e4m3 step away: within 1/8 relative (3 mantissa bits) or one subnormal step
+        step = torch.maximum(x.abs() / 8, torch.full_like(x, scale * 2.0 ** -9))
+        assert torch.all((x - lo)[inside] <= step[inside]) and torch.all((hi - x)[inside] <= step[inside])
+
+
+def test_fp8_summaries_bound_the_keys_and_track_the_master():
+    idx = QuestIndex(5, 2, 16, dtype=torch.float8_e4m3fn, scale=0.05)
+    torch.manual_seed(0)
+    keys = {p: [] for p in range(5)}
+    for _ in range(6):  # appends in several rounds, pages in any order
+        pages = torch.randint(0, 4, (7,))
+        k = torch.randn(7, 2, 16) * 3
+        idx.append(k, pages)
+        for p, row in zip(pages.tolist(), k):
+            keys[p].append(row)
+    kmin, kmax = idx.decoded()
+    for p in range(4):
+        if keys[p]:
+            ks = torch.stack(keys[p]).bfloat16().float()  # the bf16 master's values
+            assert torch.all(kmin[p] <= ks.amin(dim=0)) and torch.all(kmax[p] >= ks.amax(dim=0))
+    assert torch.all(kmin[4] > kmax[4])  # a page with no key: lo > hi, scores 0
+    q = torch.randn(2, 4, 16)
+    bound = page_scores(q, idx, torch.tensor([0, 2, 5]), torch.tensor([0, 1, 2, 3, 4]))
+    exact = QuestIndex(5, 2, 16)
+    for p in range(4):
+        if keys[p]:
+            exact.append(torch.stack(keys[p]).bfloat16().float(), torch.full((len(keys[p]),), p))
+    assert torch.all(bound >= page_scores(q, exact, torch.tensor([0, 2, 5]), torch.tensor([0, 1, 2, 3, 4])) - 1e-4)
+    idx.reset(torch.tensor([0]))
+    kmin, kmax = idx.decoded()
+    assert torch.all(kmin[0] > kmax[0])
+
+
+def test_assign_sets_all_pages_and_rounds_fp8_outward():
+    lo, hi = torch.randn(3, 2, 16), torch.randn(3, 2, 16) + 3
+    idx = QuestIndex(3, 2, 16, dtype=torch.float8_e4m3fn, scale=0.1)
+    idx.assign(lo, hi)
+    kmin, kmax = idx.decoded()
+    assert torch.all(kmin <= lo.bfloat16().float()) and torch.all(kmax >= hi.bfloat16().float())
+    plain = QuestIndex(3, 2, 16)
+    plain.assign(lo, hi)
+    assert torch.equal(plain.kmin, lo)
+    import pytest
+    with pytest.raises(ValueError, match="One row per page"):
+        plain.assign(lo[:2], hi[:2])

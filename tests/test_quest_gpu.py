@@ -20,7 +20,8 @@ def build(lengths, seed=0, index_dtype=torch.float32, hkv=HKV):
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)])).cuda()
     indices = perm.cuda()
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lengths, pages)])
-    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype)
+    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype,
+                       scale=0.02 if index_dtype == torch.float8_e4m3fn else 1.0)
     for b, n in enumerate(lengths):  # append every token's key to its page summary
         own = indices[indptr[b]:indptr[b + 1]]
         pos = torch.arange(n, device="cuda")
@@ -57,7 +58,7 @@ def test_needle_page_is_selected():
         assert needle_pages[b] in sel[sel_ptr[b]:sel_ptr[b + 1]].tolist()
 
 
-@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_scoring_kernel_matches_the_torch_bound(index_dtype):
     lengths = [300, 1, 0, 2048, 17]
     cache, indptr, indices, last, index = build(lengths, seed=2, index_dtype=index_dtype)
@@ -130,3 +131,22 @@ def test_bad_arguments_raise():
                     max_pages_per_request=2)
     with pytest.raises(ValueError, match="max_pages_per_request=2"):
         g.plan([0, 3], [0, 1, 2], [4])
+
+
+def test_fp8_summaries_keep_the_needle():
+    """fp8 summaries (rounded outward) still select the page of a key aligned with the query."""
+    lengths = [4096] * 3
+    cache, indptr, indices, last, index = build(lengths, seed=9, index_dtype=torch.float8_e4m3fn)
+    q = torch.randn(len(lengths), 32, D, device="cuda").bfloat16()
+    needle_pages = []
+    for b in range(len(lengths)):
+        page = int(indices[indptr[b] + 100])
+        cache[page, 0, 5] = (q[b].float().view(HKV, 4, D).mean(dim=1) * 4).bfloat16()  # a key along q
+        index.append(cache[page, 0, 5][None], torch.tensor([page], device="cuda"))
+        needle_pages.append(page)
+    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=HKV), index, budget_tokens=256, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    scores = quest.scores(q)[: len(indices)]
+    sel_ptr, sel = select_pages(scores.clone(), indptr, indices, budget_pages=16)
+    for b in range(len(lengths)):
+        assert needle_pages[b] in sel[sel_ptr[b]:sel_ptr[b + 1]].tolist()

@@ -58,8 +58,7 @@ def test_scoring_the_viewed_summaries_and_selecting_per_row_is_quest_per_head():
     indptr, pages = random_table(rng, counts, num_pages)
     q = torch.randn(len(counts), hkv * group, d)
     # the head-expanded form QuestHeadDecode runs: summaries [P*Hkv, 1, D], rows (b, h), q [B*Hkv, G, D]
-    view = QuestIndex.__new__(QuestIndex)
-    view.kmin, view.kmax = idx.kmin.view(-1, 1, d), idx.kmax.view(-1, 1, d)
+    view = idx.per_head_view()
     row_indptr, ids = expand_per_head(indptr, pages, hkv)
     scores = page_scores(q.reshape(-1, group, d), view, row_indptr, ids)
     sel_ptr, sel = select_pages(scores, row_indptr, ids, budget)

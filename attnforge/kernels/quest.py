@@ -7,12 +7,13 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from .fields import ptrs, scalars
 
-_CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float"}
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float", "fp8": "fp8e4m3"}
 FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_indices", "meta"),
           ParamField("scores", "float*", "ptr"),
           # [B, Hkv, D] each: the sums of a KV head's positive / negative query values (quest_qsplit_kernel)
           ParamField("q_pos", "float*", "ptr"), ParamField("q_neg", "float*", "ptr"),
-          *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"))
+          *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"),
+          ParamField("meta_scale", "float", "f32"))  # fp8 summaries hold key / meta_scale (1 otherwise)
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
 SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
@@ -24,7 +25,7 @@ SELECT_THREADS = 256
 @dataclass(frozen=True)
 class QuestScoreKernel:
     q_dtype: str  # "bf16" / "fp16"
-    meta_dtype: str  # "fp32" / "bf16"
+    meta_dtype: str  # "fp32" / "bf16" / "fp8" (e4m3 with a scale)
     head_dim: int
     num_kv_heads: int
     group_size: int

@@ -22,29 +22,94 @@ from ..checks import fail
 class QuestIndex:
     """kmin / kmax [num_pages, num_kv_heads, head_dim]; empty pages hold +inf / -inf.
 
-    dtype float32 (default) or bfloat16: bf16 halves the bytes the scoring reads (with page 16 and
-    bf16 keys, fp32 summaries are 1/8 of the KV bytes, bf16 ones 1/16)."""
+    dtype float32 (default), bfloat16 or float8_e4m3fn: each halves the bytes the scoring reads (with
+    page 16 and bf16 keys: 1/8, 1/16, 1/32 of the KV bytes). fp8 summaries keep a bf16 master copy
+    (exact updates) and are stored as kmin / scale rounded down and kmax / scale rounded up, so the
+    page score stays an upper bound; `scale` must keep |key| / scale within e4m3's 448 (larger keys
+    saturate there and can make the bound loose on that side)."""
 
-    def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None, dtype=torch.float32):
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise fail("QuestIndex dtype", "torch.float32 or torch.bfloat16", dtype, "Pick one of those.")
+    def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None, dtype=torch.float32,
+                 scale: float = 1.0):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            raise fail("QuestIndex dtype", "torch.float32, torch.bfloat16 or torch.float8_e4m3fn", dtype,
+                       "Pick one of those.")
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise fail("QuestIndex scale", "a finite float > 0 (keys are stored as key / scale in fp8)", scale,
+                       "Pass about max|key| / 448, or 1.0.")
+        if dtype != torch.float8_e4m3fn and scale != 1.0:
+            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale, "Drop scale or use fp8.")
         shape = (num_pages, num_kv_heads, head_dim)
-        self.kmin = torch.full(shape, math.inf, dtype=dtype, device=device)
-        self.kmax = torch.full(shape, -math.inf, dtype=dtype, device=device)
+        self.scale = float(scale)
+        self.fp8 = dtype == torch.float8_e4m3fn
+        master = torch.bfloat16 if self.fp8 else dtype
+        self._min = torch.full(shape, math.inf, dtype=master, device=device)
+        self._max = torch.full(shape, -math.inf, dtype=master, device=device)
+        if self.fp8:  # what the scoring reads; empty pages: +448 / -448 (lo > hi: no key yet)
+            self.kmin = fp8_outward(self._min, self.scale, up=False)
+            self.kmax = fp8_outward(self._max, self.scale, up=True)
+        else:
+            self.kmin, self.kmax = self._min, self._max
 
     def reset(self, pages: torch.Tensor) -> None:
         """Pages just (re)allocated to a request: forget their old keys."""
-        self.kmin[pages] = math.inf
-        self.kmax[pages] = -math.inf
+        self._min[pages] = math.inf
+        self._max[pages] = -math.inf
+        self._encode(pages)
 
     def append(self, k: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Fold new keys k [N, Hkv, D] written to pages page_ids [N] into the summaries."""
-        if k.dim() != 3 or k.shape[1:] != self.kmin.shape[1:]:
-            raise fail("k.shape", f"[N, {self.kmin.shape[1]}, {self.kmin.shape[2]}]", list(k.shape),
+        if k.dim() != 3 or k.shape[1:] != self._min.shape[1:]:
+            raise fail("k.shape", f"[N, {self._min.shape[1]}, {self._min.shape[2]}]", list(k.shape),
                        "Pass the keys being appended, one row per token.")
         idx = page_ids.to(torch.int64)[:, None, None].expand_as(k)
-        self.kmin.scatter_reduce_(0, idx, k.to(self.kmin.dtype), reduce="amin")
-        self.kmax.scatter_reduce_(0, idx, k.to(self.kmax.dtype), reduce="amax")
+        self._min.scatter_reduce_(0, idx, k.to(self._min.dtype), reduce="amin")
+        self._max.scatter_reduce_(0, idx, k.to(self._max.dtype), reduce="amax")
+        self._encode(page_ids.to(torch.int64))
+
+    def assign(self, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+        """Set every page's summaries at once, kmin / kmax [num_pages, Hkv, D] (e.g. built from a cache)."""
+        for name, t in (("kmin", kmin), ("kmax", kmax)):
+            if t.shape != self._min.shape:
+                raise fail(f"assign({name}.shape)", list(self._min.shape), list(t.shape), "One row per page.")
+        self._min.copy_(kmin)
+        self._max.copy_(kmax)
+        if self.fp8:
+            self.kmin.copy_(fp8_outward(self._min, self.scale, up=False))
+            self.kmax.copy_(fp8_outward(self._max, self.scale, up=True))
+
+    def _encode(self, pages: torch.Tensor) -> None:
+        if self.fp8:  # only the touched pages: rounded outward from the exact master
+            self.kmin[pages] = fp8_outward(self._min[pages], self.scale, up=False)
+            self.kmax[pages] = fp8_outward(self._max[pages], self.scale, up=True)
+
+    def per_head_view(self) -> "QuestIndex":
+        """The same summaries as [num_pages * Hkv, 1, D]: one "KV head" per (page, head), for a
+        selection per head (QuestHeadDecode). Scoring only: appends go through this index."""
+        view = QuestIndex.__new__(QuestIndex)
+        d = self.kmin.shape[2]
+        view.kmin, view.kmax = self.kmin.view(-1, 1, d), self.kmax.view(-1, 1, d)
+        view.scale, view.fp8 = self.scale, self.fp8
+        return view
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kmin, kmax) as float32 in key units: what the scoring kernel sees."""
+        return self.kmin.float() * self.scale, self.kmax.float() * self.scale
+
+
+def fp8_outward(x: torch.Tensor, scale: float, up: bool) -> torch.Tensor:
+    """x / scale as e4m3, rounded toward +inf (up) or -inf (down) instead of to nearest, saturating at
+    +-448: a rounded-down minimum and a rounded-up maximum still bound every key of the page."""
+    y = (x.float() / scale).clamp(-448.0, 448.0)
+    q = y.to(torch.float8_e4m3fn)
+    wrong = q.float() < y if up else q.float() > y
+    bits = q.view(torch.uint8).to(torch.int16)
+    sign, mag = bits & 0x80, bits & 0x7F
+    if up:  # one step toward +inf: negatives shrink in magnitude, zero and positives grow
+        step = torch.where((sign != 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.ones_like(bits), bits + 1))
+    else:  # toward -inf: positives shrink, zero becomes the smallest negative, negatives grow
+        step = torch.where((sign == 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.full_like(bits, 0x81), bits + 1))
+    out = torch.where(wrong, step, bits).to(torch.uint8)
+    return out.view(torch.float8_e4m3fn)
 
 
 def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -60,7 +125,8 @@ def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_
     request = torch.repeat_interleave(torch.arange(b, device=q.device), counts.to(torch.int64))
     pages = kv_indices.to(torch.int64)
     qg = q.float()[request].view(-1, hkv, hq // hkv, d)  # [n, Hkv, G, D]
-    lo, hi = index.kmin[pages].float()[:, :, None, :], index.kmax[pages].float()[:, :, None, :]
+    kmin, kmax = index.decoded()
+    lo, hi = kmin[pages][:, :, None, :], kmax[pages][:, :, None, :]
     written = lo <= hi  # dims of a page with no key yet contribute nothing
     bound = torch.where(written, torch.maximum(qg * lo, qg * hi), 0.0).sum(dim=-1).sum(dim=-1)  # [n, Hkv]
     return bound if per_head else bound.sum(dim=-1)
@@ -125,7 +191,7 @@ class QuestDecode:
         self.device = self.decode.device
         self.use_cuda_graph = use_cuda_graph
         self.max_pages_per_request = max_pages_per_request
-        meta = "fp32" if index.kmin.dtype == torch.float32 else "bf16"
+        meta = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}[index.kmin.dtype]
         self.kernel = QuestScoreKernel(spec.q_dtype, meta, spec.head_dim_qk, spec.num_kv_heads, spec.group_size)
         n = max_num_pages
         self._pages = torch.zeros(n + 1, dtype=torch.int32, device=self.device)  # all listed pages (+1: dump)
@@ -191,7 +257,7 @@ class QuestDecode:
                                          kv_indices=self._pages.data_ptr(), meta=self._meta.data_ptr(),
                                          scores=self._scores.data_ptr(), q_pos=self._q_split[0].data_ptr(),
                                          q_neg=self._q_split[1].data_ptr(), q_stride_b=q.stride(0),
-                                         q_stride_h=q.stride(1))
+                                         q_stride_h=q.stride(1), meta_scale=self.index.scale)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with torch.cuda.device(self.device):
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values

@@ -75,9 +75,7 @@ class QuestHeadDecode(QuestDecode):
         hkv = spec.num_kv_heads
         self.model_spec, self.num_kv_heads = spec, hkv
         head_spec = dataclasses.replace(spec, num_qo_heads=spec.group_size, num_kv_heads=1)
-        summaries = QuestIndex.__new__(QuestIndex)  # the same tensors, one "KV head" per (page, head)
-        summaries.kmin = index.kmin.view(-1, 1, index.kmin.shape[2])
-        summaries.kmax = index.kmax.view(-1, 1, index.kmax.shape[2])
+        summaries = index.per_head_view()  # the same tensors, one "KV head" per (page, head)
         super().__init__(head_spec, summaries, budget_tokens, page_size, use_cuda_graph=use_cuda_graph,
                          max_batch_size=max_batch_size * hkv, max_num_pages=max_num_pages * hkv,
                          max_pages_per_request=max_pages_per_request, select=select, **decode_kwargs)

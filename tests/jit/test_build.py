@@ -185,7 +185,8 @@ def test_nvcc_compiles_the_variant_matrix():
              MLADecodeKernel(dataclasses.replace(mla[0], pipeline="transposed"), backend="wgmma").module()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.kernels.quest import QuestScoreKernel
-    mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module()]
+    mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module(),
+             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module()]
     paths = build_many(mods, ARCHS)
     assert len(set(paths)) == len(mods)
     for m, p in zip(mods, paths):
