@@ -58,15 +58,23 @@ def test_needle_page_is_selected():
         assert needle_pages[b] in sel[sel_ptr[b]:sel_ptr[b + 1]].tolist()
 
 
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32), (12, 6), (4, 1)])
 @pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_scoring_kernel_matches_the_torch_bound(index_dtype):
-    lengths = [300, 1, 0, 2048, 17]
-    cache, indptr, indices, last, index = build(lengths, seed=2, index_dtype=index_dtype)
-    q = torch.randn(len(lengths), 32, D, device="cuda").bfloat16()
-    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=HKV), index, budget_tokens=256, page_size=PAGE)
+def test_scoring_kernel_matches_the_torch_bound(index_dtype, heads):
+    # heads pick the kernel's work split: 8 KV heads fill a warp or two per page, 32 the whole CTA,
+    # 6 a page size that is not a power of two (masked lanes), 1 several pages per warp; the long
+    # request gives every CTA several steps and request changes inside its run of pages
+    hq, hkv = heads
+    lengths = [300, 1, 0, 40000, 17, 2048, 5]
+    cache, indptr, indices, last, index = build(lengths, seed=2, index_dtype=index_dtype, hkv=hkv)
+    index.reset(indices[[3, 400]].cuda())  # listed pages with no key yet score 0
+    q = torch.randn(len(lengths), hq, D, device="cuda").bfloat16()
+    quest = QuestDecode(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv), index, budget_tokens=256, page_size=PAGE)
     quest.plan(indptr.cpu(), indices.cpu(), last)
+    quest._scores.fill_(float("nan"))  # every listed page must be written
     got = quest.scores(q)[: len(indices)].clone()
     want = page_scores(q, index, indptr, indices)
+    assert want[3] == 0 and want[400] == 0
     torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-2)
 
 

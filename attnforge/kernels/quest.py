@@ -20,6 +20,7 @@ SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  ParamField("budget_pages", "int32_t", "i32"))
 SELECT_LAYOUT = ParamsLayout("QuestSelectParams", SELECT_FIELDS)
 SELECT_THREADS = 256
+SCORE_THREADS = 256  # quest_score_kernel's CTA: up to 256 threads share one page's summary
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,19 @@ class QuestScoreKernel:
         if self.head_dim % 32:
             raise ValueError(f"QuestScoreKernel.head_dim: expected a multiple of 32, got {self.head_dim}")
 
+    @property
+    def score_ctas_per_sm(self) -> int:
+        """quest_score_kernel's CTAs per SM: three keep ~24 KB of summaries in flight per SM (fp32
+        summaries hold twice the registers per thread: two)."""
+        return 2 if self.meta_dtype == "fp32" else 3
+
     params = LAYOUT
     select_params = SELECT_LAYOUT
 
     def module(self) -> JitModule:
         ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
-               "num_kv_heads": self.num_kv_heads, "group_size": self.group_size, "params_struct": LAYOUT.cpp(),
+               "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,
+               "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS, "params_struct": LAYOUT.cpp(),
                "select_params_struct": SELECT_LAYOUT.cpp()}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
         return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel"))

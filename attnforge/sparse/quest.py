@@ -251,6 +251,7 @@ class QuestDecode:
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """Quest bound of every listed page of the plan, [max_num_pages] float32 (the kernel)."""
         from ..jit import registry
+        from ..kernels.quest import SCORE_THREADS
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         params = self.kernel.params.pack(q=q.data_ptr(), kmin=self.index.kmin.data_ptr(),
                                          kmax=self.index.kmax.data_ptr(), kv_indptr=self._indptr.data_ptr(),
@@ -261,7 +262,7 @@ class QuestDecode:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with torch.cuda.device(self.device):
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values
-            lib["quest_score_kernel"].launch((sms * 8,), (256,), params)
+            lib["quest_score_kernel"].launch((sms * self.kernel.score_ctas_per_sm,), (SCORE_THREADS,), params)
         return self._scores
 
     def _select(self, scores: torch.Tensor) -> None:

@@ -43,6 +43,31 @@ template <> AF_DEVICE float to_float<bf16>(bf16 x) { return __bfloat162float(x);
 template <> AF_DEVICE float to_float<fp16>(fp16 x) { return __half2float(x); }
 template <> AF_DEVICE float to_float<fp8e4m3>(fp8e4m3 x) { return float(x); }
 
+// 16 bytes of T (4 floats, 8 bf16, 16 e4m3) -> floats; e4m3 converts a pair per cvt.
+template <class T> AF_DEVICE void unpack16(const uint4& raw, float (&out)[16 / sizeof(T)]);
+template <> AF_DEVICE void unpack16<float>(const uint4& raw, float (&out)[4]) {
+  out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
+  out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
+}
+template <> AF_DEVICE void unpack16<bf16>(const uint4& raw, float (&out)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // a bf16 is the top half of its float
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <> AF_DEVICE void unpack16<fp8e4m3>(const uint4& raw, float (&out)[16]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(uint16_t(w[i / 2] >> (16 * (i % 2))), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
 template <class T> AF_DEVICE T from_float(float x);
 template <> AF_DEVICE float from_float<float>(float x) { return x; }
 template <> AF_DEVICE bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }

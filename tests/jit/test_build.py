@@ -186,7 +186,7 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.kernels.quest import QuestScoreKernel
     mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module(),
-             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module()]
+             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module()] + [k.module() for k in QUEST_SPLITS]
     paths = build_many(mods, ARCHS)
     assert len(set(paths)) == len(mods)
     for m, p in zip(mods, paths):
@@ -231,6 +231,28 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
             checked += 1
     assert not problems, "\n".join(problems)
     assert checked >= 10
+
+
+# The scoring kernel's work splits: a CTA per page at fp32 (4 vectors per thread), a page over a
+# masked part of a CTA (6 KV heads), several pages per warp (one KV head: QuestHeadDecode's view).
+def _quest_splits():
+    from attnforge.kernels.quest import QuestScoreKernel
+    return [QuestScoreKernel("bf16", "fp32", 128, 32, 1), QuestScoreKernel("bf16", "fp8", 128, 6, 2),
+            QuestScoreKernel("bf16", "fp8", 128, 1, 4), QuestScoreKernel("bf16", "bf16", 128, 32, 1)]
+
+
+QUEST_SPLITS = _quest_splits()
+
+
+def test_quest_scoring_keeps_its_summaries_in_registers_at_its_grid():
+    """quest_score_kernel's grid is SMs x score_ctas_per_sm with P / N cached in registers: no spills,
+    and the registers must let that many CTAs share an SM. Builds hit the matrix test's cache."""
+    from attnforge.jit.cubin import kernel_resources
+    from attnforge.kernels.quest import SCORE_THREADS
+    for k, path in zip(QUEST_SPLITS, build_many([k.module() for k in QUEST_SPLITS], ARCHS)):
+        res = kernel_resources(path.read_bytes())["quest_score_kernel"]
+        assert res.frame_bytes == 0, f"{k}: {res.frame_bytes} bytes of local memory"
+        assert res.ctas_by_registers(SCORE_THREADS) >= k.score_ctas_per_sm, (k, res.registers)
 
 
 # Explicit, non-default choices whose small spills are known (auto never picks them).
