@@ -37,9 +37,9 @@ class QuestScoreKernel:
 
     @property
     def score_ctas_per_sm(self) -> int:
-        """quest_score_kernel's CTAs per SM: three keep ~24 KB of summaries in flight per SM (fp32
-        summaries hold twice the registers per thread: two)."""
-        return 2 if self.meta_dtype == "fp32" else 3
+        """quest_score_kernel's CTAs per SM (a register bound: each thread holds two steps of ~8 summary
+        vectors and its P / N), with 32-64 KB of summaries in flight per SM."""
+        return 2
 
     params = LAYOUT
     select_params = SELECT_LAYOUT
