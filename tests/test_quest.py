@@ -170,7 +170,9 @@ def test_fp8_summaries_bound_the_keys_and_track_the_master():
 
 
 def test_assign_sets_all_pages_and_rounds_fp8_outward():
-    lo, hi = torch.randn(3, 2, 16), torch.randn(3, 2, 16) + 3
+    lo = torch.randn(3, 2, 16)
+    hi = lo + torch.rand(3, 2, 16) * 3
+    lo[1, 1], hi[1, 1] = float("inf"), -float("inf")  # an empty (page, head)
     idx = QuestIndex(3, 2, 16, dtype=torch.float8_e4m3fn, scale=0.1)
     idx.assign(lo, hi)
     kmin, kmax = idx.decoded()
@@ -181,3 +183,6 @@ def test_assign_sets_all_pages_and_rounds_fp8_outward():
     import pytest
     with pytest.raises(ValueError, match="One row per page"):
         plain.assign(lo[:2], hi[:2])
+    lo[2, 0, 5] = hi[2, 0, 5] + 1  # one dim of a written head looks empty: the kernel tests one per vector
+    with pytest.raises(ValueError, match=r"page 2, KV head 0.*in some dims only"):
+        plain.assign(lo, hi)

@@ -20,7 +20,8 @@ from ..checks import fail
 
 
 class QuestIndex:
-    """kmin / kmax [num_pages, num_kv_heads, head_dim]; empty pages hold +inf / -inf.
+    """kmin / kmax [num_pages, num_kv_heads, head_dim]; empty pages hold +inf / -inf (a page's KV
+    head is written in all its dims or in none).
 
     dtype float32 (default), bfloat16 or float8_e4m3fn: each halves the bytes the scoring reads (with
     page 16 and bf16 keys: 1/8, 1/16, 1/32 of the KV bytes). fp8 summaries keep a bf16 master copy
@@ -71,6 +72,13 @@ class QuestIndex:
         for name, t in (("kmin", kmin), ("kmax", kmax)):
             if t.shape != self._min.shape:
                 raise fail(f"assign({name}.shape)", list(self._min.shape), list(t.shape), "One row per page.")
+        written = kmin <= kmax  # the scoring kernel tests one dim per 16 bytes of a head's summary
+        mixed = written.any(dim=-1) & ~written.all(dim=-1)
+        if bool(mixed.any()):
+            page, head = (int(x) for x in mixed.nonzero()[0])
+            raise fail(f"assign: page {page}, KV head {head}", "kmin <= kmax in every dim (keys written) or in none "
+                       "(an empty page: +inf / -inf)", "kmin > kmax in some dims only",
+                       "Build the summaries from whole key vectors.")
         self._min.copy_(kmin)
         self._max.copy_(kmax)
         if self.fp8:
