@@ -1,6 +1,9 @@
 """Suite `quest`: Quest sparse decode end to end (scoring kernel + top-k + decode over the chosen
 pages, one CUDA graph) against our dense decode over the same cache. B16, context 65536, page 16,
-budget 4096 tokens, d128 bf16; the page summaries are bf16 (1/16 of the KV bytes).
+budget 4096 tokens, d128 bf16. Row `attnforge` keeps fp8 e4m3 page summaries (1/32 of the KV bytes,
+rounded outward so the score stays an upper bound); `attnforge-bf16-summaries` keeps bf16 (1/16);
+`-scoring` rows time the scoring kernel alone, `attnforge-select` the top-k kernel alone and
+`attnforge-subset-decode` the decode over the selected pages alone.
 
 GB/s counts the bytes each path must read: dense = all K and V; Quest = the summaries of every page
 plus K and V of the selected pages.
@@ -39,8 +42,8 @@ def run(report: Report, peers: bool = True) -> None:
                             max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
         quest.plan(indptr, indices, last)
         sparse_bytes = index.kmin.numel() * 2 * 2 + kv_bytes * BUDGET // L
-        report.add("quest", case, "attnforge", time_us(lambda: quest.run(q, cache, out=out)), sparse_bytes)
-        report.add("quest", case, "attnforge-scoring", time_us(lambda: quest.scores(q)), index.kmin.numel() * 4)
+        report.add("quest", case, "attnforge-bf16-summaries", time_us(lambda: quest.run(q, cache, out=out)), sparse_bytes)
+        report.add("quest", case, "attnforge-bf16-scoring", time_us(lambda: quest.scores(q)), index.kmin.numel() * 4)
         slow = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B, max_num_pages=pages,
                            max_pages_per_request=L // PAGE, use_cuda_graph=True, select="torch")
         slow.plan(indptr, indices, last)  # the selection by torch ops (topk), for the kernel's gain
@@ -53,8 +56,13 @@ def run(report: Report, peers: bool = True) -> None:
                              max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
         quest8.plan(indptr, indices, last)
         bytes8 = index8.kmin.numel() * 2 + kv_bytes * BUDGET // L
-        report.add("quest", case, "attnforge-fp8-summaries", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
-        report.add("quest", case, "attnforge-fp8-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
+        report.add("quest", case, "attnforge", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
+        report.add("quest", case, "attnforge-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
+        quest8.scores(q)
+        report.add("quest", case, "attnforge-select", time_us(lambda: quest8._select(quest8._scores)))
+        quest8.run(q, cache, out=out)  # the decode wrapper's page table now holds a selection
+        report.add("quest", case, "attnforge-subset-decode", time_us(lambda: quest8.decode.run(q, cache, out=out)),
+                   kv_bytes * BUDGET // L)
         del index8, quest8
         del cache, index
         torch.cuda.empty_cache()
