@@ -9,41 +9,11 @@ by one arrival of each warpgroup (bar.arrive does not wait, so a warpgroup arriv
 same barrier before the other waits would complete the phase by itself: the hazard named barriers
 invite). Reads and the asynchronous copies are modelled as intervals the other side can interleave.
 """
-import random
-
 import pytest
 
+from barrier_model import NamedBarrier, arrive, run_schedule, sync
+
 FULL, P, PFREE, STAGE = 1, 2, 3, 4
-
-
-class NamedBarrier:
-    """bar.arrive / bar.sync with count 256: a phase completes when both warpgroups are in."""
-
-    def __init__(self):
-        self.members, self.generation = [], 0
-
-    def join(self, wg: int) -> int:
-        assert wg not in self.members, f"warpgroup {wg} reached a barrier twice in one phase"
-        self.members.append(wg)
-        gen = self.generation
-        if len(self.members) == 2:
-            self.members, self.generation = [], self.generation + 1
-        return gen
-
-    def passed(self, gen: int) -> bool:
-        return self.generation > gen
-
-
-def sync(s, bar, wg):
-    gen = s["bars"][bar].join(wg)
-    if bar == s["skip"]:  # a negative control: this barrier's waiting side does not wait
-        return
-    while not s["bars"][bar].passed(gen):
-        yield
-
-
-def arrive(s, bar, wg):
-    s["bars"][bar].join(wg)
 
 
 def scores_warpgroup(s, items):
@@ -113,30 +83,9 @@ def copy_warpgroup(s, items):
 
 
 def run(items, seed, skip=None):
-    rng = random.Random(seed)
     s = {"bars": {b: NamedBarrier() for b in (FULL, P, PFREE, STAGE)}, "stage": [None, None], "readers": [0, 0],
-         "p": None, "p_readers": 0, "done": [False, False], "cta": NamedBarrier(), "skip": skip}
-
-    def cta_barrier(wg):  # __syncthreads between items: every named barrier must be idle there
-        gen = s["cta"].join(wg)
-        if s["cta"].passed(gen):  # the last one in: the other warpgroup waits here too
-            assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
-        while not s["cta"].passed(gen):
-            yield
-
-    s["cta_barrier"] = cta_barrier
-    agents = [scores_warpgroup(s, items), copy_warpgroup(s, items)]
-    live = [0, 1]
-    for _ in range(100000):
-        if not live:
-            break
-        wg = rng.choice(live)
-        try:
-            next(agents[wg])
-        except StopIteration:
-            live.remove(wg)
-    assert s["done"] == [True, True], f"deadlock: {s}"
-    assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
+         "p": None, "p_readers": 0, "done": [False, False], "skip": skip}
+    run_schedule(s, [lambda s: scores_warpgroup(s, items), lambda s: copy_warpgroup(s, items)], seed)
 
 
 @pytest.mark.parametrize("items", [[1], [2], [3], [7], [0], [0, 3, 1, 0, 5], [2, 2, 2], [9, 1]])

@@ -23,38 +23,12 @@ statistics slot is rewritten while read; every barrier phase completes with one 
 warpgroup, and none is left half-complete at the CTA barrier between items. Each wait, skipped in
 turn, makes some schedule fail (the model is not vacuous).
 """
-import random
-
 import pytest
+
+from barrier_model import NamedBarrier, arrive, run_schedule, sync
 
 READY = (0, 1)  # READY_w: barrier ids per arriving warpgroup
 RELEASE = (2, 3)
-
-
-class NamedBarrier:
-    """bar.arrive / bar.sync with count 256: a phase completes when both warpgroups are in."""
-
-    def __init__(self):
-        self.members, self.generation = [], 0
-
-    def join(self, wg: int) -> int:
-        assert wg not in self.members, f"warpgroup {wg} reached a barrier twice in one phase"
-        self.members.append(wg)
-        gen = self.generation
-        if len(self.members) == 2:
-            self.members, self.generation = [], self.generation + 1
-        return gen
-
-    def passed(self, gen: int) -> bool:
-        return self.generation > gen
-
-
-def sync(s, bar, wg):
-    gen = s["bars"][bar].join(wg)
-    if bar == s["skip"]:  # a negative control: this barrier's waiting side does not wait
-        return
-    while not s["bars"][bar].passed(gen):
-        yield
 
 
 def read_interval(s, key, idx):
@@ -83,7 +57,7 @@ def warpgroup(s, w, items):
         assert s["p"][st] == (item, t), f"P({t}) read {s['p'][st]}"
         yield from read_interval(s, "readers", st)  # O_w += P(t) V(t)[:, half w], both from stage st
         if t + 2 < n:
-            s["bars"][RELEASE[w]].join(w)  # bar.arrive: the owner may refill the stage
+            arrive(s, RELEASE[w], w)  # the owner may refill the stage
 
     for item, n in enumerate(items):
         yield from s["cta_barrier"](w)
@@ -105,7 +79,7 @@ def warpgroup(s, w, items):
             s["p"][st] = (item, t)  # P(t) into stage w's rope block (S(t) has retired)
             assert s["stat_readers"][t % 2] == 0, "a statistics slot rewritten while read"
             s["stats"][t % 2] = (item, t)
-            s["bars"][READY[w]].join(w)  # bar.arrive
+            arrive(s, READY[w], w)
             yield from read_interval(s, "readers", st)  # O_w = alpha(t) O_w + P(t) V(t)[:, half w]
             if t + 2 < n:
                 yield from sync(s, RELEASE[other], w)  # the other warpgroup has read tile t
@@ -115,31 +89,9 @@ def warpgroup(s, w, items):
 
 
 def run(items, seed, skip=None):
-    rng = random.Random(seed)
     s = {"bars": {b: NamedBarrier() for b in READY + RELEASE}, "stage": [None, None], "p": [None, None],
-         "readers": [0, 0], "stats": [None, None], "stat_readers": [0, 0], "done": [False, False],
-         "cta": NamedBarrier(), "skip": skip}
-
-    def cta_barrier(wg):  # __syncthreads between items: every named barrier must be idle there
-        gen = s["cta"].join(wg)
-        if s["cta"].passed(gen):
-            assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
-        while not s["cta"].passed(gen):
-            yield
-
-    s["cta_barrier"] = cta_barrier
-    agents = [warpgroup(s, 0, items), warpgroup(s, 1, items)]
-    live = [0, 1]
-    for _ in range(200000):
-        if not live:
-            break
-        wg = rng.choice(live)
-        try:
-            next(agents[wg])
-        except StopIteration:
-            live.remove(wg)
-    assert s["done"] == [True, True], f"deadlock: {s}"
-    assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"
+         "readers": [0, 0], "stats": [None, None], "stat_readers": [0, 0], "done": [False, False], "skip": skip}
+    run_schedule(s, [lambda s: warpgroup(s, 0, items), lambda s: warpgroup(s, 1, items)], seed)
 
 
 @pytest.mark.parametrize("items", [[1], [2], [3], [4], [7], [0], [0, 3, 1, 0, 5], [2, 2, 2], [9, 1], [1, 1, 1]])
