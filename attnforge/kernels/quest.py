@@ -19,7 +19,7 @@ SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
                  ParamField("budget_pages", "int32_t", "i32"))
 SELECT_LAYOUT = ParamsLayout("QuestSelectParams", SELECT_FIELDS)
-SELECT_THREADS = 256
+SELECT_THREADS = 1024  # quest_select_kernel's CTA, one per request: 8 keys per thread in registers
 SCORE_THREADS = 256  # quest_score_kernel's CTA: up to 256 threads share one page's summary
 
 
@@ -47,7 +47,8 @@ class QuestScoreKernel:
     def module(self) -> JitModule:
         ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
                "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,
-               "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS, "params_struct": LAYOUT.cpp(),
+               "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS,
+               "select_threads": SELECT_THREADS, "params_struct": LAYOUT.cpp(),
                "select_params_struct": SELECT_LAYOUT.cpp()}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
         return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel"))
