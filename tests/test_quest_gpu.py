@@ -99,6 +99,19 @@ def test_sparse_output_equals_dense_over_the_selected_pages(heads, select):
     assert torch.equal(out, selection_reference(spec, q, cache, indptr, indices, last, index, 512 // PAGE))
 
 
+def test_lists_longer_than_the_register_path_select_the_same_pages():
+    # 8201 pages: more than quest_select_kernel keeps in registers (1024 threads x 8), so the request
+    # takes select_large beside a short one on the register path, in one launch
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
+    lengths = [8200 * PAGE + 3, 40]
+    cache, indptr, indices, last, index = build(lengths, seed=5)
+    q = torch.randn(len(lengths), 32, D, device="cuda").bfloat16()
+    quest = QuestDecode(spec, index, budget_tokens=300 * PAGE, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    out = quest.run(q, cache)
+    assert torch.equal(out, selection_reference(spec, q, cache, indptr, indices, last, index, 300))
+
+
 def test_cuda_graph_replay_after_replans():
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
     rng = np.random.default_rng(0)
