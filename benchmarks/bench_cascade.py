@@ -31,6 +31,13 @@ def run(report: Report, peers: bool = True) -> None:
     c = CascadeDecode(spec)
     c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
     report.add("cascade", CASE, "attnforge", time_us(lambda: c.run(q, cache)), nbytes)
+    # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head) and the
+    # suffix decode alone (each with its own split-KV merge); the final merge is the remainder
+    level_flops = 4 * B * HQ * PREFIX * D
+    report.add("cascade", CASE, "attnforge-shared-level",
+               time_us(lambda: c.levels[0].run(q, cache, return_lse=True)), PREFIX * HKV * D * 4, level_flops)
+    report.add("cascade", CASE, "attnforge-suffix", time_us(lambda: c.suffix.run(q, cache, return_lse=True)),
+               B * OWN * HKV * D * 4)
     full_indptr = (np.arange(B + 1) * (pp + op)).astype(np.int32)
     full = np.concatenate([np.concatenate([prefix, own[b * op:(b + 1) * op]]) for b in range(B)])
     plain = BatchDecode(spec)
