@@ -59,30 +59,38 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     last = host_int_array("kv_last_page_len", kv_last_page_len)
     if indptr.ndim != 1 or len(indptr) < 1 or indptr[0] != 0:
         raise fail("kv_indptr", "a 1-D array [B+1] starting at 0", indptr[:4], "Build it as a prefix sum.")
-    pages = indptr[1:] - indptr[:-1]  # (np.diff costs 3x this in Python overhead; plan() is on the hot path)
-    if pages.min(initial=0) < 0:
-        bad = int(np.argmax(pages < 0))
-        raise fail("kv_indptr", "non-decreasing values", f"kv_indptr[{bad}]={indptr[bad]} > "
-                   f"kv_indptr[{bad + 1}]={indptr[bad + 1]}", "Pages per request must be >= 0.")
+    batch = len(indptr) - 1
+    if last.shape != (batch,):
+        raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),
+                   "Pass one entry per request.")
+    # plan() is on the decode step's path and each numpy call costs ~1 us on 256-entry arrays, so the
+    # checks are folded: one unsigned maximum tests 0 <= last - 1 < page_size where a request has
+    # pages, and, where it has none, its page count (0 passes, a negative one is huge as unsigned)
+    pages = indptr[1:] - indptr[:-1]  # (np.diff costs 3x this in Python overhead)
+    used = pages > 0
+    probe = np.where(used, last - 1, pages)
+    if np.maximum.reduce(probe.view(np.uint64), initial=0) >= page_size:
+        _raise_bad_pages(indptr, pages, last, page_size)
     if indices.ndim != 1 or len(indices) != indptr[-1]:
         raise fail("kv_indices", f"kv_indptr[-1]={indptr[-1]} entries", len(indices),
                    "kv_indices must list exactly the pages kv_indptr counts.")
     top = _max_page_id(indices)  # one pass: the check below and the plan's bound on the cache
     if len(indices) and top < 0:
         raise fail("kv_indices", "page ids >= 0", top, "Fix the page table.")
-    batch = len(indptr) - 1
-    if last.shape != (batch,):
-        raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),
-                   "Pass one entry per request.")
-    used = pages > 0
-    # one unsigned compare tests 1 <= last <= page_size
-    bad_last = used & ((last - 1).view(np.uint64) >= page_size)
-    if bad_last.any():
-        b = int(np.argmax(bad_last))
-        raise fail(f"kv_last_page_len[{b}]", f"a value in [1, page_size={page_size}]", int(last[b]),
-                   "A request's last page holds between 1 and page_size tokens.")
-    kv_len = np.where(used, (pages - 1) * page_size + last, 0)
+    kv_len = pages * page_size + (probe + (1 - page_size))  # (pages - 1) * page_size + last where used
+    np.multiply(kv_len, used, out=kv_len)  # and 0 where not
     return PageTable(indptr, indices, kv_len, page_size, top)
+
+
+def _raise_bad_pages(indptr: np.ndarray, pages: np.ndarray, last: np.ndarray, page_size: int):
+    """The specific error behind a failed folded check of from_csr."""
+    if pages.min() < 0:
+        bad = int(np.argmax(pages < 0))
+        raise fail("kv_indptr", "non-decreasing values", f"kv_indptr[{bad}]={indptr[bad]} > "
+                   f"kv_indptr[{bad + 1}]={indptr[bad + 1]}", "Pages per request must be >= 0.")
+    b = int(np.argmax((pages > 0) & ((last < 1) | (last > page_size))))
+    raise fail(f"kv_last_page_len[{b}]", f"a value in [1, page_size={page_size}]", int(last[b]),
+               "A request's last page holds between 1 and page_size tokens.")
 
 
 def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:

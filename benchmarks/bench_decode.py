@@ -130,9 +130,26 @@ def bench_plan(report):
         w.plan(indptr, indices, last, page_size=16)
         times.append((time.perf_counter() - t) * 1e6)
     report.add("decode", "plan B256", "attnforge-plan", float(np.median(times)))
-    # the host's spread between machines exceeded 1.5x on one code path (60 vs 102 us): keep its shape
+    # the host's spread between machines exceeded 1.5x on one code path (60 vs 102 us): keep its shape,
+    # and the speed of a fixed numpy workload in this process at this moment, to read it against
     report.note(f"plan B256: min {min(times):.1f} us, median {np.median(times):.1f}, "
-                f"p90 {np.percentile(times, 90):.1f} (200 calls)")
+                f"p90 {np.percentile(times, 90):.1f} (200 calls); host probe {host_probe_us():.1f} us")
+
+
+def host_probe_us() -> float:
+    """Median time of ten small numpy calls (256-element int32 arrays; 15 us on the CI-like dev machine)."""
+    a = np.arange(257, dtype=np.int32)
+    times = []
+    for _ in range(200):
+        t = time.perf_counter()
+        for _ in range(2):
+            d = a[1:] - a[:-1]
+            np.cumsum(d)
+            d.min()
+            (d > 0).any()
+            np.where(d > 0, d, 0)
+        times.append((time.perf_counter() - t) * 1e6)
+    return float(np.median(times))
 
 
 def run(report: Report, peers: bool = True) -> None:

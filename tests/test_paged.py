@@ -46,3 +46,23 @@ def test_random_page_table_helper_builds_valid_tables():
         table = paged.from_csr(indptr, indices, last, 16)
         assert np.array_equal(table.kv_len, lengths) and len(set(indices.tolist())) == len(indices)
         assert lengths.max() >= 5000
+
+
+def test_folded_checks_accept_and_reject_exactly_what_the_rules_say():
+    """from_csr folds its per-request checks into one unsigned maximum; on random tables (negative page
+    counts, empty requests with any last_page_len, lasts around [1, page_size]) it must accept exactly
+    the valid ones and give the kv lengths of the plain definition."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        batch, ps = int(rng.integers(1, 6)), int(rng.choice([1, 7, 16]))
+        pages = rng.integers(-1 if rng.random() < 0.2 else 0, 4, batch)
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        last = rng.integers(-2, ps + 3, batch)
+        valid = (pages >= 0).all() and all(1 <= l <= ps for p, l in zip(pages, last) if p > 0)
+        if not valid or indptr[-1] < 0:
+            with pytest.raises(ValueError, match="non-decreasing|page_size="):
+                paged.from_csr(indptr, np.zeros(max(indptr[-1], 0), dtype=np.int32), last, page_size=ps)
+            continue
+        t = paged.from_csr(indptr, np.arange(indptr[-1], dtype=np.int32), last, page_size=ps)
+        expect = [(p - 1) * ps + l if p > 0 else 0 for p, l in zip(pages, last)]
+        assert t.kv_len.tolist() == expect

@@ -8,6 +8,7 @@ import ctypes
 import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -64,6 +65,27 @@ def ensure_context(device: torch.device) -> None:
         check(drv.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
 
+def _raw_stream_getter():
+    # torch's private getter (what its own compiler emits for launches) returns the handle as an int in
+    # ~0.2 us; the public torch.cuda.current_stream() builds a Stream object: 3-5 us per call on the GPU
+    # hosts measured (tools/plan_gpu_cost.py), paid by every plan() and every launch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+_current_raw_stream = None
+
+
+def current_stream_handle(device_index: Optional[int] = None) -> int:
+    """torch's current CUDA stream on a device (default: the current one), as a raw handle."""
+    global _current_raw_stream
+    if _current_raw_stream is None:
+        _current_raw_stream = _raw_stream_getter()
+    return _current_raw_stream(torch.cuda.current_device() if device_index is None else device_index)
+
+
 class LoadedKernel:
     def __init__(self, library_name: str, name: str, function):
         self.library_name, self.name, self.function = library_name, name, function
@@ -79,14 +101,14 @@ class LoadedKernel:
             carve = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
             check(drv.cuFuncSetAttribute(self.function, carve, 100), f"cuFuncSetAttribute({self.name}, carveout)")
             self._smem_limit = smem
-        stream = torch.cuda.current_stream() if stream is None else stream
+        handle = current_stream_handle() if stream is None else getattr(stream, "cuda_stream", stream)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         if gx * gy * gz == 0:
             return  # an empty grid is a valid no-op, not a driver error
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         check(drv.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, smem,
-                                 drv.CUstream(stream.cuda_stream), ctypes.addressof(arg_ptrs), 0),
+                                 drv.CUstream(handle), ctypes.addressof(arg_ptrs), 0),
               f"cuLaunchKernel({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem})")
 
 

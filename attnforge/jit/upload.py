@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import torch
 
-from .loader import check, driver, ensure_context
+from .loader import check, current_stream_handle, driver, ensure_context
 
 
 class StagedUpload:
@@ -50,7 +50,7 @@ class StagedUpload:
 
     # -- the CUDA calls (HostOnlyUpload replaces these) ---------------------------------------------
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        return current_stream_handle(self.device.index)
 
     def _alloc(self, n: int):
         ensure_context(self.device)
