@@ -13,28 +13,33 @@ def order_key(f: float) -> int:
     return (~u & 0xFFFFFFFF) if u & 0x80000000 else (u | 0x80000000)
 
 
-def radix_select(scores: np.ndarray, k: int, find_bin) -> tuple[list[int], int, int, bool]:
+BYTE_DIGITS = ((24, 8), (16, 8), (8, 8), (0, 8))  # select_large: 4 passes of 8 bits
+REGISTER_PATH_DIGITS = ((21, 11), (10, 11), (0, 10))  # the register path: 3 passes of 11, 11, 10 bits
+
+
+def radix_select(scores: np.ndarray, k: int, find_bin, digits=BYTE_DIGITS) -> tuple[list[int], int, int, bool]:
     """Keys (the last page's the largest), and the k-th largest key T with the number of keys equal to
-    T in the top k, by 4 MSB-first passes of 8 bits; find_bin(hist, take_eq) -> (bin, keys above it)."""
+    T in the top k, by MSB-first passes over `digits` (shift, bits); find_bin(hist, take_eq) -> (bin,
+    keys above it)."""
     n = len(scores)
     keys = [0xFFFFFFFF if j == n - 1 else order_key(float(scores[j])) for j in range(n)]
     prefix, mask, take_eq, select = 0, 0, k, n > k
     if select:
-        for shift in (24, 16, 8, 0):
-            hist = [0] * 256
+        for shift, bits in digits:
+            hist = [0] * (1 << bits)
             for key in keys:
                 if key & mask == prefix:
-                    hist[(key >> shift) & 255] += 1
+                    hist[(key >> shift) & ((1 << bits) - 1)] += 1
             b, above = find_bin(hist, take_eq)
             prefix |= b << shift
             take_eq -= above
-            mask |= 255 << shift
+            mask |= ((1 << bits) - 1) << shift
     return keys, prefix, take_eq, select
 
 
 def serial_bin(hist: list[int], take_eq: int) -> tuple[int, int]:
     """One thread walks the bins from the top (select_large)."""
-    above, b = 0, 255
+    above, b = 0, len(hist) - 1
     while b > 0 and above + hist[b] < take_eq:
         above += hist[b]
         b -= 1
@@ -79,19 +84,27 @@ def test_ties_take_the_first_in_list_order():
 
 def fast_kernel_model(scores: np.ndarray, k_budget: int, threads: int = 16, run: int = 8) -> list[int]:
     """quest_select_kernel's register path (n <= threads * run): thread t holds keys [t*run, t*run+run);
-    each pass finds its bin by a suffix scan of the histogram (thread t: bin 255 - t); the write-out
-    is an exclusive scan of equal keys, then of kept pages, over the threads in order."""
+    each pass (digits of 11, 11, 10 bits) finds its bin by a suffix scan of the histogram, thread t
+    taking the pair of bins hi = top - 2t and hi - 1; the write-out is an exclusive scan of equal
+    keys, then of kept pages, over the threads in order."""
     n = len(scores)
     assert n <= threads * run
     k = min(k_budget, n)
 
     def scan_bin(hist, take_eq):
-        h = [hist[255 - t] for t in range(256)]  # thread t's bin, in thread order
-        above = np.concatenate([[0], np.cumsum(h)[:-1]])
-        hits = [t for t in range(256) if above[t] + h[t] >= take_eq > above[t]]
+        top, cta = len(hist) - 1, 1024  # the kernel's 1024 threads scan 2048 bins
+        his = [top - 2 * t for t in range(cta)]
+        h_hi = [hist[hi] if hi >= 1 else 0 for hi in his]
+        h_lo = [hist[hi - 1] if hi >= 1 else 0 for hi in his]
+        pair = [a + b for a, b in zip(h_hi, h_lo)]
+        above = np.concatenate([[0], np.cumsum(pair)[:-1]])
+        hits = [t for t in range(cta) if above[t] < take_eq <= above[t] + pair[t]]
         assert len(hits) == 1  # exactly one thread writes the new prefix
-        return 255 - hits[0], int(above[hits[0]])
-    keys, prefix, take_eq, select = radix_select(scores, k, scan_bin)
+        t = hits[0]
+        if above[t] + h_hi[t] >= take_eq:
+            return his[t], int(above[t])
+        return his[t] - 1, int(above[t] + h_hi[t])
+    keys, prefix, take_eq, select = radix_select(scores, k, scan_bin, REGISTER_PATH_DIGITS)
     runs = [range(t * run, min(n, t * run + run)) for t in range(threads)]
     eq_counts = [sum(select and keys[j] == prefix for j in r) for r in runs]
     gt_counts = [sum((not select) or keys[j] > prefix for j in r) for r in runs]
