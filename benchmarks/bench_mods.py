@@ -8,7 +8,7 @@ import attnforge.mods as mods
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
 from bench_prefill import causal_flops, ragged
-from harness import Report, time_us
+from harness import Report, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -23,29 +23,33 @@ def _slopes():
 
 
 def run(report: Report, peers: bool = True) -> None:
+    # A modifier's cost is a few percent of the kernel: every variant of a family is timed in rotation
+    # (harness.time_interleaved), so drift during the run falls on the plain kernel and the mods alike.
     lengths = [8192] * 16
     q, cache, indptr, indices, last = paged_inputs(lengths, 16, "bf16")
+    fns = {}
     for name, mod in [("plain", None), *the_mods().items()]:
-        spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, score_mod=mod)
-        w = BatchDecode(spec)
+        w = BatchDecode(AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, score_mod=mod))
         w.plan(indptr, indices, last, page_size=16)
-        t = time_us(lambda: w.run(q, cache))
-        for n in (the_mods() if mod is None else [name]):  # the plain time is the baseline of every case
-            report.add("mods", f"{n} decode B16 L8192", "attnforge-plain" if mod is None else "attnforge", t,
-                       kv_bytes(lengths, "bf16"))
-    del q, cache
+        fns[name] = lambda w=w, q=q, cache=cache: w.run(q, cache)
+    report_mods(report, "decode B16 L8192", time_interleaved(fns), kv_bytes(lengths, "bf16"), None)
+    del q, cache, fns
     qp, kp, vp, ind = ragged([8192])
-    flops = causal_flops([8192])
+    fns = {}
     for name, mod in [("plain", None), *the_mods().items()]:
-        spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True,
-                             score_mod=mod)
-        w = BatchPrefill(spec)
+        w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
+                                       causal=True, score_mod=mod))
         w.plan(ind, ind)
-        t = time_us(lambda: w.run(qp, (kp, vp)), calls=2, reps=10)
-        for n in (the_mods() if mod is None else [name]):
-            report.add("mods", f"{n} prefill B1 S8192", "attnforge-plain" if mod is None else "attnforge", t, None,
-                       flops)
+        fns[name] = lambda w=w: w.run(qp, (kp, vp))
+    report_mods(report, "prefill B1 S8192", time_interleaved(fns, calls=2, reps=10), None, causal_flops([8192]))
     bench_document_mask(report, peers)
+
+
+def report_mods(report: Report, shape: str, times: dict, nbytes, flops) -> None:
+    """Rows `<mod> <shape>`: attnforge (with the mod) and attnforge-plain (the same kernel without)."""
+    for name in the_mods():
+        report.add("mods", f"{name} {shape}", "attnforge-plain", times["plain"], nbytes, flops)
+        report.add("mods", f"{name} {shape}", "attnforge", times[name], nbytes, flops)
 
 
 def bench_document_mask(report: Report, peers: bool) -> None:
