@@ -133,7 +133,22 @@ def bench_plan(report):
     # the host's spread between machines exceeded 1.5x on one code path (60 vs 102 us): keep its shape,
     # and the speed of a fixed numpy workload in this process at this moment, to read it against
     report.note(f"plan B256: min {min(times):.1f} us, median {np.median(times):.1f}, "
-                f"p90 {np.percentile(times, 90):.1f} (200 calls); host probe {host_probe_us():.1f} us")
+                f"p90 {np.percentile(times, 90):.1f} (200 calls); host probe {host_probe_us():.1f} us here, "
+                f"{fresh_process_probe_us():.1f} us in a fresh process")
+
+
+def fresh_process_probe_us() -> float:
+    """host_probe_us in a new interpreter at this moment: a slow CPU slows both, a slow process state
+    (allocator, caches after the suites before) only the in-process one."""
+    import subprocess
+    import sys
+    code = "import bench_decode; print(bench_decode.host_probe_us())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=120)
+        return float(out.stdout.strip().splitlines()[-1])
+    except Exception:  # a probe, not a result: never fail the suite over it
+        return float("nan")
 
 
 def host_probe_us() -> float:
