@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchMLADecode
+from attnforge.jit import registry
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import Report, time_interleaved, time_us
+from harness import Report, prepare, time_interleaved, time_us
 
 PAGE = 64
 
@@ -68,8 +69,33 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             continue
         w.plan(indptr, indices, last, page_size=PAGE)
         runs[impl] = lambda w=w, out=torch.empty_like(q_nope): w.run(q_nope, q_pe, ckv, kpe, out=out)
-    for impl, us in time_interleaved(runs, reps=10).items():  # in rotation: no order effect between kernels
-        report.add("mla", case, impl, us, nbytes, flops)
+        if impl == "attnforge" and len(last) == 1:  # one long request: what its chunks' merge costs
+            no_merge = (lambda f=runs[impl]: f())  # its own function object: the marker below is its alone
+            no_merge.wrapper = w
+            runs["attnforge-no-merge"] = no_merge
+    for impl, us in time_interleaved(runs, reps=10, prepare_fn=prepare_without_merge).items():
+        report.add("mla", case, impl, us, nbytes, flops)  # in rotation: no order effect between kernels
+
+
+class _NoLaunch:
+    def launch(self, *args, **kwargs) -> None:
+        pass
+
+
+def prepare_without_merge(fn, calls, use_graph):
+    """harness.prepare, except for the `attnforge-no-merge` row (a function with a `wrapper`): its graph is
+    captured with the merge kernel's launch left out, so the row times the decode kernel alone (its
+    output is not the attention: the split chunks stay unmerged)."""
+    w = getattr(fn, "wrapper", None)
+    if w is None:
+        return prepare(fn, calls, use_graph)
+    lib = registry.get_library(w.kernel, w.kernel.module, w.device)
+    merge = lib.kernels["mla_merge_kernel"]
+    lib.kernels["mla_merge_kernel"] = _NoLaunch()
+    try:
+        return prepare(fn, calls, use_graph)
+    finally:
+        lib.kernels["mla_merge_kernel"] = merge
 
 
 def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
