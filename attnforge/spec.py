@@ -30,6 +30,8 @@ def default_pipeline(family: str, group_size: int) -> str:
     tiles pad at most 8 heads to 16; from 32 heads the wgmma kernel); docs/architecture.md has the
     table, and the one case the transposed wgmma kernel wins (a single long request)."""
     return "transposed" if family == "decode" and group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
+
+
 HEAD_DIMS = (64, 128, 256)
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
 MLA_HEADS = (8, 16, 32, 64, 128)

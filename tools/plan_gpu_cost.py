@@ -17,6 +17,7 @@ import torch
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
 from attnforge.jit.loader import driver
+from plan_host_cost import b256_table  # tools/ (the script's own directory)
 
 
 def timed(fn, n: int = 2000) -> tuple[float, float]:
@@ -32,10 +33,7 @@ def timed(fn, n: int = 2000) -> tuple[float, float]:
 
 def main() -> None:
     w = BatchDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=256)
-    pages = np.full(256, 1024 // 16)
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = np.arange(indptr[-1], dtype=np.int32)
-    last = np.full(256, 16, dtype=np.int32)
+    indptr, indices, last = b256_table()
     plan = lambda: w.plan(indptr, indices, last, page_size=16)  # noqa: E731
     torch.cuda.synchronize()
     gc.collect()

@@ -15,12 +15,16 @@ from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
 
 
+def b256_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The decode suite's `plan B256` case: 256 requests of 1024 tokens, page 16 (CSR arrays)."""
+    pages = np.full(256, 1024 // 16)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    return indptr, np.arange(indptr[-1], dtype=np.int32), np.full(256, 16, dtype=np.int32)
+
+
 def main() -> None:
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))  # HostOnlyUpload buffers
-    pages = np.full(256, 1024 // 16)  # the decode suite's `plan B256` case: 256 requests of 1024 tokens
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = np.arange(indptr[-1], dtype=np.int32)
-    last = np.full(256, 16, dtype=np.int32)
+    indptr, indices, last = b256_table()
     for _ in range(50):
         w.plan(indptr, indices, last, page_size=16)
     times = []
