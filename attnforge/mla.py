@@ -28,7 +28,11 @@ DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_hea
 
 
 MERGE_CHUNKS_PER_LANE = 16  # two batches of loads in flight (kMergeBatch = 8) per merging thread group
-MAX_MERGE_LANES = 4  # 128 x 4 threads: the merge kernel's __launch_bounds__(512) (8 lanes needed > 64K registers)
+# With lanes, a row's 512 dims are shared by MERGE_DIM_SPLIT CTAs of 32 x lanes threads (4 dims each),
+# so up to 16 lanes fit the merge kernel's __launch_bounds__(512): ~264 chunks of one long request
+# take 2-3 round trips per lane, not 9 (4 lanes of 128 threads, one CTA per row, until 2026-11-30).
+MERGE_DIM_SPLIT = 4
+MAX_MERGE_LANES = 16
 
 
 def merge_lanes(work: scheduler.StreamPlan) -> int:
@@ -174,7 +178,8 @@ class BatchMLADecode(BatchDecode):
             lanes = self._plan["merge_lanes"]
             if lanes == 1:
                 lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
-            else:  # one row per block, its chunks split over `lanes` thread groups
-                lib["mla_merge_kernel"].launch((rows_cap,), (MLA_HEAD_DIM_VO // 4, 1, lanes), params,
+            else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
+                lib["mla_merge_kernel"].launch((rows_cap, MERGE_DIM_SPLIT),
+                                               (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes), params,
                                                smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4)
         return (out, lse) if return_lse else out

@@ -8,7 +8,7 @@ import torch
 from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
-from attnforge.mla import DEEPSEEK_SM_SCALE
+from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
 from helpers import assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans
 
 pytestmark = pytest.mark.gpu
@@ -119,7 +119,7 @@ def test_long_request_split_across_ctas(pipeline, heads):
     run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7)
 
 
-@pytest.mark.parametrize("lanes", [2, 4])
+@pytest.mark.parametrize("lanes", [2, 4, 16])
 def test_merge_lanes_agree_with_one_lane(lanes):
     """The merge's thread groups (MLA rows cut into many chunks) give the one-group result and the
     reference's: the same partial states combined in another order, a long request beside an empty one."""
@@ -127,7 +127,7 @@ def test_merge_lanes_agree_with_one_lane(lanes):
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, [65536, 0, 3000], 64, 1, 11, False)
     w = BatchMLADecode(spec)
     w.plan(indptr, indices, last, page_size=64)
-    assert w._plan["merge_lanes"] == 4  # the planner splits this long request's rows
+    assert w._plan["merge_lanes"] == MAX_MERGE_LANES  # the planner splits this long request's rows
     outs = {}
     for n in (1, lanes):
         w._plan["merge_lanes"] = n

@@ -132,7 +132,7 @@ def test_merge_lanes_split_only_rows_cut_into_many_chunks():
     import numpy as np
 
     from attnforge import scheduler
-    from attnforge.mla import MAX_MERGE_LANES, merge_lanes
+    from attnforge.mla import MAX_MERGE_LANES, MERGE_DIM_SPLIT, merge_lanes
 
     def lanes(lengths, ctas):
         end = np.asarray(lengths, dtype=np.int64)
@@ -140,6 +140,6 @@ def test_merge_lanes_split_only_rows_cut_into_many_chunks():
 
     assert lanes([131072], 264) == MAX_MERGE_LANES  # one request over every CTA: ~264 chunks
     assert lanes([65536] * 16, 264) == 2            # ~18 chunks per request
-    assert MAX_MERGE_LANES * 128 <= 512             # the merge kernel's __launch_bounds__
+    assert MAX_MERGE_LANES * 512 // 4 // MERGE_DIM_SPLIT <= 512  # the merge kernel's __launch_bounds__
     assert lanes([4096] * 128, 66) == 1             # at most 2 chunks: one lane, two rows per block
     assert lanes([], 264) == 1 and lanes([0, 0], 264) == 1
