@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
 # benchmarks; logs and JSON to $OUT.
-# Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0] [SANITIZE=1] [PROFILE=1]
+# Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0]
+#   [SANITIZE=1 [SANITIZE_PARALLEL=1]] [PROFILE=1]
 #   bash tools/gpu_session.sh [pytest-args...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -9,6 +10,21 @@ export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
+memcheck() {
+  timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+    ${SANITIZE_TESTS:-tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
+    tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" \
+    tests/test_prefill_gpu.py::test_wgmma_producer_paged tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv \
+    tests/test_prefill_gpu.py::test_persistent_ctas_walk_many_items "tests/test_mla_gpu.py::test_wgmma_backend[transposed-16]" \
+    "tests/test_mla_gpu.py::test_wgmma_backend[normal-128]" tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane \
+    tests/test_mla_gpu.py::test_long_request_split_across_ctas tests/test_quest_gpu.py} > "$OUT/memcheck.full" 2>&1
+  echo "memcheck exit $?" > "$OUT/memcheck.log"
+  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
+  head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
+  cat "$OUT/memcheck.log"
+}
+# SANITIZE_PARALLEL=1: memcheck beside the test processes (both mostly wait on nvcc), not after them
+if [ "${SANITIZE:-0}" = 1 ] && [ "${SANITIZE_PARALLEL:-0}" = 1 ]; then memcheck > /dev/null 2>&1 & fi
 if [ -n "${TEST_GROUPS:-}" ]; then
   # TEST_GROUPS="args1;args2;...": one pytest process per group of pytest arguments, in parallel (GPU
   # tests are mostly JIT-compile bound); at most 8 files come back from $OUT, so the logs fold into one
@@ -22,23 +38,13 @@ else
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
   tail -n 40 "$OUT/pytest.log"
 fi
+wait  # a parallel memcheck
+[ "${SANITIZE_PARALLEL:-0}" = 1 ] && cat "$OUT/memcheck.log"
 # SASS of the default Hopper prefill kernel (B1 S8192 shape), to check wgmma ordering and registers
 f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_ws_s3-* 2>/dev/null | head -1)
 if [ -z "$f" ]; then python3 benchmarks/profile_prefill.py > /dev/null; f=$(ls -d $ATTNFORGE_CACHE_DIR/*/*/90a/prefill_wgmma_g4_d128_bf16_outbf16_causal_ws_s3-* | head -1); fi
 cuobjdump -sass "$f/kernel.cubin" > "$OUT/sass_prefill.txt" 2>&1; echo "HGMMA in prefill SASS: $(grep -c HGMMA "$OUT/sass_prefill.txt")"
-if [ "${SANITIZE:-0}" = 1 ]; then
-  timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-    ${SANITIZE_TESTS:-tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
-    tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" \
-    tests/test_prefill_gpu.py::test_wgmma_producer_paged tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv \
-    tests/test_prefill_gpu.py::test_persistent_ctas_walk_many_items "tests/test_mla_gpu.py::test_wgmma_backend[transposed-16]" \
-    "tests/test_mla_gpu.py::test_wgmma_backend[normal-128]" tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane \
-    tests/test_mla_gpu.py::test_long_request_split_across_ctas tests/test_quest_gpu.py} > "$OUT/memcheck.full" 2>&1
-  echo "memcheck exit $?" > "$OUT/memcheck.log"
-  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
-  head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
-  cat "$OUT/memcheck.log"
-fi
+if [ "${SANITIZE:-0}" = 1 ] && [ "${SANITIZE_PARALLEL:-0}" = 0 ]; then memcheck; fi
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout 150 ncu --clock-control none --kernel-name batch_decode_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
