@@ -46,7 +46,9 @@ def render(template: str, context: dict) -> str:
 
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32,
-           "i64": ctypes.c_int64, "f32": ctypes.c_float}
+           "i64": ctypes.c_int64, "f32": ctypes.c_float,
+           "tmap": ctypes.c_uint64 * 16}  # a CUtensorMap (attnforge/jit/tma.py), packed from its 128 bytes
+TMAP_ALIGN = 64  # the copy engine reads a tensor map from a 64-byte aligned address
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,18 @@ class ParamsLayout:
             raise ValueError(f"unknown param kinds {bad}; allowed {sorted(_CTYPES)}")
         self.struct_name = struct_name
         self.fields = tuple(fields)
-        self.ctype = type(struct_name, (ctypes.Structure,),
-                          {"_fields_": [(f.name, _CTYPES[f.kind]) for f in fields]})
+        self.has_tmap = any(f.kind == "tmap" for f in fields)
+        layout = [(f.name, _CTYPES[f.kind]) for f in fields]
+        if self.has_tmap:
+            # The C++ struct is alignas(64) so a by-value map lands aligned; ctypes has no alignment
+            # attribute before Python 3.13, so the maps go first and a tail pad rounds the size up.
+            n_maps = sum(f.kind == "tmap" for f in fields)
+            if any(f.kind != "tmap" for f in self.fields[:n_maps]):
+                raise ValueError(f"{struct_name}: tensor-map fields must come first (64-byte alignment)")
+            size = ctypes.sizeof(type("_probe", (ctypes.Structure,), {"_fields_": layout}))
+            if size % TMAP_ALIGN:
+                layout.append(("_tail_pad", ctypes.c_uint8 * (TMAP_ALIGN - size % TMAP_ALIGN)))
+        self.ctype = type(struct_name, (ctypes.Structure,), {"_fields_": layout})
 
     @property
     def size(self) -> int:
@@ -74,7 +86,8 @@ class ParamsLayout:
 
     def cpp(self) -> str:
         body = "\n".join(f"  {f.cpp_type} {f.name};" for f in self.fields)
-        return (f"struct {self.struct_name} {{\n{body}\n}};\n"
+        align = f"alignas({TMAP_ALIGN}) " if self.has_tmap else ""
+        return (f"struct {align}{self.struct_name} {{\n{body}\n}};\n"
                 f"static_assert(sizeof({self.struct_name}) == {self.size}, "
                 f"\"{self.struct_name}: host (ctypes) and device layouts disagree\");\n")
 
@@ -83,4 +96,8 @@ class ParamsLayout:
         extra = set(values) - {f.name for f in self.fields}
         if missing or extra:
             raise TypeError(f"{self.struct_name}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for f in self.fields:
+            if f.kind == "tmap":  # the map's 128 bytes (attnforge.jit.tma.encode), or zeros when unused
+                raw = values[f.name] or bytes(128)
+                values[f.name] = _CTYPES["tmap"].from_buffer_copy(raw)
         return self.ctype(**values)

@@ -33,7 +33,7 @@ class BatchPrefill:
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
                  split_kv: bool = True, persistent: bool = False, work_order: str = "grouped",
-                 **spec_kwargs):
+                 tma: Optional[bool] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -42,7 +42,8 @@ class BatchPrefill:
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
-        # (kernels/prefill.py); persistent: one CTA per SM walks the work list.
+        # (kernels/prefill.py); persistent: one CTA per SM walks the work list; tma: whole paged tiles
+        # copied by the copy engine where the cache qualifies (the default with the producer).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the
@@ -60,7 +61,7 @@ class BatchPrefill:
             flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
-                                    persistent)
+                                    persistent, tma)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
         self.use_cuda_graph = use_cuda_graph
@@ -274,7 +275,7 @@ class BatchPrefill:
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
             ragged=int(pl["ragged"]), work_count=pl["num_work"], **strides, **variants.variant_values(s, pl["sm_scale"]),
-            **mod_values)
+            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"]))
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
             lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,

@@ -62,6 +62,18 @@ def test_params_layout_matches_ctypes():
         ParamsLayout("Q", [ParamField("x", "double", "f64")])
 
 
+def test_tensor_map_fields_come_first_and_align_the_struct():
+    maps = [ParamField("km", "TensorMap", "tmap"), ParamField("vm", "TensorMap", "tmap")]
+    layout = ParamsLayout("P", [*maps, ParamField("n", "int32_t", "i32")])
+    assert layout.size == 320  # 2 x 128 + 4, padded to the 64-byte alignment the C++ struct declares
+    assert "struct alignas(64) P" in layout.cpp() and "static_assert(sizeof(P) == 320" in layout.cpp()
+    packed = layout.pack(km=bytes(range(128)), vm=None, n=7)  # None: an unused map, zeros
+    raw = bytes(packed)
+    assert raw[:128] == bytes(range(128)) and raw[128:256] == bytes(128) and raw[256:260] == (7).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="tensor-map fields must come first"):
+        ParamsLayout("Q", [ParamField("n", "int32_t", "i32"), *maps])
+
+
 def test_merge_module_renders_types():
     import torch
     src = MergeSpec(torch.float32, torch.float16).module().source
@@ -89,7 +101,9 @@ def test_params_field_offsets_match_a_c_compiler(family, tmp_path):
     body = "\n".join(f"  {'void*' if f.kind == 'ptr' else f.cpp_type} {f.name};" for f in layout.fields)
     prints = "\n".join(f'  std::printf("%zu\\n", offsetof(P, {f.name}));' for f in layout.fields)
     src = tmp_path / "p.cpp"
-    src.write_text(f"#include <cstddef>\n#include <cstdint>\n#include <cstdio>\nstruct P {{\n{body}\n}};\n"
+    align = "alignas(64) " if layout.has_tmap else ""
+    src.write_text(f"#include <cstddef>\n#include <cstdint>\n#include <cstdio>\n"
+                   f"struct alignas(64) TensorMap {{ uint64_t opaque[16]; }};\nstruct {align}P {{\n{body}\n}};\n"
                    f"int main() {{\n{prints}\n  std::printf(\"%zu\\n\", sizeof(P));\n}}\n")
     subprocess.run(["g++", "-o", str(tmp_path / "p"), str(src)], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "p")], capture_output=True, text=True).stdout.split()]

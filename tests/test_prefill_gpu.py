@@ -6,7 +6,7 @@ import torch
 
 import attnforge
 import attnforge.mods as m
-from attnforge import AttentionSpec, BatchPrefill, reference
+from attnforge import AttentionSpec, BatchPrefill, paged, reference
 from helpers import assert_attention_close, assert_lse_close, make_paged_case, replays_after_replans
 
 pytestmark = pytest.mark.gpu
@@ -82,6 +82,46 @@ def test_wgmma_producer_paged(page_size, pingpong):
     w = BatchPrefill(spec, backend="wgmma", producer=True, pingpong=pingpong)
     w.plan(qo, indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
+    check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
+
+
+def poison_unused_slots(cache, indptr, indices, last, page_size, layout):
+    """NaN in every cache slot no request owns (pages past the table, tokens past a last page's length):
+    a copy that reads beyond a request's tokens into a computed tile then shows up as NaN."""
+    used = torch.zeros(cache.shape[0], page_size, dtype=torch.bool)
+    for b in range(len(indptr) - 1):
+        pages = indptr[b + 1] - indptr[b]
+        for j in range(pages):
+            used[int(indices[indptr[b] + j]), :(last[b] if j == pages - 1 else page_size)] = True
+    for kv in (0, 1):
+        view = cache[:, kv] if layout == "NHD" else cache[:, kv].transpose(1, 2)  # [P, page, Hkv, D]
+        view[~used.to(cache.device)] = math.nan
+
+
+# (page_size, layout, head_dim, cache as a (K, V) pair): pages that tile the 128-token tile (8, 16,
+# 32), equal it, or span several tiles (256), d256 (64-token tiles), HND; lengths leave edge tiles
+@pytest.mark.parametrize("page_size,layout,head_dim,pair", [(8, "NHD", 128, False), (16, "HND", 128, True),
+                                                           (32, "NHD", 256, False), (128, "HND", 64, False),
+                                                           (256, "NHD", 128, True)])
+def test_tma_paged_tiles(page_size, layout, head_dim, pair):
+    spec = AttentionSpec(family="prefill", causal=True, kv_layout=layout, head_dim_qk=head_dim)
+    kv_lens, qo_lens = [1000, 1, 777, 0, 300], [37, 1, 777, 0, 300]
+    _, cache, (indptr, indices, last), per = make_paged_case(
+        AttentionSpec(kv_layout=layout, head_dim_qk=head_dim), kv_lens, page_size, seed=page_size)
+    poison_unused_slots(cache, indptr, indices, last, page_size, layout)
+    kv = (cache[:, 0], cache[:, 1]) if pair else cache
+    q = torch.randn(sum(qo_lens), 32, head_dim, device="cuda").bfloat16()
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    outs = []
+    for tma in (True, False):
+        w = BatchPrefill(spec, tma=tma)
+        w.plan(qo, indptr, indices, last, page_size=page_size)
+        if tma:  # this cache qualifies: whole tiles go through the copy engine
+            k, v = paged.split_cache(spec, kv, page_size, -1, q.device)[:2]
+            assert w.kernel.tma_values(k, v, page_size, False)["tma_box_rows"] == min(page_size, w.kernel.tile_kv)
+        outs.append(w.run(q, kv, out=torch.full_like(q, math.nan), return_lse=True))
+    (out, lse), (out_cp, lse_cp) = outs
+    assert torch.equal(out, out_cp) and torch.equal(lse, lse_cp), "TMA and cp.async tiles must give identical bits"
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
 
 

@@ -1,0 +1,82 @@
+"""Tensor maps (TMA descriptors) over a paged KV cache, for the Hopper kernels' copy engine.
+
+A kernel copies one KV tile [tile_kv rows][head_dim] as boxes of [rows][64 dims]: 128 bytes per row,
+swizzled by the copy engine exactly like wgmma's sw128 operands (attnforge/wgmma.cuh), so one
+instruction replaces rows x 8 cp.async. A box is a whole page when pages are no longer than a tile,
+else the tile's share of one page. Whether a cache qualifies is decided here in plain Python (tested
+without a GPU); encoding the 128-byte map needs the driver (cuTensorMapEncodeTiled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+SWIZZLE_COLS = 64  # 16-bit elements per 128-byte swizzled row
+MIN_BOX_ROWS = 8  # a box must start 1024-byte aligned in shared memory: 8 swizzled rows of 128 bytes
+MAP_BYTES = 128  # sizeof(CUtensorMap)
+
+
+@dataclass(frozen=True)
+class PagedKVBox:
+    """How one K (or V) matrix of a paged cache is described to the copy engine.
+
+    dims / strides list the tensor innermost first: (head_dim, heads, tokens, pages) when a token's
+    heads are adjacent (NHD), (head_dim, tokens, heads, pages) when a head's tokens are (HND)."""
+    dims: tuple[int, int, int, int]
+    strides: tuple[int, int, int]  # bytes, of dims 1..3 (dim 0 is contiguous)
+    box: tuple[int, int, int, int]
+    rows: int  # KV rows per box
+    heads_inner: bool  # NHD: the kernel's coordinates are (dim, head, token, page), else (dim, token, head, page)
+
+
+def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, stride_page: int,
+                 stride_token: int, stride_head: int, elem_bytes: int, tile_kv: int) -> tuple[Optional[PagedKVBox], str]:
+    """(box, "") when TMA can copy this cache's tiles, else (None, why not). Strides in elements."""
+    rows = min(page_size, tile_kv)
+    if elem_bytes != 2 or head_dim % SWIZZLE_COLS:
+        return None, f"16-bit K/V with head_dim a multiple of {SWIZZLE_COLS} (got {elem_bytes}-byte, {head_dim})"
+    if rows < MIN_BOX_ROWS or (tile_kv % page_size if page_size <= tile_kv else page_size % tile_kv):
+        return None, f"page_size {page_size}: pages of >= {MIN_BOX_ROWS} tokens that divide, or are multiples of, the {tile_kv}-token tile"
+    heads_inner = stride_head < stride_token
+    if heads_inner:
+        inner, outer = (num_heads, stride_head), (page_size, stride_token)
+    else:
+        inner, outer = (page_size, stride_token), (num_heads, stride_head)
+    strides = (inner[1] * elem_bytes, outer[1] * elem_bytes, stride_page * elem_bytes)
+    extents = (head_dim * elem_bytes, inner[0] * strides[0], outer[0] * strides[1])
+    if any(s % 16 for s in strides):
+        return None, f"byte strides {strides} that are multiples of 16"
+    if any(s < e for s, e in zip(strides, extents)):  # each dimension must step over the one inside it
+        return None, f"non-overlapping strides (byte strides {strides} under extents {extents})"
+    if num_pages >= 2**32 or strides[2] >= 2**40:
+        return None, f"{num_pages} pages of {strides[2]} bytes: beyond the copy engine's 2^32 / 2^40 limits"
+    box = (SWIZZLE_COLS, 1, rows, 1) if heads_inner else (SWIZZLE_COLS, rows, 1, 1)
+    return PagedKVBox((head_dim, inner[0], outer[0], num_pages), strides, box, rows, heads_inner), ""
+
+
+_MAPS: dict = {}  # (pointer, box, dtype) -> the encoded map; a cache's two maps per layer and step
+
+
+def encode(tensor: torch.Tensor, box: PagedKVBox) -> bytes:
+    """The 128-byte CUtensorMap of `tensor` (a K or V view whose storage starts at data_ptr)."""
+    key = (tensor.data_ptr(), box, tensor.dtype)
+    if key in _MAPS:
+        return _MAPS[key]
+    from .loader import check, driver
+    drv = driver()
+    kinds = {torch.bfloat16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             torch.float16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
+    if tensor.dtype not in kinds or tensor.data_ptr() % 16:
+        raise ValueError(f"tma.encode: a 16-byte aligned bf16/fp16 tensor, got {tensor.dtype} at {tensor.data_ptr():#x}")
+    tmap = check(drv.cuTensorMapEncodeTiled(
+        kinds[tensor.dtype], 4, tensor.data_ptr(), list(box.dims), list(box.strides), list(box.box), [1, 1, 1, 1],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    raw = b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
+    if len(_MAPS) >= 256:  # caches come and go (tests, benchmarks): keep the map table small
+        _MAPS.clear()
+    _MAPS[key] = raw
+    return raw

@@ -1,0 +1,59 @@
+"""Which paged caches the copy engine can tile (attnforge/jit/tma.py), decided without a GPU."""
+import pytest
+
+from attnforge.jit.tma import MIN_BOX_ROWS, paged_kv_box
+
+H, D = 8, 128
+
+
+def nhd(page, pages=100, d=D, pair=False):
+    """Strides (elements) of K in a [P, 2, page, H, d] cache, or of a [P, page, H, d] K tensor (pair)."""
+    return dict(head_dim=d, num_heads=H, page_size=page, num_pages=pages, stride_page=(1 if pair else 2) * page * H * d,
+                stride_token=H * d, stride_head=d, elem_bytes=2, tile_kv=128)
+
+
+def hnd(page, pages=100, d=D):
+    return dict(head_dim=d, num_heads=H, page_size=page, num_pages=pages, stride_page=2 * page * H * d,
+                stride_token=d, stride_head=page * d, elem_bytes=2, tile_kv=128)
+
+
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128])
+def test_pages_that_tile_the_tile_are_one_box_each(page):
+    box, why = paged_kv_box(**nhd(page))
+    assert why == "" and box.rows == page and box.heads_inner
+    assert box.dims == (D, H, page, 100) and box.box == (64, 1, page, 1)
+    assert box.strides == (D * 2, H * D * 2, 2 * page * H * D * 2)
+
+
+@pytest.mark.parametrize("page", [256, 1024])
+def test_pages_longer_than_a_tile_give_the_tiles_share(page):
+    box, _ = paged_kv_box(**nhd(page))
+    assert box.rows == 128 and box.box == (64, 1, 128, 1)
+
+
+def test_hnd_orders_tokens_inside_heads():
+    box, why = paged_kv_box(**hnd(16))
+    assert why == "" and not box.heads_inner
+    assert box.dims == (D, 16, H, 100) and box.box == (64, 16, 1, 1)
+    assert box.strides == (D * 2, 16 * D * 2, 2 * 16 * H * D * 2)
+
+
+def test_a_k_tensor_of_a_pair_is_its_own_pages():
+    box, _ = paged_kv_box(**nhd(16, pair=True))
+    assert box.strides[2] == 16 * H * D * 2
+
+
+@pytest.mark.parametrize("page", [1, 4, 7, 24, 48, 96, 200])
+def test_pages_that_do_not_tile_fall_back(page):
+    box, why = paged_kv_box(**nhd(page))
+    assert box is None and f"page_size {page}" in why
+    assert page < MIN_BOX_ROWS or 128 % page or page > 128
+
+
+def test_other_refusals_say_why():
+    assert "16-bit" in paged_kv_box(**{**nhd(16), "elem_bytes": 1})[1]
+    assert "multiple of 64" in paged_kv_box(**nhd(16, d=96))[1]
+    # a token stride smaller than its heads' extent (overlapping rows) or not a multiple of 16 bytes
+    assert "non-overlapping" in paged_kv_box(**{**nhd(16), "stride_token": D})[1]
+    assert "multiples of 16" in paged_kv_box(**{**nhd(16), "stride_token": H * D + 4})[1]
+    assert "2^32" in paged_kv_box(**nhd(16, pages=2**32))[1]
