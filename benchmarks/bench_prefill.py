@@ -13,10 +13,13 @@ HQ, HKV, D = 32, 8, 128
 
 
 def cases():
+    """(name, lengths); ATTNFORGE_BENCH_PREFILL_CASES="B1 S8192,..." runs a subset."""
     torch.manual_seed(0)
     rag = torch.randint(128, 8193, (16,)).tolist()
-    return [("B1 S8192", [8192]), ("B1 S32768", [32768]), ("B16 S2048", [2048] * 16),
-            ("ragged 16 random 128-8192", rag), ("B1 S8192 paged16", [8192])]
+    out = [("B1 S8192", [8192]), ("B1 S32768", [32768]), ("B16 S2048", [2048] * 16),
+           ("ragged 16 random 128-8192", rag), ("B1 S8192 paged16", [8192])]
+    keep = os.environ.get("ATTNFORGE_BENCH_PREFILL_CASES")
+    return [c for c in out if c[0] in keep.split(",")] if keep else out
 
 
 def ablations(backend):

@@ -64,8 +64,9 @@ def encode(tensor: torch.Tensor, box: PagedKVBox) -> bytes:
     key = (tensor.data_ptr(), box, tensor.dtype)
     if key in _MAPS:
         return _MAPS[key]
-    from .loader import check, driver
+    from .loader import check, driver, ensure_context
     drv = driver()
+    ensure_context(tensor.device)  # driver calls need a current context (torch may not have made one yet)
     kinds = {torch.bfloat16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              torch.float16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
     if tensor.dtype not in kinds or tensor.data_ptr() % 16:
