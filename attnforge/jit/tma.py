@@ -56,6 +56,16 @@ def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, 
     return PagedKVBox((head_dim, inner[0], outer[0], num_pages), strides, box, rows, heads_inner), ""
 
 
+def encode_args(drv, data_type, address: int, box: PagedKVBox) -> tuple:
+    """cuTensorMapEncodeTiled's arguments (cuda-python wants its array elements as cuuint32/64_t)."""
+    u32, u64 = drv.cuuint32_t, drv.cuuint64_t
+    return (data_type, 4, address, [u64(x) for x in box.dims], [u64(x) for x in box.strides],
+            [u32(x) for x in box.box], [u32(1)] * 4, drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
 _MAPS: dict = {}  # (pointer, box, dtype) -> the encoded map; a cache's two maps per layer and step
 
 
@@ -71,11 +81,8 @@ def encode(tensor: torch.Tensor, box: PagedKVBox) -> bytes:
              torch.float16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
     if tensor.dtype not in kinds or tensor.data_ptr() % 16:
         raise ValueError(f"tma.encode: a 16-byte aligned bf16/fp16 tensor, got {tensor.dtype} at {tensor.data_ptr():#x}")
-    tmap = check(drv.cuTensorMapEncodeTiled(
-        kinds[tensor.dtype], 4, tensor.data_ptr(), list(box.dims), list(box.strides), list(box.box), [1, 1, 1, 1],
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    tmap = check(drv.cuTensorMapEncodeTiled(*encode_args(drv, kinds[tensor.dtype], tensor.data_ptr(), box)),
+                 "cuTensorMapEncodeTiled")
     raw = b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
     if len(_MAPS) >= 256:  # caches come and go (tests, benchmarks): keep the map table small
         _MAPS.clear()

@@ -57,3 +57,20 @@ def test_other_refusals_say_why():
     assert "non-overlapping" in paged_kv_box(**{**nhd(16), "stride_token": D})[1]
     assert "multiples of 16" in paged_kv_box(**{**nhd(16), "stride_token": H * D + 4})[1]
     assert "2^32" in paged_kv_box(**nhd(16, pages=2**32))[1]
+
+
+def test_encode_arguments_marshal_through_cuda_python():
+    """cuda-python converts every argument before it looks for the driver: a type it rejects raises
+    TypeError here even without a GPU (the call may then fail only for want of a driver)."""
+    drv = pytest.importorskip("cuda.bindings.driver")
+    from attnforge.jit.tma import encode_args
+    box, _ = paged_kv_box(**nhd(16))
+    args = encode_args(drv, drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 1 << 20, box)
+    try:
+        err, _ = drv.cuTensorMapEncodeTiled(*args)
+    except TypeError as e:
+        pytest.fail(f"cuda-python rejected an argument: {e}")
+    except Exception as e:  # no driver on this machine: the arguments were converted before the lookup
+        assert "driver" in str(e).lower(), e
+    else:
+        assert err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_INITIALIZED), err
