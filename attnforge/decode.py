@@ -86,7 +86,6 @@ class BatchDecode:
         if getattr(self, "_upload", None) is not None:
             self._upload.drain()  # its pinned buffers go back to torch's allocator: no copy may still read them
         self._upload = self._staged_upload(total)
-        self._host_np = self._upload.host()
         self.max_num_pages = max_pages
 
     def _staged_upload(self, num_int32: int) -> StagedUpload:
@@ -105,9 +104,10 @@ class BatchDecode:
         w._alloc_int_buffers(max_num_pages)
         return w
 
-    def _region(self, name: str, host: bool):
+    def _device_region(self, name: str) -> torch.Tensor:
+        """The device copy of one planned int32 region (e.g. kv_indices, which Quest rewrites in place)."""
         off, n = self._offsets[name]
-        return self._host_np[off:off + n] if host else self._upload.dev[off:off + n]
+        return self._upload.dev[off:off + n]
 
     def _dev_ptr(self, name: str) -> int:
         return self._upload.dev.data_ptr() + 4 * self._offsets[name][0]
@@ -166,7 +166,7 @@ class BatchDecode:
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
         work = self._plan_stream(kv_begin, kv_end, items_per_request)
 
-        self._host_np = h = self._upload.host()  # waits for that buffer's copy of two plans ago
+        h = self._upload.host()  # waits for that buffer's copy of two plans ago
         b, at = table.batch_size, self._starts
         # plain slices of the staging buffer (a helper call per region costs more than its copy)
         h[at["meta"]], h[at["meta"] + 1], h[at["meta"] + 2] = b, work.span, work.total

@@ -82,11 +82,9 @@ def run(report: Report, peers: bool = True) -> None:
 
 def time_schedules(report, case, spec, plan_args, plan_kw, run, flops):
     """The default and the SCHEDULE_VARIANTS (persistent CTAs, the other launch order), timed in
-    rotation (harness.time_interleaved) so their differences are not the order they ran in; a paged
-    case also times its tiles copied by cp.async alone (attnforge-cp-async) against the TMA default."""
+    rotation (harness.time_interleaved) so their differences are not the order they ran in."""
     wrappers = {"attnforge": BatchPrefill(spec)}
-    paged_copies = [("attnforge-cp-async", {"tma": False})] if "page_size" in plan_kw else []
-    for name, kw in SCHEDULE_VARIANTS + paged_copies:
+    for name, kw in SCHEDULE_VARIANTS:
         wrappers[name] = BatchPrefill(spec, **kw)
     for wv in wrappers.values():
         wv.plan(*plan_args, **plan_kw)

@@ -105,7 +105,7 @@ def poison_unused_slots(cache, indptr, indices, last, page_size, layout):
                                                            (256, "NHD", 128, True)])
 def test_tma_paged_tiles(page_size, layout, head_dim, pair):
     spec = AttentionSpec(family="prefill", causal=True, kv_layout=layout, head_dim_qk=head_dim)
-    kv_lens, qo_lens = [1000, 1, 777, 0, 300], [37, 1, 777, 0, 300]
+    kv_lens, qo_lens = [1000, 1, 777, 300], [37, 1, 777, 300]
     _, cache, (indptr, indices, last), per = make_paged_case(
         AttentionSpec(kv_layout=layout, head_dim_qk=head_dim), kv_lens, page_size, seed=page_size)
     poison_unused_slots(cache, indptr, indices, last, page_size, layout)

@@ -96,7 +96,7 @@ def test_needle_is_kept_by_its_own_head():
     quest = QuestHeadDecode(SPEC, index, budget_tokens=budget * PAGE, page_size=PAGE)
     quest.plan(indptr.cpu(), indices.cpu(), last)
     quest.run(q, kv)
-    table = quest.decode._region("kv_indices", False).cpu()
+    table = quest.decode._device_region("kv_indices").cpu()
     starts = quest._sel_indptr.cpu()
     for b, p in enumerate(needles):
         row = b * HKV + 5

@@ -74,14 +74,13 @@ class PrefillKernel:
     # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
     persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
-    tma: Optional[bool] = None  # with a producer: whole paged tiles copied by TMA boxes where the cache
-    # qualifies (pages of 8+ tokens that tile the KV tile); None: on with the producer
+    tma: bool = False  # with a producer: whole paged tiles copied by TMA boxes where the cache qualifies
+    # (pages of 8+ tokens that tile the KV tile); off by default: 26% slower than cp.async rows with
+    # 16-token pages on the H200 (docs/perf-notes.md, suite prefill_copies)
 
     def __post_init__(self):
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
-        if self.tma is None:
-            object.__setattr__(self, "tma", bool(self.producer))
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
         if self.backend not in BACKENDS:

@@ -308,7 +308,7 @@ class QuestDecode:
 
     def _selection_out(self) -> torch.Tensor:
         """Where the selected page ids go: the decode wrapper's device page table."""
-        return self.decode._region("kv_indices", False)
+        return self.decode._device_region("kv_indices")
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
         if self._planned is None:

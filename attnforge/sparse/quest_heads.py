@@ -87,7 +87,7 @@ class QuestHeadDecode(QuestDecode):
         # ids p * Hkv + h go straight to the decode page table when the cache's pages are Hkv heads
         # apart; otherwise to a scratch table of the same size, rewritten whole as p * r + h (so a
         # captured graph stays right whatever later plans select)
-        table = self.decode._region("kv_indices", False)
+        table = self.decode._device_region("kv_indices")
         if self._ratio == self.num_kv_heads:
             return table
         if self._raw_ids is None or self._raw_ids.shape != table.shape:
@@ -128,7 +128,7 @@ class QuestHeadDecode(QuestDecode):
         if r != hkv:  # the cache's virtual pages are p * r + h
             raw = self._raw_ids
             torch.add(torch.div(raw, hkv, rounding_mode="floor") * r, torch.remainder(raw, hkv),
-                      out=self.decode._region("kv_indices", False))
+                      out=self.decode._device_region("kv_indices"))
         flat_out = None if out is None else out.view(rows.shape[0], s.group_size, -1)
         res = self.decode.run(rows, (k1, v1), out=flat_out, return_lse=return_lse)
         if return_lse:

@@ -1,0 +1,34 @@
+"""Suite `prefill_copies`: how the Hopper prefill kernel's producer copies paged K/V tiles, per page
+size: TMA boxes of whole pages (`tma=True`) against cp.async rows (the default), GQA 32/8 d128 bf16
+causal, one 8192-token request on shuffled pages. Rows attnforge-tma and attnforge-cp-async, timed
+in rotation."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill
+from bench_prefill import HKV, HQ, D, causal_flops
+from harness import Report, time_interleaved
+
+LENGTH = 8192
+PAGE_SIZES = (16, 64, 128)
+
+
+def run(report: Report, peers: bool = False) -> None:
+    spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True)
+    q = torch.randn(LENGTH, HQ, D, device="cuda", dtype=torch.bfloat16)
+    flops = causal_flops([LENGTH])
+    for page in PAGE_SIZES:
+        n_pages = LENGTH // page
+        cache = torch.randn(n_pages, 2, page, HKV, D, device="cuda", dtype=torch.bfloat16)
+        perm = np.random.default_rng(0).permutation(n_pages)
+        fns = {}
+        for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
+            w = BatchPrefill(spec, tma=tma)
+            w.plan([0, LENGTH], [0, n_pages], perm, [page], page_size=page)
+            fns[name] = lambda w=w: w.run(q, cache)
+        for name, us in time_interleaved(fns, calls=2, reps=10).items():
+            report.add("prefill_copies", f"B1 S{LENGTH} paged{page}", name, us, None, flops)
+        del cache
+        torch.cuda.empty_cache()
