@@ -33,7 +33,7 @@ class BatchPrefill:
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
                  split_kv: bool = True, persistent: bool = False, work_order: str = "grouped",
-                 tma: bool = False, **spec_kwargs):
+                 tma: Optional[bool] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -43,7 +43,8 @@ class BatchPrefill:
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list; tma: whole paged tiles
-        # copied by the copy engine where the cache qualifies (measured slower at 16-token pages: off).
+        # copied by the copy engine (None: pages of 64+ tokens, where it measured faster; True: any
+        # page that tiles the KV tile; False: cp.async only).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the

@@ -74,7 +74,7 @@ def test_generated_wgmma_header_is_current():
 
 def test_kv_tile_override():
     k = PrefillKernel(SPEC, "wgmma", num_stages=4, kv_tile=64)
-    assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_ws_s4")
+    assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_ws_tma_s4")
     assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128 + 4 * 16 + 64 * 8
     with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
         PrefillKernel(SPEC, "mma", kv_tile=64)
@@ -82,7 +82,7 @@ def test_kv_tile_override():
 
 def test_persistent_shape_and_refusals():
     k = PrefillKernel(SPEC, "wgmma", persistent=True)
-    assert k.module().name.endswith("_ws_pers_s3") and "constexpr bool kPersistent = true;" in k.module().source
+    assert k.module().name.endswith("_ws_pers_tma_s3") and "constexpr bool kPersistent = true;" in k.module().source
     assert k.smem_bytes == PrefillKernel(SPEC, "wgmma").smem_bytes + 8  # the q_empty mbarrier
     with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
         PrefillKernel(SPEC, "wgmma", producer=False, persistent=True)
@@ -94,7 +94,7 @@ def test_persistent_shape_and_refusals():
 
 def test_producer_warpgroup_shape():
     k = PrefillKernel(SPEC, "wgmma", producer=True)
-    assert k.threads == 384 and k.module().name.endswith("_ws_s3")
+    assert k.threads == 384 and k.module().name.endswith("_ws_tma_s3")
     assert k.smem_bytes == PrefillKernel(SPEC, "wgmma", producer=False).smem_bytes + 2 * 3 * 8 + 128 * 8
     assert k == PrefillKernel(SPEC, "wgmma")  # the default on wgmma
     assert not PrefillKernel(SPEC, "wgmma", producer=False).module().name.endswith("_ws_s3")
@@ -102,7 +102,7 @@ def test_producer_warpgroup_shape():
     with pytest.raises(ValueError, match="only the wgmma backend has a producer warpgroup, got backend .mma.; pass"):
         PrefillKernel(SPEC, "mma", producer=True)
     pp = PrefillKernel(SPEC, "wgmma", producer=True, pingpong=True)
-    assert pp.module().name.endswith("_ws_pp_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
+    assert pp.module().name.endswith("_ws_pp_tma_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
     with pytest.raises(ValueError, match="pingpong: needs the producer warpgroup .*got producer=False; pass producer=True"):
         PrefillKernel(SPEC, "wgmma", producer=False, pingpong=True)
     with pytest.raises(ValueError, match="pingpong: needs two consumer warpgroups"):
@@ -122,13 +122,30 @@ def test_split_kv_is_off_where_a_row_epilogue_needs_the_whole_row():
 
 
 def test_tma_option_rides_on_the_producer():
-    assert not PrefillKernel(SPEC, "wgmma").tma  # measured slower than cp.async rows: an option
-    k = PrefillKernel(SPEC, "wgmma", tma=True)
-    assert k.tma and k.params.has_tmap and [f.name for f in k.params.fields[:2]] == ["k_tmap", "v_tmap"]
+    k = PrefillKernel(SPEC, "wgmma")  # built with maps; the host picks boxes per cache (tma_values)
+    assert k.tma is None and k.has_tma and k.params.has_tmap
+    assert [f.name for f in k.params.fields[:2]] == ["k_tmap", "v_tmap"] and k.module().name.endswith("_ws_tma_s3")
     src = k.module().source
     assert "tma_load_4d(" in src and "mbar_expect_tx(bar, 2 * kMatBytes)" in src
-    off = PrefillKernel(SPEC, "wgmma")
-    assert not off.params.has_tmap and "tma_load_4d(" not in off.module().source
+    off = PrefillKernel(SPEC, "wgmma", tma=False)
+    assert not off.has_tma and not off.params.has_tmap and "tma_load_4d(" not in off.module().source
+    assert not PrefillKernel(SPEC, "wgmma", producer=False).has_tma and not PrefillKernel(SPEC, "mma").has_tma
     with pytest.raises(ValueError, match="tma: the copy engine is driven by the producer warpgroup.*pass producer=True"):
         PrefillKernel(SPEC, "wgmma", producer=False, tma=True)
 
+
+@pytest.mark.parametrize("tma,page,rows", [(None, 16, 0), (None, 64, 64), (None, 256, 128), (True, 16, 16),
+                                           (True, 7, 0), (False, 64, None)])
+def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
+    """Which caches get TMA boxes: by default pages of 64+ tokens (measured faster), with tma=True any
+    page that tiles the KV tile; ragged KV never. Maps are encoded only when used (stubbed here)."""
+    import torch
+
+    from attnforge.jit import tma as tma_maps
+    monkeypatch.setattr(tma_maps, "encode", lambda t, box: bytes(128))
+    k = PrefillKernel(SPEC, "wgmma", tma=tma)
+    cache = torch.empty(4, 2, page, SPEC.num_kv_heads, SPEC.head_dim_qk, dtype=torch.bfloat16)
+    got = k.tma_values(cache[:, 0], cache[:, 1], page, ragged=False)
+    assert got.get("tma_box_rows") == rows
+    if rows is not None:
+        assert k.tma_values(cache[:, 0], cache[:, 1], page, ragged=True)["tma_box_rows"] == 0

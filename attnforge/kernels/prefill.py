@@ -41,6 +41,10 @@ BASE_FIELDS = (
 
 # Paged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and the box
 # shape (attnforge/jit/tma.py); tma_box_rows 0 means this cache does not qualify: cp.async instead.
+# By default boxes are used from this many rows (pages) up: measured on the H200 (suite prefill_copies,
+# B1 S8192 causal) TMA took 944 / 975 us at pages of 64 / 128 tokens against 1145 / 1191 us by
+# cp.async, but 1432 against 1150 us at 16-token pages (four times the boxes per tile).
+TMA_AUTO_MIN_ROWS = 64
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner"))
 
@@ -74,9 +78,9 @@ class PrefillKernel:
     # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
     persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
-    tma: bool = False  # with a producer: whole paged tiles copied by TMA boxes where the cache qualifies
-    # (pages of 8+ tokens that tile the KV tile); off by default: 26% slower than cp.async rows with
-    # 16-token pages on the H200 (docs/perf-notes.md, suite prefill_copies)
+    tma: Optional[bool] = None  # with a producer: whole paged tiles copied by TMA boxes. None: where a
+    # box holds TMA_AUTO_MIN_ROWS+ rows (pages of 64+ tokens); True: wherever the cache qualifies (pages
+    # of 8+ tokens that tile the KV tile); False: cp.async only (the kernel is built without maps)
 
     def __post_init__(self):
         if self.producer is None:
@@ -98,7 +102,7 @@ class PrefillKernel:
         if self.persistent and (not self.producer or self.pingpong):
             raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup and no ping-pong, got "
                              f"producer={self.producer}, pingpong={self.pingpong}; pass producer=True, pingpong=False")
-        if self.tma and not self.producer:
+        if self.tma is True and not self.producer:
             raise ValueError("PrefillKernel.tma: the copy engine is driven by the producer warpgroup, got producer="
                              f"{self.producer}; pass producer=True (the wgmma default) or tma=False")
         if self.pingpong and not self.producer:
@@ -160,11 +164,17 @@ class PrefillKernel:
 
     @property
     def params(self) -> ParamsLayout:
-        return variants.params_for("PrefillParams", (*TMA_FIELDS, *BASE_FIELDS) if self.tma else BASE_FIELDS, self.spec)
+        return variants.params_for("PrefillParams", (*TMA_FIELDS, *BASE_FIELDS) if self.has_tma else BASE_FIELDS,
+                                   self.spec)
+
+    @property
+    def has_tma(self) -> bool:
+        """Whether the kernel is built with the TMA tile path (its params then carry the maps)."""
+        return self.tma is not False and bool(self.producer)
 
     def tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
         """The TMA fields of the params for this cache: maps and box rows, or box rows 0 (cp.async)."""
-        if not self.tma:
+        if not self.has_tma:
             return {}
         box = None
         if not ragged:
@@ -172,7 +182,8 @@ class PrefillKernel:
             tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
                                            k.stride(tok), k.stride(head), k.element_size(), self.tile_kv)
-        if box is None or k.data_ptr() % 16 or v.data_ptr() % 16:
+        small = box is not None and self.tma is None and box.rows < TMA_AUTO_MIN_ROWS
+        if box is None or small or k.data_ptr() % 16 or v.data_ptr() % 16:
             return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0}
         return {"k_tmap": tma_maps.encode(k, box), "v_tmap": tma_maps.encode(v, box), "tma_box_rows": box.rows,
                 "tma_heads_inner": int(box.heads_inner)}
@@ -184,7 +195,7 @@ class PrefillKernel:
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
-               "tma": self.tma, "params_struct": self.params.cpp()}
+               "tma": self.has_tma, "params_struct": self.params.cpp()}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
@@ -192,7 +203,7 @@ class PrefillKernel:
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
                          *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
-                         *(["pers"] if self.persistent else []), *(["tma"] if self.tma else []),
+                         *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))
