@@ -1,7 +1,7 @@
-"""Suite `prefill_copies`: how the Hopper prefill kernel's producer copies paged K/V tiles, per page
-size: TMA boxes of whole pages (`tma=True`) against cp.async rows (the default), GQA 32/8 d128 bf16
-causal, one 8192-token request on shuffled pages. Rows attnforge-tma and attnforge-cp-async, timed
-in rotation."""
+"""Suite `prefill_copies`: how the Hopper prefill kernel's producer copies K/V tiles, per page size
+and for ragged K/V: TMA boxes (`tma=True`: whole pages, or whole tiles of ragged K/V) against cp.async
+rows (`tma=False`), GQA 32/8 d128 bf16 causal, one 8192-token request (pages shuffled). Rows
+attnforge-tma and attnforge-cp-async, timed in rotation."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +27,17 @@ def run(report: Report, peers: bool = False) -> None:
         for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
             w = BatchPrefill(spec, tma=tma)
             w.plan([0, LENGTH], [0, n_pages], perm, [page], page_size=page)
-            fns[name] = lambda w=w: w.run(q, cache)
+            fns[name] = lambda w=w, cache=cache: w.run(q, cache)
         for name, us in time_interleaved(fns, calls=2, reps=10).items():
             report.add("prefill_copies", f"B1 S{LENGTH} paged{page}", name, us, None, flops)
         del cache
         torch.cuda.empty_cache()
+    k = torch.randn(LENGTH, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fns = {}
+    for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
+        w = BatchPrefill(spec, tma=tma)
+        w.plan([0, LENGTH], [0, LENGTH])
+        fns[name] = lambda w=w: w.run(q, (k, v))
+    for name, us in time_interleaved(fns, calls=2, reps=10).items():
+        report.add("prefill_copies", f"B1 S{LENGTH} ragged", name, us, None, flops)

@@ -125,6 +125,34 @@ def test_tma_paged_tiles(page_size, layout, head_dim, pair):
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
 
 
+# (head_dim, K/V as views of one [tokens, 2, Hkv, D] tensor): a wider token stride than [tokens, Hkv, D]
+@pytest.mark.parametrize("head_dim,interleaved", [(128, False), (64, True), (256, False)])
+def test_tma_ragged_tiles(head_dim, interleaved):
+    """Ragged K/V by TMA boxes (one per tile and 64-column block): bitwise equal to cp.async tiles and
+    right against the reference, with lengths off the tiles and NaN in every row no request owns (the
+    tensor's tail), so a box reaching past its request would show."""
+    spec = AttentionSpec(family="prefill", causal=True, head_dim_qk=head_dim)
+    qo_lens, kv_lens = [37, 1, 777, 300], [1000, 1, 777, 450]
+    total, spare = sum(kv_lens), 200
+    g = torch.Generator().manual_seed(head_dim)
+    kv = torch.randn(total + spare, 2, 8, head_dim, generator=g).bfloat16().cuda()
+    kv[total:] = math.nan
+    k, v = (kv[:, 0], kv[:, 1]) if interleaved else (kv[:, 0].contiguous(), kv[:, 1].contiguous())
+    q = torch.randn(sum(qo_lens), 32, head_dim, generator=g).bfloat16().cuda()
+    qo, kvp = np.concatenate([[0], np.cumsum(qo_lens)]), np.concatenate([[0], np.cumsum(kv_lens)])
+    outs = []
+    for tma in (True, False):
+        w = BatchPrefill(spec, tma=tma)
+        w.plan(qo, kvp)
+        if tma:
+            assert w.kernel.tma_values(k, v, 0, True)["tma_box_rows"] == w.kernel.tile_kv
+        outs.append(w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True))
+    (out, lse), (out_cp, lse_cp) = outs
+    assert torch.equal(out, out_cp) and torch.equal(lse, lse_cp), "TMA and cp.async tiles must give identical bits"
+    per = [(k[kvp[b]:kvp[b + 1]], v[kvp[b]:kvp[b + 1]]) for b in range(len(kv_lens))]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("backend", [None, "mma"])
 @pytest.mark.parametrize("causal,window,page_size", [(True, -1, None), (False, -1, 7), (True, 3000, 16)])
 def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size):

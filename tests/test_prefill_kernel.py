@@ -147,5 +147,7 @@ def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
     cache = torch.empty(4, 2, page, SPEC.num_kv_heads, SPEC.head_dim_qk, dtype=torch.bfloat16)
     got = k.tma_values(cache[:, 0], cache[:, 1], page, ragged=False)
     assert got.get("tma_box_rows") == rows
-    if rows is not None:
+    if rows is not None:  # ragged K/V [tokens, Hkv, D]: a whole tile per box; 4-D views (attention()) never
+        ragged = torch.empty(1000, SPEC.num_kv_heads, SPEC.head_dim_qk, dtype=torch.bfloat16)
+        assert k.tma_values(ragged, ragged, 0, ragged=True)["tma_box_rows"] == k.tile_kv
         assert k.tma_values(cache[:, 0], cache[:, 1], page, ragged=True)["tma_box_rows"] == 0

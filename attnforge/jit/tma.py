@@ -1,10 +1,11 @@
-"""Tensor maps (TMA descriptors) over a paged KV cache, for the Hopper kernels' copy engine.
+"""Tensor maps (TMA descriptors) over a paged KV cache or ragged K/V, for the Hopper kernels' copy engine.
 
 A kernel copies one KV tile [tile_kv rows][head_dim] as boxes of [rows][64 dims]: 128 bytes per row,
 swizzled by the copy engine exactly like wgmma's sw128 operands (attnforge/wgmma.cuh), so one
 instruction replaces rows x 8 cp.async. A box is a whole page when pages are no longer than a tile,
-else the tile's share of one page. Whether a cache qualifies is decided here in plain Python (tested
-without a GPU); encoding the 128-byte map needs the driver (cuTensorMapEncodeTiled).
+else the tile's share of one page; ragged K/V [tokens, heads, dim] is one "page" holding every token,
+so a box is a whole tile. Whether a tensor qualifies is decided here in plain Python (tested without a
+GPU); encoding the 128-byte map needs the driver (cuTensorMapEncodeTiled).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ MAP_BYTES = 128  # sizeof(CUtensorMap)
 
 
 @dataclass(frozen=True)
-class PagedKVBox:
-    """How one K (or V) matrix of a paged cache is described to the copy engine.
+class KVBox:
+    """How one K (or V) matrix (a paged cache, or ragged K/V as one page) is described to the copy engine.
 
     dims / strides list the tensor innermost first: (head_dim, heads, tokens, pages) when a token's
     heads are adjacent (NHD), (head_dim, tokens, heads, pages) when a head's tokens are (HND)."""
@@ -32,31 +33,46 @@ class PagedKVBox:
 
 
 def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, stride_page: int,
-                 stride_token: int, stride_head: int, elem_bytes: int, tile_kv: int) -> tuple[Optional[PagedKVBox], str]:
+                 stride_token: int, stride_head: int, elem_bytes: int, tile_kv: int) -> tuple[Optional[KVBox], str]:
     """(box, "") when TMA can copy this cache's tiles, else (None, why not). Strides in elements."""
     rows = min(page_size, tile_kv)
-    if elem_bytes != 2 or head_dim % SWIZZLE_COLS:
-        return None, f"16-bit K/V with head_dim a multiple of {SWIZZLE_COLS} (got {elem_bytes}-byte, {head_dim})"
     if rows < MIN_BOX_ROWS or (tile_kv % page_size if page_size <= tile_kv else page_size % tile_kv):
         return None, f"page_size {page_size}: pages of >= {MIN_BOX_ROWS} tokens that divide, or are multiples of, the {tile_kv}-token tile"
+    return _kv_box(head_dim, num_heads, page_size, num_pages, stride_page, stride_token, stride_head, elem_bytes, rows)
+
+
+def ragged_kv_box(head_dim: int, num_heads: int, num_tokens: int, stride_token: int, stride_head: int,
+                  elem_bytes: int, tile_kv: int) -> tuple[Optional[KVBox], str]:
+    """Ragged K/V [tokens, heads, dim] (strides in elements) as one page of every token: a box is a
+    whole tile; the kernel's token coordinate is the request's first token plus the tile's."""
+    if not 0 < num_tokens < 2**32:
+        return None, f"1 to 2^32 - 1 tokens, got {num_tokens}"
+    # the one page's stride only has to step over the page (its single index is 0), 16-byte aligned
+    page = -(-max(num_tokens * stride_token, num_heads * stride_head) // 8) * 8
+    return _kv_box(head_dim, num_heads, num_tokens, 1, page, stride_token, stride_head, elem_bytes, tile_kv)
+
+
+def _kv_box(head_dim, num_heads, tokens, pages, stride_page, stride_token, stride_head, elem_bytes, rows):
+    if elem_bytes != 2 or head_dim % SWIZZLE_COLS:
+        return None, f"16-bit K/V with head_dim a multiple of {SWIZZLE_COLS} (got {elem_bytes}-byte, {head_dim})"
     heads_inner = stride_head < stride_token
     if heads_inner:
-        inner, outer = (num_heads, stride_head), (page_size, stride_token)
+        inner, outer = (num_heads, stride_head), (tokens, stride_token)
     else:
-        inner, outer = (page_size, stride_token), (num_heads, stride_head)
+        inner, outer = (tokens, stride_token), (num_heads, stride_head)
     strides = (inner[1] * elem_bytes, outer[1] * elem_bytes, stride_page * elem_bytes)
     extents = (head_dim * elem_bytes, inner[0] * strides[0], outer[0] * strides[1])
     if any(s % 16 for s in strides):
         return None, f"byte strides {strides} that are multiples of 16"
     if any(s < e for s, e in zip(strides, extents)):  # each dimension must step over the one inside it
         return None, f"non-overlapping strides (byte strides {strides} under extents {extents})"
-    if num_pages >= 2**32 or strides[2] >= 2**40:
-        return None, f"{num_pages} pages of {strides[2]} bytes: beyond the copy engine's 2^32 / 2^40 limits"
+    if pages >= 2**32 or strides[2] >= 2**40:
+        return None, f"{pages} pages of {strides[2]} bytes: beyond the copy engine's 2^32 / 2^40 limits"
     box = (SWIZZLE_COLS, 1, rows, 1) if heads_inner else (SWIZZLE_COLS, rows, 1, 1)
-    return PagedKVBox((head_dim, inner[0], outer[0], num_pages), strides, box, rows, heads_inner), ""
+    return KVBox((head_dim, inner[0], outer[0], pages), strides, box, rows, heads_inner), ""
 
 
-def encode_args(drv, data_type, address: int, box: PagedKVBox) -> tuple:
+def encode_args(drv, data_type, address: int, box: KVBox) -> tuple:
     """cuTensorMapEncodeTiled's arguments (cuda-python wants its array elements as cuuint32/64_t)."""
     u32, u64 = drv.cuuint32_t, drv.cuuint64_t
     return (data_type, 4, address, [u64(x) for x in box.dims], [u64(x) for x in box.strides],
@@ -69,7 +85,7 @@ def encode_args(drv, data_type, address: int, box: PagedKVBox) -> tuple:
 _MAPS: dict = {}  # (pointer, box, dtype) -> the encoded map; a cache's two maps per layer and step
 
 
-def encode(tensor: torch.Tensor, box: PagedKVBox) -> bytes:
+def encode(tensor: torch.Tensor, box: KVBox) -> bytes:
     """The 128-byte CUtensorMap of `tensor` (a K or V view whose storage starts at data_ptr)."""
     key = (tensor.data_ptr(), box, tensor.dtype)
     if key in _MAPS:

@@ -39,8 +39,8 @@ BASE_FIELDS = (
 )
 
 
-# Paged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and the box
-# shape (attnforge/jit/tma.py); tma_box_rows 0 means this cache does not qualify: cp.async instead.
+# Paged or ragged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and
+# the box shape (attnforge/jit/tma.py); tma_box_rows 0 means the tensors do not qualify: cp.async.
 # By default boxes are used from this many rows (pages) up: measured on the H200 (suite prefill_copies,
 # B1 S8192 causal) TMA took 944 / 975 us at pages of 64 / 128 tokens against 1145 / 1191 us by
 # cp.async, but 1432 against 1150 us at 16-token pages (four times the boxes per tile).
@@ -173,12 +173,15 @@ class PrefillKernel:
         return self.tma is not False and bool(self.producer)
 
     def tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
-        """The TMA fields of the params for this cache: maps and box rows, or box rows 0 (cp.async)."""
+        """The TMA fields of the params for this cache or ragged K/V: maps and box rows, or box rows 0
+        (cp.async). Ragged K/V must be [tokens, Hkv, D] (the SDPA-layout path's 4-D views are not)."""
         if not self.has_tma:
             return {}
-        box = None
-        if not ragged:
-            s = self.spec
+        s, box = self.spec, None
+        if ragged and k.dim() == 3:
+            box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
+                                            k.element_size(), self.tile_kv)
+        elif not ragged:
             tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
                                            k.stride(tok), k.stride(head), k.element_size(), self.tile_kv)

@@ -1,7 +1,7 @@
 """Which paged caches the copy engine can tile (attnforge/jit/tma.py), decided without a GPU."""
 import pytest
 
-from attnforge.jit.tma import MIN_BOX_ROWS, paged_kv_box
+from attnforge.jit.tma import MIN_BOX_ROWS, paged_kv_box, ragged_kv_box
 
 H, D = 8, 128
 
@@ -48,6 +48,19 @@ def test_pages_that_do_not_tile_fall_back(page):
     box, why = paged_kv_box(**nhd(page))
     assert box is None and f"page_size {page}" in why
     assert page < MIN_BOX_ROWS or 128 % page or page > 128
+
+
+def test_ragged_kv_is_one_page_of_every_token():
+    box, why = ragged_kv_box(D, H, 1000, H * D, D, 2, 128)  # [tokens, H, D]
+    assert why == "" and box.heads_inner and box.rows == 128
+    assert box.dims == (D, H, 1000, 1) and box.box == (64, 1, 128, 1)
+    assert box.strides[:2] == (D * 2, H * D * 2) and box.strides[2] >= 1000 * H * D * 2
+    # every token's K and V interleaved ([tokens, 2, H, D] viewed as K): a wider token stride
+    assert ragged_kv_box(D, H, 1000, 2 * H * D, D, 2, 128)[0].strides[1] == 2 * H * D * 2
+    # heads outside tokens ([H, tokens, D] viewed as [tokens, H, D]): tokens become the inner dimension
+    box, _ = ragged_kv_box(D, H, 1000, D, 1000 * D, 2, 128)
+    assert not box.heads_inner and box.dims == (D, 1000, H, 1) and box.box == (64, 128, 1, 1)
+    assert "1 to 2^32" in ragged_kv_box(D, H, 0, H * D, D, 2, 128)[1]
 
 
 def test_other_refusals_say_why():
