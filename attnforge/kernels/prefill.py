@@ -41,9 +41,10 @@ BASE_FIELDS = (
 
 # Paged or ragged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and
 # the box shape (attnforge/jit/tma.py); tma_box_rows 0 means the tensors do not qualify: cp.async.
-# By default boxes are used from this many rows (pages) up: measured on the H200 (suite prefill_copies,
-# B1 S8192 causal) TMA took 944 / 975 us at pages of 64 / 128 tokens against 1145 / 1191 us by
-# cp.async, but 1432 against 1150 us at 16-token pages (four times the boxes per tile).
+# By default boxes are used from this many rows up: measured on the H200 (suite prefill_copies, B1
+# S8192 causal) TMA took 944-971 / 947-978 us at pages of 64 / 128 tokens against 1145-1174 /
+# 1169-1191 us by cp.async, and 954 vs 993 us on ragged K/V (a whole tile per box), but 1432-1448
+# against 1144-1150 us at 16-token pages (four times the boxes per tile).
 TMA_AUTO_MIN_ROWS = 64
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner"))
