@@ -16,7 +16,6 @@ import torch
 
 SWIZZLE_COLS = 64  # 16-bit elements per 128-byte swizzled row
 MIN_BOX_ROWS = 8  # a box must start 1024-byte aligned in shared memory: 8 swizzled rows of 128 bytes
-MAP_BYTES = 128  # sizeof(CUtensorMap)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from typing import Optional
 from .. import variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch, env
+from ..jit import tma as tma_maps
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
-from ..jit import tma as tma_maps
 
 _CPP = {"bf16": "bf16", "fp16": "fp16"}
 BACKENDS = ("wgmma", "mma")
@@ -79,9 +79,9 @@ class PrefillKernel:
     # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
     persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
-    tma: Optional[bool] = None  # with a producer: whole paged tiles copied by TMA boxes. None: where a
-    # box holds TMA_AUTO_MIN_ROWS+ rows (pages of 64+ tokens); True: wherever the cache qualifies (pages
-    # of 8+ tokens that tile the KV tile); False: cp.async only (the kernel is built without maps)
+    tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
+    # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 64+ tokens); True: wherever the tensors
+    # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
 
     def __post_init__(self):
         if self.producer is None:
