@@ -3,6 +3,8 @@
 # benchmarks; logs and JSON to $OUT.
 # Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0]
 #   [SANITIZE=1 [SANITIZE_PARALLEL=1]] [PROFILE=1]
+# Split test groups by file or node id, not by -k: parametrized tests carry the keywords
+# "parametrize" and "pytestmark", so -k tma selects nearly all of them (fifth session).
 #   bash tools/gpu_session.sh [pytest-args...]
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
