@@ -25,13 +25,26 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def grid_ctas(num_sms: int, kernel_ctas_per_sm: int, ctas_per_sm: Optional[int] = None) -> int:
+    """The persistent grid: SMs x CTAs per SM, the kernel's occupancy unless fewer are asked for (each
+    CTA then streams a longer span: fewer chunk fills and partial states to merge, fewer bytes in flight)."""
+    if ctas_per_sm is None:
+        return num_sms * kernel_ctas_per_sm
+    valid = isinstance(ctas_per_sm, int) and not isinstance(ctas_per_sm, bool)
+    if not (valid and 1 <= ctas_per_sm <= kernel_ctas_per_sm):
+        raise checks.fail("ctas_per_sm", f"an int in [1, {kernel_ctas_per_sm}] (the kernel's occupancy)", ctas_per_sm,
+                          "Pass None for the kernel's occupancy.")
+    return num_sms * ctas_per_sm
+
+
 class BatchDecode:
     FAMILY = "decode"  # the spec family this wrapper runs (subclasses: other decode-shaped families)
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  device: Union[str, torch.device, None] = None, tile_kv: int = 64,
-                 num_stages: Optional[int] = None, num_warps: int = 4, **spec_kwargs):
+                 num_stages: Optional[int] = None, num_warps: int = 4, ctas_per_sm: Optional[int] = None,
+                 **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -44,7 +57,7 @@ class BatchDecode:
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
-        self.num_ctas = _num_sms(self.device) * self.kernel.ctas_per_sm
+        self.num_ctas = grid_ctas(_num_sms(self.device), self.kernel.ctas_per_sm, ctas_per_sm)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size

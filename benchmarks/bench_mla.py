@@ -45,25 +45,29 @@ def inputs(heads, batch, length):
 
 def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
     ckv, kpe = kv[..., :512], kv[..., 512:]
-    # (row name, pipeline, backend, schedule, tile, stages): "attnforge" is the defaults; -normal and
-    # -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
-    variants = [("attnforge", "auto", None, None, None, None),
-                ("attnforge-normal", "normal", "mma", None, None, None),
-                ("attnforge-transposed", "transposed", "mma", None, None, None),
-                ("attnforge-wgmma", "normal", "wgmma", None, None, None),
-                ("attnforge-wgmma-roles", "normal", "wgmma", "roles", None, None),
-                ("attnforge-wgmma-transposed", "transposed", "wgmma", None, None, None)]
+    # (row name, pipeline, backend, schedule, tile, stages, CTAs per SM): "attnforge" is the defaults;
+    # -normal and -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
+    variants = [("attnforge", "auto", None, None, None, None, None),
+                ("attnforge-normal", "normal", "mma", None, None, None, None),
+                ("attnforge-transposed", "transposed", "mma", None, None, None, None),
+                ("attnforge-wgmma", "normal", "wgmma", None, None, None, None),
+                ("attnforge-wgmma-roles", "normal", "wgmma", "roles", None, None, None),
+                ("attnforge-wgmma-transposed", "transposed", "wgmma", None, None, None, None)]
     # ATTNFORGE_BENCH_ABLATION="32:3,64:2": other (tile, stages) of the normal pipeline, for docs/perf-notes.md
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
         tile, stages = (int(x) for x in item.split(":"))
-        variants.append((f"attnforge-normal-t{tile}s{stages}", "normal", "mma", None, tile, stages))
+        variants.append((f"attnforge-normal-t{tile}s{stages}", "normal", "mma", None, tile, stages, None))
+    # ATTNFORGE_BENCH_MLA_CTAS_PER_SM="1": the default kernel on fewer persistent CTAs (longer spans:
+    # fewer chunk fills and partial states to merge), for the single-request cases' overheads
+    ctas = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_CTAS_PER_SM", "").split(","))]
+    variants += [(f"attnforge-{c}cta", "auto", None, None, None, None, c) for c in ctas]
     runs = {}
-    for impl, pipeline, backend, schedule, tile, stages in variants:
+    for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                              head_dim_vo=512, pipeline=pipeline)
         try:
             w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
-                               backend=backend, schedule=schedule)
+                               backend=backend, schedule=schedule, ctas_per_sm=per_sm)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue

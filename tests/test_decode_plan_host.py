@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from attnforge import AttentionSpec
-from attnforge.decode import BatchDecode
+from attnforge.decode import BatchDecode, grid_ctas
 from attnforge.jit.upload import HostOnlyUpload
 
 
@@ -57,3 +57,11 @@ def test_upload_refuses_to_copy_past_its_buffers():
     assert (up.dev.numpy() == 7).all()
     with pytest.raises(ValueError, match="exceed the 64-value buffers"):
         up.upload(65)
+
+
+def test_grid_ctas_defaults_to_the_occupancy_and_takes_fewer():
+    assert grid_ctas(132, 3) == 396 and grid_ctas(132, 3, 1) == 132 and grid_ctas(132, 2, 2) == 264
+    for bad in (0, 4, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"ctas_per_sm: expected an int in \[1, 3\]"):
+            grid_ctas(132, 3, bad)
+

@@ -119,6 +119,15 @@ def test_long_request_split_across_ctas(pipeline, heads):
     run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7)
 
 
+def test_fewer_ctas_per_sm_than_the_occupancy():
+    """ctas_per_sm=1 (a half-size persistent grid for the 2-CTA h16 kernel): longer spans, the same
+    attention; a value above the occupancy is refused before any launch."""
+    spec = mla_spec(16, "normal")
+    run_case(spec, [65536, 5, 0, 3000], 64, seed=3, ctas_per_sm=1)
+    with pytest.raises(ValueError, match="ctas_per_sm: expected an int in \\[1, 2\\]"):
+        BatchMLADecode(spec, ctas_per_sm=3)
+
+
 @pytest.mark.parametrize("lanes", [2, 4, 16])
 def test_merge_lanes_agree_with_one_lane(lanes):
     """The merge's thread groups (MLA rows cut into many chunks) give the one-group result and the
