@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import attnforge
 from attnforge import AttentionSpec, BatchPrefill
 from bench_prefill import HKV, HQ, D, causal_flops
-from harness import Report, time_interleaved
+from harness import Report, time_interleaved, time_us
 
 LENGTH = 8192
 PAGE_SIZES = (16, 64, 128)
@@ -41,3 +42,10 @@ def run(report: Report, peers: bool = False) -> None:
         fns[name] = lambda w=w: w.run(q, (k, v))
     for name, us in time_interleaved(fns, calls=2, reps=10).items():
         report.add("prefill_copies", f"B1 S{LENGTH} ragged", name, us, None, flops)
+    # the one-shot API on SDPA-layout [1, H, L, D] tensors (its K/V path differs from ragged K/V),
+    # not causal: for an A/B of source trees (tools/ab_bench.sh), one row
+    qd, kd, vd = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    report.add("prefill_copies", f"attention() B1 S{LENGTH} not causal", "attnforge",
+               time_us(lambda: attnforge.attention(qd, kd, vd, enable_gqa=True), calls=2, reps=10), None,
+               4 * D * HQ * LENGTH * LENGTH)
+
