@@ -45,6 +45,8 @@ class BatchDecode:
                  device: Union[str, torch.device, None] = None, tile_kv: int = 64,
                  num_stages: Optional[int] = None, num_warps: int = 4, ctas_per_sm: Optional[int] = None,
                  **spec_kwargs):
+        # tile_kv / num_stages / num_warps: the kernel's tiling; ctas_per_sm: a persistent grid below the
+        # kernel's occupancy (grid_ctas), None for the default
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
