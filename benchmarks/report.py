@@ -64,7 +64,8 @@ def svg_bars(rows, suite, metric, title, path):
 def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
     """Replace the record's rows of every (suite, case) a newer results file measured (all of that
     case's implementations: peers are only compared within one run); keep the rest. Each source's
-    notes are kept, prefixed with the suites it measured."""
+    notes are kept, prefixed with the suites it measured; its versions update the record's, except
+    a peer it reports missing (a run without peers) over one the record knows."""
     base = json.loads(Path(into).read_text())
     for src in sources:
         new = json.loads(Path(src).read_text())
@@ -72,7 +73,9 @@ def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
         cases = {(r["suite"], r["case"]) for r in new["rows"]}
         base["rows"] = [r for r in base["rows"] if (r["suite"], r["case"]) not in cases] + new["rows"]
         base["notes"] = base.get("notes", []) + [f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
-        base["versions"].update(new["versions"])
+        # a run without the peers reports them "missing": that does not unmeasure the rows kept
+        base["versions"].update({k: v for k, v in new["versions"].items()
+                                 if v != "missing" or k not in base["versions"]})
         base["date"] = max(base["date"], new["date"])
     Path(into).write_text(json.dumps(base, indent=1))
     return 0

@@ -33,6 +33,12 @@ def test_merge_replaces_measured_cases_and_keeps_the_rest(tmp_path):
         ("decode", "B1", 1.0), ("mla", "h128", 3.0), ("mla", "h16", 5.0), ("quest", "h32", 2.0)]
     assert got["notes"] == ["old", "[mla, quest] rmse"]
     assert got["date"] == "2026-11-29" and got["versions"] == {"torch": "b", "flashinfer": "x"}
+    # a later run without peers does not make the record's peer version "missing"
+    newer = {**new, "versions": {"torch": "b", "flashinfer": "missing", "triton": "missing"}, "notes": []}
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    load_report().merge(str(tmp_path / "newer.json"), into=str(tmp_path / "record.json"))
+    got = json.loads((tmp_path / "record.json").read_text())
+    assert got["versions"] == {"torch": "b", "flashinfer": "x", "triton": "missing"}
 
 
 def test_table_shows_bandwidth_and_flops():
