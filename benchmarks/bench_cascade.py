@@ -1,6 +1,8 @@
 """Suite `cascade`: B256 requests sharing one 32768-token prefix, each with 512 own tokens, GQA 32/8
 d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-noshare (plain decode over prefix +
-own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels).
+own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels). Pages are shuffled
+(the issue's case); a second case holds the prefix in consecutive pages, as an engine that allocated
+the shared prompt in one go would (rows attnforge, its shared level, flashinfer-cascade).
 
 GB/s counts the KV bytes that must be read once: the prefix once plus every request's own tokens.
 """
@@ -18,10 +20,20 @@ CASE = f"B{B} shared{PREFIX}+{OWN}"
 
 
 def run(report: Report, peers: bool = True) -> None:
+    run_case(report, peers, CASE, prefix_in_order=False)
+    run_case(report, peers, CASE + " prefix in order", prefix_in_order=True)
+    torch.cuda.empty_cache()
+
+
+def run_case(report: Report, peers: bool, case: str, prefix_in_order: bool) -> None:
     pp, op = PREFIX // PAGE, OWN // PAGE
     total = pp + B * op
     cache = torch.empty(total, 2, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16).normal_()
-    perm = np.random.default_rng(0).permutation(total).astype(np.int32)
+    rng = np.random.default_rng(0)
+    if prefix_in_order:  # the prefix in pages 0..pp-1, the requests' own pages shuffled after it
+        perm = np.concatenate([np.arange(pp), pp + rng.permutation(total - pp)]).astype(np.int32)
+    else:
+        perm = rng.permutation(total).astype(np.int32)
     prefix, own = perm[:pp], perm[pp:]
     own_indptr = (np.arange(B + 1) * op).astype(np.int32)
     last = np.full(B, PAGE, dtype=np.int32)
@@ -30,19 +42,26 @@ def run(report: Report, peers: bool = True) -> None:
     nbytes = (PREFIX + B * OWN) * HKV * D * 2 * 2
     c = CascadeDecode(spec)
     c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
-    report.add("cascade", CASE, "attnforge", time_us(lambda: c.run(q, cache)), nbytes)
+    report.add("cascade", case, "attnforge", time_us(lambda: c.run(q, cache)), nbytes)
     # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head) and the
     # suffix decode alone (each with its own split-KV merge); the final merge is the remainder
     level_flops = 4 * B * HQ * PREFIX * D
-    report.add("cascade", CASE, "attnforge-shared-level",
+    report.add("cascade", case, "attnforge-shared-level",
                time_us(lambda: c.levels[0].run(q, cache, return_lse=True)), PREFIX * HKV * D * 4, level_flops)
-    report.add("cascade", CASE, "attnforge-suffix", time_us(lambda: c.suffix.run(q, cache, return_lse=True)),
+    if prefix_in_order:  # the suffix and the unshared decode do not depend on the prefix's order
+        bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr, last, nbytes)
+        return
+    report.add("cascade", case, "attnforge-suffix", time_us(lambda: c.suffix.run(q, cache, return_lse=True)),
                B * OWN * HKV * D * 4)
     full_indptr = (np.arange(B + 1) * (pp + op)).astype(np.int32)
     full = np.concatenate([np.concatenate([prefix, own[b * op:(b + 1) * op]]) for b in range(B)])
     plain = BatchDecode(spec)
     plain.plan(full_indptr, full, last, page_size=PAGE)
-    report.add("cascade", CASE, "attnforge-noshare", time_us(lambda: plain.run(q, cache)), nbytes)
+    report.add("cascade", case, "attnforge-noshare", time_us(lambda: plain.run(q, cache)), nbytes)
+    bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr, last, nbytes)
+
+
+def bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr, last, nbytes) -> None:
     if not peers:
         return
     try:
@@ -53,6 +72,6 @@ def run(report: Report, peers: bool = True) -> None:
         w.plan([dev([0, B]), dev(np.arange(B + 1))], [dev([0, pp]), dev(own_indptr)], [dev(prefix), dev(own)],
                [dev([PAGE]), dev(last)], HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
                kv_data_type=torch.bfloat16)
-        report.add("cascade", CASE, "flashinfer-cascade", time_us(lambda: w.run(q, cache)), nbytes)
+        report.add("cascade", case, "flashinfer-cascade", time_us(lambda: w.run(q, cache)), nbytes)
     except Exception as e:
-        report.note(f"flashinfer-cascade on {CASE}: {type(e).__name__}: {str(e)[:160]}")
+        report.note(f"flashinfer-cascade on {case}: {type(e).__name__}: {str(e)[:160]}")
