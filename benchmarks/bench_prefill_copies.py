@@ -16,6 +16,17 @@ LENGTH = 8192
 PAGE_SIZES = (16, 64, 128)
 
 
+def compare_copies(report, case, spec, flops, plan_args, plan_kw, q, kv) -> None:
+    """attnforge-tma against attnforge-cp-async on one case (kv: a paged cache or a (k, v) pair), in rotation."""
+    fns = {}
+    for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
+        w = BatchPrefill(spec, tma=tma)
+        w.plan(*plan_args, **plan_kw)
+        fns[name] = lambda w=w: w.run(q, kv)
+    for name, us in time_interleaved(fns, calls=2, reps=10).items():
+        report.add("prefill_copies", case, name, us, None, flops)
+
+
 def run(report: Report, peers: bool = False) -> None:
     spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True)
     q = torch.randn(LENGTH, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -24,24 +35,13 @@ def run(report: Report, peers: bool = False) -> None:
         n_pages = LENGTH // page
         cache = torch.randn(n_pages, 2, page, HKV, D, device="cuda", dtype=torch.bfloat16)
         perm = np.random.default_rng(0).permutation(n_pages)
-        fns = {}
-        for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
-            w = BatchPrefill(spec, tma=tma)
-            w.plan([0, LENGTH], [0, n_pages], perm, [page], page_size=page)
-            fns[name] = lambda w=w, cache=cache: w.run(q, cache)
-        for name, us in time_interleaved(fns, calls=2, reps=10).items():
-            report.add("prefill_copies", f"B1 S{LENGTH} paged{page}", name, us, None, flops)
+        compare_copies(report, f"B1 S{LENGTH} paged{page}", spec, flops, ([0, LENGTH], [0, n_pages], perm, [page]),
+                       {"page_size": page}, q, cache)
         del cache
         torch.cuda.empty_cache()
     k = torch.randn(LENGTH, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    fns = {}
-    for name, tma in (("attnforge-tma", True), ("attnforge-cp-async", False)):
-        w = BatchPrefill(spec, tma=tma)
-        w.plan([0, LENGTH], [0, LENGTH])
-        fns[name] = lambda w=w: w.run(q, (k, v))
-    for name, us in time_interleaved(fns, calls=2, reps=10).items():
-        report.add("prefill_copies", f"B1 S{LENGTH} ragged", name, us, None, flops)
+    compare_copies(report, f"B1 S{LENGTH} ragged", spec, flops, ([0, LENGTH], [0, LENGTH]), {}, q, (k, v))
     # the one-shot API on SDPA-layout [1, H, L, D] tensors (its K/V path differs from ragged K/V),
     # not causal: for an A/B of source trees (tools/ab_bench.sh), one row
     qd, kd, vd = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))

@@ -84,3 +84,30 @@ def test_autosave_keeps_every_finished_case_of_a_run_cut_short(tmp_path, monkeyp
     report.add("mla", "h128", "attnforge", 30.0)  # h16 is complete: saved; h128 is not
     saved = json.loads(out.read_text())
     assert [(r["case"], r["impl"]) for r in saved["rows"]] == [("h16", "attnforge"), ("h16", "flashinfer-fa3")]
+
+
+def test_ab_compare_takes_each_trees_median_over_rounds(tmp_path, capsys):
+    """tools/ab_compare.py on an archive as tools/ab_bench.sh writes it (name.rN.json per tree and round)."""
+    import io
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("ab_compare", REPORT.parents[1] / "tools" / "ab_compare.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    runs = {"base.r1.json": 10.0, "base.r2.json": 12.0, "base.r3.json": 11.0, "next.r1.json": 9.0,
+            "next.r2.json": 9.9, "next.r3.json": 30.0}
+    archive = tmp_path / "ab.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, us in runs.items():
+            data = json.dumps({"rows": [row("prefill", "B1", "attnforge", us)]}).encode()
+            info = tarfile.TarInfo("./" + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("./base.r1.log")  # logs ride along and are ignored
+        tar.addfile(info, io.BytesIO(b""))
+    trees = ab.load(str(archive))
+    assert sorted(trees) == ["base", "next"]
+    assert sorted(trees["next"][("prefill", "B1", "attnforge")]) == [9.0, 9.9, 30.0]
+    assert ab.main(str(archive), "base") == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill")][0]
+    assert "11.00" in line and "9.90" in line and "-10.0%" in line  # medians 11 and 9.9: one outlier round ignored

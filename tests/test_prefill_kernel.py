@@ -130,8 +130,10 @@ def test_tma_option_rides_on_the_producer():
     off = PrefillKernel(SPEC, "wgmma", tma=False)
     assert not off.has_tma and not off.params.has_tmap and "tma_load_4d(" not in off.module().source
     assert not PrefillKernel(SPEC, "wgmma", producer=False).has_tma and not PrefillKernel(SPEC, "mma").has_tma
-    with pytest.raises(ValueError, match="tma: the copy engine is driven by the producer warpgroup.*pass producer=True"):
+    with pytest.raises(ValueError, match="tma: the copy engine is driven by the producer warpgroup.*producer=True"):
         PrefillKernel(SPEC, "wgmma", producer=False, tma=True)
+    with pytest.raises(ValueError, match="tma: expected None .by measurement., True or False, got 'yes'"):
+        PrefillKernel(SPEC, "wgmma", tma="yes")
 
 
 @pytest.mark.parametrize("tma,page,rows", [(None, 16, 0), (None, 64, 64), (None, 256, 128), (True, 16, 16),

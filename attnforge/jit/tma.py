@@ -36,7 +36,8 @@ def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, 
     """(box, "") when TMA can copy this cache's tiles, else (None, why not). Strides in elements."""
     rows = min(page_size, tile_kv)
     if rows < MIN_BOX_ROWS or (tile_kv % page_size if page_size <= tile_kv else page_size % tile_kv):
-        return None, f"page_size {page_size}: pages of >= {MIN_BOX_ROWS} tokens that divide, or are multiples of, the {tile_kv}-token tile"
+        return None, (f"page_size {page_size}: pages of >= {MIN_BOX_ROWS} tokens that divide, or are multiples of, "
+                      f"the {tile_kv}-token tile")
     return _kv_box(head_dim, num_heads, page_size, num_pages, stride_page, stride_token, stride_head, elem_bytes, rows)
 
 
@@ -89,15 +90,15 @@ def encode(tensor: torch.Tensor, box: KVBox) -> bytes:
     key = (tensor.data_ptr(), box, tensor.dtype)
     if key in _MAPS:
         return _MAPS[key]
+    if tensor.dtype not in (torch.bfloat16, torch.float16) or tensor.data_ptr() % 16:
+        raise ValueError(f"tma.encode: expected a 16-byte aligned bf16/fp16 tensor, got {tensor.dtype} at "
+                         f"{tensor.data_ptr():#x}; pass tma=False to copy such K/V with cp.async")
     from .loader import check, driver, ensure_context
     drv = driver()
     ensure_context(tensor.device)  # driver calls need a current context (torch may not have made one yet)
-    kinds = {torch.bfloat16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             torch.float16: drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
-    if tensor.dtype not in kinds or tensor.data_ptr() % 16:
-        raise ValueError(f"tma.encode: a 16-byte aligned bf16/fp16 tensor, got {tensor.dtype} at {tensor.data_ptr():#x}")
-    tmap = check(drv.cuTensorMapEncodeTiled(*encode_args(drv, kinds[tensor.dtype], tensor.data_ptr(), box)),
-                 "cuTensorMapEncodeTiled")
+    kind = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if tensor.dtype == torch.bfloat16
+            else drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    tmap = check(drv.cuTensorMapEncodeTiled(*encode_args(drv, kind, tensor.data_ptr(), box)), "cuTensorMapEncodeTiled")
     raw = b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
     if len(_MAPS) >= 256:  # caches come and go (tests, benchmarks): keep the map table small
         _MAPS.clear()

@@ -103,6 +103,9 @@ class PrefillKernel:
         if self.persistent and (not self.producer or self.pingpong):
             raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup and no ping-pong, got "
                              f"producer={self.producer}, pingpong={self.pingpong}; pass producer=True, pingpong=False")
+        if self.tma not in (None, True, False):
+            raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
+                             "pass one of those")
         if self.tma is True and not self.producer:
             raise ValueError("PrefillKernel.tma: the copy engine is driven by the producer warpgroup, got producer="
                              f"{self.producer}; pass producer=True (the wgmma default) or tma=False")

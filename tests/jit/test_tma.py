@@ -87,3 +87,45 @@ def test_encode_arguments_marshal_through_cuda_python():
         assert "driver" in str(e).lower(), e
     else:
         assert err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_INITIALIZED), err
+
+
+def test_encode_refuses_what_the_copy_engine_cannot_take_before_any_driver_call():
+    import torch
+
+    from attnforge.jit.tma import encode
+    box, _ = paged_kv_box(**nhd(16))
+    with pytest.raises(ValueError, match="expected a 16-byte aligned bf16/fp16 tensor, got torch.float32.*tma=False"):
+        encode(torch.zeros(4, 16, H, D), box)
+    misaligned = torch.zeros(4 * 16 * H * D + 1, dtype=torch.bfloat16)[1:]  # 2 bytes past an aligned start
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        encode(misaligned, box)
+
+
+def test_encode_asks_the_driver_once_per_tensor_and_box(monkeypatch):
+    """The 128 map bytes come from the driver's 16 words in order, and a second run of the same layer
+    reuses them (a driver call per launch would cost microseconds)."""
+    import torch
+
+    from attnforge.jit import loader, tma
+
+    class FakeDriver:
+        cuuint32_t = cuuint64_t = int
+        CUtensorMapDataType = CUtensorMapInterleave = CUtensorMapSwizzle = CUtensorMapL2promotion = \
+            CUtensorMapFloatOOBfill = type("Enum", (), {"__getattr__": lambda self, name: name})()
+        calls = 0
+
+        def cuTensorMapEncodeTiled(self, *args):
+            FakeDriver.calls += 1
+            return "ok", type("Map", (), {"opaque": list(range(16))})()
+
+    monkeypatch.setattr(loader, "driver", lambda: FakeDriver())
+    monkeypatch.setattr(loader, "check", lambda result, call: result[1])
+    monkeypatch.setattr(loader, "ensure_context", lambda device: None)
+    monkeypatch.setattr(tma, "_MAPS", {})
+    box, _ = paged_kv_box(**nhd(16))
+    t = torch.zeros(4, 16, H, D, dtype=torch.bfloat16)
+    raw = tma.encode(t, box)
+    assert raw == b"".join(i.to_bytes(8, "little") for i in range(16))
+    assert tma.encode(t, box) is raw and FakeDriver.calls == 1
+    tma.encode(t, paged_kv_box(**nhd(32))[0])  # another box: another map
+    assert FakeDriver.calls == 2
