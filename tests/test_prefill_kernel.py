@@ -126,7 +126,7 @@ def test_tma_option_rides_on_the_producer():
     assert k.tma is None and k.has_tma and k.params.has_tmap
     assert [f.name for f in k.params.fields[:2]] == ["k_tmap", "v_tmap"] and k.module().name.endswith("_ws_tma_s3")
     src = k.module().source
-    assert "tma_load_4d(" in src and "mbar_expect_tx(bar, 2 * kMatBytes)" in src
+    assert "tma_load_4d(" in src and "mbar_expect_tx(bar, tma_rows * 128)" in src
     off = PrefillKernel(SPEC, "wgmma", tma=False)
     assert not off.has_tma and not off.params.has_tmap and "tma_load_4d(" not in off.module().source
     assert not PrefillKernel(SPEC, "wgmma", producer=False).has_tma and not PrefillKernel(SPEC, "mma").has_tma
