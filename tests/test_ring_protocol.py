@@ -29,7 +29,7 @@ class Barrier:
         return self.completed == phase + 1
 
 
-def producer(s, items, stages, persistent, q_for_empty=False):
+def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
     """The producer warpgroup as one agent (its 128 threads run the same sequence). Each thread
     issues a tile's copies and a cp.async.mbarrier.arrive on the stage's full barrier, which fires
     once its copies (and all its earlier ones, Q included) have landed: the copy engine agent below."""
@@ -44,7 +44,7 @@ def producer(s, items, stages, persistent, q_for_empty=False):
             q_loads += 1
         for t in range(n):
             g = tiles_done + t
-            if g >= stages:
+            if g >= stages and wait_empty:
                 bar, phase = s["empty"][g % stages], g // stages - 1
                 while not bar.ready(phase & 1, phase):
                     yield
@@ -101,11 +101,11 @@ def consumer(s, items, stages, persistent, q_for_empty=False):
         tiles_done += n
 
 
-def run(items, stages, warps, persistent, seed, q_for_empty=False):
+def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True):
     s = {"full": [Barrier(1) for _ in range(stages)], "empty": [Barrier(warps) for _ in range(stages)],
          "q_empty": Barrier(warps), "stage": [None] * stages, "readers": [0] * stages, "q": None, "q_readers": 0,
          "in_flight": [], "producer_done": False}
-    agents = [producer(s, items, stages, persistent, q_for_empty), copy_engine(s, stages)]
+    agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
     agents += [consumer(s, items, stages, persistent, q_for_empty) for _ in range(warps)]
     rng, live, steps = random.Random(seed), list(agents), 0
     while live:
@@ -142,4 +142,14 @@ def test_the_model_catches_the_first_q_empty_rule():
             run([5, 0, 3, 0, 0, 4], stages=3, warps=8, persistent=True, seed=seed, q_for_empty=True)
         except AssertionError as e:
             caught += "Q overwritten" in str(e) or "another item's Q" in str(e)
+    assert caught > 0
+
+
+def test_the_model_catches_a_producer_that_does_not_wait_for_free_stages():
+    caught = 0
+    for seed in range(20):
+        try:
+            run([9, 4], stages=3, warps=8, persistent=True, seed=seed, wait_empty=False)
+        except AssertionError as e:
+            caught += "stage overwritten" in str(e) or "holds another tile" in str(e)
     assert caught > 0
