@@ -29,16 +29,11 @@ class Barrier:
         return self.completed == phase + 1
 
 
-def producer(s, items, stages, persistent, q_for_empty=False):
-    """The producer warpgroup as one agent (its 128 threads run the same sequence)."""
-    tiles_done = q_loads = issued = announced = 0
-
-    def announce(upto):
-        nonlocal announced
-        while announced < upto:
-            s["full"][announced % stages].arrive()
-            announced += 1
-
+def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
+    """The producer warpgroup as one agent (its 128 threads run the same sequence). Each thread
+    issues a tile's copies and a cp.async.mbarrier.arrive on the stage's full barrier, which fires
+    once its copies (and all its earlier ones, Q included) have landed: the copy engine agent below."""
+    tiles_done = q_loads = 0
     for k, n in enumerate(items):
         if n > 0 or q_for_empty:  # only items with tiles load Q, and only they count q_empty's phases
             if persistent and q_loads > 0:
@@ -49,20 +44,26 @@ def producer(s, items, stages, persistent, q_for_empty=False):
             q_loads += 1
         for t in range(n):
             g = tiles_done + t
-            if g >= stages:
+            if g >= stages and wait_empty:
                 bar, phase = s["empty"][g % stages], g // stages - 1
-                if not bar.ready(phase & 1, phase):
-                    announce(issued)  # hold back no landed tile before blocking
-                    while not bar.ready(phase & 1, phase):
-                        yield
+                while not bar.ready(phase & 1, phase):
+                    yield
             assert s["readers"][g % stages] == 0, "stage overwritten while a consumer warp reads it"
             s["stage"][g % stages] = g
-            issued += 1
-            if issued - announced > 1:
-                announce(issued - 1)
+            s["in_flight"].append(g)
             yield
-        announce(issued)
         tiles_done += n
+    s["producer_done"] = True
+
+
+def copy_engine(s, stages):
+    """Lands the issued tiles in order (an arrival waits for all of a thread's earlier copies) at
+    moments of its own, each completing its stage's full-barrier phase."""
+    while not (s["producer_done"] and not s["in_flight"]):
+        if s["in_flight"]:
+            g = s["in_flight"].pop(0)
+            s["full"][g % stages].arrive()
+        yield
 
 
 def consumer(s, items, stages, persistent, q_for_empty=False):
@@ -100,10 +101,11 @@ def consumer(s, items, stages, persistent, q_for_empty=False):
         tiles_done += n
 
 
-def run(items, stages, warps, persistent, seed, q_for_empty=False):
+def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True):
     s = {"full": [Barrier(1) for _ in range(stages)], "empty": [Barrier(warps) for _ in range(stages)],
-         "q_empty": Barrier(warps), "stage": [None] * stages, "readers": [0] * stages, "q": None, "q_readers": 0}
-    agents = [producer(s, items, stages, persistent, q_for_empty)]
+         "q_empty": Barrier(warps), "stage": [None] * stages, "readers": [0] * stages, "q": None, "q_readers": 0,
+         "in_flight": [], "producer_done": False}
+    agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
     agents += [consumer(s, items, stages, persistent, q_for_empty) for _ in range(warps)]
     rng, live, steps = random.Random(seed), list(agents), 0
     while live:
@@ -126,7 +128,7 @@ def test_persistent_ring_never_deadlocks_or_overwrites(stages, seed):
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
-def test_one_item_per_cta_as_before(n):
+def test_one_item_per_cta(n):
     for seed in range(4):
         run([n], stages=3, warps=8, persistent=False, seed=seed)
 
@@ -140,4 +142,14 @@ def test_the_model_catches_the_first_q_empty_rule():
             run([5, 0, 3, 0, 0, 4], stages=3, warps=8, persistent=True, seed=seed, q_for_empty=True)
         except AssertionError as e:
             caught += "Q overwritten" in str(e) or "another item's Q" in str(e)
+    assert caught > 0
+
+
+def test_the_model_catches_a_producer_that_does_not_wait_for_free_stages():
+    caught = 0
+    for seed in range(20):
+        try:
+            run([9, 4], stages=3, warps=8, persistent=True, seed=seed, wait_empty=False)
+        except AssertionError as e:
+            caught += "stage overwritten" in str(e) or "holds another tile" in str(e)
     assert caught > 0

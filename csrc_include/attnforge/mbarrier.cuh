@@ -25,6 +25,12 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// An arrival that fires once every cp.async this thread issued so far has landed (counted among the
+// barrier's expected arrivals: .noinc), so the thread itself never waits for its copies.
+AF_DEVICE void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // Non-blocking: whether the phase of that parity has completed.
 AF_DEVICE bool mbar_test(uint32_t bar, uint32_t parity) {
   uint32_t done;
