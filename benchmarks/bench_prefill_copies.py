@@ -13,7 +13,7 @@ from bench_prefill import HKV, HQ, D, causal_flops
 from harness import Report, time_interleaved, time_us
 
 LENGTH = 8192
-PAGE_SIZES = (16, 64, 128)
+PAGE_SIZES = (8, 16, 32, 64, 128)
 
 
 def compare_copies(report, case, spec, flops, plan_args, plan_kw, q, kv) -> None:

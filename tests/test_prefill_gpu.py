@@ -318,6 +318,23 @@ def test_functional_attention_matches_sdpa_and_flex():
     assert (ours.float() - flex.float()).abs().max().item() < 2e-2
 
 
+def test_functional_attention_copies_whole_tiles_by_tma():
+    """attention()'s [B, Hkv, Lk, D] K/V with Lk a multiple of the tile: TMA boxes, page = request."""
+    torch.manual_seed(2)
+    q = torch.randn(2, 16, 640, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    from attnforge.prefill import _WRAPPERS
+    spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=4, head_dim_qk=128, q_dtype="bf16")
+    fields = _WRAPPERS[(spec, str(q.device))].kernel.tma_values(k, v, 0, True)
+    assert fields["tma_box_rows"] == 128 and fields["tma_page_per_request"] == 1
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+
+
 @pytest.mark.parametrize("lq", [1, 16])
 def test_functional_attention_splits_long_keys(lq):
     # a few query rows against long keys (decode through the dense API): split KV, merged into [B, H, Lq, D]

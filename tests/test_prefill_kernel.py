@@ -136,10 +136,10 @@ def test_tma_option_rides_on_the_producer():
         PrefillKernel(SPEC, "wgmma", tma="yes")
 
 
-@pytest.mark.parametrize("tma,page,rows", [(None, 16, 0), (None, 64, 64), (None, 256, 128), (True, 16, 16),
+@pytest.mark.parametrize("tma,page,rows", [(None, 8, 0), (None, 16, 16), (None, 256, 128), (True, 8, 8),
                                            (True, 7, 0), (False, 64, None)])
 def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
-    """Which caches get TMA boxes: by default pages of 64+ tokens (measured faster), with tma=True any
+    """Which caches get TMA boxes: by default pages of 16+ tokens (measured faster), with tma=True any
     page that tiles the KV tile; ragged KV never. Maps are encoded only when used (stubbed here)."""
     import torch
 
@@ -152,4 +152,9 @@ def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
     if rows is not None:  # ragged K/V [tokens, Hkv, D]: a whole tile per box; 4-D views (attention()) never
         ragged = torch.empty(1000, SPEC.num_kv_heads, SPEC.head_dim_qk, dtype=torch.bfloat16)
         assert k.tma_values(ragged, ragged, 0, ragged=True)["tma_box_rows"] == k.tile_kv
-        assert k.tma_values(cache[:, 0], cache[:, 1], page, ragged=True)["tma_box_rows"] == 0
+        # attention()'s [B, Hkv, Lk, D]: one Lk-token page per request, whole tiles when Lk is a multiple
+        dense = torch.empty(2, SPEC.num_kv_heads, 1024, SPEC.head_dim_qk, dtype=torch.bfloat16)
+        got = k.tma_values(dense, dense, 0, ragged=True)
+        assert (got["tma_box_rows"], got["tma_page_per_request"], got["tma_heads_inner"]) == (k.tile_kv, 1, 0)
+        odd = torch.empty(2, SPEC.num_kv_heads, 300, SPEC.head_dim_qk, dtype=torch.bfloat16)
+        assert k.tma_values(odd, odd, 0, ragged=True)["tma_box_rows"] == 0

@@ -42,12 +42,12 @@ BASE_FIELDS = (
 # Paged or ragged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and
 # the box shape (attnforge/jit/tma.py); tma_box_rows 0 means the tensors do not qualify: cp.async.
 # By default boxes are used from this many rows up: measured on the H200 (suite prefill_copies, B1
-# S8192 causal) TMA took 944-971 / 947-978 us at pages of 64 / 128 tokens against 1145-1174 /
-# 1169-1191 us by cp.async, and 954 vs 993 us on ragged K/V (a whole tile per box), but 1432-1448
-# against 1144-1150 us at 16-token pages (four times the boxes per tile).
-TMA_AUTO_MIN_ROWS = 64
+# S8192 causal, a tile's boxes spread over the four producer warps) TMA took 951 / 934 / 954 us at
+# pages of 16 / 64 / 128 tokens against 1158 / 1171 / 1210 us by cp.async, and 938 vs 1011 us on
+# ragged K/V (a whole tile per box). (With one warp issuing every box, 16-token pages took 1458 us.)
+TMA_AUTO_MIN_ROWS = 16
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
-              *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner"))
+              *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request"))
 
 
 def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
@@ -80,7 +80,7 @@ class PrefillKernel:
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
     persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
     tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
-    # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 64+ tokens); True: wherever the tensors
+    # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 16+ tokens); True: wherever the tensors
     # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
 
     def __post_init__(self):
@@ -177,23 +177,28 @@ class PrefillKernel:
         return self.tma is not False and bool(self.producer)
 
     def tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
-        """The TMA fields of the params for this cache or ragged K/V: maps and box rows, or box rows 0
-        (cp.async). Ragged K/V must be [tokens, Hkv, D] (the SDPA-layout path's 4-D views are not)."""
+        """The TMA fields of the params for these K/V: maps and box rows, or box rows 0 (cp.async).
+        Ragged K/V is [tokens, Hkv, D]; the SDPA layout [B, Hkv, Lk, D] (attention()) is described as
+        an HND cache of one Lk-token page per request."""
         if not self.has_tma:
             return {}
-        s, box = self.spec, None
+        s, box, per_request = self.spec, None, False
         if ragged and k.dim() == 3:
             box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
                                             k.element_size(), self.tile_kv)
+        elif ragged and k.dim() == 4:
+            box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[2], k.shape[0], k.stride(0),
+                                           k.stride(2), k.stride(1), k.element_size(), self.tile_kv)
+            per_request = True
         elif not ragged:
             tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
                                            k.stride(tok), k.stride(head), k.element_size(), self.tile_kv)
         small = box is not None and self.tma is None and box.rows < TMA_AUTO_MIN_ROWS
         if box is None or small or k.data_ptr() % 16 or v.data_ptr() % 16:
-            return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0}
+            return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0, "tma_page_per_request": 0}
         return {"k_tmap": tma_maps.encode(k, box), "v_tmap": tma_maps.encode(v, box), "tma_box_rows": box.rows,
-                "tma_heads_inner": int(box.heads_inner)}
+                "tma_heads_inner": int(box.heads_inner), "tma_page_per_request": int(per_request)}
 
     def module(self) -> JitModule:
         s = self.spec
