@@ -43,8 +43,8 @@ class BatchPrefill:
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list; tma: whole K/V tiles
-        # copied by the copy engine (None: ragged K/V and pages of 16+ tokens, where it measured
-        # faster; True: also any page of 8+ tokens that tiles the KV tile; False: cp.async only).
+        # copied by the copy engine (None: ragged K/V and pages of 8+ tokens that tile the KV tile,
+        # where it measured faster; True: the same today; False: cp.async only).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the

@@ -136,10 +136,10 @@ def test_tma_option_rides_on_the_producer():
         PrefillKernel(SPEC, "wgmma", tma="yes")
 
 
-@pytest.mark.parametrize("tma,page,rows", [(None, 8, 0), (None, 16, 16), (None, 256, 128), (True, 8, 8),
+@pytest.mark.parametrize("tma,page,rows", [(None, 4, 0), (None, 8, 8), (None, 256, 128), (True, 16, 16),
                                            (True, 7, 0), (False, 64, None)])
 def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
-    """Which caches get TMA boxes: by default pages of 16+ tokens (measured faster), with tma=True any
+    """Which caches get TMA boxes: by default pages of 8+ tokens (measured faster), with tma=True any
     page that tiles the KV tile; ragged KV never. Maps are encoded only when used (stubbed here)."""
     import torch
 

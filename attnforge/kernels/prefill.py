@@ -42,10 +42,12 @@ BASE_FIELDS = (
 # Paged or ragged K/V tiles by the copy engine (wgmma kernel with a producer): the maps of K and V and
 # the box shape (attnforge/jit/tma.py); tma_box_rows 0 means the tensors do not qualify: cp.async.
 # By default boxes are used from this many rows up: measured on the H200 (suite prefill_copies, B1
-# S8192 causal, a tile's boxes spread over the four producer warps) TMA took 951 / 934 / 954 us at
-# pages of 16 / 64 / 128 tokens against 1158 / 1171 / 1210 us by cp.async, and 938 vs 1011 us on
-# ragged K/V (a whole tile per box). (With one warp issuing every box, 16-token pages took 1458 us.)
-TMA_AUTO_MIN_ROWS = 16
+# S8192 causal, a tile's boxes spread over the four producer warps) TMA took 1030 / 940 / 958 / 942 /
+# 947 us at pages of 8 / 16 / 32 / 64 / 128 tokens against 1100 / 1107 / 1155 / 1142 / 1148 us by
+# cp.async, and 949 vs 1022 us on ragged K/V (a whole tile per box). (With one warp issuing every
+# box, 16-token pages took 1458 us.) 8 rows is also the least a box may hold, so the default now
+# equals tma=True; the knob stays for the next kernel whose boxes are not always a gain.
+TMA_AUTO_MIN_ROWS = 8
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request"))
 
@@ -80,7 +82,7 @@ class PrefillKernel:
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
     persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
     tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
-    # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 16+ tokens); True: wherever the tensors
+    # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 8+ tokens); True: wherever the tensors
     # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
 
     def __post_init__(self):
