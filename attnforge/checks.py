@@ -43,6 +43,15 @@ def check_contiguous_last(name: str, t: torch.Tensor) -> None:
                    f"Call {name}.contiguous().")
 
 
+def check_aligned_rows(name: str, t: torch.Tensor) -> None:
+    """16-byte aligned start and rows: the kernels copy and store rows in 16-byte vectors."""
+    step = 16 // t.element_size()
+    if t.data_ptr() % 16 or any(st % step for st in t.stride()[:-1]):
+        raise fail(name, f"16-byte aligned rows (data_ptr % 16 == 0, strides other than the last multiples of "
+                   f"{step} elements)", f"data_ptr % 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())}",
+                   f"Call {name}.contiguous() (or allocate it unpadded).")
+
+
 def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str):
     """The (out, lse) a wrapper writes: allocated when not given (lse only if asked for), else checked
     (device, dtype, shape, unit stride; lse is float32 [shape[0], shape[1]] and contiguous)."""

@@ -121,6 +121,9 @@ class BatchPrefill:
         if split.chunk:  # the chunks' own lengths now order them
             cost = work[:, 4] - work[:, 3]
         order = scheduler.order_prefill_work(work, cost, self.work_order)
+        if self.kernel.persistent:  # CTA b runs positions b, b + grid, ...: balance each round of them
+            fixed = scheduler.PREFILL_ITEM_FIXED_COST * tile_q
+            order = order[scheduler.balance_persistent_rounds(cost[order] + fixed, self._grid(len(work)))]
         work = work[order].astype(np.int32)
         if tile_indptr is not None:  # reorder the lists with their work items
             counts = np.diff(tile_indptr)[order]
@@ -242,13 +245,17 @@ class BatchPrefill:
         else:
             checks.check_shape("q", q, (pl["total_q"], s.num_qo_heads, s.head_dim_qk), "[total_q, Hq, D]")
         checks.check_contiguous_last("q", q)
+        checks.check_aligned_rows("q", q)
         k, v, sp, st, sh = self._kv(kv)
+        for name, t in (("k", k), ("v", v)):
+            checks.check_aligned_rows(name, t)
         if out is None:
             out = torch.empty(q.shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
         checks.check_cuda("out", out, self.device)
         checks.check_dtype("out", out, (checks.TORCH_DTYPES[s.out_dtype],))
         checks.check_shape("out", out, tuple(q.shape), "like q")
         checks.check_contiguous_last("out", out)
+        checks.check_aligned_rows("out", out)
         kv_strides = dict(stride_page=sp, stride_token=st, stride_head=sh, q_stride_n=q.stride(0),
                           q_stride_h=q.stride(1))
         slots = pl["num_slots"]
@@ -341,6 +348,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
                          score_mod=mod)
     q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_aligned_rows(name, t)
     w = _cached_wrapper(spec, q.device)
     # Dense batches are ragged batches whose request r starts r*H*L "tokens" (rows of D) in.
     w.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale, q_offset=np.arange(bq) * hq * lq,

@@ -18,3 +18,16 @@ def test_given_buffers_are_checked():
         checks.output_buffers(torch.empty(3, 4, 8), None, False, (3, 4, 8), torch.float32, cpu, "o", "l")
     with pytest.raises(ValueError, match="lse: expected a CUDA tensor"):
         checks.output_buffers(None, torch.empty(3, 4), True, (3, 4, 8), torch.float32, cpu, "o", "l")
+
+
+def test_aligned_rows():
+    """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
+    t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)
+    checks.check_aligned_rows("q", t)
+    checks.check_aligned_rows("q", t[2:])  # 2 rows of 1 KB in: still aligned
+    offset = torch.zeros(6 * 4 * 128 + 4, dtype=torch.bfloat16)[4:].view(6, 4, 128)
+    with pytest.raises(ValueError, match=r"k: expected 16-byte aligned rows .*got data_ptr % 16 = 8"):
+        checks.check_aligned_rows("k", offset)
+    padded = torch.zeros(6, 4, 132, dtype=torch.bfloat16)[..., :128]
+    with pytest.raises(ValueError, match=r"out: expected 16-byte aligned rows .*strides \(528, 132, 1\)"):
+        checks.check_aligned_rows("out", padded)

@@ -388,6 +388,15 @@ def test_prefill_bad_inputs():
         w.run(q, (k[:3], v[:3]))
     with pytest.raises(ValueError, match="k.dtype"):
         w.run(q, (k.half(), v.half()))
+    # rows copied and stored as 16-byte vectors: a padded or offset tensor is refused before launch
+    padded = torch.zeros(q.shape[0], q.shape[1], q.shape[2] + 4, dtype=q.dtype, device=q.device)[..., :q.shape[2]]
+    with pytest.raises(ValueError, match="q: expected 16-byte aligned rows"):
+        w.run(padded, (k, v))
+    with pytest.raises(ValueError, match="out: expected 16-byte aligned rows"):
+        w.run(q, (k, v), out=padded)
+    shifted = torch.zeros(k.numel() + 1, dtype=k.dtype, device=k.device)[1:].view(k.shape)
+    with pytest.raises(ValueError, match="k: expected 16-byte aligned rows"):
+        w.run(q, (shifted, v))
     with pytest.raises(ValueError, match="enable_gqa"):
         attnforge.attention(torch.zeros(1, 4, 8, 64, device="cuda"), torch.zeros(1, 2, 8, 64, device="cuda"),
                             torch.zeros(1, 2, 8, 64, device="cuda"))

@@ -158,3 +158,12 @@ def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
         assert (got["tma_box_rows"], got["tma_page_per_request"], got["tma_heads_inner"]) == (k.tile_kv, 1, 0)
         odd = torch.empty(2, SPEC.num_kv_heads, 300, SPEC.head_dim_qk, dtype=torch.bfloat16)
         assert k.tma_values(odd, odd, 0, ragged=True)["tma_box_rows"] == 0
+
+
+def test_trace_stamps_only_when_asked():
+    """The debug trace (benchmarks/trace_prefill.py) renders its per-item stamps only with trace=True."""
+    import dataclasses
+    m = PrefillKernel(SPEC, "wgmma", persistent=True).module()
+    assert "af_trace" not in m.source and "#define AF_STAMP(k) do { } while (0)" in m.source
+    traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
+    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(") >= 8

@@ -66,8 +66,9 @@ def copy_engine(s, stages):
         yield
 
 
-def consumer(s, items, stages, persistent, q_for_empty=False):
-    """One consumer warp (8 of them arrive on empty[] and q_empty)."""
+def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0):
+    """One consumer warp (8 of them arrive on empty[] and q_empty); q_early > 0 releases Q that many
+    S products before the item's last (a bug the model must catch)."""
     tiles_done = 0
     for k, n in enumerate(items):
         g0 = tiles_done
@@ -79,34 +80,43 @@ def consumer(s, items, stages, persistent, q_for_empty=False):
             assert s["stage"][g % stages] == g, "read a stage that holds another tile"
             s["readers"][g % stages] += 1
 
+        def release_q():  # the item's last S is done: Q is free (persistent: the producer may reload it)
+            s["q_readers"] -= 1
+            if persistent:
+                s["q_empty"].arrive()
+
         if n > 0:
             yield from wait_full(0)
             assert s["q"] == k, "read another item's Q"
             s["q_readers"] += 1
+            yield  # S(0)
+            if max(1, n - q_early) == 1:  # S products done: 1
+                release_q()
         for t in range(n):
             if t > 0:
                 s["readers"][(g0 + t - 1) % stages] -= 1
                 s["empty"][(g0 + t - 1) % stages].arrive()
             if t + 1 < n:
                 yield from wait_full(t + 1)
+                assert s["q"] == k, "S(t+1) read another item's Q"
+                yield  # S(t+1) in flight under P.V(t)
+                if t + 2 == max(1, n - q_early):
+                    release_q()
             yield
         if n > 0:
             s["readers"][(g0 + n - 1) % stages] -= 1
             s["empty"][(g0 + n - 1) % stages].arrive()
-            s["q_readers"] -= 1
-            if persistent:
-                s["q_empty"].arrive()
         elif persistent and q_for_empty:  # the first version: every item arrived, empty or not
             s["q_empty"].arrive()
         tiles_done += n
 
 
-def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True):
+def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True, q_early=0):
     s = {"full": [Barrier(1) for _ in range(stages)], "empty": [Barrier(warps) for _ in range(stages)],
          "q_empty": Barrier(warps), "stage": [None] * stages, "readers": [0] * stages, "q": None, "q_readers": 0,
          "in_flight": [], "producer_done": False}
     agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
-    agents += [consumer(s, items, stages, persistent, q_for_empty) for _ in range(warps)]
+    agents += [consumer(s, items, stages, persistent, q_for_empty, q_early) for _ in range(warps)]
     rng, live, steps = random.Random(seed), list(agents), 0
     while live:
         agent = rng.choice(live)
@@ -152,4 +162,16 @@ def test_the_model_catches_a_producer_that_does_not_wait_for_free_stages():
             run([9, 4], stages=3, warps=8, persistent=True, seed=seed, wait_empty=False)
         except AssertionError as e:
             caught += "stage overwritten" in str(e) or "holds another tile" in str(e)
+    assert caught > 0
+
+
+def test_the_model_catches_q_released_before_the_last_product():
+    # Q is released right after S(n-1), the item's last read of it (not at the item's end, so the next
+    # item's Q loads under the last tile and the epilogue); one product earlier is a race
+    caught = 0
+    for seed in range(20):
+        try:
+            run([4, 3, 5, 2], stages=3, warps=8, persistent=True, seed=seed, q_early=1)
+        except AssertionError as e:
+            caught += "Q overwritten" in str(e) or "another item's Q" in str(e)
     assert caught > 0
