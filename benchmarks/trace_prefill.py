@@ -83,6 +83,7 @@ def trace_case(name, lengths, **kw):
 
 if __name__ == "__main__":
     results = [trace_case("B16 S2048", [2048] * 16), trace_case("B16 S2048 persistent", [2048] * 16, persistent=True),
-               trace_case("B1 S8192", [8192]), trace_case("ragged 16", torch.randint(128, 8193, (16,)).tolist())]
+               trace_case("B1 S8192", [8192]), trace_case("B1 S8192 persistent", [8192], persistent=True),
+               trace_case("ragged 16", torch.randint(128, 8193, (16,)).tolist())]
     if "--json" in sys.argv:
         Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(results, indent=1))
