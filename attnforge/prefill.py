@@ -32,7 +32,7 @@ class BatchPrefill:
                  max_batch_size: int = 256, max_work_items: int = 1 << 16, max_num_pages: int = 1 << 16,
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
-                 split_kv: bool = True, persistent: bool = False, work_order: str = "grouped",
+                 split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
                  tma: Optional[bool] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
@@ -42,7 +42,8 @@ class BatchPrefill:
             raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
-        # (kernels/prefill.py); persistent: one CTA per SM walks the work list; tma: whole K/V tiles
+        # (kernels/prefill.py); persistent: one CTA per SM walks the work list (None: wherever the
+        # kernel has a producer and no ping-pong, where it measured faster); tma: whole K/V tiles
         # copied by the copy engine (None: ragged K/V and pages of 8+ tokens that tile the KV tile,
         # where it measured faster; True: the same today; False: cp.async only).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few

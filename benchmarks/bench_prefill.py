@@ -34,7 +34,7 @@ def ablations(backend):
 
 
 # the default is work_order="grouped" (measured: +4-17% on every case but B1 S8192, -3%)
-SCHEDULE_VARIANTS = [("attnforge-persistent", {"persistent": True}),
+SCHEDULE_VARIANTS = [("attnforge-cta-per-item", {"persistent": False}),
                      ("attnforge-longest-first", {"work_order": "longest_first"})]
 
 

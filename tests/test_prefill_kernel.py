@@ -37,7 +37,8 @@ def test_shapes_and_refusals():
     k = PrefillKernel(SPEC, "wgmma")
     # wgmma defaults to a producer warpgroup beside the two consumers, with a full/empty mbarrier pair per stage
     assert (k.tile_q, k.tile_kv, k.stages, k.threads, k.producer) == (128, 128, 3, 384, True)
-    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128 + 3 * 16 + 128 * 8
+    # (+ 8: the persistent CTAs' q_empty mbarrier)
+    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128 + 3 * 16 + 128 * 8 + 8
     assert k.ctas_per_sm == 1
     plain = PrefillKernel(SPEC, "wgmma", producer=False)
     assert (plain.threads, plain.smem_bytes) == (256, 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128)
@@ -46,7 +47,7 @@ def test_shapes_and_refusals():
     assert mma.ctas_per_sm == 228 * 1024 // (mma.smem_bytes + 1024) >= 2
     d256 = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
     assert (d256.tile_q, d256.tile_kv, d256.stages, d256.threads) == (64, 64, 3, 256)  # Q + 3 stages fit
-    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128 + 3 * 16 + 64 * 8
+    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128 + 3 * 16 + 64 * 8 + 8
     with pytest.raises(ValueError, match="needs at least 3, got 2"):
         PrefillKernel(SPEC, "wgmma", num_stages=2)
     with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
@@ -74,8 +75,8 @@ def test_generated_wgmma_header_is_current():
 
 def test_kv_tile_override():
     k = PrefillKernel(SPEC, "wgmma", num_stages=4, kv_tile=64)
-    assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_ws_tma_s4")
-    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128 + 4 * 16 + 64 * 8
+    assert (k.tile_kv, k.stages) == (64, 4) and k.module().name.endswith("_t64_ws_pers_tma_s4")
+    assert k.smem_bytes == 128 * 128 * 2 + 4 * 2 * 64 * 128 * 2 + 1024 + 128 + 4 * 16 + 64 * 8 + 8
     with pytest.raises(ValueError, match="kv_tile: the wgmma backend takes 64 or 128"):
         PrefillKernel(SPEC, "mma", kv_tile=64)
 
@@ -83,7 +84,10 @@ def test_kv_tile_override():
 def test_persistent_shape_and_refusals():
     k = PrefillKernel(SPEC, "wgmma", persistent=True)
     assert k.module().name.endswith("_ws_pers_tma_s3") and "constexpr bool kPersistent = true;" in k.module().source
-    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma").smem_bytes + 8  # the q_empty mbarrier
+    assert k == PrefillKernel(SPEC, "wgmma"), "persistent by default with a producer and no ping-pong"
+    per_item = PrefillKernel(SPEC, "wgmma", persistent=False)
+    assert k.smem_bytes == per_item.smem_bytes + 8  # the q_empty mbarrier
+    assert not PrefillKernel(SPEC, "wgmma", pingpong=True).persistent and not PrefillKernel(SPEC, "mma").persistent
     with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
         PrefillKernel(SPEC, "wgmma", producer=False, persistent=True)
     with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
@@ -94,11 +98,11 @@ def test_persistent_shape_and_refusals():
 
 def test_producer_warpgroup_shape():
     k = PrefillKernel(SPEC, "wgmma", producer=True)
-    assert k.threads == 384 and k.module().name.endswith("_ws_tma_s3")
-    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma", producer=False).smem_bytes + 2 * 3 * 8 + 128 * 8
+    assert k.threads == 384 and k.module().name.endswith("_ws_pers_tma_s3")
+    assert k.smem_bytes == PrefillKernel(SPEC, "wgmma", producer=False).smem_bytes + 2 * 3 * 8 + 128 * 8 + 8
     assert k == PrefillKernel(SPEC, "wgmma")  # the default on wgmma
     assert not PrefillKernel(SPEC, "wgmma", producer=False).module().name.endswith("_ws_s3")
-    assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<56>" in k.module().source
+    assert "producer_warpgroup" in k.module().context and "setmaxnreg_dec<kProducerRegs>" in k.module().source
     with pytest.raises(ValueError, match="only the wgmma backend has a producer warpgroup, got backend .mma.; pass"):
         PrefillKernel(SPEC, "mma", producer=True)
     pp = PrefillKernel(SPEC, "wgmma", producer=True, pingpong=True)
@@ -124,7 +128,7 @@ def test_split_kv_is_off_where_a_row_epilogue_needs_the_whole_row():
 def test_tma_option_rides_on_the_producer():
     k = PrefillKernel(SPEC, "wgmma")  # built with maps; the host picks boxes per cache (tma_values)
     assert k.tma is None and k.has_tma and k.params.has_tmap
-    assert [f.name for f in k.params.fields[:2]] == ["k_tmap", "v_tmap"] and k.module().name.endswith("_ws_tma_s3")
+    assert [f.name for f in k.params.fields[:2]] == ["k_tmap", "v_tmap"] and k.module().name.endswith("_ws_pers_tma_s3")
     src = k.module().source
     assert "tma_load_4d(" in src and "mbar_expect_tx(bar, tma_rows * 128)" in src
     off = PrefillKernel(SPEC, "wgmma", tma=False)

@@ -80,7 +80,10 @@ class PrefillKernel:
     producer: Optional[bool] = None  # wgmma: a producer warpgroup owns the copies (mbarrier ring,
     # setmaxnreg); None: on for wgmma (measured 1.3x at B1 S8192, docs/perf-notes.md), off for mma
     pingpong: bool = False  # with a producer: the consumer warpgroups take turns at the tensor cores
-    persistent: bool = False  # with a producer: one CTA per SM loops over work items, the ring running on
+    persistent: Optional[bool] = None  # with a producer: one CTA per SM loops over work items, the ring
+    # running on across them (the next item's Q and tiles load under the last one's tail). None: on with
+    # a producer and no ping-pong (measured on the H200 with balanced launch orders: B16 S2048 1158 vs
+    # 1308 us, ragged 16 random 4588 vs 4830, B1 S8192 894 vs 900, B1 S32768 14989 vs 14893)
     tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
     # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 8+ tokens); True: wherever the tensors
     # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
@@ -88,6 +91,8 @@ class PrefillKernel:
     def __post_init__(self):
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
+        if self.persistent is None:
+            object.__setattr__(self, "persistent", bool(self.producer and not self.pingpong))
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
         if self.backend not in BACKENDS:

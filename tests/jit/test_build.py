@@ -176,7 +176,7 @@ def test_nvcc_compiles_the_variant_matrix():
     from attnforge.kernels.prefill import PrefillKernel, wgmma_applies
     prefill = [s for s in VARIANT_MATRIX + _mod_specs() if s.family == "prefill"]
     mods += [PrefillKernel(s, "mma").module() for s in prefill if wgmma_applies(s) is None]
-    mods.append(PrefillKernel(prefill[0], "wgmma", persistent=True).module())  # the persistent option
+    mods.append(PrefillKernel(prefill[0], "wgmma", persistent=False).module())  # one CTA per item (not the default)
     mods.append(PrefillKernel(prefill[0], "wgmma", tma=False).module())  # paged tiles by cp.async only
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     from attnforge.kernels.mla import MLADecodeKernel  # and the sm_90a MLA kernels, one with a score modifier
