@@ -284,7 +284,7 @@ class BatchPrefill:
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
             ragged=int(pl["ragged"]), work_count=pl["num_work"], **strides, **variants.variant_values(s, pl["sm_scale"]),
-            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"]))
+            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q))
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
             lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,

@@ -153,6 +153,40 @@ def test_tma_ragged_tiles(head_dim, interleaved):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+def test_tma_queries_never_reach_a_stored_row_from_past_the_request():
+    """Q tiles by TMA are whole boxes: rows past a request hold the next request's queries, or NaN past
+    the planned rows of a CUDA-graph buffer; no stored row may see them (bitwise equal to cp.async
+    queries). A group that does not divide the 128-row tile keeps cp.async queries."""
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+    qo_lens, kv_lens = [37, 1, 300, 5], [100, 1, 450, 5]
+    total = sum(qo_lens)
+    g = torch.Generator().manual_seed(5)
+    q_buf = torch.full((total + 64, 32, 128), math.nan).bfloat16().cuda()
+    q_buf[:total] = torch.randn(total, 32, 128, generator=g).bfloat16().cuda()
+    k = torch.randn(sum(kv_lens), 8, 128, generator=g).bfloat16().cuda()
+    v = torch.randn_like(k)
+    qo, kvp = np.concatenate([[0], np.cumsum(qo_lens)]), np.concatenate([[0], np.cumsum(kv_lens)])
+    w = BatchPrefill(spec, use_cuda_graph=True, max_batch_size=8, max_work_items=4096)
+    w.plan(qo, kvp)
+    assert w.kernel.tma_values(k, v, 0, True, q=q_buf)["tma_q_tokens"] == 32
+    out, lse = w.run(q_buf, (k, v), out=torch.full_like(q_buf, math.nan), return_lse=True)
+    out, lse = out[:total], lse[:total]
+    ref = BatchPrefill(spec, tma=False)
+    ref.plan(qo, kvp)
+    assert torch.equal(out, ref.run(q_buf[:total].contiguous(), (k, v))), "TMA and cp.async queries differ"
+    per = [(k[kvp[b]:kvp[b + 1]], v[kvp[b]:kvp[b + 1]]) for b in range(len(kv_lens))]
+    check_against_reference(spec, q_buf[:total], out, lse, per, qo)
+    spec6 = AttentionSpec(family="prefill", num_qo_heads=12, num_kv_heads=2, causal=True)
+    q6 = torch.randn(total, 12, 128, generator=g).bfloat16().cuda()
+    k6, v6 = (torch.randn(sum(kv_lens), 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
+    w6 = BatchPrefill(spec6)
+    w6.plan(qo, kvp)
+    assert w6.kernel.tma_values(k6, v6, 0, True, q=q6)["tma_q_tokens"] == 0
+    out6, lse6 = w6.run(q6, (k6, v6), out=torch.full_like(q6, math.nan), return_lse=True)
+    check_against_reference(spec6, q6, out6, lse6, [(k6[kvp[b]:kvp[b + 1]], v6[kvp[b]:kvp[b + 1]])
+                                                     for b in range(len(kv_lens))], qo)
+
+
 @pytest.mark.parametrize("backend", [None, "mma"])
 @pytest.mark.parametrize("causal,window,page_size", [(True, -1, None), (False, -1, 7), (True, 3000, 16)])
 def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size):

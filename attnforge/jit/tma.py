@@ -52,6 +52,22 @@ def ragged_kv_box(head_dim: int, num_heads: int, num_tokens: int, stride_token: 
     return _kv_box(head_dim, num_heads, num_tokens, 1, page, stride_token, stride_head, elem_bytes, tile_kv)
 
 
+def q_box(head_dim: int, num_heads: int, group: int, tile_q: int, num_tokens: int, stride_token: int,
+          stride_head: int, elem_bytes: int) -> tuple[Optional[KVBox], str]:
+    """Queries [tokens, Hq, D] (strides in elements) for a prefill CTA's Q tile: tile_q packed rows
+    (token, head of the KV head's group), the group's heads innermost, are one box [tile_q / group
+    tokens][group heads][64 dims] per 64-column block, which lands row for row in the packed order."""
+    if group > 256 or tile_q % group:
+        return None, f"a query group that divides the {tile_q}-row tile (got {group})"
+    if not 0 < num_tokens < 2**32 or stride_head >= stride_token:
+        return None, f"[tokens, heads, dim] queries with heads innermost (strides {stride_token}, {stride_head})"
+    page = -(-num_tokens * stride_token // 8) * 8
+    box, why = _kv_box(head_dim, num_heads, num_tokens, 1, page, stride_token, stride_head, elem_bytes, tile_q // group)
+    if box is None:
+        return None, why
+    return KVBox(box.dims, box.strides, (SWIZZLE_COLS, group, tile_q // group, 1), tile_q // group, True), ""
+
+
 def _kv_box(head_dim, num_heads, tokens, pages, stride_page, stride_token, stride_head, elem_bytes, rows):
     if elem_bytes != 2 or head_dim % SWIZZLE_COLS:
         return None, f"16-bit K/V with head_dim a multiple of {SWIZZLE_COLS} (got {elem_bytes}-byte, {head_dim})"

@@ -129,3 +129,16 @@ def test_encode_asks_the_driver_once_per_tensor_and_box(monkeypatch):
     assert tma.encode(t, box) is raw and FakeDriver.calls == 1
     tma.encode(t, paged_kv_box(**nhd(32))[0])  # another box: another map
     assert FakeDriver.calls == 2
+
+
+def test_query_tiles_are_one_box_of_tokens_by_group_heads():
+    from attnforge.jit.tma import q_box
+    box, why = q_box(D, 32, 4, 128, 5000, 32 * D, D, 2)  # [tokens, 32 heads, D], groups of 4
+    assert why == "" and box.rows == 32 and box.box == (64, 4, 32, 1)  # 32 tokens x 4 heads = 128 rows
+    assert box.dims == (D, 32, 5000, 1) and box.strides[:2] == (D * 2, 32 * D * 2)
+    assert q_box(256, 8, 8, 64, 10, 8 * 256, 256, 2)[0].box == (64, 8, 8, 1)  # head_dim 256: 64-row tiles
+    for args, reason in [((D, 12, 6, 128, 100, 12 * D, D, 2), "divides the 128-row tile"),  # 128 % 6
+                         ((D, 32, 4, 128, 100, D, 100 * D, 2), "heads innermost"),  # [heads, tokens, D] view
+                         ((D, 32, 4, 128, 100, 32 * D, D, 4), "16-bit")]:  # fp32
+        box, why = q_box(*args)
+        assert box is None and reason in why
