@@ -1,4 +1,5 @@
 """The prefill family's two kernels: which one runs, what each refuses, and the sm_90a-only build."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,27 @@ def test_trace_stamps_only_when_asked():
     assert "af_trace" not in m.source and "#define AF_STAMP(k) do { } while (0)" in m.source
     traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
     assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(") >= 8
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}])
+def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
+    """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
+    between an issue and its wait branches or touches accumulators; nothing else would show it but a
+    slower kernel."""
+    import dataclasses
+
+    from attnforge import codegen, mods
+    spec = SPEC
+    if kw.get("score_mod") == "alibi":
+        spec = dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(SPEC.num_qo_heads)))
+        kw = {}
+    m = PrefillKernel(spec, "wgmma", **kw).module()
+    (tmp_path / "k.cu").write_text(m.source)
+    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                          f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"),
+                          str(tmp_path / "k.cu")], capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "Compiling entry function 'batch_prefill_wgmma_kernel'" in log
+    for code in ("C7514", "C7515", "C7517"):
+        assert code not in log, f"{m.name}: ptxas {code}:\n" + "\n".join(x for x in log.splitlines() if code in x)
