@@ -188,9 +188,10 @@ class PrefillKernel:
         """The TMA fields of the params for these K/V: maps and box rows, or box rows 0 (cp.async).
         Ragged K/V is [tokens, Hkv, D]; the SDPA layout [B, Hkv, Lk, D] (attention()) is described as
         an HND cache of one Lk-token page per request. Queries [tokens, Hq, D] (q given) get a map too
-        when the group divides the Q tile: the next item's Q then loads by two boxes, not 2048 cp.async
-        that competed with the consumers' shuffles on the last tile (per-item trace: that tile took
-        ~4300 cycles against ~2900 for the others)."""
+        when the group divides the Q tile: the next item's Q then loads as one box per 64-column
+        block from one thread, not 16 cp.async per producer thread, which competed with the
+        consumers' shuffles on the last tile (per-item trace: that tile took ~4300 cycles against
+        ~2900 for the others)."""
         if not self.has_tma:
             return {}
         return {**self._kv_tma_values(k, v, page_size, ragged), **self._q_tma_values(q)}
