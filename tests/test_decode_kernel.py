@@ -23,3 +23,12 @@ def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
 def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():
     k = DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3", pipeline="transposed"), stages=2)
     assert k.smem_bytes * 6 < 228 * 1024 and k.ctas_per_sm == 4  # 6 fit by shared memory
+
+
+def test_trace_stamps_only_when_asked():
+    """The debug trace (benchmarks/trace_decode.py) renders its stamps only with trace=True."""
+    import dataclasses
+    m = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module()
+    assert "af_trace" not in m.source and "#define AF_STAMP(k, i) do { } while (0)" in m.source
+    traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
+    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(trace_k") == 5

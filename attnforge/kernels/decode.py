@@ -126,7 +126,7 @@ class DecodeKernel:
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
-               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp()}
+               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,

@@ -1,0 +1,89 @@
+"""Where batch decode's time goes (debug): the kernel built with trace=True stamps SM cycles per CTA
+and work item (thread 0; template batch_decode), and this script prints, per case, the CTAs' start
+spread (launch), their spans, the tail (the last CTA after the median one), and per-item phases:
+prologue (first tiles issued, Q staged), tiles, finish (rows or partial written) and merge.
+
+    python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters)
+"""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnforge import AttentionSpec, BatchDecode  # noqa: E402
+from attnforge.jit import loader, registry  # noqa: E402
+from attnforge.kernels import decode as kdecode  # noqa: E402
+from bench_decode import HKV, HQ, D, cases, paged_inputs  # noqa: E402
+
+_module = kdecode.DecodeKernel.module
+ITEMS = 32  # trace slots per CTA (the template's)
+
+
+def traced_module(self):
+    m = _module(self)
+    return dataclasses.replace(m, name=m.name + "_trace", context={**m.context, "trace": True})
+
+
+kdecode.DecodeKernel.module = traced_module
+
+
+def trace_case(name, lengths, page_size, kv_dtype, layout):
+    q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype, layout)
+    spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout)
+    w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
+    w.plan(indptr, indices, last, page_size=page_size)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        w.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    drv = loader.driver()
+    lib = registry.get_library(w.kernel, w.kernel.module, w.device)
+    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
+    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    w.run(q, cache, out=out)
+    end.record()
+    torch.cuda.synchronize()
+    host = np.zeros(size // 8, dtype=np.uint64)
+    loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
+    t = host.reshape(-1, ITEMS, 8).astype(np.int64)
+    entry = t[:, ITEMS - 1, 7]
+    ctas = np.nonzero(entry)[0]
+    items = t[ctas, :ITEMS - 1]
+    used = items[:, :, 0] > 0
+    meta = items[:, :, 5]
+    tiles, merged, partial = meta & 0xFFFF, (meta >> 16) & 1, (meta >> 17) & 1
+    sm = meta >> 32
+    e = items[:, :, :5]
+    ends = np.where(used, e[:, :, 4], 0).max(axis=1)
+    # clock64 is per SM: compare CTAs only with others on their SM (spans), never across SMs
+    spans = ends - entry[ctas]
+    first_item = e[:, 0, 0] - entry[ctas]
+    ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
+          "merge": e[:, :, 4] - e[:, :, 3]}
+    per_tile = ph["tiles"][used & (tiles > 0)] / tiles[used & (tiles > 0)]
+    ms = start.elapsed_time(end)
+    res = {"case": name, "kernel_ms": ms, "ctas": int(len(ctas)), "items": int(used.sum()),
+           "items_per_cta_max": int(used.sum(axis=1).max()), "split_items": int((partial[used] > 0).sum()),
+           "merges": int((merged[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()),
+           "span_cycles": {"median": float(np.median(spans)), "max": float(spans.max()), "min": float(spans.min())},
+           "entry_to_first_item_median": float(np.median(first_item)),
+           "phase_mean_cycles": {k: float(v[used].mean()) for k, v in ph.items()},
+           "merge_mean_when_merging": float(ph["merge"][used & (merged > 0)].mean()) if merged.any() else 0.0,
+           "tile_median_cycles": float(np.median(per_tile)) if len(per_tile) else None,
+           "sms": int(len(np.unique(sm[used])))}
+    # an estimate of the SM clock: the median CTA span over the kernel's event time (includes launch)
+    res["est_ghz_lower_bound"] = float(np.median(spans) / (ms * 1e6))
+    print(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    results = [trace_case(c[0], *c[1:]) for c in cases() if "fp8" not in c[0]]
+    if "--json" in sys.argv:
+        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(results, indent=1))
