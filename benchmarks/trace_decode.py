@@ -1,6 +1,6 @@
 """Where batch decode's time goes (debug): the kernel built with trace=True stamps SM cycles per CTA
 and work item (thread 0; template batch_decode), and this script prints, per case, the CTAs' start
-spread (launch), their spans, the tail (the last CTA after the median one), and per-item phases:
+spread (launch) and exit spread in %globaltimer ns, their spans in cycles, and per-item phases:
 prologue (first tiles issued, Q staged), tiles, finish (rows or partial written) and merge.
 
     python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters)
@@ -77,6 +77,11 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
            "merge_mean_when_merging": float(ph["merge"][used & (merged > 0)].mean()) if merged.any() else 0.0,
            "tile_median_cycles": float(np.median(per_tile)) if len(per_tile) else None,
            "sms": int(len(np.unique(sm[used])))}
+    g_entry, g_exit = t[ctas, ITEMS - 1, 6], t[ctas, ITEMS - 1, 5]  # %globaltimer (ns), comparable across SMs
+    res["global_ns"] = {"entry_spread": float(g_entry.max() - g_entry.min()),
+                        "exit_spread": float(g_exit.max() - g_exit.min()),
+                        "tail_after_median_exit": float(g_exit.max() - np.median(g_exit)),
+                        "first_entry_to_last_exit": float(g_exit.max() - g_entry.min())}
     # an estimate of the SM clock: the median CTA span over the kernel's event time (includes launch)
     res["est_ghz_lower_bound"] = float(np.median(spans) / (ms * 1e6))
     print(json.dumps(res, indent=1))
