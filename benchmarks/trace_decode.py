@@ -5,7 +5,6 @@ prologue (first tiles issued, Q staged), tiles, finish (rows or partial written)
 
     python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters)
 """
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,20 +14,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
-from attnforge.jit import loader, registry  # noqa: E402
 from attnforge.kernels import decode as kdecode  # noqa: E402
+from trace_capture import build_traced, capture  # noqa: E402
 from bench_decode import HKV, HQ, D, cases, paged_inputs  # noqa: E402
 
-_module = kdecode.DecodeKernel.module
 ITEMS = 32  # trace slots per CTA (the template's)
-
-
-def traced_module(self):
-    m = _module(self)
-    return dataclasses.replace(m, name=m.name + "_trace", context={**m.context, "trace": True})
-
-
-kdecode.DecodeKernel.module = traced_module
+build_traced(kdecode.DecodeKernel)
 
 
 def trace_case(name, lengths, page_size, kv_dtype, layout):
@@ -37,20 +28,7 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
     w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
     w.plan(indptr, indices, last, page_size=page_size)
     out = torch.empty_like(q)
-    for _ in range(3):
-        w.run(q, cache, out=out)
-    torch.cuda.synchronize()
-    drv = loader.driver()
-    lib = registry.get_library(w.kernel, w.kernel.module, w.device)
-    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
-    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    w.run(q, cache, out=out)
-    end.record()
-    torch.cuda.synchronize()
-    host = np.zeros(size // 8, dtype=np.uint64)
-    loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
+    host, ms = capture(w, lambda: w.run(q, cache, out=out))
     t = host.reshape(-1, ITEMS, 8).astype(np.int64)
     entry = t[:, ITEMS - 1, 7]
     ctas = np.nonzero(entry)[0]
@@ -67,7 +45,6 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
     ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
           "merge": e[:, :, 4] - e[:, :, 3]}
     per_tile = ph["tiles"][used & (tiles > 0)] / tiles[used & (tiles > 0)]
-    ms = start.elapsed_time(end)
     res = {"case": name, "kernel_ms": ms, "ctas": int(len(ctas)), "items": int(used.sum()),
            "items_per_cta_max": int(used.sum(axis=1).max()), "split_items": int((partial[used] > 0).sum()),
            "merges": int((merged[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()),

@@ -5,7 +5,6 @@ between consecutive items on one SM (launch and drain of the CTA before).
 
     python benchmarks/trace_prefill.py [--json out.json]
 """
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,20 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchPrefill  # noqa: E402
-from attnforge.jit import loader, registry  # noqa: E402
 from attnforge.kernels import prefill as kprefill  # noqa: E402
+from trace_capture import build_traced, capture  # noqa: E402
 from bench_prefill import HKV, HQ, D, ragged  # noqa: E402
 
-_module = kprefill.PrefillKernel.module
-
-
-def traced_module(self):
-    m = _module(self)
-    return dataclasses.replace(m, name=m.name + "_trace", context={**m.context, "trace": True})
-
-
-kprefill.PrefillKernel.module = traced_module
-PHASES = ["setup", "wait_tile0", "s0", "loop_but_last", "last_tile", "epilogue"]
+build_traced(kprefill.PrefillKernel)
 
 
 def trace_case(name, lengths, **kw):
@@ -36,20 +26,7 @@ def trace_case(name, lengths, **kw):
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True),
                      **kw)
     w.plan(indptr, indptr)
-    for _ in range(3):
-        w.run(q, (k, v))
-    torch.cuda.synchronize()
-    drv = loader.driver()
-    lib = registry.get_library(w.kernel, w.kernel.module, w.device)
-    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
-    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    w.run(q, (k, v))
-    end.record()
-    torch.cuda.synchronize()
-    host = np.zeros(size // 8, dtype=np.uint64)
-    loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
+    host, ms = capture(w, lambda: w.run(q, (k, v)))
     n = w._plan["num_work"]
     t = host[:8 * n].reshape(n, 8).astype(np.int64)
     ok = (t[:, 0] > 0) & (t[:, 6] > 0)
@@ -65,7 +42,6 @@ def trace_case(name, lengths, **kw):
         sel = np.argsort(e[sm == s_id, 0])
         starts, ends = e[sm == s_id, 0][sel], e[sm == s_id, 6][sel]
         gaps += list(starts[1:] - ends[:-1])
-    ms = start.elapsed_time(end)
     cycles_per_sm = [int((e[sm == s, 6].max() - e[sm == s, 0].min())) for s in np.unique(sm)]
     ghz = np.median(cycles_per_sm) / (ms * 1e6)
     out = {"case": name, "kw": {k: str(v) for k, v in kw.items()}, "items": int(n), "kernel_ms": ms,

@@ -111,3 +111,21 @@ def test_ab_compare_takes_each_trees_median_over_rounds(tmp_path, capsys):
     assert ab.main(str(archive), "base") == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill")][0]
     assert "11.00" in line and "9.90" in line and "-10.0%" in line  # medians 11 and 9.9: one outlier round ignored
+
+
+def test_trace_scripts_build_traced_modules_of_their_own():
+    """benchmarks/trace_capture.build_traced: every module the kernel class builds carries trace=True
+    under its own name (its own cache entry), so a trace never reuses an untraced cubin."""
+    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from attnforge import AttentionSpec
+    from attnforge.kernels.decode import DecodeKernel
+    plain = DecodeKernel.module
+    try:
+        mod.build_traced(DecodeKernel)
+        m = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module()
+        assert m.name.endswith("_trace") and m.context["trace"] is True and "af_trace" in m.source
+    finally:
+        DecodeKernel.module = plain
+    assert "af_trace" not in DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module().source

@@ -328,17 +328,23 @@ def test_library_mods_in_prefill(name):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
-def test_functional_attention_matches_sdpa_and_flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    torch.manual_seed(0)
-    q = torch.randn(2, 16, 300, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
+def sdpa_checked_attention(seed, lq, lk):
+    """attention() on random GQA 16/4 d128 [2, H, L, D] inputs, checked against SDPA (output and LSE)."""
+    torch.manual_seed(seed)
+    q = torch.randn(2, 16, lq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 4, lk, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    ours, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
-    assert (ours.float() - sdpa).abs().max().item() < 2e-2
+    out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
     ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)
     assert (lse - ref_lse).abs().max().item() < 1e-2
+    return q, k, v
+
+
+def test_functional_attention_matches_sdpa_and_flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    q, k, v = sdpa_checked_attention(0, 300, 300)
     docs = (torch.arange(300, device="cuda") // 37)
 
     def doc_causal(b, h, q_idx, kv_idx):
@@ -354,19 +360,11 @@ def test_functional_attention_matches_sdpa_and_flex():
 
 def test_functional_attention_copies_whole_tiles_by_tma():
     """attention()'s [B, Hkv, Lk, D] K/V with Lk a multiple of the tile: TMA boxes, page = request."""
-    torch.manual_seed(2)
-    q = torch.randn(2, 16, 640, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    q, k, v = sdpa_checked_attention(2, 640, 1024)
     from attnforge.prefill import _WRAPPERS
     spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=4, head_dim_qk=128, q_dtype="bf16")
     fields = _WRAPPERS[(spec, str(q.device))].kernel.tma_values(k, v, 0, True)
     assert fields["tma_box_rows"] == 128 and fields["tma_page_per_request"] == 1
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
-    assert (out.float() - ref).abs().max().item() < 2e-2
-    ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)
-    assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
 @pytest.mark.parametrize("lq", [1, 16])

@@ -1,0 +1,38 @@
+"""What the two trace scripts (trace_prefill.py, trace_decode.py) share: kernels built with the
+template's `trace=True` (SM-cycle stamps into the __device__ array `af_trace`), and one timed run
+whose stamps come back to the host."""
+import dataclasses
+
+import numpy as np
+import torch
+
+from attnforge.jit import loader, registry
+
+
+def build_traced(kernel_cls) -> None:
+    """Make every module kernel_cls builds in this process a traced one (its own cache entry)."""
+    plain = kernel_cls.module
+
+    def traced_module(self):
+        m = plain(self)
+        return dataclasses.replace(m, name=m.name + "_trace", context={**m.context, "trace": True})
+    kernel_cls.module = traced_module
+
+
+def capture(wrapper, run) -> tuple[np.ndarray, float]:
+    """(af_trace as uint64, the run's milliseconds): warm-up, zero the stamps, one timed run(), read back."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    drv = loader.driver()
+    lib = registry.get_library(wrapper.kernel, wrapper.kernel.module, wrapper.device)
+    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
+    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    host = np.zeros(size // 8, dtype=np.uint64)
+    loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
+    return host, start.elapsed_time(end)
