@@ -169,17 +169,17 @@ def test_trace_stamps_only_when_asked():
     """The debug trace (benchmarks/trace_prefill.py) renders its per-item stamps only with trace=True."""
     import dataclasses
     m = PrefillKernel(SPEC, "wgmma", persistent=True).module()
-    assert "af_trace" not in m.source and "#define AF_STAMP(k) do { } while (0)" in m.source
+    assert "af_trace" not in m.source and "#define AF_STAMP_ITEM(it, k) do { } while (0)" in m.source
     traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
-    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(") >= 8
+    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP") >= 9
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}])
 def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
-    between an issue and its wait branches or touches accumulators; nothing else would show it but a
-    slower kernel."""
+    between an issue and its wait branches or touches accumulators: the deferred epilogue runs under
+    the next item's S(0), so its stores are predicated, never branched around."""
     import dataclasses
 
     from attnforge import codegen, mods

@@ -119,6 +119,17 @@ struct Vec16 {
   AF_DEVICE void set(int i, T v) { reinterpret_cast<T*>(&raw)[i] = v; }
 };
 
+// Stores under a predicate, with no branch: code between a wgmma's issue and its wait must not branch
+// (a control-flow merge while wgmmas fly makes ptxas serialise them, C7514).
+AF_DEVICE void store16_if(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d, bool pred) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n@q st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n"
+               ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d), "r"(int(pred)) : "memory");
+}
+AF_DEVICE void store_f32_if(float* p, float v, bool pred) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q st.global.f32 [%0], %1;\n}\n"
+               ::"l"(p), "f"(v), "r"(int(pred)) : "memory");
+}
+
 // 16 bytes of floats (written by an earlier kernel) into registers.
 AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
   const float4 t = __ldg(reinterpret_cast<const float4*>(p));
