@@ -125,9 +125,11 @@ AF_DEVICE void store16_if(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t 
   asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n@q st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n"
                ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d), "r"(int(pred)) : "memory");
 }
-AF_DEVICE void store_f32_if(float* p, float v, bool pred) {
+// (an address, not a pointer: a caller may form it from a null base it never stores through, and
+// pointer arithmetic on null would let the compiler assume the base non-null)
+AF_DEVICE void store_f32_if(uint64_t addr, float v, bool pred) {
   asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q st.global.f32 [%0], %1;\n}\n"
-               ::"l"(p), "f"(v), "r"(int(pred)) : "memory");
+               ::"l"(addr), "f"(v), "r"(int(pred)) : "memory");
 }
 
 // 16 bytes of floats (written by an earlier kernel) into registers.
