@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..codegen import ParamField
-from . import graph
+from . import affine, graph
 from .trace import ModTraceError, trace
 
 MAX_TENSORS, MAX_SCALARS = 8, 8
@@ -100,6 +100,11 @@ class ScoreMod:
     def cpp_struct_name(self) -> str:
         return f"AfMod_{self.cache_key[:12]}"
 
+    @property
+    def kv_slope_root(self) -> Optional[tuple]:
+        """B when the score modifier is score + A + B * kv_idx (attnforge/mods/affine.py), else None."""
+        return affine.kv_slope(self.score_root)
+
     # -- C++ --------------------------------------------------------------------------------
     def host_functions(self) -> str:
         """Plain C++ (compiles with g++ and nvcc): the mod bodies over an accessor `a`."""
@@ -108,6 +113,10 @@ class ScoreMod:
             body = graph.emit_cpp(self.score_root, self.slots, "f")
             out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_score(float score, af_int b, "
                        f"af_int h, af_int q_idx, af_int kv_idx, const A& a) {{\n{body}\n}}")
+        if self.kv_slope_root is not None:
+            body = graph.emit_cpp(self.kv_slope_root, self.slots, "f")
+            out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_kv_slope(af_int b, af_int h, "
+                       f"af_int q_idx, const A& a) {{\n{body}\n}}")
         if self.mask_root is not None:
             body = graph.emit_cpp(self.mask_root, self.slots, "b")
             out.append(f"template <class A> AF_HD bool {self.cpp_struct_name}_mask(af_int b, af_int h, "
@@ -153,6 +162,11 @@ struct {n}_Access {{
             methods.append(f"""  static constexpr bool kHasLogitsTransform = true;
   template <class P> AF_DEVICE float logits_transform(const P& p, float s, const attnforge::LogitsIndex& i) const {{
     return {n}_score(s, i.batch, i.qo_head, i.qo_pos(), i.kv, {n}_Access<P>{{p}});
+  }}""")
+        if self.kv_slope_root is not None:
+            methods.append(f"""  static constexpr bool kAffineKV = true;
+  template <class P> AF_DEVICE float affine_kv_slope(const P& p, const attnforge::LogitsIndex& i) const {{
+    return {n}_kv_slope(i.batch, i.qo_head, i.qo_pos(), {n}_Access<P>{{p}});
   }}""")
         if self.mask_root is not None:
             methods.append(f"""  static constexpr bool kHasMask = true;

@@ -7,6 +7,9 @@
 //   template <class P> float output_transform(const P&, float o, const OutputIndex&) const;
 //   static constexpr bool kHasSink; template <class P> float sink_logit(const P&, uint32_t qo_head) const;
 //     (an attention sink: an extra logit, natural-log units, added to the softmax denominator only)
+//   static constexpr bool kAffineKV; template <class P> float affine_kv_slope(const P&, const LogitsIndex&) const;
+//     (logits_transform(s) is s + A + B * kv with A, B independent of kv: B for the row, so a kernel
+//     may evaluate the transform once per row and tile and step by B; attnforge/mods/affine.py)
 // `score` is q.k * sm_scale (natural-log units, as FlexAttention's score_mod sees it); the kernel
 // converts to the log2 domain after the hooks. Extra tensors and scalars a variant needs live in
 // the kernel's Params struct (rendered from the same field list the host packs).
@@ -55,7 +58,9 @@ struct IdentityVariant {
   static constexpr bool kHasMask = false;
   static constexpr bool kHasOutputTransform = false;
   static constexpr bool kHasSink = false;
+  static constexpr bool kAffineKV = false;
   template <class P> AF_DEVICE float sink_logit(const P&, uint32_t) const { return kNegInf; }
+  template <class P> AF_DEVICE float affine_kv_slope(const P&, const LogitsIndex&) const { return 0.f; }
   template <class P> AF_DEVICE float logits_transform(const P&, float s, const LogitsIndex&) const { return s; }
   template <class P> AF_DEVICE bool logits_mask(const P&, const LogitsIndex&) const { return true; }
   template <class P> AF_DEVICE float output_transform(const P&, float o, const OutputIndex&) const { return o; }

@@ -60,7 +60,7 @@ def library_mods():
             m.prefix_lm(torch.tensor([5, 17]))]
 
 
-def _host_program(mod, inputs) -> str:
+def _host_program(mod, inputs, call=None) -> str:
     tensors = []
     for k, t in enumerate(mod.tensors):
         flat = t.flatten()
@@ -79,8 +79,8 @@ def _host_program(mod, inputs) -> str:
     scalars = "\n".join(f"    if (k == {k}) return {float(v)!r}f;" for k, v in enumerate(mod.scalars))
     n = mod.cpp_struct_name
     rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
-    call = (f"{n}_score(in[i].s, in[i].b, in[i].h, in[i].q, in[i].kv, a)" if mod.score_root is not None
-            else f"(float){n}_mask(in[i].b, in[i].h, in[i].q, in[i].kv, a)")
+    call = call or (f"{n}_score(in[i].s, in[i].b, in[i].h, in[i].q, in[i].kv, a)" if mod.score_root is not None
+                    else f"(float){n}_mask(in[i].b, in[i].h, in[i].q, in[i].kv, a)")
     return f"""#include <cstdio>
 #include <initializer_list>
 {mod.host_functions()}
@@ -140,3 +140,39 @@ def test_floor_division_keeps_the_exact_quotient():
     for fn in ("af_floordiv(float a, float b)", "af_mod(float a, float b)"):
         line = next(l for l in CPP_PRELUDE.splitlines() if fn in l)
         assert "af_div_exact" in line and "af_div(" not in line, line
+
+
+def _affine_mods():
+    g = torch.Generator().manual_seed(4)
+    slopes = torch.rand(4, generator=g)
+
+    def distance_scaled(score, b, h, q_idx, kv_idx):  # a slope from h and b, an intercept from q
+        return score + 0.5 * (kv_idx - q_idx) * h - (kv_idx * 2 - b)
+    return [m.alibi(default_slopes(4)), compile_mod(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (q - kv) * 0.25),
+            compile_mod(score_mod=distance_scaled)]
+
+
+@pytest.mark.parametrize("mod", _affine_mods(), ids=lambda x: x.name)
+def test_gxx_affine_slope_matches_torch(mod, tmp_path):
+    """The kv slope B of an affine score modifier (attnforge/mods/affine.py), compiled with g++, equals
+    the torch evaluation of its graph, and score + bias(kv0) + B (kv - kv0) reproduces the modifier."""
+    from attnforge.mods import graph
+    g = torch.Generator().manual_seed(3)
+    b, h = torch.randint(0, 2, (N,), generator=g), torch.randint(0, 4, (N,), generator=g)
+    q, kv = torch.randint(0, 600, (N,), generator=g), torch.randint(0, 600, (N,), generator=g)
+    assert mod.kv_slope_root is not None
+    inputs = list(zip([0.0] * N, b.tolist(), h.tolist(), q.tolist(), kv.tolist()))
+    src = tmp_path / "slope.cpp"
+    src.write_text(_host_program(mod, inputs, call=f"{mod.cpp_struct_name}_kv_slope(in[i].b, in[i].h, in[i].q, a)"))
+    exe = tmp_path / "slope"
+    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    got = torch.tensor([float(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                          check=True).stdout.split()])
+    env = {"b": b, "h": h, "q_idx": q, "kv_idx": kv}
+    slope = graph.evaluate(mod.kv_slope_root, env, mod.tensors, mod.scalars).float().expand(N)
+    assert torch.allclose(got, slope, rtol=1e-6, atol=1e-6)
+    # the kernel's form: the bias at a reference column kv0, stepped by the slope
+    score = torch.randn(N, generator=g)
+    kv0 = (kv // 128) * 128 + 2 * (kv % 4)
+    stepped = score + mod.torch_score(torch.zeros(N), b, h, q, kv0) + slope * (kv - kv0)
+    assert torch.allclose(stepped, mod.torch_score(score, b, h, q, kv), rtol=1e-5, atol=1e-3)
