@@ -59,9 +59,14 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
                         "exit_spread": float(g_exit.max() - g_exit.min()),
                         "tail_after_median_exit": float(g_exit.max() - np.median(g_exit)),
                         "first_entry_to_last_exit": float(g_exit.max() - g_entry.min())}
+    # per CTA (for attributing the tail offline): SM, exit (ns after the first entry), tiles, merge cycles
+    res["per_cta"] = {"sm": sm[:, 0].tolist(), "exit_ns": (g_exit - g_entry.min()).tolist(),
+                      "tiles": np.where(used, tiles, 0).sum(axis=1).tolist(),
+                      "items": used.sum(axis=1).tolist(), "span_cycles": spans.tolist(),
+                      "merge_cycles": np.where(used & (merged > 0), ph["merge"], 0).sum(axis=1).tolist()}
     # an estimate of the SM clock: the median CTA span over the kernel's event time (includes launch)
     res["est_ghz_lower_bound"] = float(np.median(spans) / (ms * 1e6))
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "per_cta"}, indent=1))
     return res
 
 
