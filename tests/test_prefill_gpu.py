@@ -328,6 +328,26 @@ def test_library_mods_in_prefill(name):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_slopes_past_the_bounded_max(dtype, causal):
+    """ALiBi's inside tiles on bf16 take the row max from raw scores (off by up to |slope| x 60.5
+    columns): per-head slopes on both sides of the bound (0.733 at 128-column tiles), negative ones,
+    and steep ones (4.0, whose exact path must still win) agree with the reference; fp16 always
+    takes the exact max."""
+    import attnforge.mods as m
+    slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
+    spec = AttentionSpec(family="prefill", causal=causal, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype,
+                         score_mod=m.alibi(slopes))
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [300, 1000, 700], seed=5)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 def sdpa_checked_attention(seed, lq, lk):
     """attention() on random GQA 16/4 d128 [2, H, L, D] inputs, checked against SDPA (output and LSE)."""
     torch.manual_seed(seed)
