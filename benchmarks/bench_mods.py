@@ -2,6 +2,8 @@
 and a document mask against FlexAttention (compiled, block mask prebuilt)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 import attnforge.mods as mods
@@ -41,7 +43,19 @@ def run(report: Report, peers: bool = True) -> None:
                                        causal=True, score_mod=mod))
         w.plan(ind, ind)
         fns[name] = lambda w=w: w.run(qp, (kp, vp))
-    report_mods(report, "prefill B1 S8192", time_interleaved(fns, calls=2, reps=10), None, causal_flops([8192]))
+    # ATTNFORGE_BENCH_MODS_FMA_EXP="0,1,3": the soft-cap kernel with other quarters of its exponentials on
+    # the FMA pipe (rows attnforge-fx<q>; the default is PrefillKernel's), for docs/perf-notes.md
+    extra = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MODS_FMA_EXP", "").split(","))]
+    for q_fma in extra:
+        w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
+                                       causal=True, score_mod=the_mods()["softcap"]), fma_exp=q_fma)
+        w.plan(ind, ind)
+        fns[f"fx{q_fma}"] = lambda w=w: w.run(qp, (kp, vp))
+    times = time_interleaved(fns, calls=2, reps=10)
+    report_mods(report, "prefill B1 S8192", times, None, causal_flops([8192]))
+    for q_fma in extra:
+        report.add("mods", "softcap prefill B1 S8192", f"attnforge-fx{q_fma}", times[f"fx{q_fma}"], None,
+                   causal_flops([8192]))
     bench_document_mask(report, peers)
 
 
