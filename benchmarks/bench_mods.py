@@ -2,8 +2,6 @@
 and a document mask against FlexAttention (compiled, block mask prebuilt)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 import attnforge.mods as mods
@@ -43,21 +41,7 @@ def run(report: Report, peers: bool = True) -> None:
                                        causal=True, score_mod=mod))
         w.plan(ind, ind)
         fns[name] = lambda w=w: w.run(qp, (kp, vp))
-    # ATTNFORGE_BENCH_MODS_FMA_EXP="0,1,3,plain1": the soft-cap kernel (or, "plain<q>", the kernel without a
-    # mod) with other quarters of its exponentials on the FMA pipe: rows attnforge-fx<q> / attnforge-plain-fx<q>
-    # of case softcap prefill (the defaults are PrefillKernel's), for docs/perf-notes.md
-    extra = list(filter(None, os.environ.get("ATTNFORGE_BENCH_MODS_FMA_EXP", "").split(",")))
-    for key in extra:
-        mod = None if key.startswith("plain") else the_mods()["softcap"]
-        w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
-                                       causal=True, score_mod=mod), fma_exp=int(key.removeprefix("plain")))
-        w.plan(ind, ind)
-        fns[key] = lambda w=w: w.run(qp, (kp, vp))
-    times = time_interleaved(fns, calls=2, reps=10)
-    report_mods(report, "prefill B1 S8192", times, None, causal_flops([8192]))
-    for key in extra:
-        impl = f"attnforge-plain-fx{key[5:]}" if key.startswith("plain") else f"attnforge-fx{key}"
-        report.add("mods", "softcap prefill B1 S8192", impl, times[key], None, causal_flops([8192]))
+    report_mods(report, "prefill B1 S8192", time_interleaved(fns, calls=2, reps=10), None, causal_flops([8192]))
     bench_document_mask(report, peers)
 
 

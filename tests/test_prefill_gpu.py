@@ -348,25 +348,6 @@ def test_alibi_slopes_past_the_bounded_max(dtype, causal):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
-@pytest.mark.parametrize("fma_exp", [0, 1, 2, 4])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_softcap_with_exponentials_on_the_fma_pipe(fma_exp, dtype):
-    """Soft-capped prefill with 0-4 quarters of the exponentials on the FMA pipe (ex2_on_fma): causal
-    rows that see no key (300 queries over 200 keys) must stay exact zeros, the rest match the reference."""
-    import attnforge.mods as m
-    spec = AttentionSpec(family="prefill", causal=True, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype,
-                         score_mod=m.softcap(5.0))
-    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [200, 1000, 700], seed=7)
-    w = BatchPrefill(spec, fma_exp=fma_exp)
-    assert w.kernel.fma_exp == fma_exp
-    w.plan(qo, kv)
-    out, lse = w.run(q, (k, v), return_lse=True)
-    blind = slice(0, 100)  # request 0's first 100 rows precede every key
-    assert (out[blind] == 0).all() and torch.isneginf(lse[blind]).all()
-    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
-    check_against_reference(spec, q, out, lse, per, qo)
-
-
 def sdpa_checked_attention(seed, lq, lk):
     """attention() on random GQA 16/4 d128 [2, H, L, D] inputs, checked against SDPA (output and LSE)."""
     torch.manual_seed(seed)

@@ -97,59 +97,6 @@ def test_persistent_shape_and_refusals():
         PrefillKernel(SPEC, "mma", persistent=True)
 
 
-def test_fma_exponentials_where_the_score_path_uses_the_sfu():
-    from attnforge import mods
-    from attnforge.kernels.prefill import FMA_EXP_WHEN_SFU_BOUND
-    capped = [AttentionSpec(family="prefill", causal=True, logits_soft_cap=30.0),
-              AttentionSpec(family="prefill", causal=True, score_mod=mods.softcap(50.0))]
-    for spec in capped:
-        k = PrefillKernel(spec, "wgmma")
-        assert k.fma_exp == FMA_EXP_WHEN_SFU_BOUND > 0
-        assert f"_fx{k.fma_exp}_" in k.module().name and f"kFmaExpQuarters = {k.fma_exp};" in k.module().source
-        assert PrefillKernel(spec, "mma").fma_exp == 0, "the portable kernel keeps the SFU"
-    for spec in (SPEC, AttentionSpec(family="prefill", score_mod=mods.alibi(torch.ones(32)))):
-        assert PrefillKernel(spec, "wgmma").fma_exp == 0 and "_fx" not in PrefillKernel(spec, "wgmma").module().name
-    assert PrefillKernel(SPEC, "wgmma", fma_exp=4).module().name.endswith("_tma_fx4_s3")
-    for bad in (5, -1, True, 1.5):
-        with pytest.raises(ValueError, match="fma_exp: expected None or an int in 0..4"):
-            PrefillKernel(SPEC, "wgmma", fma_exp=bad)
-    with pytest.raises(ValueError, match="only the wgmma backend"):
-        PrefillKernel(SPEC, "mma", fma_exp=2)
-
-
-EX2_PROGRAM = r"""
-#include <cstdio>
-#include "attnforge/common.cuh"
-int main() {
-  float x;
-  while (std::scanf("%f", &x) == 1) std::printf("%.9g\n", attnforge::ex2_on_fma(x));
-}
-"""
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-def test_ex2_on_fma_against_exp2(tmp_path):
-    """The FMA-pipe 2^x (host build of the same header function): 7.5e-5 relative over the range a
-    softmax exponent takes, exactly 0 at and below -127 and for -inf (masked logits)."""
-    import numpy as np
-
-    from attnforge import codegen
-    (tmp_path / "t.cu").write_text(EX2_PROGRAM)
-    subprocess.run(["nvcc", "-std=c++20", f"-I{codegen.include_dir()}", "-o", str(tmp_path / "t"),
-                    str(tmp_path / "t.cu")], check=True, capture_output=True)
-    rng = np.random.default_rng(0)
-    xs = np.concatenate([rng.uniform(-126, 100, 20000), np.arange(-126, 101), np.arange(-126, 100) + 0.5,
-                         [0.0, -0.0, 1e-7, -1e-7]]).astype(np.float32)
-    special = np.array([-127.0, -130.0, -1e30, -np.inf], dtype=np.float32)
-    text = "\n".join(f"{x:.9g}" for x in np.concatenate([xs, special]))
-    out = subprocess.run([str(tmp_path / "t")], input=text, check=True, capture_output=True, text=True).stdout
-    got = np.array([float(v) for v in out.split()])
-    assert len(got) == len(xs) + len(special)
-    rel = np.abs(got[:len(xs)] / np.exp2(xs.astype(np.float64)) - 1)
-    assert rel.max() < 8e-5, f"max relative error {rel.max():.3g} at x = {xs[rel.argmax()]}"
-    assert (got[len(xs):] == 0).all()
-
-
 def test_producer_warpgroup_shape():
     k = PrefillKernel(SPEC, "wgmma", producer=True)
     assert k.threads == 384 and k.module().name.endswith("_ws_pers_tma_s3")

@@ -62,15 +62,6 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-FMA_EXP_WHEN_SFU_BOUND = 2  # quarters (see PrefillKernel.fma_exp; docs/perf-notes.md has the measurement)
-
-
-def score_path_uses_sfu(spec: AttentionSpec) -> bool:
-    """Whether every score already costs an SFU op before the softmax's exp2: a soft-cap (tanh), or a
-    score modifier calling exp / log / tanh / sigmoid / sqrt / sin / cos / division."""
-    return spec.logits_soft_cap > 0 or (spec.score_mod is not None and spec.score_mod.score_uses_sfu)
-
-
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
     """ATTNFORGE_PREFILL_BACKEND if set, else wgmma where it applies and sm_90a is being built."""
     forced = env.PREFILL_BACKEND.value
@@ -97,14 +88,8 @@ class PrefillKernel:
     tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
     # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 8+ tokens); True: wherever the tensors
     # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
-    fma_exp: Optional[int] = None  # wgmma: quarters of the softmax's exponentials computed on the FMA
-    # pipe (ex2_on_fma) instead of the SFU. None: FMA_EXP_WHEN_SFU_BOUND where the score path itself
-    # calls the SFU (a soft-cap's tanh: two SFU ops per score, the tensor cores' pace), else 0
 
     def __post_init__(self):
-        if self.fma_exp is None:
-            object.__setattr__(self, "fma_exp", FMA_EXP_WHEN_SFU_BOUND if self.backend == "wgmma" and
-                               score_path_uses_sfu(self.spec) else 0)
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
         if self.persistent is None:
@@ -126,12 +111,6 @@ class PrefillKernel:
         if self.persistent and (not self.producer or self.pingpong):
             raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup and no ping-pong, got "
                              f"producer={self.producer}, pingpong={self.pingpong}; pass producer=True, pingpong=False")
-        if self.fma_exp not in range(5) or isinstance(self.fma_exp, bool):
-            raise ValueError(f"PrefillKernel.fma_exp: expected None or an int in 0..4 (quarters of the "
-                             f"exponentials), got {self.fma_exp!r}")
-        if self.fma_exp and self.backend != "wgmma":
-            raise ValueError(f"PrefillKernel.fma_exp: only the wgmma backend computes exponentials on the FMA pipe, "
-                             f"got backend {self.backend!r}; pass fma_exp=None (or 0)")
         if self.tma not in (None, True, False):
             raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
                              "pass one of those")
@@ -253,8 +232,7 @@ class PrefillKernel:
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
-               "tma": self.has_tma, "params_struct": self.params.cpp(), "trace": False,
-               "fma_exp_quarters": self.fma_exp}
+               "tma": self.has_tma, "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
@@ -263,7 +241,6 @@ class PrefillKernel:
                          *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
-                         *([f"fx{self.fma_exp}"] if self.fma_exp else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))

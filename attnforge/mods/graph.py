@@ -163,15 +163,6 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
     return "\n".join(lines)
 
 
-def uses_sfu(root: tuple) -> bool:
-    """Whether the expression calls the SFU on the device: a float function, pow, or a division by a
-    runtime value (a constant divisor is a multiply, _emit_division)."""
-    op = root[0]
-    if op in FLOAT_FUNCS or op == "pow" or (op == "truediv" and root[2][0] != "const"):
-        return True
-    return any(isinstance(a, tuple) and a and isinstance(a[0], str) and uses_sfu(a) for a in root[1:])
-
-
 def _emit_division(a: str, b: str, divisor: tuple) -> str:
     """IEEE float division is a ~10-instruction sequence with a slow path; a modifier's quotient feeds a
     score rounded to bf16/fp16 anyway. A constant divisor becomes a multiply by its float32 reciprocal

@@ -101,11 +101,6 @@ class ScoreMod:
         return f"AfMod_{self.cache_key[:12]}"
 
     @property
-    def score_uses_sfu(self) -> bool:
-        """Whether the score modifier costs an SFU op per score (prefill then moves exponentials to the FMA pipe)."""
-        return self.score_root is not None and graph.uses_sfu(self.score_root)
-
-    @property
     def kv_slope_root(self) -> Optional[tuple]:
         """B when the score modifier is score + A + B * kv_idx (attnforge/mods/affine.py), else None."""
         return affine.kv_slope(self.score_root)

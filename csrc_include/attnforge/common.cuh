@@ -26,48 +26,6 @@ AF_DEVICE float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// Round-to-nearest float add and bit casts, on the device and in host tests (no fast-math folding).
-AF_HOST_DEVICE float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-AF_HOST_DEVICE int32_t float_bits(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_int(x);
-#else
-  int32_t b;
-  __builtin_memcpy(&b, &x, 4);
-  return b;
-#endif
-}
-AF_HOST_DEVICE float bits_float(int32_t b) {
-#ifdef __CUDA_ARCH__
-  return __int_as_float(b);
-#else
-  float x;
-  __builtin_memcpy(&x, &b, 4);
-  return x;
-#endif
-}
-
-// 2^x on the FMA pipe, for kernels whose SFU is the bottleneck (a soft-cap's tanh beside the softmax's
-// exp2: two SFU ops per score, as many as the tensor cores' rate allows). x = n + f, n = round(x) by
-// the 1.5 * 2^23 trick, |f| <= 1/2; 2^f by a cubic (minimax in relative error, 7.5e-5: below bf16 and
-// fp16 P's rounding); 2^n built in the exponent bits and multiplied in, so x <= -127 (and -inf) gives
-// exactly 0, as masked logits need. Valid for x < 128. Nine FMA/ALU-pipe instructions (SASS).
-AF_HOST_DEVICE float ex2_on_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  x = fmaxf(x, -127.f);
-  const float j = add_rn(x, kRound);
-  const float f = add_rn(x, -add_rn(j, -kRound));
-  const float poly = fmaf(fmaf(fmaf(0.05517132f, f, 0.24261054f), f, 0.69326097f), f, 0.99992812f);
-  // the low bits of j hold n (two's complement); (n + 127) << 23 is 2^n, or +0 at n = -127
-  const float scale = bits_float(int32_t(uint32_t(float_bits(j) + 127) << 23));
-  return poly * scale;
-}
 AF_DEVICE float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -116,21 +116,3 @@ def test_hot_path_math_avoids_ieee_division_and_sqrt():
     device = CPP_PRELUDE[CPP_PRELUDE.index("#ifdef __CUDA_ARCH__"):]
     assert "AF_PICK(__fdividef, af_div_exact)" in device and "AF_PICK(af_sqrt_approx, sqrtf)" in device
     assert "af_sigmoid(float x) { return af_div(" in device
-
-
-def test_sfu_use_is_detected():
-    """score_uses_sfu (prefill then moves exponentials to the FMA pipe): float functions, pow and
-    runtime divisions call the SFU; arithmetic, comparisons, lookups and constant divisors do not."""
-    table = torch.randn(8, 3)
-    cases = {
-        lambda s, b, h, q, k: s * 0.5 + (k - q): False,
-        lambda s, b, h, q, k: s / 30.0: False,
-        lambda s, b, h, q, k: torch.where(k > q, s + table[h, 0], s): False,
-        lambda s, b, h, q, k: 30.0 * torch.tanh(s / 30.0): True,
-        lambda s, b, h, q, k: s + torch.sigmoid(table[h, 1]): True,
-        lambda s, b, h, q, k: s / (1 + k): True,
-        lambda s, b, h, q, k: s + torch.exp(table[h, 2] * 0.1): True,
-    }
-    for fn, sfu in cases.items():
-        assert compile_mod(score_mod=fn).score_uses_sfu is sfu, (fn, sfu)
-    assert compile_mod(mask_mod=lambda b, h, q, k: k <= q).score_uses_sfu is False
