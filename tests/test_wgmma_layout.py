@@ -21,11 +21,11 @@ int main() {
   for (int rows : {64, 128})
     for (int row = 0; row < rows; ++row)
       for (int chunk = 0; chunk < 16; ++chunk) std::printf("o %d %d %d %d\n", rows, row, chunk, sw128_offset(row, chunk, rows));
-  const unsigned base = 0x18400;
-  for (int rows : {64, 128})
-    for (int k = 0; k < 8; ++k)
-      std::printf("d %d %d %llu %llu\n", rows, k, (unsigned long long)sw128_kmajor_desc(base, rows, k),
-                  (unsigned long long)sw128_mnmajor_desc(base, rows, k));
+  for (unsigned base : {0x18400u, 0x30000u})  // the second near the top of a 228 KB window
+    for (int rows : {64, 128})
+      for (int k = 0; k < 8; ++k)
+        std::printf("d %u %d %d %llu %llu\n", base, rows, k, (unsigned long long)sw128_kmajor_desc(base, rows, k),
+                    (unsigned long long)sw128_mnmajor_desc(base, rows, k));
 }
 """
 
@@ -60,14 +60,20 @@ def _fields(desc):
 
 
 def test_descriptors_step_through_the_tile(output):
-    base = 0x18400
+    """desc_advance steps the start address by one add to the low word: shared addresses stay below
+    2^18, so the 14-bit field never carries into the reserved bits around it (checked here too)."""
+    reserved = (0x3 << 14) | (0x3 << 30) | (0x7 << 46) | (0x1FFF << 49)
+    seen = 0
     for line in output:
         if not line.startswith("d "):
             continue
-        rows, k, kmajor, mnmajor = map(int, line.split()[1:])
+        base, rows, k, kmajor, mnmajor = map(int, line.split()[1:])
+        seen += 1
+        assert kmajor & reserved == 0 and mnmajor & reserved == 0, (base, rows, k)
         km, mn = _fields(kmajor), _fields(mnmajor)
         # K-major (Q, K): k16 step k is 32 bytes into 64-column block k // 4; 8-row groups 1024 bytes apart
         assert km == {"start": base + (k // 4) * rows * 128 + (k % 4) * 32, "lbo": 16, "sbo": 1024,
                       "base_offset": 0, "swizzle": 1}
         # MN-major (V): k16 step k is rows 16k.., the next 64 N columns one block (rows * 128 bytes) on
         assert mn == {"start": base + k * 16 * 128, "lbo": rows * 128, "sbo": 1024, "base_offset": 0, "swizzle": 1}
+    assert seen == 2 * 2 * 8
