@@ -36,3 +36,15 @@ def capture(wrapper, run) -> tuple[np.ndarray, float]:
     host = np.zeros(size // 8, dtype=np.uint64)
     loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
     return host, start.elapsed_time(end)
+
+
+def exit_by_class(exit_ns: np.ndarray, n_items: np.ndarray, did_merge: np.ndarray) -> dict:
+    """Per kind of CTA (items run, merged a split item or not): count, mean and latest exit in us."""
+    out = {}
+    for k in np.unique(n_items):
+        for m in (False, True):
+            sel = (n_items == k) & (did_merge == m)
+            if sel.any():
+                out[f"items {int(k)} merged {int(m)}"] = {"ctas": int(sel.sum()), "mean": float(exit_ns[sel].mean() / 1e3),
+                                                         "max": float(exit_ns[sel].max() / 1e3)}
+    return out

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 from attnforge.kernels import decode as kdecode  # noqa: E402
-from trace_capture import build_traced, capture  # noqa: E402
+from trace_capture import build_traced, capture, exit_by_class  # noqa: E402
 from bench_decode import HKV, HQ, D, cases, paged_inputs  # noqa: E402
 
 ITEMS = 32  # trace slots per CTA (the template's)
@@ -64,6 +64,9 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
                       "tiles": np.where(used, tiles, 0).sum(axis=1).tolist(),
                       "items": used.sum(axis=1).tolist(), "span_cycles": spans.tolist(),
                       "merge_cycles": np.where(used & (merged > 0), ph["merge"], 0).sum(axis=1).tolist()}
+    # the tail by kind of CTA: how many items it ran and whether it merged a split item (the merge of
+    # an item's chunks runs at the kernel's end, so mergers exit last: seventh session of 2026-11-30)
+    res["exit_by_class_us"] = exit_by_class(g_exit - g_entry.min(), used.sum(axis=1), (used & (merged > 0)).any(axis=1))
     # an estimate of the SM clock: the median CTA span over the kernel's event time (includes launch)
     res["est_ghz_lower_bound"] = float(np.median(spans) / (ms * 1e6))
     print(json.dumps({k: v for k, v in res.items() if k != "per_cta"}, indent=1))

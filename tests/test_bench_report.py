@@ -129,3 +129,16 @@ def test_trace_scripts_build_traced_modules_of_their_own():
     finally:
         DecodeKernel.module = plain
     assert "af_trace" not in DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module().source
+
+
+def test_decode_trace_splits_the_tail_by_kind_of_cta():
+    """benchmarks/trace_capture.exit_by_class: exits (ns) grouped by items run and whether the CTA merged."""
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.exit_by_class(np.array([100_000, 110_000, 130_000, 131_000]), np.array([1, 1, 2, 1]),
+                            np.array([False, False, True, True]))
+    assert out == {"items 1 merged 0": {"ctas": 2, "mean": 105.0, "max": 110.0},
+                   "items 1 merged 1": {"ctas": 1, "mean": 131.0, "max": 131.0},
+                   "items 2 merged 1": {"ctas": 1, "mean": 130.0, "max": 130.0}}
