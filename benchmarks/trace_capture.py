@@ -2,6 +2,9 @@
 template's `trace=True` (SM-cycle stamps into the __device__ array `af_trace`), and one timed run
 whose stamps come back to the host."""
 import dataclasses
+import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,3 +51,9 @@ def exit_by_class(exit_ns: np.ndarray, n_items: np.ndarray, did_merge: np.ndarra
                 out[f"items {int(k)} merged {int(m)}"] = {"ctas": int(sel.sum()), "mean": float(exit_ns[sel].mean() / 1e3),
                                                          "max": float(exit_ns[sel].max() / 1e3)}
     return out
+
+
+def save_json_if_asked(results: list) -> None:
+    """`--json out.json` on the command line: the results go there too."""
+    if "--json" in sys.argv:
+        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(results, indent=1))

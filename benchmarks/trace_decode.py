@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 from attnforge.kernels import decode as kdecode  # noqa: E402
-from trace_capture import build_traced, capture, exit_by_class  # noqa: E402
+from trace_capture import build_traced, capture, exit_by_class, save_json_if_asked  # noqa: E402
 from bench_decode import HKV, HQ, D, cases, paged_inputs  # noqa: E402
 
 ITEMS = 32  # trace slots per CTA (the template's)
@@ -74,6 +74,4 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
 
 
 if __name__ == "__main__":
-    results = [trace_case(c[0], *c[1:]) for c in cases() if "fp8" not in c[0]]
-    if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(results, indent=1))
+    save_json_if_asked([trace_case(c[0], *c[1:]) for c in cases() if "fp8" not in c[0]])

@@ -1,4 +1,4 @@
-"""Where a Hopper prefill work item spends its time (debug, branch next/prefill-trace): the kernel
+"""Where a Hopper prefill work item spends its time (debug): the kernel
 built with trace=True stamps SM cycles per item (consumer thread 0; template batch_prefill_wgmma),
 and this script prints per-case medians of each phase, the interior and last tile, and the gap
 between consecutive items on one SM (launch and drain of the CTA before).
@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchPrefill  # noqa: E402
 from attnforge.kernels import prefill as kprefill  # noqa: E402
-from trace_capture import build_traced, capture  # noqa: E402
+from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
 from bench_prefill import HKV, HQ, D, ragged  # noqa: E402
 
 build_traced(kprefill.PrefillKernel)
@@ -58,8 +58,8 @@ def trace_case(name, lengths, **kw):
 
 
 if __name__ == "__main__":
-    results = [trace_case("B16 S2048", [2048] * 16), trace_case("B16 S2048 persistent", [2048] * 16, persistent=True),
-               trace_case("B1 S8192", [8192]), trace_case("B1 S8192 persistent", [8192], persistent=True),
+    # the default kernel is persistent; "cta-per-item" is one CTA per work item
+    results = [trace_case("B16 S2048", [2048] * 16), trace_case("B16 S2048 cta-per-item", [2048] * 16, persistent=False),
+               trace_case("B1 S8192", [8192]), trace_case("B1 S8192 cta-per-item", [8192], persistent=False),
                trace_case("ragged 16", torch.randint(128, 8193, (16,)).tolist())]
-    if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(results, indent=1))
+    save_json_if_asked(results)

@@ -1,8 +1,13 @@
 """benchmarks/report.py (merging a partial run into the results of record) and the harness's
 interleaved timing, on the host."""
+import dataclasses
 import importlib.util
 import json
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
 
@@ -116,9 +121,7 @@ def test_ab_compare_takes_each_trees_median_over_rounds(tmp_path, capsys):
 def test_trace_scripts_build_traced_modules_of_their_own():
     """benchmarks/trace_capture.build_traced: every module the kernel class builds carries trace=True
     under its own name (its own cache entry), so a trace never reuses an untraced cubin."""
-    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_trace_capture()
     from attnforge import AttentionSpec
     from attnforge.kernels.decode import DecodeKernel
     plain = DecodeKernel.module
@@ -134,11 +137,44 @@ def test_trace_scripts_build_traced_modules_of_their_own():
 def test_decode_trace_splits_the_tail_by_kind_of_cta():
     """benchmarks/trace_capture.exit_by_class: exits (ns) grouped by items run and whether the CTA merged."""
     import numpy as np
-    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_trace_capture()
     out = mod.exit_by_class(np.array([100_000, 110_000, 130_000, 131_000]), np.array([1, 1, 2, 1]),
                             np.array([False, False, True, True]))
     assert out == {"items 1 merged 0": {"ctas": 2, "mean": 105.0, "max": 110.0},
                    "items 1 merged 1": {"ctas": 1, "mean": 131.0, "max": 131.0},
                    "items 2 merged 1": {"ctas": 1, "mean": 130.0, "max": 130.0}}
+
+
+def load_trace_capture():
+    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_scripts_save_json_only_when_asked(tmp_path, monkeypatch):
+    mod = load_trace_capture()
+    target = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["trace_decode.py"])
+    mod.save_json_if_asked([{"case": "a"}])
+    assert not target.exists()
+    monkeypatch.setattr("sys.argv", ["trace_decode.py", "--json", str(target)])
+    mod.save_json_if_asked([{"case": "a"}])
+    assert json.loads(target.read_text()) == [{"case": "a"}]
+
+
+def test_traced_kernels_compile(tmp_path):
+    """The trace builds (trace=True) of the decode and Hopper prefill kernels compile for sm_90a: they
+    are only built on the GPU machine, where a broken one would cost a device call."""
+    from attnforge import AttentionSpec, codegen
+    from attnforge.kernels.decode import DecodeKernel
+    from attnforge.kernels.prefill import PrefillKernel
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc (CI has it)")
+    for m in (DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module(),
+              PrefillKernel(AttentionSpec(family="prefill", causal=True), "wgmma").module()):
+        src = tmp_path / f"{m.name}.cu"
+        src.write_text(dataclasses.replace(m, context={**m.context, "trace": True}).source)
+        subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                        f"-I{codegen.include_dir()}", "-o", str(tmp_path / "k.cubin"), str(src)],
+                       check=True, capture_output=True)

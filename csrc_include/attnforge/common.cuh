@@ -119,6 +119,19 @@ struct Vec16 {
   AF_DEVICE void set(int i, T v) { reinterpret_cast<T*>(&raw)[i] = v; }
 };
 
+// Clocks for the kernels' debug traces (template variable `trace`): this SM's cycle counter, and the
+// GPU-wide nanosecond timer (comparable across SMs).
+AF_DEVICE unsigned long long sm_clock() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+  return t;
+}
+AF_DEVICE unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Stores under a predicate, with no branch: code between a wgmma's issue and its wait must not branch
 // (a control-flow merge while wgmmas fly makes ptxas serialise them, C7514).
 AF_DEVICE void store16_if(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d, bool pred) {
