@@ -347,6 +347,29 @@ def test_alibi_steep_and_negative_slopes(dtype, causal):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("form", ["spec", "const", "runtime"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_soft_cap_folded_and_not(form, dtype):
+    """Soft-capping through the spec's logits_soft_cap and a constant-cap mod (scaled core: the cap's
+    scales folded into sm_scale and log2 e on inside tiles) and a runtime-cap mod (not folded), causal,
+    with rows that see no key (zeros, LSE -inf), against the reference."""
+    import attnforge.mods as m
+    cap = 5.0
+    kw = ({"logits_soft_cap": cap} if form == "spec" else
+          {"score_mod": m.softcap(cap if form == "const" else torch.tensor(cap, device="cuda"))})
+    spec = AttentionSpec(family="prefill", causal=True, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype, **kw)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [200, 1000, 700], seed=9)
+    q = q * 4  # scores well into the cap's curve
+    w = BatchPrefill(spec)
+    src = w.kernel.module().source  # the spec's cap: SoftCapVariant, a scaled core in variant.cuh
+    assert ("SoftCapVariant" in src if form == "spec" else ("kScaledCore = true" in src) == (form == "const"))
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()  # request 0's first rows precede every key
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 def sdpa_checked_attention(seed, lq, lk):
     """attention() on random GQA 16/4 d128 [2, H, L, D] inputs, checked against SDPA (output and LSE)."""
     torch.manual_seed(seed)

@@ -175,7 +175,8 @@ def test_trace_stamps_only_when_asked():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}])
+@pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}, {"score_mod": "softcap"},
+                                {"score_mod": "spec_softcap"}])
 def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
     between an issue and its wait branches or touches accumulators: the deferred epilogue runs under
@@ -183,10 +184,10 @@ def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     import dataclasses
 
     from attnforge import codegen, mods
-    spec = SPEC
-    if kw.get("score_mod") == "alibi":
-        spec = dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(SPEC.num_qo_heads)))
-        kw = {}
+    kw = dict(kw)
+    spec = {"alibi": dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(SPEC.num_qo_heads))),
+            "softcap": dataclasses.replace(SPEC, score_mod=mods.softcap(50.0)),
+            "spec_softcap": dataclasses.replace(SPEC, logits_soft_cap=50.0)}.get(kw.pop("score_mod", None), SPEC)
     m = PrefillKernel(spec, "wgmma", **kw).module()
     (tmp_path / "k.cu").write_text(m.source)
     out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..codegen import ParamField
-from . import affine, graph
+from . import affine, graph, scaled
 from .trace import ModTraceError, trace
 
 MAX_TENSORS, MAX_SCALARS = 8, 8
@@ -101,6 +101,11 @@ class ScoreMod:
         return f"AfMod_{self.cache_key[:12]}"
 
     @property
+    def scaled_core(self) -> Optional[tuple[float, float, str]]:
+        """(in, out, F) when the score modifier is out * F(in * score) (attnforge/mods/scaled.py), else None."""
+        return scaled.scaled_core(self.score_root)
+
+    @property
     def kv_slope_root(self) -> Optional[tuple]:
         """B when the score modifier is score + A + B * kv_idx (attnforge/mods/affine.py), else None."""
         return affine.kv_slope(self.score_root)
@@ -117,6 +122,9 @@ class ScoreMod:
             body = graph.emit_cpp(self.kv_slope_root, self.slots, "f")
             out.append(f"template <class A> AF_HD float {self.cpp_struct_name}_kv_slope(af_int b, af_int h, "
                        f"af_int q_idx, const A& a) {{\n{body}\n}}")
+        if self.scaled_core is not None:
+            out.append(f"AF_HD float {self.cpp_struct_name}_core(float x) {{ return "
+                       f"{graph.FLOAT_FUNCS[self.scaled_core[2]][1]}(x); }}")
         if self.mask_root is not None:
             body = graph.emit_cpp(self.mask_root, self.slots, "b")
             out.append(f"template <class A> AF_HD bool {self.cpp_struct_name}_mask(af_int b, af_int h, "
@@ -168,6 +176,12 @@ struct {n}_Access {{
   template <class P> AF_DEVICE float affine_kv_slope(const P& p, const attnforge::LogitsIndex& i) const {{
     return {n}_kv_slope(i.batch, i.qo_head, i.qo_pos(), {n}_Access<P>{{p}});
   }}""")
+        if self.scaled_core is not None:
+            scale_in, scale_out, _ = self.scaled_core
+            methods.append(f"""  static constexpr bool kScaledCore = true;
+  template <class P> AF_DEVICE float core_in_scale(const P&) const {{ return {scale_in!r}f; }}
+  template <class P> AF_DEVICE float core_out_scale(const P&) const {{ return {scale_out!r}f; }}
+  template <class P> AF_DEVICE float logits_core(const P&, float x) const {{ return {n}_core(x); }}""")
         if self.mask_root is not None:
             methods.append(f"""  static constexpr bool kHasMask = true;
   template <class P> AF_DEVICE bool logits_mask(const P& p, const attnforge::LogitsIndex& i) const {{

@@ -10,6 +10,11 @@
 //   static constexpr bool kAffineKV; template <class P> float affine_kv_slope(const P&, const LogitsIndex&) const;
 //     (logits_transform(s) is s + A + B * kv with A, B independent of kv: B for the row, so a kernel
 //     may evaluate the transform once per row and tile and step by B; attnforge/mods/affine.py)
+//   static constexpr bool kScaledCore; template <class P> float core_in_scale(const P&) const;
+//     float core_out_scale(const P&) const; float logits_core(const P&, float x) const;
+//     (logits_transform(s) is out * core(in * s), in and out free of positions, out > 0: a kernel may
+//     fold in into sm_scale and out into log2 e, the transform's row max being out times the core's;
+//     attnforge/mods/scaled.py)
 // `score` is q.k * sm_scale (natural-log units, as FlexAttention's score_mod sees it); the kernel
 // converts to the log2 domain after the hooks. Extra tensors and scalars a variant needs live in
 // the kernel's Params struct (rendered from the same field list the host packs).
@@ -59,6 +64,10 @@ struct IdentityVariant {
   static constexpr bool kHasOutputTransform = false;
   static constexpr bool kHasSink = false;
   static constexpr bool kAffineKV = false;
+  static constexpr bool kScaledCore = false;
+  template <class P> AF_DEVICE float core_in_scale(const P&) const { return 1.f; }
+  template <class P> AF_DEVICE float core_out_scale(const P&) const { return 1.f; }
+  template <class P> AF_DEVICE float logits_core(const P&, float x) const { return x; }
   template <class P> AF_DEVICE float sink_logit(const P&, uint32_t) const { return kNegInf; }
   template <class P> AF_DEVICE float affine_kv_slope(const P&, const LogitsIndex&) const { return 0.f; }
   template <class P> AF_DEVICE float logits_transform(const P&, float s, const LogitsIndex&) const { return s; }
@@ -67,11 +76,15 @@ struct IdentityVariant {
 };
 
 // Gemma-2 style soft-cap: cap * tanh(score / cap); the cap is a runtime scalar (no rebuild per value).
-struct SoftCapVariant : IdentityVariant {
+struct SoftCapVariant : IdentityVariant {  // the spec's logits_soft_cap (> 0, validated in spec.py)
   static constexpr bool kHasLogitsTransform = true;
   template <class P> AF_DEVICE float logits_transform(const P& p, float s, const LogitsIndex&) const {
     return p.logits_soft_cap * fast_tanh(s * p.inv_logits_soft_cap);
   }
+  static constexpr bool kScaledCore = true;
+  template <class P> AF_DEVICE float core_in_scale(const P& p) const { return p.inv_logits_soft_cap; }
+  template <class P> AF_DEVICE float core_out_scale(const P& p) const { return p.logits_soft_cap; }
+  template <class P> AF_DEVICE float logits_core(const P&, float x) const { return fast_tanh(x); }
 };
 
 // Causal and sliding-window masks layered on any variant. window_left is a runtime scalar.
