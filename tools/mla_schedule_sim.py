@@ -119,6 +119,17 @@ def roles(sim: Sim, wg: int, n: int):
                 sim.copy(1, t + 2)
 
 
+def softmax_and_own_pv(sim: Sim, wg: int, t: int):
+    """A seesaw warpgroup's own tile t once S(t) is issued: its softmax, READY, P(t).V(t) for its dims."""
+    c = sim.costs
+    yield ("wgmma", ("S", t))
+    sim.clock[wg] += c.softmax + c.p_store
+    sim.arrivals[("ready", t)] = sim.clock[wg]
+    yield ("mark", ("tile", t))
+    sim.issue(wg, ("PV", t), c.pv_half)
+    yield ("wgmma", ("PV", t))
+
+
 def seesaw(sim: Sim, wg: int, n: int, other_first: bool):
     """Each warpgroup S and softmax of its tiles t = wg (mod 2); the other's previous tile added to its
     dims. other_first: the branch's version 3 (the other's tile issued before S(t)), else version 2
@@ -139,12 +150,7 @@ def seesaw(sim: Sim, wg: int, n: int, other_first: bool):
         if t > 0:
             yield ("wgmma", ("PVo", t - 1, wg))
             sim.arrivals[("release", t - 1)] = sim.clock[wg]
-        yield ("wgmma", ("S", t))
-        sim.clock[wg] += c.softmax + c.p_store
-        sim.arrivals[("ready", t)] = sim.clock[wg]
-        yield ("mark", ("tile", t))
-        sim.issue(wg, ("PV", t), c.pv_half)
-        yield ("wgmma", ("PV", t))
+        yield from softmax_and_own_pv(sim, wg, t)
         if t + 2 < n:
             yield ("bar", ("release", t))
             sim.copy(wg, t + 2)
@@ -177,12 +183,7 @@ def seesaw_halves(sim: Sim, wg: int, n: int):
             sim.issue(wg, ("PVo", t - 1, wg), c.pv_half)
             yield ("wgmma", ("PVo", t - 1, wg))
             sim.arrivals[("release", t - 1)] = sim.clock[wg]
-        yield ("wgmma", ("S", t))
-        sim.clock[wg] += c.softmax + c.p_store
-        sim.arrivals[("ready", t)] = sim.clock[wg]
-        yield ("mark", ("tile", t))
-        sim.issue(wg, ("PV", t), c.pv_half)
-        yield ("wgmma", ("PV", t))
+        yield from softmax_and_own_pv(sim, wg, t)
         if t + 2 < n:
             copy_part("A", t + 2, 5)
             yield ("bar", ("release", t))

@@ -110,6 +110,15 @@ int main() {{
 """
 
 
+def run_on_host(mod, inputs, tmp_path, call=None) -> torch.Tensor:
+    """_host_program compiled with g++ and run: one float per input."""
+    src, exe = tmp_path / "mod.cpp", tmp_path / "mod"
+    src.write_text(_host_program(mod, inputs, call))
+    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return torch.tensor([float(x) for x in out.split()])
+
+
 @pytest.mark.parametrize("mod", user_mods() + library_mods(), ids=lambda x: x.name)
 def test_gxx_matches_torch(mod, tmp_path):
     g = torch.Generator().manual_seed(2)
@@ -119,12 +128,7 @@ def test_gxx_matches_torch(mod, tmp_path):
     q = torch.randint(0, 60, (N,), generator=g)
     kv = torch.randint(0, 60, (N,), generator=g)
     inputs = list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist()))
-    src = tmp_path / "mod.cpp"
-    src.write_text(_host_program(mod, inputs))
-    exe = tmp_path / "mod"
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
-    got = torch.tensor([float(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
-                                                          check=True).stdout.split()])
+    got = run_on_host(mod, inputs, tmp_path)
     if mod.score_root is not None:
         want = mod.torch_score(score, b, h, q, kv)
     else:
@@ -162,12 +166,7 @@ def test_gxx_affine_slope_matches_torch(mod, tmp_path):
     q, kv = torch.randint(0, 600, (N,), generator=g), torch.randint(0, 600, (N,), generator=g)
     assert mod.kv_slope_root is not None
     inputs = list(zip([0.0] * N, b.tolist(), h.tolist(), q.tolist(), kv.tolist()))
-    src = tmp_path / "slope.cpp"
-    src.write_text(_host_program(mod, inputs, call=f"{mod.cpp_struct_name}_kv_slope(in[i].b, in[i].h, in[i].q, a)"))
-    exe = tmp_path / "slope"
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
-    got = torch.tensor([float(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
-                                                          check=True).stdout.split()])
+    got = run_on_host(mod, inputs, tmp_path, call=f"{mod.cpp_struct_name}_kv_slope(in[i].b, in[i].h, in[i].q, a)")
     env = {"b": b, "h": h, "q_idx": q, "kv_idx": kv}
     slope = graph.evaluate(mod.kv_slope_root, env, mod.tensors, mod.scalars).float().expand(N)
     assert torch.allclose(got, slope, rtol=1e-6, atol=1e-6)

@@ -1,7 +1,5 @@
 """Which score modifiers are out * F(in * score) (attnforge/mods/scaled.py): the Hopper prefill then
 folds in into sm_scale and out into the exponent's log2 e (CPU)."""
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -9,7 +7,7 @@ import torch
 import attnforge.mods as m
 from attnforge.mods import compile_mod
 
-from .test_gxx_agrees_with_torch import _host_program
+from .test_gxx_agrees_with_torch import run_on_host
 
 
 def mod(fn):
@@ -59,12 +57,7 @@ def test_gxx_scaled_core_reproduces_the_modifier(fn, tmp_path):
     g = torch.Generator().manual_seed(6)
     score = torch.randn(256, generator=g) * 40
     inputs = [(float(s), 0, 0, 0, 0) for s in score]
-    src = tmp_path / "core.cpp"
-    src.write_text(_host_program(mm, inputs, call=f"{scale_out!r}f * {mm.cpp_struct_name}_core(in[i].s * {scale_in!r}f)"))
-    exe = tmp_path / "core"
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
-    got = torch.tensor([float(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
-                                                          check=True).stdout.split()])
+    got = run_on_host(mm, inputs, tmp_path, call=f"{scale_out!r}f * {mm.cpp_struct_name}_core(in[i].s * {scale_in!r}f)")
     zeros = torch.zeros(256, dtype=torch.int64)
     want = mm.torch_score(score, zeros, zeros, zeros, zeros)
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5)
