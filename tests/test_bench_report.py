@@ -178,3 +178,5 @@ def test_traced_kernels_compile(tmp_path):
         subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                         f"-I{codegen.include_dir()}", "-o", str(tmp_path / "k.cubin"), str(src)],
                        check=True, capture_output=True)
+        assert b"af_trace" in (tmp_path / "k.cubin").read_bytes(), f"{m.name}: the trace buffer was compiled out"
+        assert "af_trace" not in m.source  # the untraced build carries none of it
