@@ -5,7 +5,8 @@
 # Usage (GPU machine, repo root): SUITES=decode,cascade [ROUNDS=2] [DEADLINE=epoch-seconds]
 #   [BENCH_ARGS=--no-peers] bash tools/ab_bench.sh base=abtrees/base next=.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=$(mktemp -d)
+# WORK=dir keeps the raw files there (a caller that may be cut off can still pack what finished)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=${WORK:-$(mktemp -d)}; mkdir -p "$work"
 export ATTNFORGE_CACHE_DIR=${ATTNFORGE_CACHE_DIR:-/tmp/attnforge-cache} PYTHONUNBUFFERED=1
 anchors=$PWD/.anchors/flashinfer
 for round in $(seq 1 "${ROUNDS:-2}"); do

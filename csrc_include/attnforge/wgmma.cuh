@@ -43,6 +43,27 @@ AF_HOST_DEVICE uint64_t sw128_mnmajor_desc(uint32_t tile, int rows, int k) {
   return desc_advance(sw128_desc(tile, rows * 128, 1024), k * 16 * 128);
 }
 
+// Row maxima of a thread's m64nN accumulators (rows g and g + 8, layout above) as four independent
+// FMNMX chains per row joined at the end: one serial chain of N/4 per row lay on the path from the
+// S wait to the P.V issue (~4 cycles a step), the tree leaves N/16 + 2 steps.
+template <int N>
+AF_DEVICE void accumulator_row_max(const float (&d)[N], float (&m)[2]) {
+  static_assert(N % 8 == 0, "two n8 chunks or more");
+  float part[2][4];  // [row][chain]: chain k takes the k % 2 column of every other n8 chunk
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part[r][k] = d[4 * (k / 2) + 2 * r + k % 2];
+#pragma unroll
+  for (int j = 2; j < N / 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) part[r][2 * (j % 2) + e] = fmaxf(part[r][2 * (j % 2) + e], d[4 * j + 2 * r + e]);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) m[r] = fmaxf(fmaxf(part[r][0], part[r][1]), fmaxf(part[r][2], part[r][3]));
+}
+
 // Ordering: fence before the first wgmma that reads registers written by ordinary code;
 // commit closes a group; wait<N> leaves at most N groups in flight.
 AF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
