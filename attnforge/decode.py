@@ -59,6 +59,9 @@ class BatchDecode:
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
         self.use_cuda_graph = use_cuda_graph
+        # set by pipelines whose kernel runs right before this one (Quest's selection): the decode kernel
+        # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap
+        self.launch_after_own_kernel = False
         self.num_ctas = grid_ctas(_num_sms(self.device), self.kernel.ctas_per_sm, ctas_per_sm)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
@@ -251,5 +254,5 @@ class BatchDecode:
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
             lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
-                                             smem=self.kernel.smem_bytes)
+                                             smem=self.kernel.smem_bytes, pdl=self.launch_after_own_kernel)
         return (out, lse) if return_lse else out

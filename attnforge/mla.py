@@ -176,11 +176,12 @@ class BatchMLADecode(BatchDecode):
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes)
+            # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
             lanes = self._plan["merge_lanes"]
             if lanes == 1:
-                lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params)
+                lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params, pdl=True)
             else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
                 lib["mla_merge_kernel"].launch((rows_cap, MERGE_DIM_SPLIT),
                                                (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes), params,
-                                               smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4)
+                                               smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4, pdl=True)
         return (out, lse) if return_lse else out

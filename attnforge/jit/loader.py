@@ -86,13 +86,26 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
     return _current_raw_stream(torch.cuda.current_device() if device_index is None else device_index)
 
 
+# Kernels that call wait_for_prior_grid() before reading memory (their templates; tests/test_pdl.py
+# checks each one's first statement): only these may be launched with pdl=True.
+PDL_KERNELS = frozenset({"batch_decode_kernel", "mla_merge_kernel", "quest_score_kernel", "quest_select_kernel"})
+
+
 class LoadedKernel:
     def __init__(self, library_name: str, name: str, function):
         self.library_name, self.name, self.function = library_name, name, function
         self._smem_limit = 48 * 1024
 
-    def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None) -> None:
-        """Launch with one by-value params struct on torch's current stream (graph-capturable)."""
+    def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None, pdl: bool = False) -> None:
+        """Launch with one by-value params struct on torch's current stream (graph-capturable).
+
+        pdl: programmatic dependent launch, for a kernel that follows one of ours in the stream and calls
+        wait_for_prior_grid() (attnforge/common.cuh) before reading that kernel's output: its CTAs may
+        be placed while the previous kernel finishes, hiding the launch gap (a programmatic edge when
+        captured in a CUDA graph)."""
+        if pdl and self.name not in PDL_KERNELS:
+            raise ValueError(f"{self.name}: a PDL launch needs a kernel that waits for the prior grid first "
+                             f"(wait_for_prior_grid, attnforge/common.cuh); it is not in loader.PDL_KERNELS")
         drv = driver()
         if smem > self._smem_limit:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -107,9 +120,30 @@ class LoadedKernel:
         if gx * gy * gz == 0:
             return  # an empty grid is a valid no-op, not a driver error
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        if pdl:
+            config = pdl_launch_config((gx, gy, gz), (bx, by, bz), smem, handle)
+            check(drv.cuLaunchKernelEx(config, self.function, ctypes.addressof(arg_ptrs), 0),
+                  f"cuLaunchKernelEx({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem}, PDL)")
+            return
         check(drv.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, smem,
                                  drv.CUstream(handle), ctypes.addressof(arg_ptrs), 0),
               f"cuLaunchKernel({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem})")
+
+
+def pdl_launch_config(grid, block, smem: int, stream_handle: int):
+    """A CUlaunchConfig with programmatic stream serialization allowed (built without a GPU: tested)."""
+    drv = driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = drv.CUstream(stream_handle)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 class LoadedLibrary:

@@ -196,6 +196,7 @@ class QuestDecode:
         self.budget_pages = budget_tokens // page_size
         self.decode = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                                   max_num_pages=max_num_pages + 1, **decode_kwargs)  # +1: _select's dump slot
+        self.decode.launch_after_own_kernel = True  # right after the selection: a PDL launch
         self.device = self.decode.device
         self.use_cuda_graph = use_cuda_graph
         self.max_pages_per_request = max_pages_per_request
@@ -270,7 +271,8 @@ class QuestDecode:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with torch.cuda.device(self.device):
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values
-            lib["quest_score_kernel"].launch((sms * self.kernel.score_ctas_per_sm,), (SCORE_THREADS,), params)
+            lib["quest_score_kernel"].launch((sms * self.kernel.score_ctas_per_sm,), (SCORE_THREADS,), params,
+                                             pdl=True)  # waits for P / N in-kernel
         return self._scores
 
     def _select(self, scores: torch.Tensor) -> None:
@@ -287,7 +289,8 @@ class QuestDecode:
             meta=self._meta.data_ptr(), sel_indptr=self._sel_indptr.data_ptr(),
             out_indices=self._selection_out().data_ptr(), budget_pages=self.budget_pages)
         with torch.cuda.device(self.device):
-            lib["quest_select_kernel"].launch((self._planned["batch"],), (SELECT_THREADS,), params)
+            lib["quest_select_kernel"].launch((self._planned["batch"],), (SELECT_THREADS,), params,
+                                              pdl=True)  # waits for the scores in-kernel
 
     def _select_torch(self, scores: torch.Tensor) -> None:
         """The same selection with torch ops (topk over a [batch, width] view): the reference path."""

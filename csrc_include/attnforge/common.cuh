@@ -119,6 +119,23 @@ struct Vec16 {
   AF_DEVICE void set(int i, T v) { reinterpret_cast<T*>(&raw)[i] = v; }
 };
 
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute (LoadedKernel.launch
+// (pdl=True)) may start while the kernel before it in the stream still runs; it must call
+// wait_for_prior_grid() before it reads anything that kernel wrote (the call returns once that grid
+// has completed and its memory is visible; launched without the attribute, at once). A kernel calls
+// let_dependents_launch() to allow its dependent's CTAs to be placed before it ends: placement only,
+// never visibility, so where it stands is a matter of speed, not of correctness.
+AF_DEVICE void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+AF_DEVICE void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Clocks for the kernels' debug traces (template variable `trace`): this SM's cycle counter, and the
 // GPU-wide nanosecond timer (comparable across SMs).
 AF_DEVICE unsigned long long sm_clock() {
