@@ -21,6 +21,12 @@ struct SoftmaxState {
     m = m_new;
     return scale;
   }
+  // As rescale_to, but the reference max moves only when block_max passes it by more than `slack`
+  // (log2 units): weights 2^(x - m) then stay below 2^slack (exact enough for bf16 / fp16 P and fp32
+  // sums), and most blocks return exactly 1, so callers skip rescaling their accumulators.
+  AF_DEVICE float rescale_lazily(float block_max, float slack) {
+    return rescale_to(block_max > m + slack ? block_max : m);  // m = -inf: any finite max moves it
+  }
   // Weight of a logit (log2 domain) under the current max.
   AF_DEVICE float weight(float x) const { return m == kNegInf ? 0.f : ex2(x - m); }
 
