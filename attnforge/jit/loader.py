@@ -91,6 +91,18 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
 PDL_KERNELS = frozenset({"batch_decode_kernel", "mla_merge_kernel", "quest_score_kernel", "quest_select_kernel"})
 
 
+@lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_supported(device_index: Optional[int] = None) -> bool:
+    """Programmatic dependent launch needs sm_90 or newer. Elsewhere a pdl=True launch is an ordinary
+    one: the kernels' griddepcontrol instructions are compiled only for sm_90+ (attnforge/common.cuh),
+    so nothing in them depends on the attribute."""
+    return _capability_major(torch.cuda.current_device() if device_index is None else device_index) >= 9
+
+
 class LoadedKernel:
     def __init__(self, library_name: str, name: str, function):
         self.library_name, self.name, self.function = library_name, name, function
@@ -106,6 +118,7 @@ class LoadedKernel:
         if pdl and self.name not in PDL_KERNELS:
             raise ValueError(f"{self.name}: a PDL launch needs a kernel that waits for the prior grid first "
                              f"(wait_for_prior_grid, attnforge/common.cuh); it is not in loader.PDL_KERNELS")
+        pdl = pdl and pdl_supported()
         drv = driver()
         if smem > self._smem_limit:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
