@@ -25,3 +25,11 @@ def test_slower_copies_never_make_a_schedule_faster(name):
     times = [sim.run(sim.SCHEDULES[name], 60, sim.Costs(copy_latency=L)) for L in (500, 1500, 3000, 6000)]
     assert times == sorted(times)
     assert times[-1] > times[0]  # at 6000 cycles every order waits for its copies
+
+
+def test_early_s_with_two_stages_loses_to_roles():
+    """The ninth session's reason not to build it: S(t+2) issued early waits for a copy that could
+    only start once P.V(t) freed the stage, at every calibrated copy latency."""
+    for latency in (1500, 2500, 3200):
+        costs = sim.Costs(copy_latency=latency)
+        assert sim.run(sim.roles_early_s, 60, costs) > sim.run(sim.roles, 60, costs)
