@@ -32,4 +32,4 @@ def test_early_s_with_two_stages_loses_to_roles():
     only start once P.V(t) freed the stage, at every calibrated copy latency."""
     for latency in (1500, 2500, 3200):
         costs = sim.Costs(copy_latency=latency)
-        assert sim.run(sim.roles_early_s, 60, costs) > sim.run(sim.roles, 60, costs)
+        assert sim.run(sim.SCHEDULES["roles, early S"], 60, costs) > sim.run(sim.roles, 60, costs)

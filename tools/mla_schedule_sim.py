@@ -88,8 +88,12 @@ def run(schedule, tiles: int, costs: Costs) -> float:
     return (mark[("tile", tiles - 1)] - mark[("tile", half)]) / (tiles - 1 - half)
 
 
-def roles(sim: Sim, wg: int, n: int):
-    """Warpgroup 0: S, softmax, its P.V half; warpgroup 1: the copies and the other half."""
+def roles(sim: Sim, wg: int, n: int, early_s: bool = False):
+    """Warpgroup 0: S, softmax, its P.V half; warpgroup 1: the copies and the other half. early_s:
+    S(t+1) issued before softmax(t), as FA3 overlaps within a warpgroup (a second S register set in
+    warpgroup 0), warpgroup 1 announcing each tile as it lands instead of under its P.V. Not built:
+    with two stages the copy of tile t+2 starts only once P.V(t) freed its stage, and the early S(t+2)
+    then waits for it (ninth session: slower than roles at every copy latency tried)."""
     c = sim.costs
     if wg == 1:
         sim.copy(1, 0)
@@ -98,45 +102,11 @@ def roles(sim: Sim, wg: int, n: int):
         sim.arrivals[("full", 0)] = sim.clock[1]
     for t in range(n):
         if wg == 0:
-            yield ("bar", ("full", t))  # kBarFull: warpgroup 1 saw tile t land
-            sim.issue(0, ("S", t), c.s)
+            if not early_s or t == 0:
+                yield ("bar", ("full", t))  # kBarFull: warpgroup 1 saw tile t land
+                sim.issue(0, ("S", t), c.s)
             yield ("wgmma", ("S", t))
-            sim.clock[0] += c.softmax + c.p_store
-            sim.arrivals[("P", t)] = sim.clock[0]
-            sim.issue(0, ("PV0", t), c.pv_half)
-            yield ("wgmma", ("PV0", t))
-            sim.arrivals[("stage", t)] = sim.clock[0]
-            yield ("mark", ("tile", t))
-        else:
-            yield ("bar", ("P", t))
-            sim.issue(1, ("PV1", t), c.pv_half)
-            if t + 1 < n:  # announces tile t + 1 under its P.V
-                yield ("copy", t + 1)
-                sim.arrivals[("full", t + 1)] = sim.clock[1]
-            yield ("wgmma", ("PV1", t))
-            yield ("bar", ("stage", t))
-            if t + 2 < n:
-                sim.copy(1, t + 2)
-
-
-def roles_early_s(sim: Sim, wg: int, n: int):
-    """Roles with S(t+1) issued before softmax(t), as FA3 overlaps within a warpgroup (a second S
-    register set in warpgroup 0); warpgroup 1 announces each tile as it lands, not under its P.V. Not
-    built: with two stages the copy of tile t+2 starts only once P.V(t) released its stage, and the
-    early S(t+2) then waits for it (ninth session: slower than roles at every copy latency tried)."""
-    c = sim.costs
-    if wg == 1:
-        sim.copy(1, 0)
-        sim.copy(1, 1)
-        yield ("copy", 0)
-        sim.arrivals[("full", 0)] = sim.clock[1]
-    for t in range(n):
-        if wg == 0:
-            if t == 0:
-                yield ("bar", ("full", 0))
-                sim.issue(0, ("S", 0), c.s)
-            yield ("wgmma", ("S", t))
-            if t + 1 < n:  # S(t + 1) on the tensor cores while this warpgroup runs softmax(t)
+            if early_s and t + 1 < n:  # S(t + 1) on the tensor cores while this warpgroup runs softmax(t)
                 yield ("bar", ("full", t + 1))
                 sim.issue(0, ("S", t + 1), c.s)
             sim.clock[0] += c.softmax + c.p_store
@@ -146,11 +116,14 @@ def roles_early_s(sim: Sim, wg: int, n: int):
             sim.arrivals[("stage", t)] = sim.clock[0]
             yield ("mark", ("tile", t))
         else:
-            if t + 1 < n:
+            if early_s and t + 1 < n:
                 yield ("copy", t + 1)
                 sim.arrivals[("full", t + 1)] = sim.clock[1]
             yield ("bar", ("P", t))
             sim.issue(1, ("PV1", t), c.pv_half)
+            if not early_s and t + 1 < n:  # announces tile t + 1 under its P.V
+                yield ("copy", t + 1)
+                sim.arrivals[("full", t + 1)] = sim.clock[1]
             yield ("wgmma", ("PV1", t))
             yield ("bar", ("stage", t))
             if t + 2 < n:
@@ -230,7 +203,7 @@ def seesaw_halves(sim: Sim, wg: int, n: int):
 
 SCHEDULES = {
     "roles": roles,
-    "roles, early S": roles_early_s,
+    "roles, early S": lambda sim, wg, n: roles(sim, wg, n, early_s=True),
     "seesaw, S first (v2)": lambda sim, wg, n: seesaw(sim, wg, n, other_first=False),
     "seesaw, other first (v3)": lambda sim, wg, n: seesaw(sim, wg, n, other_first=True),
     "seesaw, copies in 2 parts": seesaw_halves,
