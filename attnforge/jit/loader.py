@@ -117,7 +117,9 @@ class LoadedKernel:
         captured in a CUDA graph)."""
         if pdl and self.name not in PDL_KERNELS:
             raise ValueError(f"{self.name}: a PDL launch needs a kernel that waits for the prior grid first "
-                             f"(wait_for_prior_grid, attnforge/common.cuh); it is not in loader.PDL_KERNELS")
+                             f"(expected one of loader.PDL_KERNELS {sorted(PDL_KERNELS)}, got {self.name!r}); "
+                             f"launch it with pdl=False, or make wait_for_prior_grid() (attnforge/common.cuh) its "
+                             f"first statement and add it to PDL_KERNELS")
         pdl = pdl and pdl_supported()
         drv = driver()
         if smem > self._smem_limit:
