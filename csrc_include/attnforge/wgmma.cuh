@@ -64,6 +64,27 @@ AF_DEVICE void accumulator_row_max(const float (&d)[N], float (&m)[2]) {
   for (int r = 0; r < 2; ++r) m[r] = fmaxf(fmaxf(part[r][0], part[r][1]), fmaxf(part[r][2], part[r][3]));
 }
 
+// stmatrix (sm_90): four 8x8 b16 matrices, each held one 32-bit pair per lane in the mma accumulator
+// order (lane l: row l / 4, columns 2(l % 4), +1); lane l gives the address of row l % 8 of matrix l / 8.
+AF_DEVICE void stmatrix_x4(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
+}
+
+// A warp's rows [row0, row0 + 16) x 16-byte chunks [chunk0, chunk0 + N) of packed 16-bit pairs, in
+// the m16n8 accumulator order (pk[2j]: row g, pk[2j + 1]: row g + 8 of chunk chunk0 + j), into an
+// sw128 tile of `rows` rows: one stmatrix per two chunks instead of four 32-bit stores per chunk
+// (with their swizzled addresses), on the softmax's path to the P.V issue.
+template <int N>
+AF_DEVICE void store_pairs_sw128(uint32_t tile, int row0, int chunk0, int rows, const uint32_t (&pk)[2 * N]) {
+  static_assert(N % 2 == 0, "chunks go in pairs: matrices (rows 0-7 | 8-15) x (chunk j | j + 1)");
+  const int lane = threadIdx.x % 32, row = row0 + (lane / 8 % 2) * 8 + lane % 8;  // this lane's matrix row
+#pragma unroll
+  for (int j = 0; j < N; j += 2)
+    stmatrix_x4(tile + sw128_offset(row, chunk0 + j + lane / 16, rows), pk[2 * j], pk[2 * j + 1], pk[2 * j + 2],
+                pk[2 * j + 3]);
+}
+
 // Ordering: fence before the first wgmma that reads registers written by ordinary code;
 // commit closes a group; wait<N> leaves at most N groups in flight.
 AF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
