@@ -89,3 +89,9 @@ def tile_lists(mod, spec, qo_len: np.ndarray, kv_len: np.ndarray, work: np.ndarr
         ids.append(tiles)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return indptr, (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
+
+
+def item_costs(indptr: np.ndarray, tile_kv: int) -> np.ndarray:
+    """Each work item's cost in KV tokens (its visited tiles x tile_kv): the unit of
+    scheduler.prefill_work's costs, to which the planner adds a fixed cost per item in tokens too."""
+    return np.diff(indptr) * tile_kv
