@@ -92,6 +92,7 @@ template <class Base, bool kCausal, bool kWindow>
 struct WithPositionMask : Base {
   static constexpr bool kHasMask = Base::kHasMask || kCausal || kWindow;
   static constexpr bool kHasOwnMask = Base::kHasMask;  // beyond position: tiles inside the causal band still need it
+  static constexpr bool kCausalMask = kCausal, kWindowMask = kWindow;  // for kernels that test positions as ranges
   template <class P> AF_DEVICE bool logits_mask(const P& p, const LogitsIndex& i) const {
     bool keep = Base::logits_mask(p, i);
     if constexpr (kCausal) keep = keep && int32_t(i.kv) <= i.qo_pos();
