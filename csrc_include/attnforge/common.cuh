@@ -136,6 +136,10 @@ AF_DEVICE void let_dependents_launch() {
 #endif
 }
 
+// A GPU-scope acquire-release fence (sm_70+): with a relaxed atomic, the release and acquire patterns of
+// the PTX memory model; lighter than __threadfence(), which is sequentially consistent.
+AF_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // Clocks for the kernels' debug traces (template variable `trace`): this SM's cycle counter, and the
 // GPU-wide nanosecond timer (comparable across SMs).
 AF_DEVICE unsigned long long sm_clock() {
