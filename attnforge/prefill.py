@@ -116,7 +116,7 @@ class BatchPrefill:
         if mod is not None and mod.mask_root is not None:  # block-sparse: visit only tiles with a visible pair
             tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, tile_q, tile_kv,
                                                          self.device)
-            cost = blockmask.item_costs(tile_indptr, tile_kv)  # (in tiles, the fixed cost per item hid it)
+            cost = blockmask.item_costs(tile_indptr, tile_kv)  # KV tokens: the fixed cost below is in tokens
         split = self._split(work, cost, qo_len, kv_len, tile_indptr is None)
         work, num_slots = split.work, split.num_slots
         if split.chunk:  # the chunks' own lengths now order them

@@ -70,8 +70,7 @@ def test_tile_lists_follow_work_items():
 
 def test_item_costs_count_kv_tokens_like_the_causal_planner():
     # The persistent balance adds a per-item fixed cost in tokens: the masked items' costs must be in
-    # tokens too (counted in tiles, 1-16 against a fixed 256, the balance ignored the work; measured:
-    # a causal document mask ran 15% behind the same documents as a ragged causal batch)
+    # tokens too (counted in tiles, 1-16 against a fixed 256, the balance all but ignored the work)
     L, n_docs, tile_q, tile_kv, g = 512, 4, 64, 64, 2
     docs = torch.arange(L)[None] // (L // n_docs)
     mod = m.document_mask(docs)
