@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for branches staged by tools/stage_trees.sh: each tree's GPU tests (in parallel,
+# through tools/gpu_session.sh), then an interleaved A/B of SUITES over main (.) and the trees, all
+# under $W (default /tmp/w) for the caller to pack into $OUT. A round that cannot finish before the
+# call's limit is not started (LIMIT seconds from the start).
+# Usage (GPU machine, repo root), e.g.:
+#   TREES="pos fence" TESTS_pos="tests/test_prefill_gpu.py" TESTS_fence="tests/test_decode_gpu.py" \
+#     SUITES=prefill,mods ROUNDS=2 LIMIT=560 bash tools/device_call.sh
+#   then: tar czf $OUT/call.tgz -C /tmp/w .   (here: tar czf ab.tgz -C <files_at>/ab/raw . and
+#   python tools/ab_compare.py ab.tgz)
+set -u
+start=$(date +%s); W=${W:-/tmp/w}; mkdir -p "$W/ab"
+for name in ${TREES:-}; do
+  var="TESTS_$name"; tests=${!var:-${TESTS:-}}
+  [ -z "$tests" ] && continue
+  mkdir -p "$W/$name"
+  (cd "abtrees/$name" && OUT="$W/$name" BENCH=0 TEST_GROUPS="$tests" bash tools/gpu_session.sh > "$W/$name/session.log" 2>&1) &
+done
+wait
+echo "tests done at $(( $(date +%s) - start )) s"
+grep -h "== tests" "$W"/*/session.log 2>/dev/null
+if [ -n "${SUITES:-}" ]; then
+  args=("main=.")
+  for name in ${TREES:-}; do args+=("$name=abtrees/$name"); done
+  # each round of one tree must fit before the limit: stop a minute short of it
+  OUT="$W/ab" WORK="$W/ab/raw" ROUNDS=${ROUNDS:-2} DEADLINE=$((start + ${LIMIT:-560} - 60)) \
+    BENCH_ARGS=${BENCH_ARGS:---no-peers} bash tools/ab_bench.sh "${args[@]}"
+fi
+echo "done at $(( $(date +%s) - start )) s"
