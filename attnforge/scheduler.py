@@ -174,7 +174,45 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
         takers = np.argsort(load[:m], kind="stable")  # least loaded first
         perm[start + takers] = items
         load[takers] += cost[items]
-    return perm
+    return _swap_within_rounds(perm, cost, ctas)
+
+
+SWAP_PASSES = 4  # x ctas trades at most (each one round's pair: ~10 us of numpy)
+SWAP_SLACK = 0.005  # the most loaded CTA's excess over the mean load that is left alone
+
+
+def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.ndarray:
+    """Refine a round-by-round greedy assignment: while the most loaded CTA can trade one of its
+    items for a cheaper one of the least loaded CTA in the same round (so the rounds, and the launch
+    order's locality, stay as they are), trade the pair that best halves their gap. The greedy
+    leaves B1 S8192 (causal, 2048 items on 132 CTAs) 2.4% above the mean load; the trades, < 1%."""
+    n = len(perm)
+    full = n // ctas  # whole rounds; the last, partial one keeps its prefix of CTAs as it is
+    if full == 0:
+        return perm
+    grid = perm[:full * ctas].reshape(full, ctas).copy()  # grid[r, b]: the item CTA b runs in round r
+    c = cost[grid]
+    load = c.sum(axis=0)
+    if n > full * ctas:
+        load[:n - full * ctas] += cost[perm[full * ctas:]]
+    good_enough = (1 + SWAP_SLACK) * load.mean()  # trades cost ~10 us each: stop within this of the mean
+    for _ in range(SWAP_PASSES * ctas):
+        a, b = int(np.argmax(load)), int(np.argmin(load))
+        if load[a] <= good_enough:
+            break
+        gap = load[a] - load[b]
+        d = c[:, a] - c[:, b]  # a trade in round r moves d from CTA a to CTA b
+        useful = (d > 0) & (d < gap)
+        if not useful.any():
+            break
+        r = int(np.argmin(np.where(useful, np.abs(d - gap / 2), np.inf)))
+        grid[r, [a, b]] = grid[r, [b, a]]
+        c[r, [a, b]] = c[r, [b, a]]
+        load[a] -= d[r]
+        load[b] += d[r]
+    out = perm.copy()
+    out[:full * ctas] = grid.reshape(-1)
+    return out
 
 
 def order_prefill_work(work: np.ndarray, cost: np.ndarray, mode: str) -> np.ndarray:
