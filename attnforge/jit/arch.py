@@ -12,13 +12,20 @@ from . import env
 _ARCH_RE = re.compile(r"^(\d+)\.(\d+)(a|f)?(\+PTX)?$")
 
 
+def _match_arch(text: str) -> re.Match:
+    m = _ARCH_RE.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"arch {text!r} in the arch list: expected forms like '9.0a', '8.0' or "
+                         "'9.0a+PTX' (not 'sm_90a' or '90a'). Fix ATTNFORGE_CUDA_ARCH_LIST "
+                         "(or TORCH_CUDA_ARCH_LIST), or the archs passed to the build.")
+    return m
+
+
 def parse_arch_list(text: str) -> tuple[str, ...]:
     """'9.0a 8.0+PTX' or '9.0a;8.0' -> sorted, de-duplicated normalised entries."""
     items = [t for t in re.split(r"[\s;,]+", text.strip()) if t]
     for t in items:
-        if not _ARCH_RE.match(t):
-            raise ValueError(f"arch {t!r} in the arch list: expected forms like '9.0a', '8.0' or "
-                             "'9.0a+PTX'. Fix ATTNFORGE_CUDA_ARCH_LIST (or TORCH_CUDA_ARCH_LIST).")
+        _match_arch(t)
     return tuple(sorted(set(items)))
 
 
@@ -43,7 +50,7 @@ def arch_list() -> tuple[str, ...]:
 def gencode_flags(archs: tuple[str, ...]) -> list[str]:
     flags = []
     for a in archs:
-        major, minor, suffix, ptx = _ARCH_RE.match(a).groups()
+        major, minor, suffix, ptx = _match_arch(a).groups()
         sm = f"{major}{minor}{suffix or ''}"
         flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
         if ptx:

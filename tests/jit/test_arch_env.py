@@ -14,6 +14,9 @@ def test_parse_arch_list():
     assert arch.artifact_suffix(("8.0", "9.0a")) == "fatbin"
     with pytest.raises(ValueError, match="ATTNFORGE_CUDA_ARCH_LIST"):
         arch.parse_arch_list("sm90")
+    for bad in ("90a", "sm_90a"):  # archs handed straight to a build get the same message, not an AttributeError
+        with pytest.raises(ValueError, match=r"expected forms like '9\.0a'.*not 'sm_90a'"):
+            arch.gencode_flags((bad,))
 
 
 def test_arch_list_env_precedence(monkeypatch):
