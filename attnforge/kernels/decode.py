@@ -75,8 +75,10 @@ class DecodeKernel:
     def num_stages(self) -> int:
         if self.stages is not None:
             return self.stages
-        if self.widens_in_registers:  # the widened copy's space holds two more fp8 stages: same 3 CTAs/SM
-            return 4
+        if self.widens_in_registers:
+            # d128: two fp8 stages, 4 CTAs/SM (the ninth session's sweep: 77.8 vs 79.1 us at 4 stages);
+            # d256 needs 206 registers (2 CTAs/SM): four stages, as measured before
+            return 2 if self.spec.head_dim_qk <= 128 else 4
         return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
 
     @cached_property
