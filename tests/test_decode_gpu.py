@@ -63,6 +63,15 @@ def test_fp8_kv_with_scales(dtype, pipeline):
     run_case(spec, [1, 100, 4000], 16, k_scale=0.5, v_scale=1.5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_fp8_kv_other_head_dims(head_dim, pipeline):
+    """d64 widens fp8 tiles in shared memory; d256 on the transposed pipeline widens them in registers
+    (two stages, 2 CTAs per SM); page size 7 and lengths off the 64-token tile and split across CTAs."""
+    spec = AttentionSpec(kv_dtype="fp8_e4m3", head_dim_qk=head_dim, pipeline=pipeline)
+    run_case(spec, [1, 300, 17, 20000], 7, seed=head_dim, k_scale=0.5, v_scale=1.5)
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 30.0, 1000.0])
 def test_fp8_kv_bf16_queries_of_any_magnitude(magnitude):
     """The register-widening fp8 kernel runs fp16 MMAs and stages bf16 queries as fp16 * 2^-8: tiny

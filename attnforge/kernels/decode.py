@@ -76,9 +76,9 @@ class DecodeKernel:
         if self.stages is not None:
             return self.stages
         if self.widens_in_registers:
-            # d128: two fp8 stages, 4 CTAs/SM (the ninth session's sweep: 77.8 vs 79.1 us at 4 stages);
-            # d256 needs 206 registers (2 CTAs/SM): four stages, as measured before
-            return 2 if self.spec.head_dim_qk <= 128 else 4
+            # two fp8 stages: 4 CTAs/SM at d128 (the ninth session's sweep: 77.8 vs 79.1 us at four
+            # stages), 2 at d256 (by registers) where four stages left room for one
+            return 2
         return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
 
     @cached_property
@@ -111,6 +111,8 @@ class DecodeKernel:
         by_regs = max(1, REGISTERS_PER_SM // (self.threads * MIN_REGISTERS_PER_THREAD))
         if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
             by_regs = min(by_regs, 2)  # two n8 head tiles of O^T: 200 registers at d128 (cubin)
+        if self.widens_in_registers and self.spec.head_dim_qk > 128:
+            by_regs = min(by_regs, 2)  # d256 fp8 fragments: 168-206 registers (cubin)
         return min(by_smem, by_regs)
 
     @property
