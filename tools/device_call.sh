@@ -9,7 +9,9 @@
 #   then: tar czf $OUT/call.tgz -C /tmp/w .   (here: tar czf ab.tgz -C <files_at>/ab/raw . and
 #   python tools/ab_compare.py ab.tgz)
 set -u
-start=$(date +%s); W=${W:-/tmp/w}; mkdir -p "$W/ab"
+start=$(date +%s); W=${W:-/tmp/w}
+# a warm machine keeps /tmp between calls: start empty, or the last call's rounds join this one's
+rm -rf "$W"; mkdir -p "$W/ab"
 for name in ${TREES:-}; do
   var="TESTS_$name"; tests=${!var:-${TESTS:-}}
   [ -z "$tests" ] && continue
