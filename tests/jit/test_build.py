@@ -148,6 +148,8 @@ VARIANT_MATRIX = [  # one representative per template option, not the cross prod
     AttentionSpec(q_dtype="fp16"),
     AttentionSpec(kv_dtype="fp8_e4m3"),
     AttentionSpec(q_dtype="fp16", kv_dtype="fp8_e4m3", pipeline="transposed"),
+    AttentionSpec(kv_dtype="fp8_e4m3", head_dim_qk=256),  # fp8 widened in registers at d256 (206 registers)
+    AttentionSpec(kv_dtype="fp8_e4m3", head_dim_qk=64),  # fp8 widened in shared memory (d < 128)
     AttentionSpec(head_dim_qk=64, num_qo_heads=8, num_kv_heads=8),
     AttentionSpec(head_dim_qk=256, num_qo_heads=16, num_kv_heads=2),
     AttentionSpec(head_dim_qk=256, num_qo_heads=16, num_kv_heads=1, pipeline="transposed"),
