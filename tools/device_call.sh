@@ -26,6 +26,6 @@ if [ -n "${SUITES:-}" ]; then
   for name in ${TREES:-}; do args+=("$name=abtrees/$name"); done
   # each round of one tree must fit before the limit: stop a minute short of it
   OUT="$W/ab" WORK="$W/ab/raw" ROUNDS=${ROUNDS:-2} DEADLINE=$((start + ${LIMIT:-560} - 60)) \
-    BENCH_ARGS=${BENCH_ARGS:---no-peers} bash tools/ab_bench.sh "${args[@]}"
+    BENCH_ARGS=${BENCH_ARGS---no-peers} bash tools/ab_bench.sh "${args[@]}"  # BENCH_ARGS= (set, empty): with peers
 fi
 echo "done at $(( $(date +%s) - start )) s"
