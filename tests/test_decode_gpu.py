@@ -72,6 +72,17 @@ def test_fp8_kv_other_head_dims(head_dim, pipeline):
     run_case(spec, [1, 300, 17, 20000], 7, seed=head_dim, k_scale=0.5, v_scale=1.5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_two_warps_on_32_token_tiles(kv_dtype, pipeline, stages):
+    """The d256 tilings of benchmarks/bench_decode_tilings.py: 32-token tiles, two warps (one 16-token
+    sub-block each), 2-4 CTAs per SM; page 7, lengths off the tile, a request split across CTAs."""
+    spec = AttentionSpec(kv_dtype=kv_dtype, head_dim_qk=256, pipeline=pipeline)
+    run_case(spec, [1, 300, 17, 20000], 7, seed=stages, k_scale=0.5, v_scale=1.5,
+             tile_kv=32, num_warps=2, num_stages=stages)
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 30.0, 1000.0])
 def test_fp8_kv_bf16_queries_of_any_magnitude(magnitude):
     """The register-widening fp8 kernel runs fp16 MMAs and stages bf16 queries as fp16 * 2^-8: tiny

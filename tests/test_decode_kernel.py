@@ -21,6 +21,16 @@ def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     assert bounds + " batch_decode_kernel" in k.module().source
 
 
+def test_wide_heads_take_small_tiles_of_two_warps():
+    k = DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2)
+    assert (k.threads, k.smem_bytes, k.ctas_per_sm) == (64, 72 * 1024, 3)  # 256 registers x 64 threads fit 4
+    assert DecodeKernel(AttentionSpec(head_dim_qk=256)).ctas_per_sm == 1  # the 64-token default: 136 KB
+    with pytest.raises(ValueError, match="tile_kv: expected 32, 64 or 128"):
+        DecodeKernel(AttentionSpec(), tile_kv=16)
+    with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
+        DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)
+
+
 def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():
     k = DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3", pipeline="transposed"), stages=2)
     assert k.smem_bytes * 6 < 228 * 1024 and k.ctas_per_sm == 4  # 6 fit by shared memory

@@ -43,11 +43,11 @@ class DecodeKernel:
 
     def __post_init__(self):
         s = self.spec
-        if self.tile_kv not in (64, 128):
-            raise ValueError(f"DecodeKernel.tile_kv: expected 64 or 128, got {self.tile_kv}")
-        if self.num_warps not in (4, 8) or self.tile_kv // 16 < self.num_warps // (
+        if self.tile_kv not in (32, 64, 128):
+            raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64 or 128, got {self.tile_kv}")
+        if self.num_warps not in (2, 4, 8) or self.tile_kv // 16 < self.num_warps // (
                 1 if s.pipeline == "transposed" else -(-s.group_size // 16)):
-            raise ValueError(f"DecodeKernel.num_warps: expected 4 or 8 with at least one 16-token "
+            raise ValueError(f"DecodeKernel.num_warps: expected 2, 4 or 8 with at least one 16-token "
                              f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
@@ -107,12 +107,19 @@ class DecodeKernel:
         per SM ran its last third as a second wave); where that cap binds, __launch_bounds__ makes ptxas
         honour it (register_bound_ctas)."""
         by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
-        by_regs = max(1, REGISTERS_PER_SM // (self.threads * MIN_REGISTERS_PER_THREAD))
-        if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
-            by_regs = min(by_regs, 2)  # two n8 head tiles of O^T: 200 registers at d128 (cubin)
-        if self.widens_in_registers and self.spec.head_dim_qk > 128:
-            by_regs = min(by_regs, 2)  # d256 fp8 fragments: 168-206 registers (cubin)
+        by_regs = max(1, REGISTERS_PER_SM // (self.threads * self.registers_needed))
         return min(by_smem, by_regs)
+
+    @property
+    def registers_needed(self) -> int:
+        """Registers a thread needs without spilling, by shape (read from the cubins): at d256 up to 255
+        (O's 256 dims), with the transposed pipeline's two n8 head tiles (groups 9-16) 200 at d128;
+        else the floor the kernels are held to (__launch_bounds__ where it binds)."""
+        if self.spec.head_dim_qk > 128:
+            return 256
+        if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
+            return 200
+        return MIN_REGISTERS_PER_THREAD
 
     @property
     def register_bound_ctas(self) -> int:

@@ -209,6 +209,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     from attnforge.kernels.mla import MLADecodeKernel
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
+    kernels.append(DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2))  # 64 threads
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
     normal = [s for s in mla if s.pipeline == "normal"]
     kernels += [MLADecodeKernel(s) for s in mla]  # and the wgmma ones the matrix test builds
