@@ -29,6 +29,8 @@ def test_wide_heads_take_small_tiles_of_two_warps():
         DecodeKernel(AttentionSpec(), tile_kv=16)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
         DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)
+    with pytest.raises(ValueError, match="64 heads per KV head need 4 warps, got 2"):
+        DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, pipeline="normal"), tile_kv=32, num_warps=2)
 
 
 def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():

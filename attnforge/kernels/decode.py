@@ -49,6 +49,10 @@ class DecodeKernel:
                 1 if s.pipeline == "transposed" else -(-s.group_size // 16)):
             raise ValueError(f"DecodeKernel.num_warps: expected 2, 4 or 8 with at least one 16-token "
                              f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
+        if s.pipeline == "normal" and -(-s.group_size // 16) > self.num_warps:
+            raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
+                             f"{s.group_size} heads per KV head need {-(-s.group_size // 16)} warps, got "
+                             f"{self.num_warps}. Use more warps or the default.")
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
