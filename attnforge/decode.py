@@ -42,11 +42,11 @@ class BatchDecode:
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
-                 device: Union[str, torch.device, None] = None, tile_kv: int = 64,
-                 num_stages: Optional[int] = None, num_warps: int = 4, ctas_per_sm: Optional[int] = None,
+                 device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
+                 num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
                  **spec_kwargs):
-        # tile_kv / num_stages / num_warps: the kernel's tiling; ctas_per_sm: a persistent grid below the
-        # kernel's occupancy (grid_ctas), None for the default
+        # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
+        # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -115,7 +115,7 @@ class BatchDecode:
         """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
         not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
         w = cls.__new__(cls)
-        w.spec, w.kernel = spec, w._make_kernel(spec, 64, None, 4)
+        w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
         w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload

@@ -12,7 +12,8 @@ from attnforge.kernels.decode import DecodeKernel
     ({"kv_dtype": "fp8_e4m3", "head_dim_qk": 256}, 2, 0),         # 2 stages at d256: 3 by shared memory, 2 by registers
     ({"head_dim_qk": 64, "num_qo_heads": 8, "num_kv_heads": 8}, 4, 4),  # 6 by shared memory, 4 by registers
     ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 0),  # two head tiles of O^T
-    ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 1, 0),
+    ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 0),  # 32-token tiles of two warps: 72 KB
+    ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 0),  # MQA keeps 64-token tiles
 ])
 def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     k = DecodeKernel(AttentionSpec(**kw))
@@ -24,7 +25,8 @@ def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
 def test_wide_heads_take_small_tiles_of_two_warps():
     k = DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2)
     assert (k.threads, k.smem_bytes, k.ctas_per_sm) == (64, 72 * 1024, 3)  # 256 registers x 64 threads fit 4
-    assert DecodeKernel(AttentionSpec(head_dim_qk=256)).ctas_per_sm == 1  # the 64-token default: 136 KB
+    assert DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=64).ctas_per_sm == 1  # 64-token tiles: 136 KB
+    assert (DecodeKernel(AttentionSpec(head_dim_qk=256)).tile_kv, DecodeKernel(AttentionSpec(head_dim_qk=256)).num_warps) == (32, 2)
     with pytest.raises(ValueError, match="tile_kv: expected 32, 64 or 128"):
         DecodeKernel(AttentionSpec(), tile_kv=16)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):

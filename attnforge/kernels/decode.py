@@ -32,17 +32,35 @@ BASE_FIELDS = (
 )
 
 
+def default_tiling(spec: AttentionSpec) -> tuple[int, int]:
+    """(tile_kv, num_warps): 64-token tiles of four warps, except 16-bit K/V at d256, where such a tile
+    in two stages (136 KB) leaves shared memory for one CTA per SM: 32-token tiles of two warps there
+    (72 KB, 3 CTAs; benchmarks/bench_decode_tilings.py), where the group fits one head tile."""
+    # two warps hold one 16-head tile (normal) or one n8 head tile (transposed; two of them spill);
+    # larger groups keep 64-token tiles (MQA's 64 partial rows also need their stage area for the merge)
+    # (fp8 widened in registers, transposed: 2 CTAs per SM at 64-token tiles already, 168-206 registers)
+    one_head_tile = spec.group_size <= (8 if spec.pipeline == "transposed" else 16)
+    fp8_in_registers = spec.kv_dtype == "fp8_e4m3" and spec.pipeline == "transposed"
+    if spec.head_dim_qk > 128 and one_head_tile and not fp8_in_registers:
+        return 32, 2
+    return TILE_KV, 4
+
+
 @dataclass(frozen=True)
 class DecodeKernel:
     """Launch shape of one decode spec. tile_kv / num_stages override the measured defaults."""
 
     spec: AttentionSpec
-    tile_kv: int = TILE_KV
+    tile_kv: Optional[int] = None  # None (both): default_tiling(spec)
     stages: Optional[int] = None
-    num_warps: int = 4
+    num_warps: Optional[int] = None
 
     def __post_init__(self):
         s = self.spec
+        if self.tile_kv is None or self.num_warps is None:
+            tile, warps = default_tiling(s) if self.tile_kv is None and self.num_warps is None else (TILE_KV, 4)
+            object.__setattr__(self, "tile_kv", tile if self.tile_kv is None else self.tile_kv)
+            object.__setattr__(self, "num_warps", warps if self.num_warps is None else self.num_warps)
         if self.tile_kv not in (32, 64, 128):
             raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64 or 128, got {self.tile_kv}")
         if self.num_warps not in (2, 4, 8) or self.tile_kv // 16 < self.num_warps // (
