@@ -125,9 +125,9 @@ class DecodeKernel:
     @property
     def ctas_per_sm(self) -> int:
         """CTAs the persistent grid puts on an SM: what shared memory holds, capped where registers would
-        drop below MIN_REGISTERS_PER_THREAD (d64 fits 6 by shared memory, 4 by registers: a grid of 6
-        per SM ran its last third as a second wave); where that cap binds, __launch_bounds__ makes ptxas
-        honour it (register_bound_ctas)."""
+        drop below what the shape needs (registers_needed; d64 fits 6 by shared memory, 4 by registers:
+        a grid of 6 per SM ran its last third as a second wave); where the MIN_REGISTERS_PER_THREAD
+        floor binds, __launch_bounds__ makes ptxas honour it (register_bound_ctas)."""
         by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
         by_regs = max(1, REGISTERS_PER_SM // (self.threads * self.registers_needed))
         return min(by_smem, by_regs)
