@@ -23,6 +23,7 @@ CASES = {  # name: (head_dim, kv_dtype, [(tile_kv, stages, warps), ...] beside t
     "d128-fp8": (128, "fp8_e4m3", [(64, 4, 4)]),
     "d256-fp8": (256, "fp8_e4m3", [(64, 4, 4), (32, 2, 2), (32, 3, 2), (32, 4, 2)]),
     "d256-bf16": (256, "bf16", [(64, 2, 4), (32, 3, 2)]),  # the default: (32, 2, 2); (64, 2, 4) was
+    "d256-bf16-mqa": (256, "bf16", [(64, 2, 4)]),  # 64 heads per KV head, normal pipeline: the default (64, 2, 8)
 }
 
 
@@ -30,7 +31,9 @@ def main(names: list[str]) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in names or list(CASES):
         d, kv_dtype, tilings = CASES[name]
-        spec = AttentionSpec(kv_dtype=kv_dtype, head_dim_qk=d, pipeline="transposed")
+        heads = {"num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"} if name.endswith("mqa") else \
+            {"pipeline": "transposed"}  # GQA 32/8 otherwise
+        spec = AttentionSpec(kv_dtype=kv_dtype, head_dim_qk=d, **heads)
         q, cache, (indptr, indices, last), _ = make_paged_case(spec, [8192] * 16, 16, seed=0)
         runs = {}
         for tiling in [None] + tilings:
@@ -40,7 +43,7 @@ def main(names: list[str]) -> None:
             label = "default" if tiling is None else "t{}s{}w{}".format(*tiling)
             runs[f"{label} ({w.num_ctas // sms} CTAs/SM)"] = (lambda w=w, q=q, cache=cache: w.run(q, cache))
         t = time_interleaved(runs)
-        kv_bytes = 16 * 8192 * 8 * d * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
+        kv_bytes = 16 * 8192 * spec.num_kv_heads * d * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
         print(f"{name} B16 L8192: " + ", ".join(f"{k} {v:.1f} us ({kv_bytes / v / 1e3:.0f} GB/s)" for k, v in t.items()))
 
 

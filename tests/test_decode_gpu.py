@@ -73,6 +73,14 @@ def test_fp8_kv_other_head_dims(head_dim, pipeline):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_mqa_at_d256_on_eight_warps(kv_dtype):
+    """64 query heads per KV head at d256 (normal pipeline): the default tiling's eight warps, four head
+    tiles of two warps each; page 7, a request split across CTAs (partial rows of 64 heads merged)."""
+    spec = AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256, kv_dtype=kv_dtype, pipeline="normal")
+    run_case(spec, [1, 300, 17, 20000], 7, seed=5, k_scale=0.5, v_scale=1.5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_two_warps_on_32_token_tiles(kv_dtype, pipeline, stages):

@@ -13,7 +13,7 @@ from attnforge.kernels.decode import DecodeKernel
     ({"head_dim_qk": 64, "num_qo_heads": 8, "num_kv_heads": 8}, 4, 4),  # 6 by shared memory, 4 by registers
     ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 0),  # two head tiles of O^T
     ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 0),  # 32-token tiles of two warps: 72 KB
-    ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 0),  # MQA keeps 64-token tiles
+    ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 0),  # MQA: 64 tokens, 8 warps
 ])
 def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     k = DecodeKernel(AttentionSpec(**kw))

@@ -33,9 +33,10 @@ BASE_FIELDS = (
 
 
 def default_tiling(spec: AttentionSpec) -> tuple[int, int]:
-    """(tile_kv, num_warps): 64-token tiles of four warps, except 16-bit K/V at d256, where such a tile
-    in two stages (136 KB) leaves shared memory for one CTA per SM: 32-token tiles of two warps there
-    (72 KB, 3 CTAs; benchmarks/bench_decode_tilings.py), where the group fits one head tile."""
+    """(tile_kv, num_warps): 64-token tiles of four warps, except at d256, where such a tile of 16-bit
+    K and V in two stages (136 KB) leaves shared memory for one CTA per SM: 32-token tiles of two warps
+    there (72 KB, 3 CTAs; benchmarks/bench_decode_tilings.py) where the group fits one head tile, and
+    eight warps for larger groups on the normal pipeline."""
     # two warps hold one 16-head tile (normal) or one n8 head tile (transposed; two of them spill);
     # larger groups keep 64-token tiles (MQA's 64 partial rows also need their stage area for the merge)
     # (fp8 widened in registers, transposed: 2 CTAs per SM at 64-token tiles already, 168-206 registers)
@@ -43,6 +44,10 @@ def default_tiling(spec: AttentionSpec) -> tuple[int, int]:
     fp8_in_registers = spec.kv_dtype == "fp8_e4m3" and spec.pipeline == "transposed"
     if spec.head_dim_qk > 128 and one_head_tile and not fp8_in_registers:
         return 32, 2
+    if spec.head_dim_qk > 128 and spec.pipeline == "normal":
+        # MQA-sized groups: eight warps split each tile's rows further (16-bit MQA-64 spilled 16 bytes
+        # at four: 240 registers at eight), and an SM held to one CTA by shared memory gets 8 warps
+        return TILE_KV, 8
     return TILE_KV, 4
 
 
