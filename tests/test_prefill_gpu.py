@@ -72,6 +72,33 @@ def test_wgmma_tiling_overrides(kv_tile, stages, producer, pingpong):
     assert torch.all(out[qo[5]:] == 0) and torch.all(lse[qo[5]:] == -math.inf)  # kv_len 0
 
 
+# head_dim 256: two consumer warpgroups over a split ring of two stages (K and V on their own
+# barriers) by default; each schedule of it, on ragged K/V and on pages of 7 (cp.async: V reuses the
+# row offsets K resolved) and 16 (TMA boxes); and the one-warpgroup kernel without a producer
+@pytest.mark.parametrize("page_size,options", [(None, {}), (7, {}), (16, {"persistent": False}),
+                                               (None, {"pingpong": True}), (7, {"producer": False})])
+def test_d256_split_ring_schedules(page_size, options):
+    spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=2, head_dim_qk=256, causal=True)
+    qo_lens, kv_lens = [1, 77, 300, 129, 640, 5], [1, 200, 300, 1000, 640, 0]
+    w = BatchPrefill(spec, backend="wgmma", **options)
+    assert w.kernel.split_ring == options.get("producer", True) and w.kernel.stages == (2 if w.kernel.split_ring else 3)
+    if page_size is None:
+        q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=256)
+        w.plan(qo, kv)
+        kv_arg, per = (k, v), [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    else:
+        _, kv_arg, (indptr, indices, last), per = make_paged_case(
+            AttentionSpec(num_qo_heads=16, num_kv_heads=2, head_dim_qk=256), kv_lens, page_size, seed=page_size)
+        per = [(k.bfloat16(), v.bfloat16()) for k, v in per]
+        q = torch.randn(sum(qo_lens), 16, 256, device="cuda").bfloat16()
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+        w.plan(qo, indptr, indices, last, page_size=page_size)
+    out, lse = w.run(q, kv_arg, out=torch.full_like(q, math.nan), return_lse=True)
+    torch.cuda.synchronize()
+    check_against_reference(spec, q, out, lse, per, qo)
+    assert torch.all(out[qo[5]:] == 0) and torch.all(lse[qo[5]:] == -math.inf)  # kv_len 0
+
+
 @pytest.mark.parametrize("page_size,pingpong", [(1, False), (7, True), (64, False)])
 def test_wgmma_producer_paged(page_size, pingpong):
     spec = AttentionSpec(family="prefill", causal=True)

@@ -46,11 +46,21 @@ def test_shapes_and_refusals():
     mma = PrefillKernel(SPEC, "mma")
     assert (mma.tile_q, mma.threads, mma.producer) == (64, 128, False)
     assert mma.ctas_per_sm == 228 * 1024 // (mma.smem_bytes + 1024) >= 2
-    d256 = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma")
-    assert (d256.tile_q, d256.tile_kv, d256.stages, d256.threads) == (64, 64, 3, 256)  # Q + 3 stages fit
-    assert d256.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128 + 3 * 16 + 64 * 8 + 8
-    with pytest.raises(ValueError, match="needs at least 3, got 2"):
-        PrefillKernel(SPEC, "wgmma", num_stages=2)
+    # d256: Q of 128 rows and two 64-token stages of a split ring (K and V on their own barriers:
+    # 4 mbarriers a stage) beside a producer; without one, 64 rows and three shared stages
+    d256_spec = AttentionSpec(family="prefill", head_dim_qk=256)
+    d256 = PrefillKernel(d256_spec, "wgmma")
+    assert (d256.tile_q, d256.tile_kv, d256.stages, d256.threads, d256.split_ring) == (128, 64, 2, 384, True)
+    assert d256.smem_bytes == 128 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 1024 + 128 + 2 * 32 + 64 * 8 + 8
+    assert d256.module().context["split_ring"] and d256.module().name.endswith("_ws_pers_tma_s2")
+    d256_plain = PrefillKernel(d256_spec, "wgmma", producer=False)
+    assert (d256_plain.tile_q, d256_plain.stages, d256_plain.threads, d256_plain.split_ring) == (64, 3, 128, False)
+    assert d256_plain.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128
+    assert not k.split_ring and PrefillKernel(SPEC, "wgmma", num_stages=2).split_ring  # a producer at 2 stages
+    with pytest.raises(ValueError, match="without a producer needs at least 3, got 2"):
+        PrefillKernel(SPEC, "wgmma", producer=False, num_stages=2)
+    with pytest.raises(ValueError, match="with a producer needs at least 2, got 1"):
+        PrefillKernel(SPEC, "wgmma", num_stages=1)
     with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
         PrefillKernel(SPEC, "wgmma", num_stages=4)
     with pytest.raises(ValueError, match="expected one of .*got 'tensor'; or pass backend=None"):
@@ -110,8 +120,8 @@ def test_producer_warpgroup_shape():
     assert pp.module().name.endswith("_ws_pp_tma_s3") and "named_bar_sync(1 + wg, 256)" in pp.module().source
     with pytest.raises(ValueError, match="pingpong: needs the producer warpgroup .*got producer=False; pass producer=True"):
         PrefillKernel(SPEC, "wgmma", producer=False, pingpong=True)
-    with pytest.raises(ValueError, match="pingpong: needs two consumer warpgroups"):
-        PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma", producer=True, pingpong=True)
+    pp256 = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "wgmma", pingpong=True)
+    assert (pp256.tile_q, pp256.split_ring) == (128, True)  # two consumer warpgroups at d256 too
 
 
 def test_split_kv_is_off_where_a_row_epilogue_needs_the_whole_row():

@@ -6,6 +6,8 @@ deadlocks, that a consumer always reads the tile (and Q) it expects, and that th
 overwrites a stage or Q that a consumer warp still reads. mbarrier semantics as PTX defines them:
 a phase completes when its expected arrivals are in; try_wait.parity(p) succeeds once the phase
 of parity p has completed, so a waiter more than one phase behind would alias (checked too).
+Both rings: the shared one (K and V of a stage fill and free together) and the split one (head_dim
+256 at two stages: K and V on barriers of their own, K freed an iteration before V).
 """
 import random
 
@@ -32,7 +34,8 @@ class Barrier:
 def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
     """The producer warpgroup as one agent (its 128 threads run the same sequence). Each thread
     issues a tile's copies and a cp.async.mbarrier.arrive on the stage's full barrier, which fires
-    once its copies (and all its earlier ones, Q included) have landed: the copy engine agent below."""
+    once its copies (and all its earlier ones, Q included) have landed: the copy engine agent below.
+    A split ring issues K(t), then V(t), each into its own slot after waiting on its own empty barrier."""
     tiles_done = q_loads = 0
     for k, n in enumerate(items):
         if n > 0 or q_for_empty:  # only items with tiles load Q, and only they count q_empty's phases
@@ -44,41 +47,56 @@ def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
             q_loads += 1
         for t in range(n):
             g = tiles_done + t
-            if g >= stages and wait_empty:
-                bar, phase = s["empty"][g % stages], g // stages - 1
-                while not bar.ready(phase & 1, phase):
-                    yield
-            assert s["readers"][g % stages] == 0, "stage overwritten while a consumer warp reads it"
-            s["stage"][g % stages] = g
-            s["in_flight"].append(g)
-            yield
+            for mat in s["mats"]:
+                if g >= stages and wait_empty:
+                    bar, phase = s["empty"][mat][g % stages], g // stages - 1
+                    while not bar.ready(phase & 1, phase):
+                        yield
+                assert s["readers"][mat][g % stages] == 0, "stage overwritten while a consumer warp reads it"
+                s["stage"][mat][g % stages] = g
+                s["in_flight"].append((mat, g))
+                yield
         tiles_done += n
     s["producer_done"] = True
 
 
 def copy_engine(s, stages):
-    """Lands the issued tiles in order (an arrival waits for all of a thread's earlier copies) at
-    moments of its own, each completing its stage's full-barrier phase."""
+    """Lands the issued copies in order (an arrival waits for all of a thread's earlier copies) at
+    moments of its own, each completing its matrix's full-barrier phase."""
     while not (s["producer_done"] and not s["in_flight"]):
         if s["in_flight"]:
-            g = s["in_flight"].pop(0)
-            s["full"][g % stages].arrive()
+            mat, g = s["in_flight"].pop(0)
+            s["full"][mat][g % stages].arrive()
         yield
 
 
-def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0):
+def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early=False):
     """One consumer warp (8 of them arrive on empty[] and q_empty); q_early > 0 releases Q that many
-    S products before the item's last (a bug the model must catch)."""
+    S products before the item's last, v_early frees a split ring's V(t) as it lands (bugs the model
+    must catch). The shared ring reads stage t from S(t) to P.V(t); a split ring reads K(t) from S(t)
+    until step 3 of iteration t, and V(t) from there until P.V(t) retired, an iteration later."""
+    split = s["mats"] == ("K", "V")
+    k_mat, v_mat = s["mats"][0], s["mats"][-1]
     tiles_done = 0
     for k, n in enumerate(items):
         g0 = tiles_done
 
-        def wait_full(t):
+        def wait_full(mat, t):
             g = g0 + t
-            while not s["full"][g % stages].ready((g // stages) & 1, g // stages):
+            while not s["full"][mat][g % stages].ready((g // stages) & 1, g // stages):
                 yield
-            assert s["stage"][g % stages] == g, "read a stage that holds another tile"
-            s["readers"][g % stages] += 1
+            assert s["stage"][mat][g % stages] == g, "read a stage that holds another tile"
+            s["readers"][mat][g % stages] += 1
+
+        def unread(mat, t):
+            s["readers"][mat][(g0 + t) % stages] -= 1
+
+        def free(mat, t):
+            s["empty"][mat][(g0 + t) % stages].arrive()
+
+        def release(mat, t):
+            unread(mat, t)
+            free(mat, t)
 
         def release_q():  # the item's last S is done: Q is free (persistent: the producer may reload it)
             s["q_readers"] -= 1
@@ -86,37 +104,48 @@ def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0):
                 s["q_empty"].arrive()
 
         if n > 0:
-            yield from wait_full(0)
+            yield from wait_full(k_mat, 0)
             assert s["q"] == k, "read another item's Q"
             s["q_readers"] += 1
             yield  # S(0)
             if max(1, n - q_early) == 1:  # S products done: 1
                 release_q()
         for t in range(n):
-            if t > 0:
-                s["readers"][(g0 + t - 1) % stages] -= 1
-                s["empty"][(g0 + t - 1) % stages].arrive()
+            if split:  # step 3: S(t) retired, P.V(t-1) retired
+                release("K", t)
+                if t > 0:
+                    (unread if v_early else release)("V", t - 1)
+            elif t > 0:
+                release("KV", t - 1)
             if t + 1 < n:
-                yield from wait_full(t + 1)
+                yield from wait_full(k_mat, t + 1)
                 assert s["q"] == k, "S(t+1) read another item's Q"
+            if split:
+                yield from wait_full("V", t)
+                if v_early:  # the bug: V(t) freed with K(t), before P.V(t) even ran
+                    free("V", t)
+            if t + 1 < n:
                 yield  # S(t+1) in flight under P.V(t)
                 if t + 2 == max(1, n - q_early):
                     release_q()
             yield
         if n > 0:
-            s["readers"][(g0 + n - 1) % stages] -= 1
-            s["empty"][(g0 + n - 1) % stages].arrive()
+            (unread if v_early else release)(v_mat, n - 1)
         elif persistent and q_for_empty:  # the first version: every item arrived, empty or not
             s["q_empty"].arrive()
         tiles_done += n
 
 
-def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True, q_early=0):
-    s = {"full": [Barrier(1) for _ in range(stages)], "empty": [Barrier(warps) for _ in range(stages)],
-         "q_empty": Barrier(warps), "stage": [None] * stages, "readers": [0] * stages, "q": None, "q_readers": 0,
+def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True, q_early=0, split=False,
+        v_early=False):
+    mats = ("K", "V") if split else ("KV",)
+    s = {"mats": mats, "full": {m: [Barrier(1) for _ in range(stages)] for m in mats},
+         "empty": {m: [Barrier(warps) for _ in range(stages)] for m in mats},
+         "q_empty": Barrier(warps), "stage": {m: [None] * stages for m in mats},
+         "readers": {m: [0] * stages for m in mats}, "q": None, "q_readers": 0,
          "in_flight": [], "producer_done": False}
     agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
-    agents += [consumer(s, items, stages, persistent, q_for_empty, q_early) for _ in range(warps)]
+    agents += [consumer(s, items, stages, persistent, q_for_empty, q_early, v_early) for _ in range(warps)]
     rng, live, steps = random.Random(seed), list(agents), 0
     while live:
         agent = rng.choice(live)
@@ -126,29 +155,30 @@ def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=Tr
             live.remove(agent)
         steps += 1
         assert steps < 200_000, f"deadlock: {len(live)} agents still waiting"
-    assert all(r == 0 for r in s["readers"]) and s["q_readers"] == 0
+    assert all(r == 0 for m in mats for r in s["readers"][m]) and s["q_readers"] == 0
 
 
-@pytest.mark.parametrize("stages", [3, 4, 6])
+@pytest.mark.parametrize("stages,split", [(3, False), (4, False), (6, False), (2, True), (3, True)])
 @pytest.mark.parametrize("seed", range(6))
-def test_persistent_ring_never_deadlocks_or_overwrites(stages, seed):
+def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, seed):
     rng = random.Random(seed)
     items = [rng.choice([0, 1, 2, 5, 9]) for _ in range(12)]  # empty items and ones longer than the ring
-    run(items, stages, warps=8, persistent=True, seed=seed)
+    run(items, stages, warps=8, persistent=True, seed=seed, split=split)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
-def test_one_item_per_cta(n):
+@pytest.mark.parametrize("stages,split", [(3, False), (2, True)])
+def test_one_item_per_cta(n, stages, split):
     for seed in range(4):
-        run([n], stages=3, warps=8, persistent=False, seed=seed)
+        run([n], stages=stages, warps=8, persistent=False, seed=seed, split=split)
 
 
-def caught(items, needles, **bug):
+def caught(items, needles, stages=3, **bug):
     """Seeds (of 20) in which the model, run with a deliberate protocol bug, fails an assertion naming it."""
     n = 0
     for seed in range(20):
         try:
-            run(items, stages=3, warps=8, persistent=True, seed=seed, **bug)
+            run(items, stages=stages, warps=8, persistent=True, seed=seed, **bug)
         except AssertionError as e:
             n += any(needle in str(e) for needle in needles)
     return n
@@ -168,3 +198,10 @@ def test_the_model_catches_q_released_before_the_last_product():
     # Q is released right after S(n-1), the item's last read of it (not at the item's end, so the next
     # item's Q loads under the last tile and the epilogue); one product earlier is a race
     assert caught([4, 3, 5, 2], ("Q overwritten", "another item's Q"), q_early=1) > 0
+
+
+def test_the_model_catches_a_split_ring_that_frees_v_with_k():
+    # two stages of a split ring hold only because V(t) stays taken until P.V(t) retired; freed as
+    # it lands (with K(t)), the producer refills it under the product
+    assert caught([9, 4], ("stage overwritten", "holds another tile"), stages=2, split=True, v_early=True) > 0
+

@@ -2,7 +2,7 @@
 
 Two kernels share one parameter struct, one work list and the variant hooks:
   "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
-           two warpgroups (head_dim 256: 64 rows, one warpgroup); 16-bit Q/KV.
+           two warpgroups (head_dim 256 without a producer: 64 rows, one warpgroup); 16-bit Q/KV.
   "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; the
            fallback where wgmma does not apply (other archs, fp8 KV).
 """
@@ -25,9 +25,11 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
 SMEM_PER_SM = 228 * 1024  # H100/H200
 SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
-# backend -> (query rows per CTA, KV tokens per tile, default stages); wgmma at head_dim 256 halves
-# both tiles so Q and three K/V stages fit in shared memory (one consumer warpgroup)
-_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (64, 64, 3)}
+# backend -> (query rows per CTA, KV tokens per tile, default stages). wgmma at head_dim 256: 64-token
+# tiles in two stages of a split ring (K and V freed apart), so Q of 128 rows fits beside them (192
+# KB) and two consumer warpgroups share the tensor cores; without a producer (no split ring) Q and
+# tiles halve so three stages fit (one consumer warpgroup, 224 KB).
+_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3)}
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -120,21 +122,26 @@ class PrefillKernel:
         if self.pingpong and not self.producer:
             raise ValueError("PrefillKernel.pingpong: needs the producer warpgroup (the consumers then share no CTA "
                              "barrier), got producer=False; pass producer=True (the wgmma default) or pingpong=False")
-        if self.pingpong and self.tile_q != 128:
-            raise ValueError(f"PrefillKernel.pingpong: needs two consumer warpgroups (128 query rows), "
-                             f"but head_dim {self.spec.head_dim_qk} runs {self.tile_q}")
-        if self.stages < (3 if self.backend == "wgmma" else 2):
-            raise ValueError(f"PrefillKernel.num_stages: {self.backend} needs at least "
-                             f"{3 if self.backend == 'wgmma' else 2}, got {self.stages}; pass more, or None "
-                             "for the default")
+        least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
+        if self.stages < least:
+            raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
+                             f"{'with' if self.producer else 'without'} a producer needs at least {least}, got "
+                             f"{self.stages}; pass more, or None for the default")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B; "
                              "use fewer stages")
 
     @property
     def _shape(self) -> tuple[int, int, int]:
-        wide = self.backend == "wgmma" and self.spec.head_dim_qk == 256
-        return _SHAPES["wgmma256" if wide else self.backend]
+        if self.backend == "wgmma" and self.spec.head_dim_qk == 256:
+            return _SHAPES["wgmma256" if self.producer else "wgmma256_plain"]
+        return _SHAPES[self.backend]
+
+    @property
+    def split_ring(self) -> bool:
+        """K and V of a stage on barriers of their own (the wgmma producer at two stages): K is free
+        once S retired, an iteration before V, so two stages keep the lead three shared ones give."""
+        return self.backend == "wgmma" and bool(self.producer) and self.stages == 2
 
     @property
     def tile_q(self) -> int:
@@ -170,7 +177,8 @@ class PrefillKernel:
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
         if self.backend != "wgmma":
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2
-        ws = 16 * self.stages + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
+        bars = (32 if self.split_ring else 16) * self.stages  # full and empty mbarriers (K's, V's when split)
+        ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
         extra = 1024 + 128 + (ws if self.producer else 0)
         return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
 
@@ -232,7 +240,7 @@ class PrefillKernel:
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
-               "tma": self.has_tma, "params_struct": self.params.cpp(), "trace": False}
+               "split_ring": self.split_ring, "tma": self.has_tma, "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),

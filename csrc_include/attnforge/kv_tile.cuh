@@ -95,6 +95,7 @@ template <class TKV, int kHeadDim, int kTileKV, int kThreads>
 struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
   using Base = KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads>;
   static_assert(sizeof(TKV) == 2 && kHeadDim % 64 == 0, "sw128 tiles hold 16-bit values in 64-column blocks");
+  static constexpr int kKOnly = 1, kVOnly = 2, kBoth = 3;  // the `mats` argument: which matrices to copy
 
   static AF_DEVICE void load(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
                              const typename Base::Pages& tp, char* sk, char* sv) {
@@ -138,8 +139,9 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
           rp.in_page < 0 ? -1 : int64_t(rp.page) * kv.stride_page + int64_t(rp.in_page) * kv.stride_token;
   }
 
+  // mats: which matrices to copy (kBoth, or kKOnly / kVOnly where K and V have their own ring slots)
   static AF_DEVICE void load_resolved(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
-                                      const int64_t* row_off, char* sk, char* sv) {
+                                      const int64_t* row_off, char* sk, char* sv, int mats = kBoth) {
     const int ch = threadIdx.x % Base::kChunks, row0 = threadIdx.x / Base::kChunks;
     const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems;
 #pragma unroll
@@ -148,8 +150,8 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
       const int64_t ro = row_off[row];
       const bool valid = ro >= 0;
       const int dst = sw128_offset(row, ch, kTileKV);
-      cp_async_16(sk + dst, k_cache + (valid ? ro + head_off : 0), valid);
-      cp_async_16(sv + dst, v_cache + (valid ? ro + head_off : 0), valid);
+      if (mats & kKOnly) cp_async_16(sk + dst, k_cache + (valid ? ro + head_off : 0), valid);
+      if (mats & kVOnly) cp_async_16(sv + dst, v_cache + (valid ? ro + head_off : 0), valid);
     }
   }
 
@@ -157,7 +159,7 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
   // steps by a constant, with no page-table load, division or branch (load() costs ~600
   // instructions per warp per tile; this ~60).
   static AF_DEVICE void load_contiguous(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
-                                        int kv_end, int t0, char* sk, char* sv) {
+                                        int kv_end, int t0, char* sk, char* sv, int mats = kBoth) {
     const int ch = threadIdx.x % Base::kChunks, row0 = threadIdx.x / Base::kChunks;
     const int64_t step = int64_t(Base::kRowStep) * kv.stride_token;
     int64_t off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems +
@@ -166,8 +168,8 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
     for (int j = 0; j < Base::kRowsPerThread; ++j, off += step) {
       const bool valid = t0 + row0 + j * Base::kRowStep < kv_end;
       const int dst = sw128_offset(row0 + j * Base::kRowStep, ch, kTileKV);  // an immediate step when kRowStep % 8 == 0
-      cp_async_16(sk + dst, k_cache + (valid ? off : 0), valid);
-      cp_async_16(sv + dst, v_cache + (valid ? off : 0), valid);
+      if (mats & kKOnly) cp_async_16(sk + dst, k_cache + (valid ? off : 0), valid);
+      if (mats & kVOnly) cp_async_16(sv + dst, v_cache + (valid ? off : 0), valid);
     }
   }
 };

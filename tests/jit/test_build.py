@@ -180,6 +180,7 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [PrefillKernel(s, "mma").module() for s in prefill if wgmma_applies(s) is None]
     mods.append(PrefillKernel(prefill[0], "wgmma", persistent=False).module())  # one CTA per item (not the default)
     mods.append(PrefillKernel(prefill[0], "wgmma", tma=False).module())  # paged tiles by cp.async only
+    mods.append(PrefillKernel(prefill[1], "wgmma", producer=False).module())  # d256: no split ring, one consumer
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     from attnforge.kernels.mla import MLADecodeKernel  # and the sm_90a MLA kernels, one with a score modifier
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
