@@ -26,9 +26,9 @@ WGMMA_ARCH = "9.0a"
 SMEM_PER_SM = 228 * 1024  # H100/H200
 SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # backend -> (query rows per CTA, KV tokens per tile, default stages). wgmma at head_dim 256: 64-token
-# tiles in two stages of a split ring (K and V freed apart), so Q of 128 rows fits beside them (192
-# KB) and two consumer warpgroups share the tensor cores; without a producer (no split ring) Q and
-# tiles halve so three stages fit (one consumer warpgroup, 224 KB).
+# tiles in a split ring of two K and three V slots, so Q of 128 rows fits beside them (224 KB) and two
+# consumer warpgroups share the tensor cores; without a producer (no split ring) Q and tiles halve so
+# three shared stages fit (one consumer warpgroup, 224 KB).
 _SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3)}
 
 BASE_FIELDS = (
@@ -139,8 +139,9 @@ class PrefillKernel:
 
     @property
     def split_ring(self) -> bool:
-        """K and V of a stage on barriers of their own (the wgmma producer at two stages): K is free
-        once S retired, an iteration before V, so two stages keep the lead three shared ones give."""
+        """K and V in rings of their own (the wgmma producer at two stages): `stages` K slots and one
+        more V slot (V(t) is held until P.V(t) retired, an iteration longer than K(t)), so five
+        matrices keep the leads three shared stages (six) give."""
         return self.backend == "wgmma" and bool(self.producer) and self.stages == 2
 
     @property
@@ -177,10 +178,11 @@ class PrefillKernel:
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
         if self.backend != "wgmma":
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2
-        bars = (32 if self.split_ring else 16) * self.stages  # full and empty mbarriers (K's, V's when split)
+        mats = 2 * self.stages + (1 if self.split_ring else 0)  # K and V tiles in the ring
+        bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
         ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
         extra = 1024 + 128 + (ws if self.producer else 0)
-        return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2 + extra
+        return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + extra
 
     @property
     def params(self) -> ParamsLayout:
