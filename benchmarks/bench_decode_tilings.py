@@ -3,7 +3,7 @@ against explicit (tile_kv, stages, warps), for the shapes whose default was chos
 (fp8 at d128), never swept (fp8 at d64) or set by shared memory alone (d256: a 64-token tile of
 16-bit K and V leaves room for one CTA per SM). Prints one line per case.
 
-    python benchmarks/bench_decode_tilings.py [d64-fp8|d128-fp8|d256-fp8|d256-bf16 ...]
+    python benchmarks/bench_decode_tilings.py [d64-bf16|d64-fp8|d128-fp8|d256-fp8|d256-bf16 ...]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.helpers import make_paged_case  # noqa: E402
 
 # 32-token tiles of two warps: 2-4 CTAs per SM at d256 where a 64-token tile of four warps fits 1-2
 CASES = {  # name: (head_dim, kv_dtype, [(tile_kv, stages, warps), ...] beside the default)
+    "d64-bf16": (64, "bf16", [(64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 2, 8)]),  # 4 CTAs of 34 KB: never swept
     "d64-fp8": (64, "fp8_e4m3", [(64, 3, 4), (64, 4, 4), (128, 2, 8)]),  # widened in shared memory: never swept
     "d128-fp8": (128, "fp8_e4m3", [(64, 4, 4)]),
     "d256-fp8": (256, "fp8_e4m3", [(64, 4, 4), (32, 2, 2), (32, 3, 2), (32, 4, 2)]),
