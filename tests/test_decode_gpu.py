@@ -80,6 +80,17 @@ def test_mqa_at_d256_on_eight_warps(kv_dtype):
     run_case(spec, [1, 300, 17, 20000], 7, seed=5, k_scale=0.5, v_scale=1.5)
 
 
+# (query heads, kv heads, head_dim, pipeline): the in-kernel merge of a split item runs in passes of one
+# vector per thread and rounds of up to kMergeRound chunks; one long request per KV head cut into
+# ~200 chunks takes several rounds of each pass (MQA 32/1: 8 passes), group 5 a pass of 32 threads
+@pytest.mark.parametrize("hq,hkv,head_dim,pipeline", [(32, 1, 128, "normal"), (40, 8, 128, "transposed"),
+                                                      (64, 1, 256, "normal"), (32, 32, 64, "transposed")])
+def test_merge_of_many_chunks_in_passes_and_rounds(hq, hkv, head_dim, pipeline):
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, pipeline=pipeline)
+    lengths = [60000, 5] if hkv == 1 else [3000, 5]  # ~200 chunks of one item (MQA), fewer per head else
+    run_case(spec, lengths, 16, seed=hq + head_dim)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 @pytest.mark.parametrize("stages", [2, 3])
