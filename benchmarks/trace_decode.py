@@ -3,9 +3,11 @@ and work item (thread 0; template batch_decode), and this script prints, per cas
 spread (launch) and exit spread in %globaltimer ns, their spans in cycles, and per-item phases:
 prologue (first tiles issued, Q staged), tiles, finish (rows or partial written) and merge.
 
-    python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters)
+    python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters;
+    ATTNFORGE_TRACE_DECODE_HEADS=32/4 traces another head layout than the suite's 32/8)
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 from attnforge.kernels import decode as kdecode  # noqa: E402
 from trace_capture import build_traced, capture, exit_by_class, save_json_if_asked  # noqa: E402
-from bench_decode import HKV, HQ, D, cases, paged_inputs  # noqa: E402
+import bench_decode  # noqa: E402
+from bench_decode import D, cases, paged_inputs  # noqa: E402
+
+if os.environ.get("ATTNFORGE_TRACE_DECODE_HEADS"):  # paged_inputs reads the module's head counts
+    bench_decode.HQ, bench_decode.HKV = map(int, os.environ["ATTNFORGE_TRACE_DECODE_HEADS"].split("/"))
 
 ITEMS = 32  # trace slots per CTA (the template's)
 build_traced(kdecode.DecodeKernel)
@@ -24,7 +30,8 @@ build_traced(kdecode.DecodeKernel)
 
 def trace_case(name, lengths, page_size, kv_dtype, layout):
     q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype, layout)
-    spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout)
+    spec = AttentionSpec(num_qo_heads=bench_decode.HQ, num_kv_heads=bench_decode.HKV, head_dim_qk=D, kv_dtype=kv_dtype,
+                         kv_layout=layout)
     w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
     w.plan(indptr, indices, last, page_size=page_size)
     out = torch.empty_like(q)
