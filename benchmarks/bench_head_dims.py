@@ -1,5 +1,5 @@
 """Suite `head_dims`: the default kernels at head_dim 64, 128 and 256 (GQA 32/8, bf16), and at d128
-with other head layouts (MHA 32/32, GQA 32/4, MQA 32/1), beside cuDNN SDPA in the same run, so a
+with other head layouts (MHA 32/32, GQA 32/4 and 32/2, MQA 32/1), beside cuDNN SDPA in the same run, so a
 tiling chosen for d128 GQA-4 does not hide a cliff elsewhere (d256 fp8 decode ran at one CTA per SM
 until the eleventh session, d256 prefill on one consumer warpgroup until the twelfth).
 Cases: `decode d{D} B16 L8192` (page 16; GB/s of KV read) and `prefill d{D} B1 S8192` (causal;
@@ -13,7 +13,7 @@ from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from harness import Report, time_us
 
 HQ, HKV, HEAD_DIMS = 32, 8, (64, 128, 256)
-LAYOUTS = ((32, 32), (32, 4), (32, 1))  # at d128, beside GQA 32/8
+LAYOUTS = ((32, 32), (32, 4), (32, 2), (32, 1))  # at d128, beside GQA 32/8
 DECODE_B, DECODE_L, PAGE = 16, 8192, 16
 PREFILL_L = 8192
 
