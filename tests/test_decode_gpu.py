@@ -40,7 +40,7 @@ def test_pages_layouts_pipelines(page_size, layout, pipeline):
 
 
 # the transposed pipeline takes groups up to 16 (its refusal of larger groups is tested below)
-HEAD_CASES = [(d, h, p) for d in (64, 128, 256) for h in ((8, 8), (32, 8), (64, 8), (64, 1))
+HEAD_CASES = [(d, h, p) for d in (64, 128, 256) for h in ((8, 8), (32, 8), (64, 8), (32, 2), (64, 1))
               for p in ("normal", "transposed") if p == "normal" or h[0] // h[1] <= 16]
 
 
