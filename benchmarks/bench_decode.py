@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import Report, time_us
+from harness import Report, sdpa_backends, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -88,21 +88,13 @@ def bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, q, cach
 
 
 def bench_dense_peers(report, case, lengths, flex_cache):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
     b, L = len(lengths), lengths[0]
     k = torch.randn(b, HKV, L, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     nbytes = kv_bytes(lengths, "bf16")
-    for impl, backend in (("cudnn-sdpa", SDPBackend.CUDNN_ATTENTION), ("fa2-sdpa", SDPBackend.FLASH_ATTENTION)):
-        try:
-            def fn():
-                with sdpa_kernel([backend]):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            report.add("decode", case, impl, time_us(fn), nbytes)
-        except Exception as e:  # a backend that refuses the shape is reported, not fatal
-            report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+    time_sdpa_peers(report, "decode", case, q, k, v, False, sdpa_backends("cudnn-sdpa", "fa2-sdpa"), nbytes)
     try:
         if "fn" not in flex_cache:
             flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)

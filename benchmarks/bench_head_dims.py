@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
-from harness import Report, time_us
+from harness import Report, sdpa_backends, time_sdpa_peers, time_us
 
 HQ, HKV, HEAD_DIMS = 32, 8, (64, 128, 256)
 LAYOUTS = ((32, 32), (32, 4), (32, 2), (32, 1))  # at d128, beside GQA 32/8
@@ -69,16 +69,9 @@ def prefill_case(report: Report, d: int, peers: bool, hq: int = HQ, hkv: int = H
 def dense_peer(report: Report, case: str, q: torch.Tensor, hkv: int, kv_len: int, causal: bool, nbytes=None,
                flops=None):
     """cuDNN SDPA on q [B, Hq, Lq, D] against fresh contiguous K / V [B, hkv, kv_len, D]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     b, d = q.shape[0], q.shape[-1]
     k = torch.randn(b, hkv, kv_len, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-
-    def fn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    try:
-        calls, reps = (5, 20) if nbytes else (2, 10)
-        report.add("head_dims", case, "cudnn-sdpa", time_us(fn, calls=calls, reps=reps), nbytes, flops)
-    except Exception as e:  # cuDNN may refuse a head_dim or a shape: say so, keep the suite going
-        report.note(f"cudnn-sdpa on {case}: {type(e).__name__}: {str(e)[:120]}")
+    calls, reps = (5, 20) if nbytes else (2, 10)
+    time_sdpa_peers(report, "head_dims", case, q, k, v, causal, sdpa_backends("cudnn-sdpa"), nbytes, flops,
+                    calls=calls, reps=reps)

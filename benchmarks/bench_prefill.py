@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, time_interleaved, time_us
+from harness import Report, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -102,18 +102,11 @@ def time_schedules(report, case, spec, plan_args, plan_kw, run, flops, extra=Non
 
 
 def bench_dense(report, case, b, L, flops):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(b, HQ, L, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, HKV, L, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    for impl, backend in (("cudnn-sdpa", SDPBackend.CUDNN_ATTENTION), ("fa2-sdpa", SDPBackend.FLASH_ATTENTION)):
-        try:
-            def fn():
-                with sdpa_kernel([backend]):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            report.add("prefill", case, impl, time_us(fn, calls=2, reps=10), None, flops)
-        except Exception as e:
-            report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+    time_sdpa_peers(report, "prefill", case, q, k, v, True, sdpa_backends("cudnn-sdpa", "fa2-sdpa"), None, flops,
+                    calls=2, reps=10)
     try:  # FlexAttention, compiled, with its causal block mask (built once, outside the timing)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         bm = create_block_mask(lambda b_, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cuda")

@@ -75,6 +75,30 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_sdpa_peers(report: "Report", suite: str, case: str, q, k, v, causal: bool, backends: dict,
+                    nbytes: Optional[float] = None, flops: Optional[float] = None, calls: int = 5, reps: int = 20,
+                    timer: Optional[Callable] = None) -> None:
+    """torch SDPA on q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D] (GQA) under each backend of `backends`
+    ({impl name: SDPBackend}), one row each; a backend that refuses the shape is a note, not a failure."""
+    from torch.nn.attention import sdpa_kernel
+    timer = timer or time_us
+    for impl, backend in backends.items():
+        def fn(backend=backend):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        try:
+            report.add(suite, case, impl, timer(fn, calls=calls, reps=reps), nbytes, flops)
+        except Exception as e:
+            report.note(f"{impl} on {case}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def sdpa_backends(*names: str) -> dict:
+    """{"cudnn-sdpa": SDPBackend.CUDNN_ATTENTION, "fa2-sdpa": SDPBackend.FLASH_ATTENTION} restricted to names."""
+    from torch.nn.attention import SDPBackend
+    known = {"cudnn-sdpa": SDPBackend.CUDNN_ATTENTION, "fa2-sdpa": SDPBackend.FLASH_ATTENTION}
+    return {n: known[n] for n in names}
+
+
 class Report:
     """Rows and notes of one run. With `autosave` (path, versions), the file is rewritten each time a
     case is complete, so a run cut short by a time limit keeps every case it finished."""

@@ -180,3 +180,27 @@ def test_traced_kernels_compile(tmp_path):
                        check=True, capture_output=True)
         assert b"af_trace" in (tmp_path / "k.cubin").read_bytes(), f"{m.name}: the trace buffer was compiled out"
         assert "af_trace" not in m.source  # the untraced build carries none of it
+
+
+def test_sdpa_peers_time_each_backend_and_note_a_refusal():
+    """harness.time_sdpa_peers (the suites' cuDNN / FA2 peers): a row per backend that runs, a note for
+    one that refuses the shape (here cuDNN on CPU tensors), and the call actually computes attention."""
+    import torch
+    from torch.nn.attention import SDPBackend
+    harness = load_harness()
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)  # GQA 4/2
+    outs = []
+
+    def timer(fn, calls, reps):
+        outs.append(fn())
+        return 1.5
+
+    report = harness.Report()
+    harness.time_sdpa_peers(report, "s", "c", q, k, v, True, {"math": SDPBackend.MATH, "cudnn-sdpa":
+                            SDPBackend.CUDNN_ATTENTION}, nbytes=1e6, timer=timer)
+    assert [(r["impl"], r["us"]) for r in report.rows] == [("math", 1.5)]
+    assert len(report.notes) == 1 and report.notes[0].startswith("cudnn-sdpa on c: ")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True)
+    assert torch.allclose(outs[0], ref, atol=1e-5)
+    assert set(harness.sdpa_backends("cudnn-sdpa", "fa2-sdpa")) == {"cudnn-sdpa", "fa2-sdpa"}
