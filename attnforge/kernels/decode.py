@@ -112,12 +112,27 @@ class DecodeKernel:
         s, d = self.spec, self.spec.head_dim_qk
         head_tile = 8 if s.pipeline == "transposed" else 16
         q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
-        wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 and not self.widens_in_registers else 0
-        pipe = self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
+        pipe = self.pipe_bytes
         states = self.num_warps if s.pipeline == "transposed" else \
             self.num_warps // -(-s.group_size // 16)
         merge = states * s.group_size * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
         return q_rows * d * 2 + max(pipe, merge)
+
+    @property
+    def pipe_bytes(self) -> int:
+        """The K/V stages (and fp8's widened tile): the area an item's merge of split chunks reuses."""
+        d = self.spec.head_dim_qk
+        wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 and not self.widens_in_registers else 0
+        return self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
+
+    @property
+    def merge_round(self) -> int:
+        """Chunks whose partial states one merge round stages at once (templates/batch_decode.cu.jinja
+        checks it): a pass merges one 4-dim vector per thread, so a round holds that many vectors of
+        each chunk (MQA 32/1 at d128: 30 chunks; sized by the whole group's vectors it was 3)."""
+        s = self.spec
+        pass_vecs = min(s.group_size * s.head_dim_qk // 4, self.threads)
+        return min(64, self.pipe_bytes // (pass_vecs * 16 + s.group_size * 4))
 
     @property
     def params(self) -> ParamsLayout:
@@ -161,7 +176,8 @@ class DecodeKernel:
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
-               "smem_bytes": self.smem_bytes, "min_ctas_per_sm": self.register_bound_ctas,
+               "smem_bytes": self.smem_bytes, "merge_round": self.merge_round,
+               "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
