@@ -51,12 +51,12 @@ def test_trace_stamps_only_when_asked():
 
 def test_merge_rounds_hold_only_a_pass_of_each_chunk():
     """A split item's merge stages a round of chunks in the idle K/V stages; a pass merges one vector
-    per thread, so a round holds only those vectors of each chunk (the kernel static_asserts the same
-    count). Sized by the whole group's vectors, MQA 32/1 at d128 fitted 3 chunks a round: 25 chunks
+    per thread, so a round holds only those vectors of each chunk (the template takes the count and
+    checks that it fits). Sized by the whole group's vectors, MQA 32/1 at d128 fitted 3 chunks a round: 25 chunks
     took 9 round trips in each of 8 passes."""
     mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1))
     assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_round == 65536 // (128 * 16 + 32 * 4) == 30
     assert DecodeKernel(AttentionSpec()).merge_round == 31  # GQA 4: 128 vectors, one pass either way
     assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_round == 64  # MHA: capped
     assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_round == 30
-    assert "kMergeRound == 30" in mqa.module().source
+    assert "kMergeRound = 30;" in mqa.module().source

@@ -127,9 +127,9 @@ class DecodeKernel:
 
     @property
     def merge_round(self) -> int:
-        """Chunks whose partial states one merge round stages at once (templates/batch_decode.cu.jinja
-        checks it): a pass merges one 4-dim vector per thread, so a round holds that many vectors of
-        each chunk (MQA 32/1 at d128: 30 chunks; sized by the whole group's vectors it was 3)."""
+        """Chunks whose partial states one merge round stages at once, at most 64 (the template takes it
+        and checks that it fits): a pass merges one 4-dim vector per thread, so a round holds that many
+        vectors of each chunk (MQA 32/1 at d128: 30 chunks; sized by the whole group's vectors it was 3)."""
         s = self.spec
         pass_vecs = min(s.group_size * s.head_dim_qk // 4, self.threads)
         return min(64, self.pipe_bytes // (pass_vecs * 16 + s.group_size * 4))
