@@ -44,9 +44,10 @@ class BatchDecode:
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
                  num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
-                 **spec_kwargs):
+                 head_splits: Optional[int] = None, **spec_kwargs):
         # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
-        # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default
+        # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
+        # head_splits: work items per KV head (None: kernels.decode.default_head_splits)
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -55,6 +56,7 @@ class BatchDecode:
         if spec.family != self.FAMILY:
             raise checks.fail(f"{type(self).__name__} spec.family", repr(self.FAMILY), repr(spec.family),
                               "Use the wrapper of that family.")
+        self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         self.device = torch.device(device) if device is not None else (
             workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
@@ -79,17 +81,20 @@ class BatchDecode:
         ws = workspace.view(torch.uint8)[:need].view(torch.float32)
         self._partial_o = ws[: self.num_slots * g * d]
         self._partial_lse = ws[self.num_slots * g * d:]
-        # chunks finished per split (request, kv head): the last one merges and resets it to 0
-        self._merge_count = torch.zeros(max_batch_size * spec.num_kv_heads, dtype=torch.int32, device=self.device)
+        # chunks finished per split (request, work item): the last one merges and resets it to 0
+        self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
 
-    @staticmethod
-    def _make_kernel(spec, tile_kv, num_stages, num_warps):
-        return DecodeKernel(spec, tile_kv, num_stages, num_warps)
+    def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
+        return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
-        return self.spec.group_size
+        return self.kernel.item_heads
+
+    def _stream_items(self) -> int:
+        """Work items per request in the split-KV stream: KV heads x head splits (kernels.decode)."""
+        return self.spec.num_kv_heads * self.kernel.head_splits
 
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
@@ -115,6 +120,7 @@ class BatchDecode:
         """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
         not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
         w = cls.__new__(cls)
+        w._head_splits = None
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
         w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size
@@ -144,7 +150,7 @@ class BatchDecode:
              v_scale: float = 1.0) -> None:
         """Host arrays in, one async copy out; no device-to-host synchronisation."""
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
-        self._commit_plan(table, page_size, self.spec.num_kv_heads, 1, sm_scale, k_scale, v_scale)
+        self._commit_plan(table, page_size, self._stream_items(), 1, sm_scale, k_scale, v_scale)
 
     def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
         page_size = page_size if page_size is not None else self.spec.page_size
@@ -250,7 +256,7 @@ class BatchDecode:
             q_stride_b=q.stride(0), q_stride_h=q.stride(1),
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
-            num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
+            num_qo_heads=s.num_qo_heads, num_kv_heads=self._stream_items(),
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
             lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,

@@ -83,6 +83,9 @@ class BatchMLADecode(BatchDecode):
     def _rows_per_slot(self) -> int:
         return self.kernel.rows
 
+    def _stream_items(self) -> int:  # (sizes the decode merge counters; MLA plans row blocks itself)
+        return self.spec.num_kv_heads
+
     def _workspace_need(self) -> int:
         return self.workspace_bytes(self.spec, self.num_ctas, self.kernel.backend)
 

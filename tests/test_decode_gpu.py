@@ -91,6 +91,41 @@ def test_merge_of_many_chunks_in_passes_and_rounds(hq, hkv, head_dim, pipeline):
     run_case(spec, lengths, 16, seed=hq + head_dim)
 
 
+# MQA-sized groups run as items of 16 query heads (head_splits per KV head, kernels.decode): item h
+# holds query heads 16h.., reads KV head h / splits; page 7 and a request split across many CTAs
+@pytest.mark.parametrize("hq,hkv,splits", [(32, 1, None), (48, 2, None), (64, 1, None), (64, 1, 2), (32, 1, 1)])
+def test_head_splits(hq, hkv, splits):
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, pipeline="normal")
+    w, _ = run_case(spec, [1, 300, 17, 20000], 7, seed=hq + hkv, head_splits=splits)
+    assert w.kernel.head_splits == (splits or hq // hkv // 16)
+
+
+def test_head_splits_keep_each_query_heads_modifiers():
+    """Per-head ALiBi slopes and attention sinks follow the query head, not the work item: MQA 32/1 in
+    two items, the long request split (the sink joins after the merge)."""
+    import attnforge.mods as m
+    from attnforge import reference
+    slopes = torch.linspace(0.01, 0.5, 32, device="cuda")
+
+    def alibi_score(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) * 1e-3
+
+    mod = m.attention_sink(torch.linspace(-1.0, 2.0, 32, device="cuda"), score_mod=alibi_score)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1, pipeline="normal", score_mod=mod)
+    q, cache, (indptr, indices, last), per_req = make_paged_case(spec, [30000, 300], 16, seed=11)
+    w = BatchDecode(spec)
+    assert w.kernel.head_splits == 2
+    w.plan(indptr, indices, last, page_size=16)
+    out, lse = w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
+    torch.cuda.synchronize()
+    for b, (k, v) in enumerate(per_req):
+        kw = dict(score_mod=mod.torch_score, sink=mod.sink, batch_index=b)
+        ref, ref_lse = reference.attention(q[b:b + 1], k, v, **kw)
+        low, _ = reference.attention(q[b:b + 1].float(), k.float(), v.float(), dtype=torch.float32, **kw)
+        assert_attention_close(out[b:b + 1], ref, low.to(q.dtype), f"alibi + sink, MQA, request {b}")
+        assert_lse_close(lse[b:b + 1], ref_lse, "alibi + sink, MQA")
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 @pytest.mark.parametrize("stages", [2, 3])

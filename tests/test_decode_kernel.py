@@ -1,5 +1,6 @@
 """DecodeKernel's launch shape (CPU): how many CTAs the persistent grid puts on an SM, and where the
 kernel asks ptxas to honour that (tests/jit/test_build.py checks the compiled registers agree)."""
+import numpy as np
 import pytest
 
 from attnforge import AttentionSpec
@@ -31,8 +32,9 @@ def test_wide_heads_take_small_tiles_of_two_warps():
         DecodeKernel(AttentionSpec(), tile_kv=16)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
         DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)
-    with pytest.raises(ValueError, match="64 heads per KV head need 4 warps, got 2"):
-        DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, pipeline="normal"), tile_kv=32, num_warps=2)
+    with pytest.raises(ValueError, match="64 heads per work item need 4 warps, got 2"):
+        DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, pipeline="normal"), tile_kv=32, num_warps=2,
+                     head_splits=1)
 
 
 def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():
@@ -54,9 +56,40 @@ def test_merge_rounds_hold_only_a_pass_of_each_chunk():
     per thread, so a round holds only those vectors of each chunk (the template takes the count and
     checks that it fits). Sized by the whole group's vectors, MQA 32/1 at d128 fitted 3 chunks a round: 25 chunks
     took 9 round trips in each of 8 passes."""
-    mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1))
+    mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=1)
     assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_round == 65536 // (128 * 16 + 32 * 4) == 30
     assert DecodeKernel(AttentionSpec()).merge_round == 31  # GQA 4: 128 vectors, one pass either way
     assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_round == 64  # MHA: capped
     assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_round == 30
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1)).merge_round == 31  # items of 16 heads
     assert "kMergeRound = 30;" in mqa.module().source
+
+
+def test_mqa_groups_split_into_items_of_16_heads():
+    """MQA-sized groups on the normal pipeline (d <= 128) run as items of 16 query heads: the kernel is
+    built for 16 heads (one m16 tile, its shared memory and tiling), the stream has group/16 items per
+    KV head; other shapes keep one item per KV head, and a split must divide the group."""
+    from attnforge.kernels.decode import DecodeKernel, default_head_splits
+    mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1))
+    assert (mqa.head_splits, mqa.item_heads, mqa.tile_kv, mqa.num_warps) == (2, 16, 64, 4)
+    assert mqa.module().context["group_size"] == 16 and mqa.module().name.startswith("decode_g32_d128")
+    assert "_hs2_" in mqa.module().name
+    g16 = DecodeKernel(AttentionSpec(num_qo_heads=16, num_kv_heads=1))
+    assert mqa.smem_bytes == g16.smem_bytes  # the same 16-head item
+    for spec, splits in [(AttentionSpec(num_qo_heads=64, num_kv_heads=1), 4), (AttentionSpec(), 1),
+                         (AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256), 1),  # d256: 8 warps
+                         (AttentionSpec(num_qo_heads=40, num_kv_heads=2), 1)]:  # 20 heads: not a multiple of 16
+        assert default_head_splits(spec) == splits, spec
+    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1), head_splits=1).item_heads == 64
+    with pytest.raises(ValueError, match="head_splits: expected a divisor of the group size 32, got 3"):
+        DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=3)
+
+
+def test_plan_streams_head_split_items():
+    """plan() lays out KV heads x head_splits items per request (the kernel's p.num_kv_heads)."""
+    from attnforge import BatchDecode
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=1), max_batch_size=4)
+    assert w._stream_items() == 2
+    w.plan(np.array([0, 2, 3]), np.array([0, 1, 2]), np.array([16, 5]), page_size=16)
+    work = w._plan["work"]
+    assert work.num_kv_heads == 2 and work.total == 2 * (32 + 64) + 2 * (5 + 64)

@@ -26,13 +26,23 @@ BASE_FIELDS = (
     *ptrs("kv_begin", "stream_prefix"), ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
     ParamField("merge_count", "int*", "ptr"),  # [max_batch * num_kv_heads] chunks in, per split item
     *scalars("i64", "int64_t", "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h"),
-    *scalars("i32", "int32_t", "num_qo_heads", "num_kv_heads"),
+    *scalars("i32", "int32_t", "num_qo_heads", "num_kv_heads"),  # num_kv_heads: the stream's items per
+    # request (KV heads x DecodeKernel.head_splits)
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
 
 
-def default_tiling(spec: AttentionSpec) -> tuple[int, int]:
+def default_head_splits(spec: AttentionSpec) -> int:
+    """Items per KV head: MQA-sized groups on the normal pipeline (at d <= 128) run as items of 16
+    heads each, so a split item's partial states (group x head_dim floats per chunk) merge in a
+    quarter of the time on twice the CTAs (MQA 32/1 d128 merged 25 chunks x 32 heads through one CTA:
+    2.1x cuDNN's time, twelfth session); the items of one KV head read the same tokens side by side."""
+    g = spec.group_size
+    return g // 16 if spec.pipeline == "normal" and g > 16 and g % 16 == 0 and spec.head_dim_qk <= 128 else 1
+
+
+def default_tiling(spec: AttentionSpec, group: Optional[int] = None) -> tuple[int, int]:
     """(tile_kv, num_warps): 64-token tiles of four warps, except at d256, where such a tile of 16-bit
     K and V in two stages (136 KB) leaves shared memory for one CTA per SM: 32-token tiles of two warps
     there (72 KB, 3 CTAs; benchmarks/bench_decode_tilings.py) where the group fits one head tile, and
@@ -40,7 +50,8 @@ def default_tiling(spec: AttentionSpec) -> tuple[int, int]:
     # two warps hold one 16-head tile (normal) or one n8 head tile (transposed; two of them spill);
     # larger groups keep 64-token tiles (MQA's 64 partial rows also need their stage area for the merge)
     # (fp8 widened in registers, transposed: 2 CTAs per SM at 64-token tiles already, 168-206 registers)
-    one_head_tile = spec.group_size <= (8 if spec.pipeline == "transposed" else 16)
+    group = spec.group_size if group is None else group  # query heads per work item
+    one_head_tile = group <= (8 if spec.pipeline == "transposed" else 16)
     fp8_in_registers = spec.kv_dtype == "fp8_e4m3" and spec.pipeline == "transposed"
     if spec.head_dim_qk > 128 and one_head_tile and not fp8_in_registers:
         return 32, 2
@@ -59,22 +70,29 @@ class DecodeKernel:
     tile_kv: Optional[int] = None  # None (both): default_tiling(spec)
     stages: Optional[int] = None
     num_warps: Optional[int] = None
+    head_splits: Optional[int] = None  # work items per KV head, each of group / head_splits query heads
 
     def __post_init__(self):
         s = self.spec
+        if self.head_splits is None:
+            object.__setattr__(self, "head_splits", default_head_splits(s))
+        if not isinstance(self.head_splits, int) or self.head_splits < 1 or s.group_size % self.head_splits:
+            raise ValueError(f"DecodeKernel.head_splits: expected a divisor of the group size {s.group_size}, got "
+                             f"{self.head_splits!r}; pass None for the default")
+        g = self.item_heads
         if self.tile_kv is None or self.num_warps is None:
-            tile, warps = default_tiling(s) if self.tile_kv is None and self.num_warps is None else (TILE_KV, 4)
+            tile, warps = default_tiling(s, g) if self.tile_kv is None and self.num_warps is None else (TILE_KV, 4)
             object.__setattr__(self, "tile_kv", tile if self.tile_kv is None else self.tile_kv)
             object.__setattr__(self, "num_warps", warps if self.num_warps is None else self.num_warps)
         if self.tile_kv not in (32, 64, 128):
             raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64 or 128, got {self.tile_kv}")
         if self.num_warps not in (2, 4, 8) or self.tile_kv // 16 < self.num_warps // (
-                1 if s.pipeline == "transposed" else -(-s.group_size // 16)):
+                1 if s.pipeline == "transposed" else -(-g // 16)):
             raise ValueError(f"DecodeKernel.num_warps: expected 2, 4 or 8 with at least one 16-token "
                              f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
-        if s.pipeline == "normal" and -(-s.group_size // 16) > self.num_warps:
+        if s.pipeline == "normal" and -(-g // 16) > self.num_warps:
             raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
-                             f"{s.group_size} heads per KV head need {-(-s.group_size // 16)} warps, got "
+                             f"{g} heads per work item need {-(-g // 16)} warps, got "
                              f"{self.num_warps}. Use more warps or the default.")
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
@@ -83,10 +101,15 @@ class DecodeKernel:
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages or a smaller tile")
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
-        if s.pipeline == "transposed" and s.group_size > MAX_TRANSPOSED_GROUP:
+        if s.pipeline == "transposed" and g > MAX_TRANSPOSED_GROUP:
             raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports group sizes up to "
-                             f"{MAX_TRANSPOSED_GROUP}, got {s.group_size} "
+                             f"{MAX_TRANSPOSED_GROUP}, got {g} "
                              f"({s.num_qo_heads}/{s.num_kv_heads} heads). Use pipeline='normal'.")
+
+    @property
+    def item_heads(self) -> int:
+        """Query heads of one work item: the GQA group, or a 1/head_splits share of it."""
+        return self.spec.group_size // self.head_splits
 
     @property
     def kv_bytes(self) -> int:
@@ -111,11 +134,11 @@ class DecodeKernel:
     def smem_bytes(self) -> int:
         s, d = self.spec, self.spec.head_dim_qk
         head_tile = 8 if s.pipeline == "transposed" else 16
-        q_rows = max(16, -(-s.group_size // head_tile) * head_tile)
+        q_rows = max(16, -(-self.item_heads // head_tile) * head_tile)
         pipe = self.pipe_bytes
         states = self.num_warps if s.pipeline == "transposed" else \
-            self.num_warps // -(-s.group_size // 16)
-        merge = states * s.group_size * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
+            self.num_warps // -(-self.item_heads // 16)
+        merge = states * self.item_heads * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
         return q_rows * d * 2 + max(pipe, merge)
 
     @property
@@ -130,9 +153,9 @@ class DecodeKernel:
         """Chunks whose partial states one merge round stages at once, at most 64 (the template takes it
         and checks that it fits): a pass merges one 4-dim vector per thread, so a round holds that many
         vectors of each chunk (MQA 32/1 at d128: 30 chunks; sized by the whole group's vectors it was 3)."""
-        s = self.spec
-        pass_vecs = min(s.group_size * s.head_dim_qk // 4, self.threads)
-        return min(64, self.pipe_bytes // (pass_vecs * 16 + s.group_size * 4))
+        g = self.item_heads  # the kernel's group: one work item's query heads
+        pass_vecs = min(g * self.spec.head_dim_qk // 4, self.threads)
+        return min(64, self.pipe_bytes // (pass_vecs * 16 + g * 4))
 
     @property
     def params(self) -> ParamsLayout:
@@ -159,7 +182,7 @@ class DecodeKernel:
         else the floor the kernels are held to (__launch_bounds__ where it binds)."""
         if self.spec.head_dim_qk > 128:
             return 256
-        if self.spec.pipeline == "transposed" and self.spec.group_size > 8:
+        if self.spec.pipeline == "transposed" and self.item_heads > 8:
             return 200
         return MIN_REGISTERS_PER_THREAD
 
@@ -174,7 +197,8 @@ class DecodeKernel:
     def module(self) -> JitModule:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
-               "head_dim": s.head_dim_qk, "group_size": s.group_size, "pipeline": s.pipeline,
+               "head_dim": s.head_dim_qk, "group_size": self.item_heads, "head_splits": self.head_splits,
+               "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "merge_round": self.merge_round,
                "min_ctas_per_sm": self.register_bound_ctas,
@@ -186,5 +210,6 @@ class DecodeKernel:
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
+                         *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))
