@@ -124,6 +124,15 @@ def test_producer_warpgroup_shape():
     assert (pp256.tile_q, pp256.split_ring) == (128, True)  # two consumer warpgroups at d256 too
 
 
+def test_one_resident_wgmma_cta_per_sm_whatever_shared_memory_allows():
+    d64 = AttentionSpec(family="prefill", head_dim_qk=64, causal=True)
+    small = PrefillKernel(d64, "wgmma", num_stages=4, kv_tile=64)  # 82 KB: two would fit by shared memory
+    assert small.smem_bytes * 2 < 228 * 1024 and small.ctas_per_sm == 1  # registers: 384 x 168 of 65536
+    mma = PrefillKernel(d64, "mma")  # 5 fit by shared memory, 3 by its ~129 registers a thread
+    assert (228 * 1024 // (mma.smem_bytes + 1024), mma.ctas_per_sm) == (5, 3)
+    assert PrefillKernel(d64, "wgmma").stages == 4 and PrefillKernel(d64, "wgmma", producer=False).stages == 3
+
+
 def test_split_kv_is_off_where_a_row_epilogue_needs_the_whole_row():
     import attnforge.mods as m
     from attnforge import BatchPrefill

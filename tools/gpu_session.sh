@@ -21,7 +21,8 @@ memcheck() {
     "tests/test_mla_gpu.py::test_wgmma_backend[normal-128]" tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane \
     tests/test_mla_gpu.py::test_long_request_split_across_ctas tests/test_quest_gpu.py \
     tests/test_prefill_gpu.py::test_d256_split_ring_schedules \
-    "tests/test_decode_gpu.py::test_merge_of_many_chunks_in_passes_and_rounds[32-1-128-normal]"} > "$OUT/memcheck.full" 2>&1
+    "tests/test_decode_gpu.py::test_merge_of_many_chunks_in_passes_and_rounds[32-1-128-normal]" \
+    tests/test_decode_gpu.py::test_head_splits} > "$OUT/memcheck.full" 2>&1
   echo "memcheck exit $?" > "$OUT/memcheck.log"
   grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"

@@ -16,10 +16,12 @@ from .. import variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch, env
 from ..jit import tma as tma_maps
+from ..jit.cubin import REGISTERS_PER_SM
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16"}
+MMA_REGISTERS = {64: 136, 128: 232, 256: 256}  # per thread of the mma.sync kernel (tests/jit/test_build.py checks)
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
@@ -29,7 +31,10 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # tiles in a split ring of two K and three V slots, so Q of 128 rows fits beside them (224 KB) and two
 # consumer warpgroups share the tensor cores; without a producer (no split ring) Q and tiles halve so
 # three shared stages fit (one consumer warpgroup, 224 KB).
-_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3)}
+# wgmma at head_dim 64 with a producer: four stages, measured 661.2 vs 669.0 us (thirteenth session) and
+# 669.3 vs 673.9 (twelfth) at B1 S8192 causal against three, timed in rotation
+_SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3),
+           "wgmma64": (128, 128, 4)}
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -135,6 +140,8 @@ class PrefillKernel:
     def _shape(self) -> tuple[int, int, int]:
         if self.backend == "wgmma" and self.spec.head_dim_qk == 256:
             return _SHAPES["wgmma256" if self.producer else "wgmma256_plain"]
+        if self.backend == "wgmma" and self.spec.head_dim_qk == 64 and self.producer:
+            return _SHAPES["wgmma64"]
         return _SHAPES[self.backend]
 
     @property
@@ -164,8 +171,16 @@ class PrefillKernel:
 
     @property
     def ctas_per_sm(self) -> int:
-        """Resident CTAs per SM, as shared memory allows (the split planner's unit of parallelism)."""
-        return max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
+        """Resident CTAs per SM (the split planner's and the persistent grid's unit): as shared memory
+        and registers allow; one for the wgmma kernel, built with __launch_bounds__(threads, 1): ptxas may give
+        one CTA the whole register file, and setmaxnreg hands out exactly that pool (d64 with 64-token
+        KV tiles fits two CTAs by shared memory: the persistent grid had twice the CTAs that can run)."""
+        by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
+        if self.backend == "wgmma":
+            return 1
+        # mma.sync: registers as ptxas gave them (129 / 231 / 255 a thread at d64 / 128 / 256), rounded up
+        by_registers = REGISTERS_PER_SM // (self.threads * MMA_REGISTERS[self.spec.head_dim_qk])
+        return max(1, min(by_smem, by_registers))
 
     @property
     def kernel_name(self) -> str:

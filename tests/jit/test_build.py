@@ -218,7 +218,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
                 MLADecodeKernel(dataclasses.replace(normal[1], logits_soft_cap=30.0), backend="wgmma"),
                 MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
     prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
-    kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(prefill[0], "mma")]
+    kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(s, "mma") for s in prefill]
     paths = build_many([k.module() for k in kernels], ARCHS)
     checked, problems = 0, []
     for k, path in zip(kernels, paths):
