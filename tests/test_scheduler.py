@@ -269,3 +269,23 @@ def test_mla_row_blocks_side_by_side_cover_every_row_once(name, lengths, row_blo
             item, sd = divmod(block, side)  # the merge kernel's slot rows, as it derives them
             merged = [s * side + sd for s in split_slots(p, r, item)]
             assert sorted(merged) == sorted(item_slots.get((r, block), []))
+
+
+@pytest.mark.parametrize("lengths,hkv", [([8192] * 16, 8), ([8192] * 16, 4), ([8128] * 16, 8), ([131072], 8),
+                                         ([100] * 3, 8)])
+def test_aligned_spans_cut_equal_items_into_equal_chunks(lengths, hkv):
+    end = np.asarray(lengths, dtype=np.int64)
+    p = plan_stream(np.zeros_like(end), end, hkv, CTAS, align_equal_items=True)
+    rows = expand(p)
+    per_item = np.bincount(rows[:, 1] * hkv + rows[:, 2])
+    cost, chunks = lengths[0] + CHUNK_FIXED_COST, CTAS // (len(lengths) * hkv)
+    assert p.num_spans <= CTAS and p.total == plan_stream(np.zeros_like(end), end, hkv, CTAS).total
+    if p.span > MIN_SPAN + CHUNK_FIXED_COST and cost % chunks == 0:  # spans on item boundaries
+        assert (per_item == chunks).all() and np.bincount(rows[:, 0]).max() == 1  # one chunk a span
+    elif p.span > MIN_SPAN + CHUNK_FIXED_COST:  # rounding drifts the boundaries: one more chunk at most
+        assert per_item.max() <= chunks + 1
+
+
+def test_aligned_spans_leave_unequal_batches_alone():
+    end = np.array([8192, 8000], dtype=np.int64)
+    assert plan_stream(np.zeros_like(end), end, 8, CTAS, True).span == plan_stream(np.zeros_like(end), end, 8, CTAS).span
