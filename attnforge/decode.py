@@ -212,7 +212,7 @@ class BatchDecode:
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len}
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
-        return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas)
+        return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas, align_equal_items=True)
 
     def default_sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.spec.head_dim_qk)
