@@ -38,7 +38,8 @@ CASES = {
 ALIGN = [{"align_equal_items": True}]
 ALIGN_CASES = {name: (*CASES[name][:3], ALIGN) for name in ("h32/8 B16 L8192", "h32/4 B16 L8192", "h32/2 B16 L8192",
                                                             "h32/1 B16 L8192")}
-ALIGN_CASES.update({"B1 L131072": ([131072], (32, 8), "bf16", ALIGN), "B16 L65536": ([65536] * 16, (32, 8), "bf16", ALIGN),
+ALIGN_CASES.update({"B1 L131072": ([131072], (32, 8), "bf16", ALIGN),
+                    "B16 L65536": ([65536] * 16, (32, 8), "bf16", ALIGN),
                     "fp8 h32/8 B16 L8192": (L16, (32, 8), "fp8_e4m3", ALIGN)})
 
 

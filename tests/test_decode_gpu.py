@@ -56,6 +56,23 @@ def test_long_request_split_across_ctas(pipeline):
     run_case(AttentionSpec(pipeline=pipeline), [65536, 3, 1000], 16, seed=3)
 
 
+# Equal requests plan spans aligned to their items (scheduler.ALIGN_SLACK): each item cut into
+# CTAs // items chunks of 700 positions, one chunk a span; odd page size, GQA, MQA (head splits), MHA
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (32, 1), (8, 8)])
+def test_equal_requests_plan_spans_on_item_boundaries(hq, hkv):
+    from attnforge import scheduler
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv)
+    probe = BatchDecode(spec)
+    items = 6 * probe._stream_items()
+    per_item = probe.num_ctas // items
+    w, _ = run_case(spec, [700 * per_item - scheduler.CHUNK_FIXED_COST] * 6, 7, seed=hq + hkv)
+    work = w._plan["work"]
+    plain = scheduler.plan_stream(work.kv_begin, work.kv_end, work.num_kv_heads, w.num_ctas)
+    assert work.total == items * 700 * per_item
+    if 700 - plain.span < scheduler.ALIGN_SLACK:  # (on the H200: every case here)
+        assert work.span == 700 and work.num_spans == items * per_item
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_fp8_kv_with_scales(dtype, pipeline):

@@ -172,9 +172,10 @@ class PrefillKernel:
     @property
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM (the split planner's and the persistent grid's unit): as shared memory
-        and registers allow; one for the wgmma kernel, built with __launch_bounds__(threads, 1): ptxas may give
-        one CTA the whole register file, and setmaxnreg hands out exactly that pool (d64 with 64-token
-        KV tiles fits two CTAs by shared memory: the persistent grid had twice the CTAs that can run)."""
+        and registers allow. One for the wgmma kernel, built with __launch_bounds__(threads, 1): ptxas
+        may give one CTA the whole register file, and setmaxnreg hands out exactly that pool (d64 with
+        64-token KV tiles fits two CTAs by shared memory: the persistent grid had twice the CTAs that
+        can be resident)."""
         by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
         if self.backend == "wgmma":
             return 1
