@@ -89,6 +89,10 @@ class BatchDecode:
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
 
+    def _host_only_defaults(self) -> None:
+        """The constructor arguments _make_kernel reads, at their defaults (host_only skips __init__)."""
+        self._head_splits = None
+
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
         return self.kernel.item_heads
 
@@ -120,7 +124,7 @@ class BatchDecode:
         """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
         not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
         w = cls.__new__(cls)
-        w._head_splits = None
+        w._host_only_defaults()
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
         w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size

@@ -80,6 +80,9 @@ class BatchMLADecode(BatchDecode):
         backend = self._backend or ("mma" if (tile_kv, num_stages) != (None, None) else default_backend(spec))
         return MLADecodeKernel(spec, num_stages, tile_kv, backend, self._schedule)
 
+    def _host_only_defaults(self) -> None:
+        self._backend, self._schedule, self.max_q_len = None, None, 1
+
     def _rows_per_slot(self) -> int:
         return self.kernel.rows
 

@@ -143,3 +143,18 @@ def test_merge_lanes_split_only_rows_cut_into_many_chunks():
     assert MAX_MERGE_LANES * 512 // 4 // MERGE_DIM_SPLIT <= 512  # the merge kernel's __launch_bounds__
     assert lanes([4096] * 128, 66) == 1             # at most 2 chunks: one lane, two rows per block
     assert lanes([], 264) == 1 and lanes([0, 0], 264) == 1
+
+
+def test_host_only_wrapper_plans_without_a_gpu():
+    """BatchMLADecode.host_only (plan()'s host side, no GPU): the MLA constructor's own fields get their
+    defaults, and a plan lays out the latent cache's one KV head in row blocks."""
+    import numpy as np
+
+    from attnforge.mla import BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    w = BatchMLADecode.host_only(spec, max_batch_size=4)
+    w.plan(np.array([0, 4, 6]), np.arange(6), np.array([64, 10]), page_size=64)
+    work = w._plan["work"]
+    assert (w._plan["batch"], w._plan["q_len"], w.max_q_len) == (2, 1, 1)
+    blocks = w.kernel.row_blocks(1) // w.kernel.side_blocks(w.kernel.row_blocks(1))
+    assert work.total == blocks * (256 + 74 + 2 * 64)  # tokens (4 pages; 1 page + 10) and a fixed cost each
