@@ -81,8 +81,9 @@ def test_mqa_groups_split_into_items_of_16_heads():
                          (AttentionSpec(num_qo_heads=40, num_kv_heads=2), 1)]:  # 20 heads: not a multiple of 16
         assert default_head_splits(spec) == splits, spec
     assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1), head_splits=1).item_heads == 64
-    with pytest.raises(ValueError, match="head_splits: expected a divisor of the group size 32, got 3"):
-        DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=3)
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match=f"head_splits: expected a divisor of the group size 32, got {bad!r}"):
+            DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=bad)
 
 
 def test_plan_streams_head_split_items():

@@ -76,7 +76,8 @@ class DecodeKernel:
         s = self.spec
         if self.head_splits is None:
             object.__setattr__(self, "head_splits", default_head_splits(s))
-        if not isinstance(self.head_splits, int) or self.head_splits < 1 or s.group_size % self.head_splits:
+        hs = self.head_splits
+        if not isinstance(hs, int) or isinstance(hs, bool) or hs < 1 or s.group_size % hs:
             raise ValueError(f"DecodeKernel.head_splits: expected a divisor of the group size {s.group_size}, got "
                              f"{self.head_splits!r}; pass None for the default")
         g = self.item_heads

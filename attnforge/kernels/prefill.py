@@ -176,9 +176,9 @@ class PrefillKernel:
         may give one CTA the whole register file, and setmaxnreg hands out exactly that pool (d64 with
         64-token KV tiles fits two CTAs by shared memory: the persistent grid had twice the CTAs that
         can be resident)."""
-        by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
         if self.backend == "wgmma":
             return 1
+        by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
         # mma.sync: registers as ptxas gave them (129 / 231 / 255 a thread at d64 / 128 / 256), rounded up
         by_registers = REGISTERS_PER_SM // (self.threads * MMA_REGISTERS[self.spec.head_dim_qk])
         return max(1, min(by_smem, by_registers))
