@@ -103,9 +103,11 @@ class BatchMLADecode(BatchDecode):
     def _plan_stream(self, kv_begin, kv_end, row_blocks: int) -> scheduler.StreamPlan:
         """R / S items per request over num_ctas // S spans, S = the row blocks run side by side
         (MLADecodeKernel.side_blocks): CTA c runs side c % S of span c // S
-        (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time."""
+        (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time. Equal
+        requests plan spans on item boundaries (scheduler.ALIGN_SLACK), as decode does."""
         side = self.kernel.side_blocks(row_blocks)
-        return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side)
+        return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
+                                     align_equal_items=True)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,

@@ -158,3 +158,18 @@ def test_host_only_wrapper_plans_without_a_gpu():
     assert (w._plan["batch"], w._plan["q_len"], w.max_q_len) == (2, 1, 1)
     blocks = w.kernel.row_blocks(1) // w.kernel.side_blocks(w.kernel.row_blocks(1))
     assert work.total == blocks * (256 + 74 + 2 * 64)  # tokens (4 pages; 1 page + 10) and a fixed cost each
+
+
+def test_equal_requests_plan_aligned_spans():
+    """As decode: B64 L8192 at h16 (one row block a request) cuts each request into CTAs // 64 chunks
+    of equal length, one a span."""
+    import numpy as np
+
+    from attnforge.mla import BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    w = BatchMLADecode.host_only(spec, max_batch_size=64, max_num_pages=64 * 128)
+    indptr = np.arange(65) * 128
+    w.plan(indptr, np.arange(64 * 128), np.full(64, 64), page_size=64)
+    work = w._plan["work"]
+    per = w.num_ctas // 64
+    assert work.span == -(-(8192 + 64) // per) and work.total % work.span == 0
