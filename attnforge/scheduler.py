@@ -50,13 +50,14 @@ class StreamPlan:
 
 
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
-                align_equal_items: bool = False) -> StreamPlan:
+                align_equal_items: bool = False, align_slack: int = ALIGN_SLACK) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same and there are at most num_ctas of them, cut each
     into num_ctas // items equal chunks (span = cost / chunks, rounded up), so no span straddles two
     items (B16 L8192 GQA 32/8: 384 one-chunk spans instead of 396, most of them two chunks) -- where
     that lengthens the span by less than ALIGN_SLACK: a straddling span pays a second chunk's fixed
-    cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%)."""
+    cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
+    align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's)."""
     item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
@@ -67,7 +68,7 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     items = len(kv_end) * num_kv_heads
     if align_equal_items and 0 < items <= num_ctas and (item_cost == item_cost[0]).all():
         aligned = max(-(-int(item_cost[0]) // (num_ctas // items)), MIN_SPAN + CHUNK_FIXED_COST)
-        span = aligned if aligned - span < ALIGN_SLACK else span
+        span = aligned if aligned - span < align_slack else span
     return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total)
 
 

@@ -173,3 +173,8 @@ def test_equal_requests_plan_aligned_spans():
     work = w._plan["work"]
     per = w.num_ctas // 64
     assert work.span == -(-(8192 + 64) // per) and work.total % work.span == 0
+    # B16 L65536: aligning would lengthen every span by 124 tokens (past MLA_ALIGN_SLACK): the even split stays
+    indptr = np.arange(17) * 1024
+    w.plan(indptr, np.arange(16 * 1024), np.full(16, 64), page_size=64)
+    work = w._plan["work"]
+    assert work.span == -(-work.total // w.num_ctas) and work.num_spans == w.num_ctas
