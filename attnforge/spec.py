@@ -21,15 +21,26 @@ PIPELINES = ("normal", "transposed")
 TRANSPOSED_DECODE_MAX_GROUP = 8  # one n8 tile of heads; the kernel takes up to 16 when asked
 
 
-def default_pipeline(family: str, group_size: int) -> str:
+# MLA heads up to which the transposed pipeline (on sm_90a: its wgmma kernel) is the default: at 8 heads
+# it beat mma.sync's normal pipeline on every batch shape (H200, fourteenth session: -2.4% B16 L65536,
+# -1.6% B64 L8192, level at B128 L4096, -3.8% B1 L131072); at 16 heads it loses by 4-17%.
+MLA_TRANSPOSED_MAX_HEADS = 8
+
+
+def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> str:
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Groups 9-16 take two n8 head tiles there, which doubles O's registers (d128: 200, so 2
     CTAs per SM where the planner counts 3; d256 spills), while the normal pipeline's one m16 tile
-    wastes at most 7 rows. MLA decode uses the normal pipeline at every head count (mma.sync's m16
-    tiles pad at most 8 heads to 16; from 32 heads the wgmma kernel); docs/architecture.md has the
-    table, and the one case the transposed wgmma kernel wins (a single long request)."""
-    return "transposed" if family == "decode" and group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
+    wastes at most 7 rows. MLA decode uses the normal pipeline from 16 heads (mma.sync's m16 tiles
+    pad at most 8 heads to 16; from 32 heads the wgmma kernel) and the transposed one at 8 heads with
+    16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses
+    there); docs/architecture.md has the table."""
+    if family == "decode":
+        return "transposed" if group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
+    if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":
+        return "transposed"
+    return "normal"
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -147,7 +158,7 @@ class AttentionSpec:
             raise _bad("page_size", self.page_size, "None (any, at run time) or an int >= 1",
                        "Pass the cache's tokens per page.")
         if self.pipeline == "auto":
-            object.__setattr__(self, "pipeline", default_pipeline(self.family, self._group_or_one()))
+            object.__setattr__(self, "pipeline", default_pipeline(self.family, self._group_or_one(), self.kv_dtype))
         if self.pipeline not in PIPELINES:
             raise _bad("pipeline", self.pipeline, f"'auto' or one of {PIPELINES}",
                        "'normal' puts query heads on the MMA's M side; 'transposed' puts KV tokens there.")
@@ -202,7 +213,7 @@ class AttentionSpec:
             parts.append(f"out{self.out_dtype}")
         if self.page_size is not None:
             parts.append(f"page{self.page_size}")
-        if self.pipeline != default_pipeline(self.family, self._group_or_one()):
+        if self.pipeline != default_pipeline(self.family, self._group_or_one(), self.kv_dtype):
             parts.append(self.pipeline)
         if self.causal:
             parts.append("causal")

@@ -28,8 +28,12 @@ def cases():
 
 def _all_cases():
     base = [("B16 L65536", 16, 65536), ("B64 L8192", 64, 8192), ("B128 L4096", 128, 4096), ("B1 L131072", 1, 131072)]
+    # ATTNFORGE_BENCH_MLA_HEADS="8": every batch shape at these head counts too (a crossover check)
+    more = [int(h) for h in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_HEADS", "").split(","))]
     out = [(f"h{h} {name}", h, b, L) for h in (16, 128) for name, b, L in base]
-    return out + [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
+    out += [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
+    out += [(f"h{h} {name}", h, b, L) for h in more for name, b, L in base]
+    return list({c[0]: c for c in out}.values())  # each case once, in order
 
 
 def inputs(heads, batch, length):

@@ -20,6 +20,12 @@ def mla_spec(heads=16, pipeline="normal", **kw):
                          head_dim_vo=512, pipeline=pipeline, **kw)
 
 
+def mma_if_transposed(pipeline):
+    """The mma.sync kernel for the transposed pipeline (whose default on sm_90a is the wgmma kernel,
+    covered by test_wgmma_backend and test_heads_and_odd_lengths), so these tests keep covering both."""
+    return {"backend": "mma"} if pipeline == "transposed" else {}
+
+
 def make_case(spec, lengths, page_size, q_len=1, seed=0, unified=False):
     """Random queries and a latent cache with shuffled pages (never zeros)."""
     g = torch.Generator().manual_seed(seed)
@@ -86,17 +92,18 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):
-    # the mma.sync kernel explicitly (from 64 heads the default normal pipeline is the wgmma one,
-    # test_wgmma_backend), then whatever the default picks
+    # the mma.sync kernel explicitly (the default is the wgmma one for the normal pipeline from 32
+    # heads and for the transposed one at every head count), then whatever the default picks
     run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="mma")
-    if heads >= WGMMA_MIN_HEADS:
+    if heads >= WGMMA_MIN_HEADS or pipeline == "transposed":
         run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 16, 32])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_page_sizes(page_size, pipeline):
-    run_case(mla_spec(16, pipeline), [1, 65, 300, 0, 17], page_size, seed=page_size, unified=page_size == 7)
+    run_case(mla_spec(16, pipeline), [1, 65, 300, 0, 17], page_size, seed=page_size, unified=page_size == 7,
+             **mma_if_transposed(pipeline))
 
 
 @pytest.mark.parametrize("heads", [8, 16, 32])
@@ -110,13 +117,34 @@ def test_other_tilings(heads, pipeline):  # 64-token tiles for few heads; 32-tok
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_speculative_q_len(q_len, heads, pipeline):
-    run_case(mla_spec(heads, pipeline), [2, 3, 130, 1000, 0], 64, q_len=q_len, seed=q_len)
+    run_case(mla_spec(heads, pipeline), [2, 3, 130, 1000, 0], 64, q_len=q_len, seed=q_len, **mma_if_transposed(pipeline))
 
 
 @pytest.mark.parametrize("heads", [16, 128])  # 128: two (wgmma transposed: four) row blocks side by side
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_long_request_split_across_ctas(pipeline, heads):
-    run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7)
+    run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7, **mma_if_transposed(pipeline))
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_equal_requests_on_aligned_spans(pipeline):
+    """Equal requests whose cost splits evenly into CTAs // items chunks are planned one chunk a span
+    (MLA_ALIGN_SLACK); the attention is the reference's."""
+    from attnforge import scheduler
+    spec = mla_spec(16, pipeline)
+    probe = BatchMLADecode(spec)
+    blocks = probe.kernel.row_blocks(1)
+    side = probe.kernel.side_blocks(blocks)
+    requests = 7
+    items, ctas = requests * (blocks // side), probe.num_ctas // side
+    per_item = ctas // items
+    length = 700 * per_item - scheduler.CHUNK_FIXED_COST
+    q_nope, q_pe, caches, (indptr, indices, last), _ = make_case(spec, [length] * requests, 64)
+    probe.plan(indptr, indices, last, page_size=64)
+    work = probe._plan["work"]
+    plain = scheduler.plan_stream(work.kv_begin, work.kv_end, work.num_kv_heads, ctas)
+    assert plain.span < 700 and work.span == 700 and work.num_spans == items * per_item
+    run_case(spec, [length] * requests, 64, seed=11)
 
 
 def test_fewer_ctas_per_sm_than_the_occupancy():
@@ -156,7 +184,7 @@ def test_merge_lanes_agree_with_one_lane(lanes):
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_fp16_and_unified_cache(pipeline):
-    run_case(mla_spec(32, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, unified=True)
+    run_case(mla_spec(32, pipeline, q_dtype="fp16"), [100, 2049, 1], 32, unified=True, **mma_if_transposed(pipeline))
 
 
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp16"])
@@ -170,8 +198,9 @@ def test_fp8_kv_with_scales(q_dtype, pipeline):
 def test_score_mod_soft_cap_and_sink(pipeline):
     sink = torch.randn(16).cuda()
     spec = mla_spec(16, pipeline, score_mod=mods.attention_sink(sink))
-    run_case(spec, [500, 3, 0], 64, ref_kw={"sink": sink.double().cpu()})
-    run_case(mla_spec(16, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0})
+    run_case(spec, [500, 3, 0], 64, ref_kw={"sink": sink.double().cpu()}, **mma_if_transposed(pipeline))
+    run_case(mla_spec(16, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0},
+             **mma_if_transposed(pipeline))
 
 
 @pytest.mark.parametrize("heads", [8, 16, 64, 128])

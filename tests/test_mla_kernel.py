@@ -87,9 +87,21 @@ def test_default_backend_is_the_measured_winner():
     from attnforge.kernels.mla import WGMMA_MIN_HEADS, default_backend
     for h in (8, 16, 32, 64, 128):
         normal, transposed = default_backend(spec(h, "normal"), ("9.0a",)), default_backend(spec(h, "transposed"), ("9.0a",))
-        assert normal == ("wgmma" if h >= WGMMA_MIN_HEADS else "mma") and transposed == "mma"
+        assert normal == ("wgmma" if h >= WGMMA_MIN_HEADS else "mma") and transposed == "wgmma"
         assert default_backend(spec(h, "normal"), ("8.0", "8.9")) == "mma"  # no sm_90a being built
-    assert default_backend(spec(128, "normal", kv_dtype="fp8_e4m3"), ("9.0a",)) == "mma"  # wgmma reads 16-bit tiles
+        assert default_backend(spec(h, "transposed"), ("8.0", "8.9")) == "mma"
+    for pipeline in ("normal", "transposed"):  # wgmma reads 16-bit tiles
+        assert default_backend(spec(128, pipeline, kv_dtype="fp8_e4m3"), ("9.0a",)) == "mma"
+
+
+def test_default_pipeline_is_transposed_at_8_heads_with_16_bit_kv():
+    def auto(heads, **kw):
+        return AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
+                             head_dim_vo=512, **kw)
+    assert auto(8).pipeline == "transposed" and auto(8, kv_dtype="fp16", q_dtype="fp16").pipeline == "transposed"
+    assert auto(8, kv_dtype="fp8_e4m3").pipeline == "normal"  # mma.sync only: its normal kernel wins
+    assert all(auto(h).pipeline == "normal" for h in (16, 32, 64, 128))
+    assert "transposed" not in auto(8).name and "normal" in auto(8, pipeline="normal").name
 
 
 def test_roles_schedule_is_the_wgmma_normal_pipelines():
