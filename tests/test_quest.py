@@ -111,6 +111,12 @@ def test_bf16_summaries_and_bad_dtype():
     for bad in (0.0, -1.0, float("inf"), float("nan")):  # fp8 summaries hold key / scale
         with pytest.raises(ValueError, match="a finite float > 0"):
             QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=bad)
+    with pytest.raises(ValueError, match=r"scale.shape: expected \[1, 8\]"):
+        QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=torch.ones(8))
+    with pytest.raises(ValueError, match="finite values > 0"):
+        QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="1.0 for float32"):
+        QuestIndex(2, 1, 8, scale=torch.ones(1, 8))
 
 
 def test_group_sums_give_the_same_bound_as_per_head_maxima():
@@ -142,6 +148,37 @@ def test_fp8_outward_rounding_bounds_every_value():
         # at most one e4m3 step away: within 1/8 relative (3 mantissa bits) or one subnormal step
         step = torch.maximum(x.abs() / 8, torch.full_like(x, scale * 2.0 ** -9))
         assert torch.all((x - lo)[inside] <= step[inside]) and torch.all((hi - x)[inside] <= step[inside])
+
+
+def test_per_channel_scales_bound_the_keys_and_keep_small_channels_precise():
+    """Keys with a few channels 100x the rest: one scale leaves the small channels a few e4m3 steps
+    (or none), per-channel scales (channel_scales) keep each within one step of 1/8 relative; the
+    decoded summaries bound every key either way, and page_scores reads the same values."""
+    from attnforge.sparse import channel_scales
+    torch.manual_seed(5)
+    big = torch.ones(2, 32)
+    big[:, [3, 17]] = 100.0
+    k = torch.randn(64, 2, 32) * big
+    pages = torch.arange(64) % 8
+    exact_lo = torch.stack([k[pages == p].amin(0) for p in range(8)]).bfloat16().float()
+    exact_hi = torch.stack([k[pages == p].amax(0) for p in range(8)]).bfloat16().float()
+    err = {}
+    for name, scale in (("one", float(k.abs().max()) * 1.01 / 448), ("channels", channel_scales(k))):
+        idx = QuestIndex(8, 2, 32, dtype=torch.float8_e4m3fn, scale=scale)
+        idx.append(k, pages)
+        lo, hi = idx.decoded()
+        assert torch.all(lo <= exact_lo) and torch.all(hi >= exact_hi)
+        small = big[None].expand_as(lo) == 1
+        err[name] = float(((hi - exact_hi)[small] / exact_hi[small].abs().clamp_min(1e-3)).median())
+        q = torch.randn(3, 4, 32)
+        indptr, ids = torch.tensor([0, 3, 3, 8]), torch.tensor([0, 5, 2, 7, 1, 3, 4, 6])
+        want = torch.maximum(q[[0, 0, 0, 2, 2, 2, 2, 2]].view(8, 2, 2, 32) * lo[ids][:, :, None],
+                             q[[0, 0, 0, 2, 2, 2, 2, 2]].view(8, 2, 2, 32) * hi[ids][:, :, None]).sum(dim=(1, 2, 3))
+        torch.testing.assert_close(page_scores(q, idx, indptr, ids), want)
+        view = idx.per_head_view()  # rows page * Hkv + h, scaled by head h's channels
+        vlo, vhi = view.decoded()
+        assert torch.equal(vlo.view(8, 2, 32), lo) and torch.equal(vhi.view(8, 2, 32), hi)
+    assert err["channels"] < 0.13 < err["one"], err
 
 
 def test_fp8_summaries_bound_the_keys_and_track_the_master():

@@ -13,7 +13,8 @@ FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_
           # [B, Hkv, D] each: the sums of a KV head's positive / negative query values (quest_qsplit_kernel)
           ParamField("q_pos", "float*", "ptr"), ParamField("q_neg", "float*", "ptr"),
           *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"),
-          ParamField("meta_scale", "float", "f32"))  # fp8 summaries hold key / meta_scale (1 otherwise)
+          # fp8 summaries hold key / scale: [scale_rows, D] scales (1 otherwise), folded into the query sums
+          ParamField("channel_scale", "const float*", "ptr"), ParamField("scale_rows", "int32_t", "i32"))
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
 SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
