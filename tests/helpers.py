@@ -94,3 +94,26 @@ def replays_after_replans(run, replan, refresh, rounds: int):
         graph.replay()
         torch.cuda.synchronize()
         yield i, planned
+
+
+def int4_kernel_scores(q, index, indptr, indices):
+    """The int4 path's arithmetic in torch: codes times P and N rounded to int8 steps of (largest |sum|
+    of the request and KV head) / 127, summed over written (page, head)s."""
+    from attnforge.sparse.summaries import int4_codes
+    b, hq, d = q.shape
+    hkv = index.summary_shape[1]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    table = index.channel_scale_table(q.device)  # [rows, D]: row (request * Hkv + head) % rows
+    scale = table[torch.arange(b * hkv, device=q.device).view(b, hkv) % table.shape[0]]
+    sums = []
+    for part in (qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)):
+        part = part * scale
+        step = part.abs().amax(-1, keepdim=True) / 127
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        sums.append(torch.round(part / step) * step)
+    counts = (indptr[1:] - indptr[:-1]).long()
+    request = torch.repeat_interleave(torch.arange(b, device=q.device), counts)
+    pages = indices.long()
+    lo, hi = int4_codes(index.kmin[pages]), int4_codes(index.kmax[pages])  # [n, Hkv, D]
+    written = (lo[..., :1] <= hi[..., :1]).float()
+    return ((hi * sums[0][request] + lo * sums[1][request]) * written).sum(dim=(1, 2))

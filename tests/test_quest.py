@@ -2,6 +2,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from attnforge.sparse import QuestIndex, page_scores, select_pages
@@ -104,13 +105,19 @@ def test_bf16_summaries_and_bad_dtype():
     idx.append(k, torch.tensor([1, 1, 1]))
     assert idx.kmin.dtype == torch.bfloat16
     assert torch.equal(idx.kmax[1].float(), k.bfloat16().float().amax(dim=0))
-    with pytest.raises(ValueError, match="torch.float32, torch.bfloat16 or torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match="torch.float32, torch.bfloat16, torch.float8_e4m3fn or 'int4'"):
         QuestIndex(2, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="1.0 for float32"):
         QuestIndex(2, 1, 8, scale=0.5)
     for bad in (0.0, -1.0, float("inf"), float("nan")):  # fp8 summaries hold key / scale
         with pytest.raises(ValueError, match="a finite float > 0"):
             QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=bad)
+    with pytest.raises(ValueError, match=r"scale.shape: expected \[1, 8\]"):
+        QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=torch.ones(8))
+    with pytest.raises(ValueError, match="finite values > 0"):
+        QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="1.0 for float32"):
+        QuestIndex(2, 1, 8, scale=torch.ones(1, 8))
 
 
 def test_group_sums_give_the_same_bound_as_per_head_maxima():
@@ -142,6 +149,53 @@ def test_fp8_outward_rounding_bounds_every_value():
         # at most one e4m3 step away: within 1/8 relative (3 mantissa bits) or one subnormal step
         step = torch.maximum(x.abs() / 8, torch.full_like(x, scale * 2.0 ** -9))
         assert torch.all((x - lo)[inside] <= step[inside]) and torch.all((hi - x)[inside] <= step[inside])
+
+
+def test_int4_codes_pack_two_a_byte_round_outward_and_mark_empty_pages():
+    from attnforge.sparse.summaries import int4_codes, int4_outward
+    x = torch.tensor([[0.0, 0.5, -0.5, 1.0, 6.9, 7.0, -8.0, -7.2, 100.0, -100.0]])
+    lo, hi = int4_outward(x, 1.0, up=False), int4_outward(x, 1.0, up=True)
+    assert lo.dtype == torch.uint8 and lo.shape == (1, 5)
+    assert int(lo[0, 0]) == (0 + 8) | ((0 + 8) << 4) and int(hi[0, 0]) == (0 + 8) | ((1 + 8) << 4)  # even dim low
+    assert int4_codes(lo).tolist() == [[0, 0, -1, 1, 6, 7, -8, -8, 7, -8]]
+    assert int4_codes(hi).tolist() == [[0, 1, 0, 1, 7, 7, -8, -7, 7, -8]]  # +-100 saturate: no bound there
+    empty_lo = int4_codes(int4_outward(torch.full((1, 4), math.inf), 1.0, up=False))
+    empty_hi = int4_codes(int4_outward(torch.full((1, 4), -math.inf), 1.0, up=True))
+    assert torch.all(empty_lo == 7) and torch.all(empty_hi == -8)  # kmin > kmax: no key yet
+
+
+def test_int4_summaries_with_channel_scales_bound_the_keys_one_step_away():
+    """Per-channel scales (channel_scales(keys, 'int4')): every decoded bound holds and lies within one
+    step (its channel's scale) of the bf16 master, for channels 100x apart; the per-head view and
+    page_scores read the same values."""
+    from attnforge.sparse import channel_scales
+    torch.manual_seed(5)
+    big = torch.ones(2, 32)
+    big[:, [3, 17]] = 100.0
+    k = torch.randn(64, 2, 32) * big
+    pages = torch.arange(64) % 7  # page 7 stays empty
+    scale = channel_scales(k, "int4")
+    idx = QuestIndex(8, 2, 32, dtype="int4", scale=scale)
+    idx.append(k, pages)
+    assert idx.kmin.dtype == torch.uint8 and idx.kmin.shape == (8, 2, 16) and idx.summary_shape == (8, 2, 32)
+    exact_lo = torch.stack([k[pages == p].amin(0) for p in range(7)]).bfloat16().float()
+    exact_hi = torch.stack([k[pages == p].amax(0) for p in range(7)]).bfloat16().float()
+    lo, hi = idx.decoded()
+    assert torch.all(lo[:7] <= exact_lo) and torch.all(hi[:7] >= exact_hi)
+    assert torch.all(exact_lo - lo[:7] <= scale) and torch.all(hi[:7] - exact_hi <= scale)
+    assert torch.all(lo[7] > hi[7])
+    q = torch.randn(3, 4, 32)
+    indptr, ids = torch.tensor([0, 3, 3, 8]), torch.tensor([0, 5, 2, 7, 1, 3, 4, 6])
+    qg = q[[0, 0, 0, 2, 2, 2, 2, 2]].view(8, 2, 2, 32)
+    written = (lo[ids] <= hi[ids])[:, :, None]
+    want = torch.where(written, torch.maximum(qg * lo[ids][:, :, None], qg * hi[ids][:, :, None]), 0.0)
+    torch.testing.assert_close(page_scores(q, idx, indptr, ids), want.sum(dim=(1, 2, 3)))
+    view = idx.per_head_view()  # rows page * Hkv + h, scaled by head h's channels
+    assert view.summary_shape == (16, 1, 32)
+    vlo, vhi = view.decoded()
+    assert torch.equal(vlo.view(8, 2, 32), lo) and torch.equal(vhi.view(8, 2, 32), hi)
+    with pytest.raises(ValueError, match="even number"):
+        QuestIndex(2, 1, 7, dtype="int4")
 
 
 def test_fp8_summaries_bound_the_keys_and_track_the_master():

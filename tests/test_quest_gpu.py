@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
-from helpers import random_page_table, replays_after_replans
+from attnforge.sparse import QuestDecode, QuestIndex, channel_scales, page_scores, select_pages
+from helpers import int4_kernel_scores, random_page_table, replays_after_replans
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -20,8 +20,8 @@ def build(lengths, seed=0, index_dtype=torch.float32, hkv=HKV):
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)])).cuda()
     indices = perm.cuda()
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lengths, pages)])
-    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype,
-                       scale=0.02 if index_dtype == torch.float8_e4m3fn else 1.0)
+    scale = {torch.float8_e4m3fn: 0.02, "int4": channel_scales(cache[:, 0], "int4")}.get(index_dtype, 1.0)
+    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype, scale=scale)
     for b, n in enumerate(lengths):  # append every token's key to its page summary
         own = indices[indptr[b]:indptr[b + 1]]
         pos = torch.arange(n, device="cuda")
@@ -59,7 +59,7 @@ def test_needle_page_is_selected():
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (32, 32), (12, 6), (4, 1)])
-@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, "int4"])
 def test_scoring_kernel_matches_the_torch_bound(index_dtype, heads):
     # heads pick the kernel's work split: 8 KV heads fill a warp or two per page, 32 the whole CTA,
     # 6 a page size that is not a power of two (masked lanes), 1 several pages per warp; the long
@@ -75,7 +75,11 @@ def test_scoring_kernel_matches_the_torch_bound(index_dtype, heads):
     got = quest.scores(q)[: len(indices)].clone()
     want = page_scores(q, index, indptr, indices)
     assert want[3] == 0 and want[400] == 0
-    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-2)
+    if index_dtype == "int4":  # the kernel's query sums are int8 (a scale per request and KV head)
+        torch.testing.assert_close(got, int4_kernel_scores(q, index, indptr, indices), rtol=1e-4, atol=1e-2)
+        assert (got - want.float()).abs().max() <= 0.02 * want.abs().max()
+    else:
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-2)
 
 
 def selection_reference(spec, q, cache, indptr, indices, last, index, budget_pages):
@@ -154,10 +158,11 @@ def test_bad_arguments_raise():
         g.plan([0, 3], [0, 1, 2], [4])
 
 
-def test_fp8_summaries_keep_the_needle():
-    """fp8 summaries (rounded outward) still select the page of a key aligned with the query."""
+@pytest.mark.parametrize("index_dtype", [torch.float8_e4m3fn, "int4"])
+def test_quantized_summaries_keep_the_needle(index_dtype):
+    """fp8 and int4 summaries (rounded outward) still select the page of a key aligned with the query."""
     lengths = [4096] * 3
-    cache, indptr, indices, last, index = build(lengths, seed=9, index_dtype=torch.float8_e4m3fn)
+    cache, indptr, indices, last, index = build(lengths, seed=9, index_dtype=index_dtype)
     q = torch.randn(len(lengths), 32, D, device="cuda").bfloat16()
     needle_pages = []
     for b in range(len(lengths)):

@@ -7,13 +7,17 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from .fields import ptrs, scalars
 
-_CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float", "fp8": "fp8e4m3"}
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp32": "float", "fp8": "fp8e4m3", "int4": "uint8_t"}
+VALUES_PER_VECTOR = {"fp32": 4, "bf16": 8, "fp8": 16, "int4": 32}  # summary values in 16 bytes
 FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_indices", "meta"),
           ParamField("scores", "float*", "ptr"),
           # [B, Hkv, D] each: the sums of a KV head's positive / negative query values (quest_qsplit_kernel)
           ParamField("q_pos", "float*", "ptr"), ParamField("q_neg", "float*", "ptr"),
+          # int4 summaries: q_pos / q_neg hold int8 sums [B, Hkv, D], q_scale their scales [2, B * Hkv]
+          ParamField("q_scale", "float*", "ptr"),
           *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"),
-          ParamField("meta_scale", "float", "f32"))  # fp8 summaries hold key / meta_scale (1 otherwise)
+          # fp8 summaries hold key / scale: [scale_rows, D] scales (1 otherwise), folded into the query sums
+          ParamField("channel_scale", "const float*", "ptr"), ParamField("scale_rows", "int32_t", "i32"))
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
 SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
@@ -26,7 +30,7 @@ SCORE_THREADS = 256  # quest_score_kernel's CTA: up to 256 threads share one pag
 @dataclass(frozen=True)
 class QuestScoreKernel:
     q_dtype: str  # "bf16" / "fp16"
-    meta_dtype: str  # "fp32" / "bf16" / "fp8" (e4m3 with a scale)
+    meta_dtype: str  # "fp32" / "bf16" / "fp8" (e4m3 with a scale) / "int4" (codes with a scale, two a byte)
     head_dim: int
     num_kv_heads: int
     group_size: int
@@ -47,6 +51,7 @@ class QuestScoreKernel:
     def module(self) -> JitModule:
         ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
                "num_kv_heads": self.num_kv_heads, "group_size": self.group_size,
+               "values_per_vector": VALUES_PER_VECTOR[self.meta_dtype], "int4_codes": self.meta_dtype == "int4",
                "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS,
                "select_threads": SELECT_THREADS, "params_struct": LAYOUT.cpp(),
                "select_params_struct": SELECT_LAYOUT.cpp()}

@@ -17,39 +17,47 @@ import numpy as np
 import torch
 
 from ..checks import fail
+from . import summaries
+from .summaries import channel_scales, fp8_outward  # noqa: F401 (re-exported)
 
 
 class QuestIndex:
     """kmin / kmax [num_pages, num_kv_heads, head_dim]; empty pages hold +inf / -inf (a page's KV
     head is written in all its dims or in none).
 
-    dtype float32 (default), bfloat16 or float8_e4m3fn: each halves the bytes the scoring reads (with
-    page 16 and bf16 keys: 1/8, 1/16, 1/32 of the KV bytes). fp8 summaries keep a bf16 master copy
-    (exact updates) and are stored as kmin / scale rounded down and kmax / scale rounded up, so the
-    page score stays an upper bound; `scale` must keep |key| / scale within e4m3's 448 (larger keys
-    saturate there and can make the bound loose on that side)."""
+    dtype float32 (default), bfloat16, float8_e4m3fn or "int4" (attnforge.sparse.summaries): each
+    halves the bytes the scoring reads (with page 16 and bf16 keys: 1/8, 1/16, 1/32, 1/64 of the KV
+    bytes). fp8 and int4 summaries keep a bf16 master copy (exact updates) and are stored as
+    kmin / scale rounded down and kmax / scale rounded up, so the page score stays an upper bound;
+    `scale` must keep |key| / scale within the format's range (fp8: 448, int4: 7; larger keys
+    saturate, and the bound no longer holds on that side). `scale` is one float or per-channel
+    scales [Hkv, D] (`channel_scales(sample_keys, dtype)`): int4 wants the latter (its step is
+    uniform, so one scale per channel keeps small channels apart). int4's kmin / kmax are packed
+    codes [num_pages, Hkv, D / 2] uint8; `decoded()` gives every format in key units."""
 
     def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None, dtype=torch.float32,
-                 scale: float = 1.0):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
-            raise fail("QuestIndex dtype", "torch.float32, torch.bfloat16 or torch.float8_e4m3fn", dtype,
-                       "Pick one of those.")
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise fail("QuestIndex scale", "a finite float > 0 (keys are stored as key / scale in fp8)", scale,
-                       "Pass about max|key| / 448, or 1.0.")
-        if dtype != torch.float8_e4m3fn and scale != 1.0:
-            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale, "Drop scale or use fp8.")
+                 scale=1.0):
+        self.format = summaries.format_of(dtype)
+        if self.format == "int4" and head_dim % 2:
+            raise fail("QuestIndex head_dim", "an even number for int4 summaries (two codes a byte)", head_dim,
+                       "Use fp8 summaries.")
+        self.scale = summaries.checked_scale(scale, self.format, num_kv_heads, head_dim, device)
         shape = (num_pages, num_kv_heads, head_dim)
-        self.scale = float(scale)
-        self.fp8 = dtype == torch.float8_e4m3fn
-        master = torch.bfloat16 if self.fp8 else dtype
+        self.quantized = self.format in summaries.LEVELS
+        master = torch.bfloat16 if self.quantized else dtype
         self._min = torch.full(shape, math.inf, dtype=master, device=device)
         self._max = torch.full(shape, -math.inf, dtype=master, device=device)
-        if self.fp8:  # what the scoring reads; empty pages: +448 / -448 (lo > hi: no key yet)
-            self.kmin = fp8_outward(self._min, self.scale, up=False)
-            self.kmax = fp8_outward(self._max, self.scale, up=True)
+        if self.quantized:  # what the scoring reads; empty pages: lo > hi (no key yet)
+            self.kmin = summaries.encode(self.format, self._min, self.scale, up=False)
+            self.kmax = summaries.encode(self.format, self._max, self.scale, up=True)
         else:
             self.kmin, self.kmax = self._min, self._max
+
+    @property
+    def summary_shape(self) -> tuple[int, int, int]:
+        """(rows, KV heads, head_dim) of the summaries, whatever their packing."""
+        n, h, d = self.kmin.shape
+        return (n, h, 2 * d if self.format == "int4" else d)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Pages just (re)allocated to a request: forget their old keys."""
@@ -81,43 +89,42 @@ class QuestIndex:
                        "Build the summaries from whole key vectors.")
         self._min.copy_(kmin)
         self._max.copy_(kmax)
-        if self.fp8:
-            self.kmin.copy_(fp8_outward(self._min, self.scale, up=False))
-            self.kmax.copy_(fp8_outward(self._max, self.scale, up=True))
+        if self.quantized:
+            self.kmin.copy_(summaries.encode(self.format, self._min, self.scale, up=False))
+            self.kmax.copy_(summaries.encode(self.format, self._max, self.scale, up=True))
 
     def _encode(self, pages: torch.Tensor) -> None:
-        if self.fp8:  # only the touched pages: rounded outward from the exact master
-            self.kmin[pages] = fp8_outward(self._min[pages], self.scale, up=False)
-            self.kmax[pages] = fp8_outward(self._max[pages], self.scale, up=True)
+        if self.quantized:  # only the touched pages: rounded outward from the exact master
+            self.kmin[pages] = summaries.encode(self.format, self._min[pages], self.scale, up=False)
+            self.kmax[pages] = summaries.encode(self.format, self._max[pages], self.scale, up=True)
 
     def per_head_view(self) -> "QuestIndex":
         """The same summaries as [num_pages * Hkv, 1, D]: one "KV head" per (page, head), for a
         selection per head (QuestHeadDecode). Scoring only: appends go through this index."""
         view = QuestIndex.__new__(QuestIndex)
-        d = self.kmin.shape[2]
-        view.kmin, view.kmax = self.kmin.view(-1, 1, d), self.kmax.view(-1, 1, d)
-        view.scale, view.fp8 = self.scale, self.fp8
+        view.kmin, view.kmax = (t.view(-1, 1, t.shape[2]) for t in (self.kmin, self.kmax))
+        view.scale, view.format, view.quantized = self.scale, self.format, self.quantized
         return view
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kmin, kmax) as float32 in key units: what the scoring kernel sees."""
-        return self.kmin.float() * self.scale, self.kmax.float() * self.scale
+        """(kmin, kmax) as float32 in key units, [rows, Hkv, D]: what the scoring kernel sees."""
+        return self._unscaled(self.kmin), self._unscaled(self.kmax)
 
+    def _unscaled(self, t: torch.Tensor) -> torch.Tensor:
+        """Stored values times their channel's scale; rows cycle through the scale's KV heads (the
+        per-head view's rows are page * Hkv + h)."""
+        v = summaries.values(self.format, t)
+        if not isinstance(self.scale, torch.Tensor):
+            return v * self.scale
+        heads, d = self.scale.shape
+        return (v.reshape(-1, heads, d) * self.scale.to(v.device)).reshape(v.shape)
 
-def fp8_outward(x: torch.Tensor, scale: float, up: bool) -> torch.Tensor:
-    """x / scale as e4m3, rounded toward +inf (up) or -inf (down) instead of to nearest, saturating at
-    +-448: a rounded-down minimum and a rounded-up maximum still bound every key of the page."""
-    y = (x.float() / scale).clamp(-448.0, 448.0)
-    q = y.to(torch.float8_e4m3fn)
-    wrong = q.float() < y if up else q.float() > y
-    bits = q.view(torch.uint8).to(torch.int16)
-    sign, mag = bits & 0x80, bits & 0x7F
-    if up:  # one step toward +inf: negatives shrink in magnitude, zero and positives grow
-        step = torch.where((sign != 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.ones_like(bits), bits + 1))
-    else:  # toward -inf: positives shrink, zero becomes the smallest negative, negatives grow
-        step = torch.where((sign == 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.full_like(bits, 0x81), bits + 1))
-    out = torch.where(wrong, step, bits).to(torch.uint8)
-    return out.view(torch.float8_e4m3fn)
+    def channel_scale_table(self, device) -> torch.Tensor:
+        """The scales as a float32 table [Hkv, D] ([1, D] for one scale) on `device`: the scoring kernel
+        scales a KV head row's query sums by table row (row index) % rows."""
+        if isinstance(self.scale, torch.Tensor):
+            return self.scale.to(device=device, dtype=torch.float32).contiguous()
+        return torch.full((1, self.summary_shape[2]), self.scale, dtype=torch.float32, device=device)
 
 
 def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -126,7 +133,7 @@ def page_scores(q: torch.Tensor, index: QuestIndex, kv_indptr: torch.Tensor, kv_
 
     q [B, Hq, D]; kv_indptr [B+1] / kv_indices [n_pages] a CSR page table (on q's device)."""
     b, hq, d = q.shape
-    hkv = index.kmin.shape[1]
+    hkv = index.summary_shape[1]
     if hq % hkv:
         raise fail("q.shape[1]", f"a multiple of num_kv_heads={hkv}", hq, "Check the head counts.")
     counts = kv_indptr[1:] - kv_indptr[:-1]
@@ -189,9 +196,9 @@ class QuestDecode:
         self.select = select
         if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")
-        if index.kmin.shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
+        if index.summary_shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
             raise fail("QuestIndex shape", f"[pages, {spec.num_kv_heads}, {spec.head_dim_qk}] (the spec's KV heads, "
-                       "head_dim)", list(index.kmin.shape), "Build the index for this model.")
+                       "head_dim)", list(index.summary_shape), "Build the index for this model.")
         self.index, self.page_size, self.spec = index, page_size, spec
         self.budget_pages = budget_tokens // page_size
         self.decode = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
@@ -200,8 +207,8 @@ class QuestDecode:
         self.device = self.decode.device
         self.use_cuda_graph = use_cuda_graph
         self.max_pages_per_request = max_pages_per_request
-        meta = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}[index.kmin.dtype]
-        self.kernel = QuestScoreKernel(spec.q_dtype, meta, spec.head_dim_qk, spec.num_kv_heads, spec.group_size)
+        self.kernel = QuestScoreKernel(spec.q_dtype, index.format, spec.head_dim_qk, spec.num_kv_heads,
+                                       spec.group_size)
         n = max_num_pages
         self._pages = torch.zeros(n + 1, dtype=torch.int32, device=self.device)  # all listed pages (+1: dump)
         self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
@@ -211,6 +218,9 @@ class QuestDecode:
         # per request and KV head: the sums of the group's positive and negative query values
         self._q_split = torch.zeros(2, max_batch_size, spec.num_kv_heads, spec.head_dim_qk, dtype=torch.float32,
                                     device=self.device)
+        self._channel_scale = index.channel_scale_table(self.device)  # folded into the query sums
+        # int4 summaries: the sums as int8 (in _q_split's bytes) and their scale per request and KV head
+        self._q_scale = torch.zeros(2, max_batch_size * spec.num_kv_heads, dtype=torch.float32, device=self.device)
         self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
                                  pin_memory=True)
         self._planned = None
@@ -267,7 +277,9 @@ class QuestDecode:
                                          kv_indices=self._pages.data_ptr(), meta=self._meta.data_ptr(),
                                          scores=self._scores.data_ptr(), q_pos=self._q_split[0].data_ptr(),
                                          q_neg=self._q_split[1].data_ptr(), q_stride_b=q.stride(0),
-                                         q_stride_h=q.stride(1), meta_scale=self.index.scale)
+                                         q_stride_h=q.stride(1), q_scale=self._q_scale.data_ptr(),
+                                         channel_scale=self._channel_scale.data_ptr(),
+                                         scale_rows=self._channel_scale.shape[0])
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with torch.cuda.device(self.device):
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values

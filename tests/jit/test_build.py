@@ -239,11 +239,13 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
 
 
 # The scoring kernel's work splits: a CTA per page at fp32 (4 vectors per thread), a page over a
-# masked part of a CTA (6 KV heads), several pages per warp (one KV head: QuestHeadDecode's view).
+# masked part of a CTA (6 KV heads), several pages per warp (one KV head: QuestHeadDecode's view), and
+# int4 codes (dp4a over int8 query sums) for MHA and for a masked split at d64.
 def _quest_splits():
     from attnforge.kernels.quest import QuestScoreKernel
     return [QuestScoreKernel("bf16", "fp32", 128, 32, 1), QuestScoreKernel("bf16", "fp8", 128, 6, 2),
-            QuestScoreKernel("bf16", "fp8", 128, 1, 4), QuestScoreKernel("bf16", "bf16", 128, 32, 1)]
+            QuestScoreKernel("bf16", "fp8", 128, 1, 4), QuestScoreKernel("bf16", "bf16", 128, 32, 1),
+            QuestScoreKernel("bf16", "int4", 128, 32, 1), QuestScoreKernel("fp16", "int4", 64, 6, 2)]
 
 
 QUEST_SPLITS = _quest_splits()

@@ -1,0 +1,44 @@
+"""Suite `quest_scoring`: the Quest suite's scoring kernel alone (fp8, bf16 and int4 summaries) and the
+fp8 and int4 paths end to end, without the dense decode and torch-select rows: ~15 s a tree, for A/B rounds of a
+scoring change. Same cases and byte counts as bench_quest.py."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec
+from attnforge.sparse import QuestDecode, QuestIndex, channel_scales
+from bench_quest import B, BUDGET, D, L, PAGE
+from harness import Report, time_us
+
+
+def run(report: Report, peers: bool = True) -> None:
+    for hq, hkv in ((32, 32), (32, 8)):
+        case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
+        pages = B * L // PAGE
+        cache = torch.empty(pages, 2, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16).normal_()
+        indices = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).numpy().astype(np.int32)
+        indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
+        last = np.full(B, PAGE, dtype=np.int32)
+        kmin, kmax = cache[:, 0].amin(dim=1), cache[:, 0].amax(dim=1)
+        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+        kv_bytes = pages * PAGE * hkv * D * 2 * 2
+        scale8 = float(torch.maximum(kmin.abs().max(), kmax.abs().max())) / 448
+        scale4 = channel_scales(cache[:, 0], "int4")
+        for dtype, scale, tag in ((torch.float8_e4m3fn, scale8, ""), (torch.bfloat16, 1.0, "-bf16"),
+                                  ("int4", scale4, "-int4")):
+            index = QuestIndex(pages, hkv, D, device="cuda", dtype=dtype, scale=scale)
+            index.assign(kmin, kmax)
+            quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
+                                max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
+            quest.plan(indptr, indices, last)
+            summary_bytes = index.kmin.numel() * 2 * index.kmin.element_size()
+            report.add("quest", case, f"attnforge{tag}-scoring", time_us(lambda: quest.scores(q)), summary_bytes)
+            if tag != "-bf16":
+                report.add("quest", case, f"attnforge{tag}", time_us(lambda: quest.run(q, cache, out=out)),
+                           summary_bytes + kv_bytes * BUDGET // L)
+            del quest, index
+        del cache
+        torch.cuda.empty_cache()
