@@ -1,10 +1,10 @@
 """Suite `quest`: Quest sparse decode end to end (scoring kernel + top-k + decode over the chosen
 pages, one CUDA graph) against our dense decode over the same cache. B16, context 65536, page 16,
-budget 4096 tokens, d128 bf16. Row `attnforge` keeps fp8 e4m3 page summaries (1/32 of the KV bytes,
-rounded outward so the score stays an upper bound); `attnforge-bf16-summaries` keeps bf16 (1/16);
-`attnforge-int4` int4 codes with per-channel scales (1/64);
+budget 4096 tokens, d128 bf16. Row `attnforge` keeps int4 page summaries with per-channel scales
+(1/64 of the KV bytes, rounded outward so the score stays an upper bound; since the fourteenth
+session), `attnforge-fp8` fp8 e4m3 ones (1/32, one scale), `attnforge-bf16-summaries` bf16 (1/16);
 `-scoring` rows time the scoring kernel alone, `attnforge-select` the top-k kernel alone and
-`attnforge-subset-decode` the decode over the selected pages alone.
+`attnforge-subset-decode` the decode over the selected pages alone (both as the fp8 path runs them).
 
 GB/s counts the bytes each path must read: dense = all K and V; Quest = the summaries of every page
 plus K and V of the selected pages.
@@ -57,23 +57,23 @@ def run(report: Report, peers: bool = True) -> None:
                              max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
         quest8.plan(indptr, indices, last)
         bytes8 = index8.kmin.numel() * 2 + kv_bytes * BUDGET // L
-        report.add("quest", case, "attnforge", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
-        report.add("quest", case, "attnforge-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
+        report.add("quest", case, "attnforge-fp8", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
+        report.add("quest", case, "attnforge-fp8-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
         quest8.scores(q)
         report.add("quest", case, "attnforge-select", time_us(lambda: quest8._select(quest8._scores)))
         quest8.run(q, cache, out=out)  # the decode wrapper's page table now holds a selection
         report.add("quest", case, "attnforge-subset-decode", time_us(lambda: quest8.decode.run(q, cache, out=out)),
                    kv_bytes * BUDGET // L)
-        # int4 codes with per-channel scales (1/64 of the KV bytes): the quality of exact summaries on
-        # tools/quest_summary_quality.py's keys; the kernel's query sums are int8 (dp4a)
+        # the default row: int4 codes with per-channel scales (1/64 of the KV bytes; the quality of exact
+        # summaries on tools/quest_summary_quality.py's keys); the kernel's query sums are int8 (dp4a)
         index4 = QuestIndex(pages, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
         index4.assign(kmin, kmax)
         quest4 = QuestDecode(spec, index4, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
                              max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
         quest4.plan(indptr, indices, last)
-        report.add("quest", case, "attnforge-int4", time_us(lambda: quest4.run(q, cache, out=out)),
+        report.add("quest", case, "attnforge", time_us(lambda: quest4.run(q, cache, out=out)),
                    index4.kmin.numel() * 2 + kv_bytes * BUDGET // L)
-        report.add("quest", case, "attnforge-int4-scoring", time_us(lambda: quest4.scores(q)), index4.kmin.numel() * 2)
+        report.add("quest", case, "attnforge-scoring", time_us(lambda: quest4.scores(q)), index4.kmin.numel() * 2)
         del index8, quest8, index4, quest4
         del cache, index
         torch.cuda.empty_cache()

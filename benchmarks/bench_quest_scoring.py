@@ -1,5 +1,5 @@
-"""Suite `quest_scoring`: the Quest suite's scoring kernel alone (fp8, bf16 and int4 summaries) and the
-fp8 and int4 paths end to end, without the dense decode and torch-select rows: ~15 s a tree, for A/B rounds of a
+"""Suite `quest_scoring`: the Quest suite's scoring kernel alone (int4, fp8 and bf16 summaries) and the
+int4 (`attnforge`) and fp8 paths end to end, without the dense decode and torch-select rows: ~15 s a tree, for A/B rounds of a
 scoring change. Same cases and byte counts as bench_quest.py."""
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def run(report: Report, peers: bool = True) -> None:
         kv_bytes = pages * PAGE * hkv * D * 2 * 2
         scale8 = float(torch.maximum(kmin.abs().max(), kmax.abs().max())) / 448
         scale4 = channel_scales(cache[:, 0], "int4")
-        for dtype, scale, tag in ((torch.float8_e4m3fn, scale8, ""), (torch.bfloat16, 1.0, "-bf16"),
-                                  ("int4", scale4, "-int4")):
+        for dtype, scale, tag in (("int4", scale4, ""), (torch.float8_e4m3fn, scale8, "-fp8"),
+                                  (torch.bfloat16, 1.0, "-bf16")):
             index = QuestIndex(pages, hkv, D, device="cuda", dtype=dtype, scale=scale)
             index.assign(kmin, kmax)
             quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
