@@ -34,7 +34,7 @@ def format_of(dtype) -> str:
 def channel_scales(keys: torch.Tensor, dtype=torch.float8_e4m3fn, headroom: float = 1.25) -> torch.Tensor:
     """Per-channel scales [Hkv, D] from sample keys [..., Hkv, D] (e.g. a prefill's): each channel's
     largest |key| times `headroom`, mapped to the format's largest code (fp8: 448, int4: 7)."""
-    top = keys.detach().float().abs().reshape(-1, *keys.shape[-2:]).amax(dim=0)
+    top = keys.detach().abs().amax(dim=tuple(range(keys.dim() - 2))).float()  # (no float copy of the keys)
     return (top * headroom / LEVELS[format_of(dtype)]).clamp_min(torch.finfo(torch.float32).tiny)
 
 
