@@ -196,6 +196,8 @@ def test_int4_summaries_with_channel_scales_bound_the_keys_one_step_away():
     assert torch.equal(vlo.view(8, 2, 32), lo) and torch.equal(vhi.view(8, 2, 32), hi)
     with pytest.raises(ValueError, match="even number"):
         QuestIndex(2, 1, 7, dtype="int4")
+    one = torch.randn(2, 32)  # a single token's keys [Hkv, D]: its own magnitudes
+    assert torch.equal(channel_scales(one, "int4"), one.abs() * 1.25 / 7)
 
 
 def test_fp8_summaries_bound_the_keys_and_track_the_master():

@@ -34,7 +34,12 @@ def format_of(dtype) -> str:
 def channel_scales(keys: torch.Tensor, dtype=torch.float8_e4m3fn, headroom: float = 1.25) -> torch.Tensor:
     """Per-channel scales [Hkv, D] from sample keys [..., Hkv, D] (e.g. a prefill's): each channel's
     largest |key| times `headroom`, mapped to the format's largest code (fp8: 448, int4: 7)."""
-    top = keys.detach().abs().amax(dim=tuple(range(keys.dim() - 2))).float()  # (no float copy of the keys)
+    if keys.dim() < 2:
+        raise fail("channel_scales(keys.shape)", "[..., Hkv, D]", list(keys.shape), "Pass keys with their head axis.")
+    top = keys.detach().abs()
+    if keys.dim() > 2:  # (amax over no dims would reduce all of them)
+        top = top.amax(dim=tuple(range(keys.dim() - 2)))
+    top = top.float()  # (no float copy of all the keys)
     return (top * headroom / LEVELS[format_of(dtype)]).clamp_min(torch.finfo(torch.float32).tiny)
 
 
