@@ -21,18 +21,26 @@ from harness import Report, time_us
 B, L, PAGE, BUDGET, D = 16, 65536, 16, 4096, 128
 
 
+def case_inputs(hq: int, hkv: int, device="cuda"):
+    """A case's cache [pages, 2, PAGE, hkv, D] (randn, pages in random order), its CSR page table,
+    each page's key extremes and the queries: (cache, indptr, indices, last, kmin, kmax, q)."""
+    pages = B * L // PAGE
+    cache = torch.empty(pages, 2, PAGE, hkv, D, device=device, dtype=torch.bfloat16).normal_()
+    indices = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).numpy().astype(np.int32)
+    indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
+    last = np.full(B, PAGE, dtype=np.int32)
+    kmin, kmax = cache[:, 0].amin(dim=1), cache[:, 0].amax(dim=1)
+    q = torch.randn(B, hq, D, device=device, dtype=torch.bfloat16)
+    return cache, indptr, indices, last, kmin, kmax, q
+
+
 def run(report: Report, peers: bool = True) -> None:
     for hq, hkv in ((32, 32), (32, 8)):
         case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
         pages = B * L // PAGE
-        cache = torch.empty(pages, 2, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16).normal_()
-        indices = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).numpy().astype(np.int32)
-        indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
-        last = np.full(B, PAGE, dtype=np.int32)
+        cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
         index = QuestIndex(pages, hkv, D, device="cuda", dtype=torch.bfloat16)
-        kmin, kmax = cache[:, 0].amin(dim=1), cache[:, 0].amax(dim=1)
         index.assign(kmin, kmax)
-        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
         kv_bytes = pages * PAGE * hkv * D * 2 * 2
         dense = BatchDecode(spec)

@@ -3,12 +3,11 @@ int4 (`attnforge`) and fp8 paths end to end, without the dense decode and torch-
 scoring change. Same cases and byte counts as bench_quest.py."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from attnforge import AttentionSpec
 from attnforge.sparse import QuestDecode, QuestIndex, channel_scales
-from bench_quest import B, BUDGET, D, L, PAGE
+from bench_quest import B, BUDGET, D, L, PAGE, case_inputs
 from harness import Report, time_us
 
 
@@ -16,12 +15,7 @@ def run(report: Report, peers: bool = True) -> None:
     for hq, hkv in ((32, 32), (32, 8)):
         case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
         pages = B * L // PAGE
-        cache = torch.empty(pages, 2, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16).normal_()
-        indices = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).numpy().astype(np.int32)
-        indptr = (np.arange(B + 1) * (L // PAGE)).astype(np.int32)
-        last = np.full(B, PAGE, dtype=np.int32)
-        kmin, kmax = cache[:, 0].amin(dim=1), cache[:, 0].amax(dim=1)
-        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
+        cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
         out = torch.empty_like(q)
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
         kv_bytes = pages * PAGE * hkv * D * 2 * 2
