@@ -13,10 +13,10 @@ FIELDS = (*ptrs("q", "kmin", "kmax", cpp="const void*"), *ptrs("kv_indptr", "kv_
           ParamField("scores", "float*", "ptr"),
           # [B, Hkv, D] each: the sums of a KV head's positive / negative query values (quest_qsplit_kernel)
           ParamField("q_pos", "float*", "ptr"), ParamField("q_neg", "float*", "ptr"),
-          # int4 summaries: q_pos / q_neg hold int8 sums [B, Hkv, D], q_scale their scales [2, B * Hkv]
+          # int4 summaries: q_pos / q_neg hold int8 sums [B, Hkv, D], q_scale their scales [B * Hkv, 2]
           ParamField("q_scale", "float*", "ptr"),
           *scalars("i64", "int64_t", "q_stride_b", "q_stride_h"),
-          # fp8 summaries hold key / scale: [scale_rows, D] scales (1 otherwise), folded into the query sums
+          # fp8 / int4 summaries hold key / scale: [scale_rows, D] scales (1 otherwise), folded into the query sums
           ParamField("channel_scale", "const float*", "ptr"), ParamField("scale_rows", "int32_t", "i32"))
 LAYOUT = ParamsLayout("QuestParams", FIELDS)
 SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),

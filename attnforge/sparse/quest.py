@@ -220,7 +220,7 @@ class QuestDecode:
                                     device=self.device)
         self._channel_scale = index.channel_scale_table(self.device)  # folded into the query sums
         # int4 summaries: the sums as int8 (in _q_split's bytes) and their scale per request and KV head
-        self._q_scale = torch.zeros(2, max_batch_size * spec.num_kv_heads, dtype=torch.float32, device=self.device)
+        self._q_scale = torch.zeros(max_batch_size * spec.num_kv_heads, 2, dtype=torch.float32, device=self.device)
         self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
                                  pin_memory=True)
         self._planned = None
