@@ -34,6 +34,14 @@ def case_inputs(hq: int, hkv: int, device="cuda"):
     return cache, indptr, indices, last, kmin, kmax, q
 
 
+def planned_quest(spec, index, indptr, indices, last, **kw) -> QuestDecode:
+    """The suite's QuestDecode (graph mode, sized for the case) planned for the case's page table."""
+    quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B, max_num_pages=B * L // PAGE,
+                        max_pages_per_request=L // PAGE, use_cuda_graph=True, **kw)
+    quest.plan(indptr, indices, last)
+    return quest
+
+
 def run(report: Report, peers: bool = True) -> None:
     for hq, hkv in ((32, 32), (32, 8)):
         case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
@@ -47,23 +55,17 @@ def run(report: Report, peers: bool = True) -> None:
         dense.plan(indptr, indices, last, page_size=PAGE)
         out = torch.empty_like(q)
         report.add("quest", case, "attnforge-dense", time_us(lambda: dense.run(q, cache, out=out)), kv_bytes)
-        quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
-                            max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
-        quest.plan(indptr, indices, last)
+        quest = planned_quest(spec, index, indptr, indices, last)
         sparse_bytes = index.kmin.numel() * 2 * 2 + kv_bytes * BUDGET // L
         report.add("quest", case, "attnforge-bf16-summaries", time_us(lambda: quest.run(q, cache, out=out)), sparse_bytes)
         report.add("quest", case, "attnforge-bf16-scoring", time_us(lambda: quest.scores(q)), index.kmin.numel() * 4)
-        slow = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B, max_num_pages=pages,
-                           max_pages_per_request=L // PAGE, use_cuda_graph=True, select="torch")
-        slow.plan(indptr, indices, last)  # the selection by torch ops (topk), for the kernel's gain
+        slow = planned_quest(spec, index, indptr, indices, last, select="torch")  # topk: for the kernel's gain
         report.add("quest", case, "attnforge-torch-select", time_us(lambda: slow.run(q, cache, out=out)), sparse_bytes)
         # fp8 summaries (1/32 of the KV bytes, rounded outward from a bf16 master; scale for randn keys)
         scale8 = float(torch.maximum(kmin.abs().max(), kmax.abs().max())) / 448
         index8 = QuestIndex(pages, hkv, D, device="cuda", dtype=torch.float8_e4m3fn, scale=scale8)
         index8.assign(kmin, kmax)
-        quest8 = QuestDecode(spec, index8, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
-                             max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
-        quest8.plan(indptr, indices, last)
+        quest8 = planned_quest(spec, index8, indptr, indices, last)
         bytes8 = index8.kmin.numel() * 2 + kv_bytes * BUDGET // L
         report.add("quest", case, "attnforge-fp8", time_us(lambda: quest8.run(q, cache, out=out)), bytes8)
         report.add("quest", case, "attnforge-fp8-scoring", time_us(lambda: quest8.scores(q)), index8.kmin.numel() * 2)
@@ -76,9 +78,7 @@ def run(report: Report, peers: bool = True) -> None:
         # summaries on tools/quest_summary_quality.py's keys); the kernel's query sums are int8 (dp4a)
         index4 = QuestIndex(pages, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
         index4.assign(kmin, kmax)
-        quest4 = QuestDecode(spec, index4, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
-                             max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
-        quest4.plan(indptr, indices, last)
+        quest4 = planned_quest(spec, index4, indptr, indices, last)
         report.add("quest", case, "attnforge", time_us(lambda: quest4.run(q, cache, out=out)),
                    index4.kmin.numel() * 2 + kv_bytes * BUDGET // L)
         report.add("quest", case, "attnforge-scoring", time_us(lambda: quest4.scores(q)), index4.kmin.numel() * 2)

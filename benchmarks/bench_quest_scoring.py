@@ -1,13 +1,13 @@
 """Suite `quest_scoring`: the Quest suite's scoring kernel alone (int4, fp8 and bf16 summaries) and the
-int4 (`attnforge`) and fp8 paths end to end, without the dense decode and torch-select rows: ~15 s a tree, for A/B rounds of a
-scoring change. Same cases and byte counts as bench_quest.py."""
+int4 (`attnforge`) and fp8 paths end to end, without the dense decode and torch-select rows: ~15 s a
+tree, for A/B rounds of a scoring change. Same cases and byte counts as bench_quest.py."""
 from __future__ import annotations
 
 import torch
 
 from attnforge import AttentionSpec
-from attnforge.sparse import QuestDecode, QuestIndex, channel_scales
-from bench_quest import B, BUDGET, D, L, PAGE, case_inputs
+from attnforge.sparse import QuestIndex, channel_scales
+from bench_quest import B, BUDGET, D, L, PAGE, case_inputs, planned_quest
 from harness import Report, time_us
 
 
@@ -25,9 +25,7 @@ def run(report: Report, peers: bool = True) -> None:
                                   (torch.bfloat16, 1.0, "-bf16")):
             index = QuestIndex(pages, hkv, D, device="cuda", dtype=dtype, scale=scale)
             index.assign(kmin, kmax)
-            quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B,
-                                max_num_pages=pages, max_pages_per_request=L // PAGE, use_cuda_graph=True)
-            quest.plan(indptr, indices, last)
+            quest = planned_quest(spec, index, indptr, indices, last)
             summary_bytes = index.kmin.numel() * 2 * index.kmin.element_size()
             report.add("quest", case, f"attnforge{tag}-scoring", time_us(lambda: quest.scores(q)), summary_bytes)
             if tag != "-bf16":

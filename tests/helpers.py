@@ -117,3 +117,14 @@ def int4_kernel_scores(q, index, indptr, indices):
     lo, hi = int4_codes(index.kmin[pages]), int4_codes(index.kmax[pages])  # [n, Hkv, D]
     written = (lo[..., :1] <= hi[..., :1]).float()
     return ((hi * sums[0][request] + lo * sums[1][request]) * written).sum(dim=(1, 2))
+
+
+def summary_format(index_dtype, keys):
+    """QuestIndex's dtype and scale for a test's format; "fp8-channels": fp8 with a scale per KV head
+    and dim (the float query sums then take the scales row by row)."""
+    from attnforge.sparse import channel_scales
+    if index_dtype == "fp8-channels":
+        return {"dtype": torch.float8_e4m3fn, "scale": channel_scales(keys)}
+    if index_dtype == "int4":
+        return {"dtype": "int4", "scale": channel_scales(keys, "int4")}
+    return {"dtype": index_dtype, "scale": 0.02 if index_dtype == torch.float8_e4m3fn else 1.0}

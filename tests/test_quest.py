@@ -198,6 +198,12 @@ def test_int4_summaries_with_channel_scales_bound_the_keys_one_step_away():
         QuestIndex(2, 1, 7, dtype="int4")
     one = torch.randn(2, 32)  # a single token's keys [Hkv, D]: its own magnitudes
     assert torch.equal(channel_scales(one, "int4"), one.abs() * 1.25 / 7)
+    with pytest.raises(ValueError, match=r"channel_scales\(keys.shape\): expected \[..., Hkv, D\]"):
+        channel_scales(torch.randn(32), "int4")
+    with pytest.raises(ValueError, match="'int4'"):
+        channel_scales(one, torch.float16)
+    with pytest.raises(ValueError, match="take no scale"):
+        channel_scales(one, torch.float32)
 
 
 def test_fp8_summaries_bound_the_keys_and_track_the_master():

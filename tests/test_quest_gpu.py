@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from attnforge.sparse import QuestDecode, QuestIndex, channel_scales, page_scores, select_pages
-from helpers import int4_kernel_scores, random_page_table, replays_after_replans
+from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
+from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -20,8 +20,7 @@ def build(lengths, seed=0, index_dtype=torch.float32, hkv=HKV):
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)])).cuda()
     indices = perm.cuda()
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(lengths, pages)])
-    scale = {torch.float8_e4m3fn: 0.02, "int4": channel_scales(cache[:, 0], "int4")}.get(index_dtype, 1.0)
-    index = QuestIndex(total, hkv, D, device="cuda", dtype=index_dtype, scale=scale)
+    index = QuestIndex(total, hkv, D, device="cuda", **summary_format(index_dtype, cache[:, 0]))
     for b, n in enumerate(lengths):  # append every token's key to its page summary
         own = indices[indptr[b]:indptr[b + 1]]
         pos = torch.arange(n, device="cuda")
@@ -59,7 +58,7 @@ def test_needle_page_is_selected():
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (32, 32), (12, 6), (4, 1)])
-@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, "int4"])
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, "fp8-channels", "int4"])
 def test_scoring_kernel_matches_the_torch_bound(index_dtype, heads):
     # heads pick the kernel's work split: 8 KV heads fill a warp or two per page, 32 the whole CTA,
     # 6 a page size that is not a power of two (masked lanes), 1 several pages per warp; the long

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, reference
-from attnforge.sparse import QuestHeadDecode, QuestIndex, channel_scales, expand_per_head, page_scores, select_pages
-from helpers import int4_kernel_scores, random_page_table, replays_after_replans
+from attnforge.sparse import QuestHeadDecode, QuestIndex, expand_per_head, page_scores, select_pages
+from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
 
 pytestmark = pytest.mark.gpu
 PAGE, HQ, HKV, D = 16, 32, 8, 128
@@ -22,8 +22,7 @@ def build(lengths, form, seed=0, index_dtype=torch.float32):
     indices = torch.randperm(total, generator=g).cuda()
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)])).cuda()
     last = torch.tensor([n - (p - 1) * PAGE if p else 0 for n, p in zip(lengths, pages)])
-    scale = channel_scales(cache[:, 0].transpose(1, 2), "int4") if index_dtype == "int4" else 1.0
-    index = QuestIndex(total, HKV, D, device="cuda", dtype=index_dtype, scale=scale)
+    index = QuestIndex(total, HKV, D, device="cuda", **summary_format(index_dtype, cache[:, 0].transpose(1, 2)))
     for b, n in enumerate(lengths):
         own = indices[indptr[b]:indptr[b + 1]]
         pos = torch.arange(n, device="cuda")
@@ -54,11 +53,13 @@ def reference_per_head(q, cache, indptr, indices, lengths, index, budget_pages):
     return out
 
 
-def test_int4_summaries_score_each_head_with_its_channel_scales():
-    """The per-head view of int4 summaries: one KV head per row, the model's Hkv rows of channel scales
-    cycling along the (request, head) rows; the kernel against its arithmetic in torch."""
+@pytest.mark.parametrize("index_dtype", ["int4", "fp8-channels"])
+def test_channel_scales_score_each_head_with_its_own_row(index_dtype):
+    """The per-head view of summaries with per-channel scales: one KV head per row, the model's Hkv
+    rows of scales cycling along the (request, head) rows; the kernel against the torch bound (int4:
+    against its arithmetic in torch, int8 query sums)."""
     lengths = [3000, 17, 0, 900]
-    cache, kv, indptr, indices, last, index = build(lengths, "pair", seed=6, index_dtype="int4")
+    cache, kv, indptr, indices, last, index = build(lengths, "pair", seed=6, index_dtype=index_dtype)
     q = torch.randn(len(lengths), HQ, D, device="cuda").bfloat16()
     quest = QuestHeadDecode(SPEC, index, budget_tokens=256, page_size=PAGE)
     quest.plan(indptr.cpu(), indices.cpu(), last)
@@ -66,8 +67,10 @@ def test_int4_summaries_score_each_head_with_its_channel_scales():
     row_indptr, ids = expand_per_head(indptr, indices, HKV)
     quest._scores.fill_(float("nan"))
     got = quest.scores(rows)[: len(ids)].clone()
-    torch.testing.assert_close(got, int4_kernel_scores(rows, index.per_head_view(), row_indptr, ids),
-                               rtol=1e-4, atol=1e-2)
+    view = index.per_head_view()
+    want = int4_kernel_scores(rows, view, row_indptr, ids) if index_dtype == "int4" else \
+        page_scores(rows, view, row_indptr, ids).float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
 
 
 @pytest.mark.parametrize("form", ["pair", "one_tensor"])

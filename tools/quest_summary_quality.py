@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from attnforge.sparse.quest import fp8_outward
+from attnforge.sparse.summaries import fp8_outward, int4_codes, int4_outward
 
 PAGE, HKV, GROUP, D = 16, 8, 4, 128
 
@@ -53,9 +53,9 @@ def bound(lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.maximum(qg * lo, qg * hi).sum(dim=(1, 2, 3))
 
 
-def int4_outward(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor):
-    """Codes in [-8, 7] times scale, rounded outward (lo down, hi up): still a bound of every key."""
-    return (torch.floor(lo / scale).clamp(-8, 7) * scale, torch.ceil(hi / scale).clamp(-8, 7) * scale)
+def int4_bounds(lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor):
+    """The library's int4 summaries (codes rounded outward, clamped to [-8, 7]) in key units."""
+    return tuple(int4_codes(int4_outward(t, scale, up)) * scale for t, up in ((lo, False), (hi, True)))
 
 
 def formats(k: torch.Tensor):
@@ -66,9 +66,9 @@ def formats(k: torch.Tensor):
     out["fp8, outward"] = (fp8_outward(lo, s8, up=False).float() * s8, fp8_outward(hi, s8, up=True).float() * s8)
     out["fp8, nearest"] = ((lo / s8).to(torch.float8_e4m3fn).float() * s8, (hi / s8).to(torch.float8_e4m3fn).float() * s8)
     per_channel = torch.maximum(lo.abs(), hi.abs()).amax(dim=0, keepdim=True) / 7  # [1, HKV, D], cache-wide
-    out["int4 (per-channel scale), outward"] = int4_outward(lo, hi, per_channel)
+    out["int4 (per-channel scale), outward"] = int4_bounds(lo, hi, per_channel)
     per_page = torch.maximum(lo.abs(), hi.abs()).amax(dim=2, keepdim=True) / 7  # [pages, HKV, 1]
-    out["int4 (per page-head scale)"] = int4_outward(lo, hi, per_page)
+    out["int4 (per page-head scale)"] = int4_bounds(lo, hi, per_page)
     return out
 
 

@@ -40,7 +40,11 @@ def channel_scales(keys: torch.Tensor, dtype=torch.float8_e4m3fn, headroom: floa
     if keys.dim() > 2:  # (amax over no dims would reduce all of them)
         top = top.amax(dim=tuple(range(keys.dim() - 2)))
     top = top.float()  # (no float copy of all the keys)
-    return (top * headroom / LEVELS[format_of(dtype)]).clamp_min(torch.finfo(torch.float32).tiny)
+    fmt = format_of(dtype)
+    if fmt not in LEVELS:
+        raise fail("channel_scales(dtype)", "torch.float8_e4m3fn or 'int4' (the formats that store key / scale)",
+                   dtype, "float32 / bfloat16 summaries take no scale.")
+    return (top * headroom / LEVELS[fmt]).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def checked_scale(scale, fmt: str, num_kv_heads: int, head_dim: int, device):
@@ -53,13 +57,13 @@ def checked_scale(scale, fmt: str, num_kv_heads: int, head_dim: int, device):
             raise fail("QuestIndex scale", "finite values > 0", "a zero, negative or non-finite value",
                        "Clamp the scales away from 0 (channel_scales does).")
         if fmt not in LEVELS:
-            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", "a tensor", "Drop scale or use fp8.")
+            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", "a tensor", "Drop scale, or use fp8 / int4 summaries.")
         return scale.detach().to(device=device, dtype=torch.float32)
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise fail("QuestIndex scale", "a finite float > 0 or a tensor [Hkv, D] (fp8 / int4 summaries hold "
                    "key / scale)", scale, "Pass about max|key| / 448 (int4: / 7), channel_scales(...), or 1.0.")
     if fmt not in LEVELS and scale != 1.0:
-        raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale, "Drop scale or use fp8.")
+        raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale, "Drop scale, or use fp8 / int4 summaries.")
     return float(scale)
 
 
