@@ -1,6 +1,7 @@
 """Suite `quest_scoring`: the Quest suite's scoring kernel alone (int4, fp8 and bf16 summaries) and the
-int4 (`attnforge`) and fp8 paths end to end, without the dense decode and torch-select rows: ~15 s a
-tree, for A/B rounds of a scoring change. Same cases and byte counts as bench_quest.py."""
+int4 (`attnforge`) and fp8 paths end to end, and the top-k kernel alone on the int4 path's scores, without
+the dense decode and torch-select rows: ~15 s a tree, for A/B rounds of a scoring or select change.
+Same cases and byte counts as bench_quest.py."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,9 @@ def run(report: Report, peers: bool = True) -> None:
             if tag != "-bf16":
                 report.add("quest", case, f"attnforge{tag}", time_us(lambda: quest.run(q, cache, out=out)),
                            summary_bytes + kv_bytes * BUDGET // L)
+            if tag == "":  # the top-k kernel alone, on this path's scores
+                quest.scores(q)
+                report.add("quest", case, "attnforge-select", time_us(lambda: quest._select(quest._scores)))
             del quest, index
         del cache
         torch.cuda.empty_cache()
