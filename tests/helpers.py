@@ -31,6 +31,27 @@ def make_paged_case(spec: AttentionSpec, lengths, page_size: int, seed: int = 0,
     return q, cache, (indptr, indices, last), per_request
 
 
+def unheld_slots(num_pages: int, indptr, indices, last, page_size: int) -> torch.Tensor:
+    """[pages, page_size] bool: True where no request holds the slot (pages past the table, tokens past
+    a last page's length)."""
+    used = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    for b in range(len(indptr) - 1):
+        pages = indptr[b + 1] - indptr[b]
+        for j in range(pages):
+            used[int(indices[indptr[b] + j]), :(last[b] if j == pages - 1 else page_size)] = True
+    return ~used
+
+
+def poison_unused_slots(cache, indptr, indices, last, page_size, layout):
+    """NaN in every slot of a paged K/V cache [P, 2, ...] that no request holds: a copy that reads beyond
+    a request's tokens into a computed tile (or a masked score meeting such a V row) then shows up as NaN,
+    as it would on an engine's uninitialised cache memory."""
+    unheld = unheld_slots(cache.shape[0], indptr, indices, last, page_size).to(cache.device)
+    for kv in (0, 1):
+        view = cache[:, kv] if layout == "NHD" else cache[:, kv].transpose(1, 2)  # [P, page, Hkv, D]
+        view[unheld] = math.nan
+
+
 def random_page_table(rng, batch: int, page_size: int, num_pages: int, max_len: int, long_len=None):
     """Random lengths in [0, max_len) (one request in [long_len[0], long_len[1]) when given), each
     request's pages drawn without repetition from num_pages. Returns (lengths, indptr, indices, last)."""

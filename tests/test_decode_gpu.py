@@ -6,14 +6,17 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison,
-                     random_page_table, replays_after_replans)
+                     poison_unused_slots, random_page_table, replays_after_replans)
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 15, 16, 17, 1000, 63, 64, 65]
 
 
-def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_scale=1.0, **wrapper_kw):
+def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_scale=1.0, nan_unheld=False,
+             **wrapper_kw):
     q, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, page_size, seed)
+    if nan_unheld:  # the reference rows were gathered before
+        poison_unused_slots(cache, indptr, indices, last, page_size, spec.kv_layout)
     w = BatchDecode(spec, **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     out = poison((len(lengths), spec.num_qo_heads, spec.head_dim_vo), q.dtype)
@@ -37,6 +40,15 @@ def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_sca
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
+
+
+@pytest.mark.parametrize("page_size,layout,kv_dtype", [(16, "NHD", "bf16"), (7, "HND", "bf16"), (64, "NHD", "fp8_e4m3")])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_slots_no_request_holds_may_hold_nan(page_size, layout, kv_dtype, pipeline):
+    """An engine's cache is uninitialised memory: NaN in every slot no request holds (a last page's
+    tail, pages past the table) must not reach the output, whichever tile a request ends in."""
+    run_case(AttentionSpec(kv_layout=layout, kv_dtype=kv_dtype, pipeline=pipeline), LENGTHS + [65536], page_size,
+             seed=page_size, nan_unheld=True)
 
 
 # the transposed pipeline takes groups up to 16 (its refusal of larger groups is tested below)

@@ -9,7 +9,8 @@ from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
-from helpers import assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans
+from helpers import (assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans,
+                     unheld_slots)
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]
@@ -64,8 +65,12 @@ def mla_reference(q_nope, q_pe, per_req, q_len, sm_scale, v_scale=1.0, dtype=tor
 
 
 def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=None, k_scale=1.0, v_scale=1.0,
-             ref_kw=None, **wrapper_kw):
+             ref_kw=None, nan_unheld=False, **wrapper_kw):
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, page_size, q_len, seed, unified)
+    if nan_unheld:  # uninitialised cache memory: NaN wherever no request holds a row (per_req was taken before)
+        unheld = unheld_slots(caches[0].shape[0], indptr, indices, last, page_size).to(caches[0].device)
+        for cache in caches:
+            cache[unheld] = math.nan
     w = BatchMLADecode(spec, max_q_len=max(q_len, 1), **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size, q_len=q_len, sm_scale=sm_scale, k_scale=k_scale,
            v_scale=v_scale)
@@ -104,6 +109,15 @@ def test_heads_and_odd_lengths(heads, pipeline):
 def test_page_sizes(page_size, pipeline):
     run_case(mla_spec(16, pipeline), [1, 65, 300, 0, 17], page_size, seed=page_size, unified=page_size == 7,
              **mma_if_transposed(pipeline))
+
+
+@pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (16, "wgmma"), (128, None), (128, "mma")])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_rows_no_request_holds_may_hold_nan(heads, backend, pipeline):
+    """NaN in every cache row no request holds (a last page's tail, pages past the table), as in an
+    engine's uninitialised cache: masked scores must never meet them, in any kernel."""
+    run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0, 20000], 64, seed=heads, nan_unheld=True,
+             unified=heads == 16, **({"backend": backend} if backend else {}))
 
 
 @pytest.mark.parametrize("heads", [8, 16, 32])

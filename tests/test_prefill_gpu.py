@@ -7,7 +7,8 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, paged, reference
-from helpers import assert_attention_close, assert_lse_close, make_paged_case, replays_after_replans
+from helpers import (assert_attention_close, assert_lse_close, make_paged_case, poison_unused_slots,
+                     replays_after_replans)
 
 pytestmark = pytest.mark.gpu
 
@@ -110,19 +111,6 @@ def test_wgmma_producer_paged(page_size, pingpong):
     w.plan(qo, indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
-
-
-def poison_unused_slots(cache, indptr, indices, last, page_size, layout):
-    """NaN in every cache slot no request owns (pages past the table, tokens past a last page's length):
-    a copy that reads beyond a request's tokens into a computed tile then shows up as NaN."""
-    used = torch.zeros(cache.shape[0], page_size, dtype=torch.bool)
-    for b in range(len(indptr) - 1):
-        pages = indptr[b + 1] - indptr[b]
-        for j in range(pages):
-            used[int(indices[indptr[b] + j]), :(last[b] if j == pages - 1 else page_size)] = True
-    for kv in (0, 1):
-        view = cache[:, kv] if layout == "NHD" else cache[:, kv].transpose(1, 2)  # [P, page, Hkv, D]
-        view[~used.to(cache.device)] = math.nan
 
 
 # (page_size, layout, head_dim, cache as a (K, V) pair): pages that tile the 128-token tile (8, 16,
