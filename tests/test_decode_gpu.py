@@ -42,7 +42,8 @@ def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
 
 
-@pytest.mark.parametrize("page_size,layout,kv_dtype", [(16, "NHD", "bf16"), (7, "HND", "bf16"), (64, "NHD", "fp8_e4m3")])
+@pytest.mark.parametrize("page_size,layout,kv_dtype", [(16, "NHD", "bf16"), (7, "HND", "bf16"),
+                                                     (64, "NHD", "fp8_e4m3")])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_slots_no_request_holds_may_hold_nan(page_size, layout, kv_dtype, pipeline):
     """An engine's cache is uninitialised memory: NaN in every slot no request holds (a last page's
