@@ -57,13 +57,15 @@ def checked_scale(scale, fmt: str, num_kv_heads: int, head_dim: int, device):
             raise fail("QuestIndex scale", "finite values > 0", "a zero, negative or non-finite value",
                        "Clamp the scales away from 0 (channel_scales does).")
         if fmt not in LEVELS:
-            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", "a tensor", "Drop scale, or use fp8 / int4 summaries.")
+            raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", "a tensor",
+                       "Drop scale, or use fp8 / int4 summaries.")
         return scale.detach().to(device=device, dtype=torch.float32)
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise fail("QuestIndex scale", "a finite float > 0 or a tensor [Hkv, D] (fp8 / int4 summaries hold "
                    "key / scale)", scale, "Pass about max|key| / 448 (int4: / 7), channel_scales(...), or 1.0.")
     if fmt not in LEVELS and scale != 1.0:
-        raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale, "Drop scale, or use fp8 / int4 summaries.")
+        raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", scale,
+                   "Drop scale, or use fp8 / int4 summaries.")
     return float(scale)
 
 
@@ -83,7 +85,8 @@ def fp8_outward(x: torch.Tensor, scale, up: bool) -> torch.Tensor:
     if up:  # one step toward +inf: negatives shrink in magnitude, zero and positives grow
         step = torch.where((sign != 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.ones_like(bits), bits + 1))
     else:  # toward -inf: positives shrink, zero becomes the smallest negative, negatives grow
-        step = torch.where((sign == 0) & (mag > 0), bits - 1, torch.where(mag == 0, torch.full_like(bits, 0x81), bits + 1))
+        step = torch.where((sign == 0) & (mag > 0), bits - 1,
+                           torch.where(mag == 0, torch.full_like(bits, 0x81), bits + 1))
     out = torch.where(wrong, step, bits).to(torch.uint8)
     return out.view(torch.float8_e4m3fn)
 
