@@ -86,8 +86,9 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
     return _current_raw_stream(torch.cuda.current_device() if device_index is None else device_index)
 
 
-# Kernels that call wait_for_prior_grid() before reading memory (their templates; tests/test_pdl.py
-# checks each one's first statement): only these may be launched with pdl=True.
+# Kernels that call wait_for_prior_grid() before reading what the kernel before them writes, and write
+# nothing before it (their templates; tests/jit/test_pdl.py checks what each reads before the wait):
+# only these may be launched with pdl=True.
 PDL_KERNELS = frozenset({"batch_decode_kernel", "mla_merge_kernel", "quest_score_kernel", "quest_select_kernel"})
 
 

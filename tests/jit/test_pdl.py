@@ -1,8 +1,9 @@
 """Programmatic dependent launch (attnforge/jit/loader.py, wait_for_prior_grid in common.cuh): a kernel
 launched with PDL may run while the previous kernel in the stream finishes, so it must wait for that
-grid before it reads anything. CPU: the launch configuration, the refusal of kernels that do not wait,
-and, for every kernel that may be launched so, a wait as the first statement of its body; before sm_90
-a pdl=True launch is an ordinary one."""
+grid before it reads anything that grid writes. CPU: the launch configuration, the refusal of kernels
+that do not wait, and, for every kernel that may be launched so, that it reads only its list of
+buffers before the wait (ones its predecessor never writes) and writes nothing; before sm_90 a pdl=True
+launch is an ordinary one."""
 import ctypes
 import re
 
@@ -37,13 +38,46 @@ def _sources():
             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module().source]
 
 
-@pytest.mark.parametrize("kernel", sorted(loader.PDL_KERNELS))
-def test_every_pdl_kernel_waits_before_anything_else(kernel):
+# What each PDL kernel may read before its wait: buffers its predecessor in the stream never writes
+# (plan()'s copies, the queries, the Quest index), as params fields and helpers given the whole params.
+# The predecessors: quest_qsplit_kernel writes P / N, quest_score_kernel the scores,
+# quest_select_kernel the decode page table (kv_indices), mla_decode_kernel the partial states.
+READ_BEFORE_WAIT = {
+    "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr", "q",
+                            "q_stride_b", "q_stride_h"},
+    "mla_merge_kernel": set(),
+    "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
+    "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
+}
+
+
+def _body_before_wait(kernel: str) -> str:
     bodies = [m for src in _sources() for m in re.finditer(rf'extern "C" __global__[^{{]*\b{kernel}\(', src)]
     assert len(bodies) == 1, f"{kernel}: defined {len(bodies)} times in the rendered modules"
-    src = bodies[0].string
-    first = src[src.index("{", bodies[0].end()) + 1:].lstrip().split(";")[0]
-    assert first == "wait_for_prior_grid()", f"{kernel} starts with {first!r}"
+    src = bodies[0].string[bodies[0].end():]
+    assert "wait_for_prior_grid()" in src, f"{kernel} never waits for the prior grid"
+    return src[:src.index("wait_for_prior_grid()")]
+
+
+def test_every_pdl_kernel_has_a_read_list():
+    assert set(READ_BEFORE_WAIT) == set(loader.PDL_KERNELS)
+
+
+@pytest.mark.parametrize("kernel", sorted(loader.PDL_KERNELS))
+def test_every_pdl_kernel_reads_only_what_its_predecessor_never_writes_before_waiting(kernel):
+    before = re.sub(r"//[^\n]*", "", _body_before_wait(kernel))  # comments name fields too
+    fields = set(re.findall(r"\bp\.(\w+)", before))
+    helpers = set(re.findall(r"\b(\w+)\(p\s*[,)]", before))  # the whole params passed on
+    assert fields | helpers <= READ_BEFORE_WAIT[kernel], \
+        f"{kernel} reads {sorted((fields | helpers) - READ_BEFORE_WAIT[kernel])} before wait_for_prior_grid()"
+    assert not re.search(r"\bp\.\w+(\[[^]]*\])?\s*=[^=]", before), f"{kernel} writes before its wait"
+
+
+def test_the_read_list_check_catches_a_read_of_the_predecessors_output():
+    # the decode kernel's page-table read sits after its wait; read before it, the check must object
+    before = _body_before_wait("batch_decode_kernel") + "__ldg(p.kv_indices + 3);"
+    fields = set(re.findall(r"\bp\.(\w+)", before))
+    assert "kv_indices" in fields - READ_BEFORE_WAIT["batch_decode_kernel"]
 
 
 class _RecordingDriver:
