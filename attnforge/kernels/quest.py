@@ -54,6 +54,6 @@ class QuestScoreKernel:
                "values_per_vector": VALUES_PER_VECTOR[self.meta_dtype], "int4_codes": self.meta_dtype == "int4",
                "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS,
                "select_threads": SELECT_THREADS, "params_struct": LAYOUT.cpp(),
-               "select_params_struct": SELECT_LAYOUT.cpp()}
+               "select_params_struct": SELECT_LAYOUT.cpp(), "trace": False}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
         return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel"))
