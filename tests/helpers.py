@@ -47,9 +47,13 @@ def poison_unused_slots(cache, indptr, indices, last, page_size, layout):
     a request's tokens into a computed tile (or a masked score meeting such a V row) then shows up as NaN,
     as it would on an engine's uninitialised cache memory."""
     unheld = unheld_slots(cache.shape[0], indptr, indices, last, page_size).to(cache.device)
+    fp8 = cache.element_size() == 1  # torch fills no fp8 tensor by mask: write e4m3's NaN bytes (0x7F)
     for kv in (0, 1):
         view = cache[:, kv] if layout == "NHD" else cache[:, kv].transpose(1, 2)  # [P, page, Hkv, D]
-        view[unheld] = math.nan
+        if fp8:
+            view.view(torch.uint8)[unheld] = 0x7F
+        else:
+            view[unheld] = math.nan
 
 
 def random_page_table(rng, batch: int, page_size: int, num_pages: int, max_len: int, long_len=None):
