@@ -21,7 +21,7 @@ from attnforge.kernels import decode as kdecode, quest as kquest  # noqa: E402
 from attnforge.sparse import QuestIndex, channel_scales  # noqa: E402
 from bench_quest import B, D, L, PAGE, case_inputs, planned_quest  # noqa: E402
 from harness import prepare  # noqa: E402
-from trace_capture import build_traced, save_json_if_asked  # noqa: E402
+from trace_capture import build_traced, exit_by_class, save_json_if_asked  # noqa: E402
 
 build_traced(kquest.QuestScoreKernel)
 build_traced(kdecode.DecodeKernel)
@@ -90,7 +90,15 @@ def main() -> None:
         ph = np.diff(first[has], axis=1)
         res["decode"]["first_item_cycles_mean"] = dict(zip(("to_tiles_issued", "tiles", "finish", "merge"),
                                                           (round(float(x), 1) for x in ph.mean(axis=0))))
-    print(json.dumps(res, indent=1))
+    meta = d[ctas, 0, 5]
+    worked = first[:, 0] > 0
+    merged = worked & (((meta >> 16) & 1) > 0)
+    late = g_entry > np.median(g_entry) + 1000  # placed after the select's SMs freed
+    res["decode"]["exit_by_class_us"] = exit_by_class(g_exit - t0, late.astype(int) + 2 * worked, merged)  # 2 + late: worked
+    res["decode"]["per_cta"] = {"sm": (meta >> 32).tolist(), "entry_ns": (g_entry - t0).tolist(),
+                                "exit_ns": (g_exit - t0).tolist(), "merged": merged.astype(int).tolist()}
+    print(json.dumps({k: ({a: b for a, b in v.items() if a != "per_cta"} if isinstance(v, dict) else v)
+                      for k, v in res.items()}, indent=1))
     save_json_if_asked([res])
 
 

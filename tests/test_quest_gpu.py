@@ -175,3 +175,53 @@ def test_quantized_summaries_keep_the_needle(index_dtype):
     sel_ptr, sel = select_pages(scores.clone(), indptr, indices, budget_pages=16)
     for b in range(len(lengths)):
         assert needle_pages[b] in sel[sel_ptr[b]:sel_ptr[b + 1]].tolist()
+
+
+def crafted_scores(kind: str, n: int, rng) -> np.ndarray:
+    if kind == "distinct":
+        return (50 + 10 * rng.standard_normal(n)).astype(np.float32)
+    if kind == "all-equal":
+        return np.full(n, 2.5, np.float32)
+    if kind == "few-values":  # exact ties across the boundary
+        return rng.integers(0, 4, n).astype(np.float32)
+    if kind == "signs-and-magnitudes":
+        return (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    if kind == "one-bit-apart":  # keys differ only in the last mantissa bits
+        return (np.float32(1.0) + np.arange(n, dtype=np.float32) * np.float32(2 ** -23))[rng.permutation(n)]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "all-equal", "few-values", "signs-and-magnitudes", "one-bit-apart"])
+@pytest.mark.parametrize("budget_pages", [1, 3, 256])
+def test_select_kernel_on_crafted_scores(kind, budget_pages):
+    """quest_select_kernel given scores directly: requests of 0, 1, budget, budget + 1 and 4096 pages;
+    each keeps its last page, its pages in list order, and scores equal (as a multiset) to torch.topk's."""
+    rng = np.random.default_rng(len(kind) * 1000 + budget_pages)
+    counts = [0, 1, budget_pages, budget_pages + 1, 4096]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    indices = rng.permutation(int(indptr[-1])).astype(np.int32)
+    last = np.where(np.array(counts) > 0, PAGE, 0).astype(np.int32)
+    index = QuestIndex(int(indptr[-1]), HKV, D, device="cuda")
+    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=HKV), index, budget_tokens=budget_pages * PAGE,
+                        page_size=PAGE, max_num_pages=int(indptr[-1]))
+    quest.plan(indptr, indices, last)
+    scores = np.concatenate([crafted_scores(kind, c, rng) for c in counts])
+    quest._scores[: len(scores)].copy_(torch.from_numpy(scores))
+    table = quest._selection_out()
+    table.fill_(-1)
+    quest._select(quest._scores)
+    ref_ptr, ref = select_pages(torch.from_numpy(scores), torch.from_numpy(indptr), torch.from_numpy(indices),
+                                budget_pages)
+    got_ptr = np.concatenate([[0], np.cumsum(np.minimum(counts, budget_pages))])
+    assert np.array_equal(got_ptr, ref_ptr.numpy())
+    got = table[: int(got_ptr[-1])].cpu().numpy()
+    position = {int(p): j for j, p in enumerate(indices)}
+    for b, c in enumerate(counts):
+        mine, theirs = got[got_ptr[b]:got_ptr[b + 1]], ref.numpy()[ref_ptr[b]:ref_ptr[b + 1]]
+        if c == 0:
+            continue
+        pos = [position[int(p)] for p in mine]
+        assert pos == sorted(pos) and len(set(pos)) == len(pos), f"request {b}: not in list order"
+        assert pos[-1] == indptr[b + 1] - 1, f"request {b}: the last page is not kept"
+        assert sorted(scores[pos[:-1]].tolist()) == sorted(scores[[position[int(p)] for p in theirs[:-1]]].tolist()), \
+            f"request {b} ({kind}): kept scores differ from torch.topk's"

@@ -14,7 +14,6 @@ def order_key(f: float) -> int:
 
 
 BYTE_DIGITS = ((24, 8), (16, 8), (8, 8), (0, 8))  # select_large: 4 passes of 8 bits
-REGISTER_PATH_DIGITS = ((21, 11), (10, 11), (0, 10))  # the register path: 3 passes of 11, 11, 10 bits
 
 
 def radix_select(scores: np.ndarray, k: int, find_bin, digits=BYTE_DIGITS) -> tuple[list[int], int, int, bool]:
@@ -82,44 +81,86 @@ def test_ties_take_the_first_in_list_order():
     assert kernel_model(scores, 3) == [1, 2, 6]  # any two 5s make a valid top 3: the kernel takes the first
 
 
+def scan_bin(hist, take):
+    """The register path's bin search: thread t of 1024 takes bins b = top - 2t and b - 1 and a block
+    scan gives the count above its pair; the one pair whose suffix count crosses `take` holds it."""
+    top, cta = len(hist) - 1, 1024
+    bs = [top - 2 * t for t in range(cta)]
+    h_hi = [hist[b] if b >= 1 else 0 for b in bs]
+    h_lo = [hist[b - 1] if b >= 1 else 0 for b in bs]
+    pair = [a + b for a, b in zip(h_hi, h_lo)]
+    above = np.concatenate([[0], np.cumsum(pair)[:-1]])
+    hits = [t for t in range(cta) if above[t] < take <= above[t] + pair[t]]
+    assert len(hits) == 1  # exactly one thread writes the new prefix
+    t = hits[0]
+    if above[t] + h_hi[t] >= take:
+        return bs[t], int(above[t])
+    return bs[t] - 1, int(above[t] + h_hi[t])
+
+
+def register_path_select(scores: np.ndarray, k: int):
+    """The register path's passes: the last page kept apart, digits of up to 11 bits from the highest
+    bit in which the other pages' keys differ, stopping once the boundary bin is taken whole.
+    Returns (keys, prefix, mask, take, tied, passes): candidates with key & mask == prefix are the
+    boundary class (`tied` of them, the first `take` kept), those above it are kept."""
+    n = len(scores)
+    keys = [order_key(float(scores[j])) if j < n - 1 else 0 for j in range(n)]
+    take, tied, prefix, mask, passes = k - 1, n - 1, 0, 0, 0
+    if n > k and take > 0:
+        cand = keys[:n - 1]
+        lo, hi = min(cand), max(cand)
+        top = (lo ^ hi).bit_length()
+        mask = 0 if top == 32 else (0xFFFFFFFF << top) & 0xFFFFFFFF
+        prefix = lo & mask
+        while top > 0 and take < tied:
+            shift = max(top - 11, 0)
+            digit = (1 << (top - shift)) - 1
+            hist = [0] * (digit + 1)
+            for key in cand:
+                if key & mask == prefix:
+                    hist[(key >> shift) & digit] += 1
+            b, above = scan_bin(hist, take)
+            prefix, take, tied = prefix | (b << shift), take - above, hist[b]
+            mask, top, passes = mask | (digit << shift), shift, passes + 1
+    return keys, prefix, mask, take, tied, passes
+
+
 def fast_kernel_model(scores: np.ndarray, k_budget: int, threads: int = 16, run: int = 8) -> list[int]:
     """quest_select_kernel's register path (n <= threads * run): thread t holds keys [t*run, t*run+run);
-    each pass (digits of 11, 11, 10 bits) finds its bin by a suffix scan of the histogram, thread t
-    taking the pair of bins hi = top - 2t and hi - 1; the write-out is an exclusive scan of equal
-    keys, then of kept pages, over the threads in order."""
+    after the passes (register_path_select) the write-out places each thread's kept pages after the
+    threads before it: one exclusive scan, after a scan of the boundary class when part of it is dropped."""
     n = len(scores)
     assert n <= threads * run
     k = min(k_budget, n)
+    select = n > k
+    keys, prefix, mask, take, tied, _ = register_path_select(scores, k)
 
-    def scan_bin(hist, take_eq):
-        top, cta = len(hist) - 1, 1024  # the kernel's 1024 threads scan 2048 bins
-        his = [top - 2 * t for t in range(cta)]
-        h_hi = [hist[hi] if hi >= 1 else 0 for hi in his]
-        h_lo = [hist[hi - 1] if hi >= 1 else 0 for hi in his]
-        pair = [a + b for a, b in zip(h_hi, h_lo)]
-        above = np.concatenate([[0], np.cumsum(pair)[:-1]])
-        hits = [t for t in range(cta) if above[t] < take_eq <= above[t] + pair[t]]
-        assert len(hits) == 1  # exactly one thread writes the new prefix
-        t = hits[0]
-        if above[t] + h_hi[t] >= take_eq:
-            return his[t], int(above[t])
-        return his[t] - 1, int(above[t] + h_hi[t])
-    keys, prefix, take_eq, select = radix_select(scores, k, scan_bin, REGISTER_PATH_DIGITS)
+    def in_tie(j):
+        return select and take > 0 and j < n - 1 and keys[j] & mask == prefix
+
+    def kept(j, tie_kept):
+        if not select:
+            return j < n
+        if j == n - 1:
+            return True
+        km = keys[j] & mask
+        return j < n - 1 and take > 0 and (km > prefix or (km == prefix and tie_kept))
+
     runs = [range(t * run, min(n, t * run + run)) for t in range(threads)]
-    eq_counts = [sum(select and keys[j] == prefix for j in r) for r in runs]
-    gt_counts = [sum((not select) or keys[j] > prefix for j in r) for r in runs]
-    eq_before = np.concatenate([[0], np.cumsum(eq_counts)[:-1]])
-    mine = [max(0, min(e, take_eq - int(b))) for e, b in zip(eq_counts, eq_before)]
-    pos = np.concatenate([[0], np.cumsum([g + m for g, m in zip(gt_counts, mine)])[:-1]])
+    all_tied_kept = take >= tied
+    ties = [sum(in_tie(j) for j in r) for r in runs]
+    tie_before = np.concatenate([[0], np.cumsum(ties)[:-1]]) if not all_tied_kept else np.zeros(threads, int)
+    mine = [c if all_tied_kept else max(0, min(c, take - int(b))) for c, b in zip(ties, tie_before)]
+    clear = [sum(kept(j, False) for j in r) for r in runs]
+    pos = np.concatenate([[0], np.cumsum([c + m for c, m in zip(clear, mine)])[:-1]])
     out = [None] * k
     for t, r in enumerate(runs):
-        p, seen = int(pos[t]), int(eq_before[t])
+        p, seen = int(pos[t]), int(tie_before[t])
         for j in r:
-            eq = select and keys[j] == prefix
-            if (not select) or keys[j] > prefix or (eq and seen < take_eq):
+            if kept(j, all_tied_kept or seen < take):
                 out[p] = j
                 p += 1
-            seen += eq
+            seen += in_tie(j)
     assert None not in out  # every slot of the selection is written exactly once
     return out
 
@@ -146,3 +187,28 @@ def test_register_path_matches_topk(seed):
 def test_register_path_ties_take_the_first_in_list_order():
     scores = np.array([1, 5, 5, 5, 2, 5, 0], dtype=np.float32)
     assert fast_kernel_model(scores, 3, threads=4, run=2) == [1, 2, 6]
+
+
+def test_register_path_edge_budgets():
+    scores = np.array([3, 1, 2, 9, 0], dtype=np.float32)
+    assert fast_kernel_model(scores, 1, threads=4, run=2) == [4]  # one place: the last page alone
+    assert fast_kernel_model(scores, 5, threads=4, run=2) == [0, 1, 2, 3, 4]  # the budget covers all
+    assert fast_kernel_model(np.full(9, 2.0, np.float32), 4, threads=4, run=4) == [0, 1, 2, 8]  # all equal
+
+
+def test_register_path_spans_signs_and_magnitudes():
+    rng = np.random.default_rng(7)
+    scores = np.concatenate([-rng.random(50) * 1e6, rng.random(50) * 1e-6, [0.0, -0.0, 3e38, -3e38]]).astype(np.float32)
+    rng.shuffle(scores)
+    got = fast_kernel_model(scores, 40)
+    assert got == kernel_model(scores, 40) == reference(scores, 40)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_requests_distinct_scores_take_at_most_two_passes(seed):
+    # the suite's case: 4096 pages, budget 256, scores of one sign and similar size (Quest's bounds)
+    rng = np.random.default_rng(seed)
+    scores = (50 + 10 * rng.standard_normal(4096)).astype(np.float32)
+    *_, passes = register_path_select(scores, 256)
+    assert passes <= 2
+    assert fast_kernel_model(scores, 256, threads=1024, run=8) == reference(scores, 256)
