@@ -53,11 +53,14 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same and there are at most num_ctas of them, cut each
-    into num_ctas // items equal chunks (span = cost / chunks, rounded up), so no span straddles two
-    items (B16 L8192 GQA 32/8: 384 one-chunk spans instead of 396, most of them two chunks) -- where
-    that lengthens the span by less than ALIGN_SLACK: a straddling span pays a second chunk's fixed
-    cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
-    align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's)."""
+    into chunks = num_ctas // items equal chunks: span = cost / chunks rounded up, and every item
+    padded to chunks * span stream positions, so each span holds one chunk of one item (B16 L8192 GQA
+    32/8: 384 one-chunk spans instead of 396, most of them two chunks; unpadded, the rounding drifted
+    the boundaries into the next item's tokens: Quest's B16 L4096 got 63 chunks of 1-63 tokens) --
+    where that lengthens the span by less than ALIGN_SLACK: a straddling span pays a second chunk's
+    fixed cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
+    align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's).
+    An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
     item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
@@ -67,9 +70,17 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     span = max(-(-total // num_ctas), MIN_SPAN + CHUNK_FIXED_COST)
     items = len(kv_end) * num_kv_heads
     if align_equal_items and 0 < items <= num_ctas and (item_cost == item_cost[0]).all():
-        aligned = max(-(-int(item_cost[0]) // (num_ctas // items)), MIN_SPAN + CHUNK_FIXED_COST)
-        span = aligned if aligned - span < align_slack else span
+        chunks = num_ctas // items
+        aligned = max(-(-int(item_cost[0]) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
+        if aligned - span < align_slack:
+            np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
+            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
     return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total)
+
+
+def item_stride(plan: StreamPlan, request: int) -> int:
+    """Stream positions of each of the request's items: its cost, or more when spans are aligned."""
+    return int(plan.prefix[request + 1] - plan.prefix[request]) // plan.num_kv_heads
 
 
 def expand(plan: StreamPlan) -> np.ndarray:
@@ -77,9 +88,9 @@ def expand(plan: StreamPlan) -> np.ndarray:
     rows = []
     c0, span = CHUNK_FIXED_COST, plan.span
     for r in range(plan.batch_size):
-        n = int(plan.kv_end[r] - plan.kv_begin[r])
+        n, stride = int(plan.kv_end[r] - plan.kv_begin[r]), item_stride(plan, r)
         for h in range(plan.num_kv_heads):
-            s = int(plan.prefix[r]) + h * (n + c0)
+            s = int(plan.prefix[r]) + h * stride
             if n == 0:
                 rows.append((s // span, r, h, int(plan.kv_begin[r]), int(plan.kv_begin[r]), -1))
                 continue
@@ -101,7 +112,7 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     n = int(plan.kv_end[request] - plan.kv_begin[request])
     if n == 0:
         return []
-    t_lo = int(plan.prefix[request]) + kv_head * (n + CHUNK_FIXED_COST) + CHUNK_FIXED_COST
+    t_lo = int(plan.prefix[request]) + kv_head * item_stride(plan, request) + CHUNK_FIXED_COST
     first, last = t_lo // plan.span, (t_lo + n - 1) // plan.span
     return [] if first == last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
 

@@ -1,8 +1,10 @@
 // attnforge/work_stream.cuh: a CTA's share of the split-KV work stream (see attnforge/scheduler.py).
 //
-// Items (request, kv_head) cost (tokens + kFixedCost) each and lie end to end, request-major.
-// CTA c owns stream positions [c*span, (c+1)*span): the tokens there, and the empty items that
-// start there. Chunks of split items write partial slot 2*c + (chunk starts its item ? 1 : 0).
+// Items (request, kv_head) lie end to end, request-major, each `stride` stream positions long: its cost
+// (tokens + kFixedCost), or more where the planner padded equal items to whole spans; the kernel reads
+// it back as (prefix[r+1] - prefix[r]) / heads. An item's tokens take the positions after its first
+// kFixedCost. CTA c owns stream positions [c*span, (c+1)*span): the tokens there, and the empty items
+// that start there. Chunks of split items write partial slot 2*c + (chunk starts its item ? 1 : 0).
 #pragma once
 #include "attnforge/common.cuh"
 
@@ -20,7 +22,7 @@ struct Chunk {
 
 template <int kFixedCost>
 struct WorkStream {
-  const int32_t* prefix;    // [batch + 1] stream start of each request
+  const int32_t* prefix;    // [batch + 1] stream start of each request (and the end of the last)
   const int32_t* kv_begin;  // [batch]
   const int32_t* kv_end;    // [batch]
   int32_t num_kv_heads, lo, hi, span, batch;
@@ -43,17 +45,16 @@ struct WorkStream {
       if (__ldg(prefix + mid) <= lo) a = mid; else b = mid;
     }
     r = a;
-    const int32_t cost = item_cost(r);
-    h = min((lo - __ldg(prefix + r)) / cost, num_kv_heads - 1);
+    h = min((lo - __ldg(prefix + r)) / stride(r), num_kv_heads - 1);
   }
 
   AF_DEVICE int32_t tokens(int req) const { return __ldg(kv_end + req) - __ldg(kv_begin + req); }
-  AF_DEVICE int32_t item_cost(int req) const { return tokens(req) + kFixedCost; }
+  AF_DEVICE int32_t stride(int req) const { return (__ldg(prefix + req + 1) - __ldg(prefix + req)) / num_kv_heads; }
 
   // The next chunk this CTA owns; false when the span is exhausted.
   AF_DEVICE bool next(Chunk& c) {
     while (lo < hi && r < batch) {
-      const int32_t n = tokens(r), start = __ldg(prefix + r) + h * (n + kFixedCost);
+      const int32_t n = tokens(r), start = __ldg(prefix + r) + h * stride(r);
       if (start >= hi) return false;
       const int req = r, head = h;
       if (++h == num_kv_heads) { h = 0; ++r; }
