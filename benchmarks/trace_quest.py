@@ -21,7 +21,7 @@ from attnforge.kernels import decode as kdecode, quest as kquest  # noqa: E402
 from attnforge.sparse import QuestIndex, channel_scales  # noqa: E402
 from bench_quest import B, D, L, PAGE, case_inputs, planned_quest  # noqa: E402
 from harness import prepare  # noqa: E402
-from trace_capture import build_traced, exit_by_class, save_json_if_asked  # noqa: E402
+from trace_capture import build_traced, save_json_if_asked  # noqa: E402
 
 build_traced(kquest.QuestScoreKernel)
 build_traced(kdecode.DecodeKernel)
@@ -42,16 +42,70 @@ def read(dptr: int, size: int) -> np.ndarray:
 
 def spread(ns: np.ndarray, t0: int) -> dict:
     us = (ns - t0) / 1e3
-    return {"min": round(float(us.min()), 2), "median": round(float(np.median(us)), 2), "max": round(float(us.max()), 2)}
+    return {k: round(float(f(us)), 2) for k, f in (("min", np.min), ("median", np.median), ("max", np.max))}
+
+
+def quest_kernel_times(qt: np.ndarray, t0: int) -> dict:
+    """Per Quest kernel: CTAs placed, their wait's end (where they wait) and exits."""
+    res = {}
+    for k, name in enumerate(KERNELS):
+        ran = qt[k, :, 0] > 0
+        res[name] = {"ctas": int(ran.sum()), "entry": spread(qt[k, ran, 0], t0),
+                     "exit": spread(qt[k, ran & (qt[k, :, 2] > 0), 2], t0)}
+        waited = ran & (qt[k, :, 1] > 0)
+        if waited.any():
+            res[name]["after_wait"] = spread(qt[k, waited, 1], t0)
+    return res
+
+
+def select_phases(qt: np.ndarray) -> dict:
+    """SM cycles between the select's stamps, mean over its CTAs (a skipped pass leaves its stamps 0)."""
+    sel = qt[2, qt[2, :, 15] > 0]
+    if not len(sel):
+        return {}
+    c = sel[:, 3:16].astype(np.float64)
+    names = ["keys"] + [f"pass{k} {p}" for k in range(3) for p in ("histogram", "bin", "end")] + ["scans", "write_out"]
+    with np.errstate(invalid="ignore"):
+        steps = np.diff(np.where(c > 0, c, np.nan), axis=1)
+        out = {n: round(float(np.nanmean(v)), 1) if np.isfinite(v).any() else None for n, v in zip(names, steps.T)}
+    out["entry_to_exit"] = float((c[:, 12] - c[:, 0]).mean())
+    return out
+
+
+def decode_times(dt: np.ndarray, t0: int) -> dict:
+    """The decode kernel's CTAs: placement and exits, its first item's phases (SM cycles, as
+    trace_decode.py counts them), exits by kind and the per-CTA data for offline attribution."""
+    d = dt.reshape(-1, DECODE_ITEMS, 8)
+    entry = d[:, DECODE_ITEMS - 1, 6]
+    ctas = np.nonzero(entry)[0]
+    g_entry, g_exit = entry[ctas], d[ctas, DECODE_ITEMS - 1, 5]
+    res = {"ctas": int(len(ctas)), "entry": spread(g_entry, t0), "exit": spread(g_exit, t0)}
+    first, meta = d[ctas, 0, :5], d[ctas, 0, 5]
+    worked = first[:, 0] > 0
+    if worked.any():  # start (before the wait) -> Q staged, first tiles issued -> tiles -> finish -> merge
+        ph = np.diff(first[worked], axis=1).mean(axis=0)
+        res["first_item_cycles_mean"] = dict(zip(("to_tiles_issued", "tiles", "finish", "merge"),
+                                                 (round(float(x), 1) for x in ph)))
+    merged = worked & (((meta >> 16) & 1) > 0)
+    late = g_entry > np.median(g_entry) + 1000  # placed once the select's SMs were free
+    exits = (g_exit - t0) / 1e3
+    kinds = {"idle": ~worked, "worked": worked & ~late & ~merged, "worked, merged": worked & ~late & merged,
+             "placed late": worked & late & ~merged, "placed late, merged": worked & late & merged}
+    res["exit_by_kind_us"] = {k: {"ctas": int(m.sum()), "mean": round(float(exits[m].mean()), 2),
+                                  "max": round(float(exits[m].max()), 2)} for k, m in kinds.items() if m.any()}
+    res["per_cta"] = {"sm": (meta >> 32).tolist(), "entry_ns": (g_entry - t0).tolist(),
+                      "exit_ns": (g_exit - t0).tolist(), "merged": merged.astype(int).tolist()}
+    return res
 
 
 def main() -> None:
-    hq, hkv = (int(x) for x in (sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "32/8").split("/"))
+    heads = sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "32/8"
+    hq, hkv = (int(x) for x in heads.split("/"))
     cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
-    pages = B * L // PAGE
-    index = QuestIndex(pages, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
+    index = QuestIndex(B * L // PAGE, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
     index.assign(kmin, kmax)
-    quest = planned_quest(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D), index, indptr, indices, last)
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+    quest = planned_quest(spec, index, indptr, indices, last)
     out = torch.empty_like(q)
     run = prepare(lambda: quest.run(q, cache, out=out), calls=1)  # one step in a CUDA graph, as the suite times it
     arrays = [trace_array(quest.kernel, quest.device), trace_array(quest.decode.kernel, quest.device)]
@@ -64,41 +118,12 @@ def main() -> None:
     torch.cuda.synchronize()
     qt, dt = (read(*a) for a in arrays)
     qt = qt.reshape(3, 4096, 16)
-    res = {"case": f"h{hq}/{hkv} B{B} L{L} budget{quest.budget_pages * PAGE}", "event_us": start.elapsed_time(end) * 1e3}
     t0 = int(qt[0, qt[0, :, 0] > 0, 0].min())
-    for k, name in enumerate(KERNELS):
-        ran = qt[k, :, 0] > 0
-        res[name] = {"ctas": int(ran.sum()), "entry": spread(qt[k, ran, 0], t0), "exit": spread(qt[k, ran & (qt[k, :, 2] > 0), 2], t0)}
-        waited = ran & (qt[k, :, 1] > 0)
-        if waited.any():
-            res[name]["after_wait"] = spread(qt[k, waited, 1], t0)
-    sel = qt[2, qt[2, :, 15] > 0]
-    if len(sel):  # SM cycles between the select's stamps, mean over its CTAs
-        c = sel[:, 3:16].astype(np.float64)
-        names = ["keys"] + [f"pass{k} {p}" for k in range(3) for p in ("histogram", "bin", "end")] + ["scans", "write_out"]
-        steps = np.diff(np.where(c > 0, c, np.nan), axis=1)  # a skipped pass leaves its stamps at 0
-        res["select"]["cycles_mean"] = {n: round(float(np.nanmean(v)), 1) for n, v in zip(names, steps.T)}
-        res["select"]["cycles_mean"]["entry_to_exit"] = float((c[:, 12] - c[:, 0]).mean())
-    d = dt.reshape(-1, DECODE_ITEMS, 8)
-    entry = d[:, DECODE_ITEMS - 1, 6]
-    ctas = np.nonzero(entry)[0]
-    g_entry, g_exit = entry[ctas], d[ctas, DECODE_ITEMS - 1, 5]
-    res["decode"] = {"ctas": int(len(ctas)), "entry": spread(g_entry, t0), "exit": spread(g_exit, t0)}
-    first = d[ctas, 0, :5]
-    has = first[:, 0] > 0
-    if has.any():  # the first item: start (before the wait) -> Q staged and first tiles issued -> tiles -> finish -> merge
-        ph = np.diff(first[has], axis=1)
-        res["decode"]["first_item_cycles_mean"] = dict(zip(("to_tiles_issued", "tiles", "finish", "merge"),
-                                                          (round(float(x), 1) for x in ph.mean(axis=0))))
-    meta = d[ctas, 0, 5]
-    worked = first[:, 0] > 0
-    merged = worked & (((meta >> 16) & 1) > 0)
-    late = g_entry > np.median(g_entry) + 1000  # placed after the select's SMs freed
-    res["decode"]["exit_by_class_us"] = exit_by_class(g_exit - t0, late.astype(int) + 2 * worked, merged)  # 2 + late: worked
-    res["decode"]["per_cta"] = {"sm": (meta >> 32).tolist(), "entry_ns": (g_entry - t0).tolist(),
-                                "exit_ns": (g_exit - t0).tolist(), "merged": merged.astype(int).tolist()}
-    print(json.dumps({k: ({a: b for a, b in v.items() if a != "per_cta"} if isinstance(v, dict) else v)
-                      for k, v in res.items()}, indent=1))
+    res = {"case": f"h{hq}/{hkv} B{B} L{L} budget{quest.budget_pages * PAGE}",
+           "event_us": start.elapsed_time(end) * 1e3, **quest_kernel_times(qt, t0), "decode": decode_times(dt, t0)}
+    res["select"]["cycles_mean"] = select_phases(qt)
+    shown = {k: ({a: b for a, b in v.items() if a != "per_cta"} if isinstance(v, dict) else v) for k, v in res.items()}
+    print(json.dumps(shown, indent=1))
     save_json_if_asked([res])
 
 

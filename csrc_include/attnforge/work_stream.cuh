@@ -49,7 +49,9 @@ struct WorkStream {
   }
 
   AF_DEVICE int32_t tokens(int req) const { return __ldg(kv_end + req) - __ldg(kv_begin + req); }
-  AF_DEVICE int32_t stride(int req) const { return (__ldg(prefix + req + 1) - __ldg(prefix + req)) / num_kv_heads; }
+  AF_DEVICE int32_t stride(int req) const {
+    return (__ldg(prefix + req + 1) - __ldg(prefix + req)) / num_kv_heads;
+  }
 
   // The next chunk this CTA owns; false when the span is exhausted.
   AF_DEVICE bool next(Chunk& c) {
