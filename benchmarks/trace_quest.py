@@ -23,8 +23,6 @@ from bench_quest import B, D, L, PAGE, case_inputs, planned_quest  # noqa: E402
 from harness import prepare  # noqa: E402
 from trace_capture import build_traced, save_json_if_asked  # noqa: E402
 
-build_traced(kquest.QuestScoreKernel)
-build_traced(kdecode.DecodeKernel)
 KERNELS = ("qsplit", "score", "select")
 DECODE_ITEMS = 32  # trace slots per CTA in batch_decode's trace
 
@@ -50,6 +48,8 @@ def quest_kernel_times(qt: np.ndarray, t0: int) -> dict:
     res = {}
     for k, name in enumerate(KERNELS):
         ran = qt[k, :, 0] > 0
+        if not ran.any():
+            continue
         res[name] = {"ctas": int(ran.sum()), "entry": spread(qt[k, ran, 0], t0),
                      "exit": spread(qt[k, ran & (qt[k, :, 2] > 0), 2], t0)}
         waited = ran & (qt[k, :, 1] > 0)
@@ -99,6 +99,8 @@ def decode_times(dt: np.ndarray, t0: int) -> dict:
 
 
 def main() -> None:
+    build_traced(kquest.QuestScoreKernel)  # every Quest and decode module this process builds: traced
+    build_traced(kdecode.DecodeKernel)
     heads = sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "32/8"
     hq, hkv = (int(x) for x in heads.split("/"))
     cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)

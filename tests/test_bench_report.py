@@ -164,15 +164,17 @@ def test_trace_scripts_save_json_only_when_asked(tmp_path, monkeypatch):
 
 
 def test_traced_kernels_compile(tmp_path):
-    """The trace builds (trace=True) of the decode and Hopper prefill kernels compile for sm_90a: they
-    are only built on the GPU machine, where a broken one would cost a device call."""
+    """The trace builds (trace=True) of the decode, Hopper prefill and Quest kernels compile for sm_90a:
+    they are only built on the GPU machine, where a broken one would cost a device call."""
     from attnforge import AttentionSpec, codegen
     from attnforge.kernels.decode import DecodeKernel
     from attnforge.kernels.prefill import PrefillKernel
+    from attnforge.kernels.quest import QuestScoreKernel
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc (CI has it)")
     for m in (DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module(),
-              PrefillKernel(AttentionSpec(family="prefill", causal=True), "wgmma").module()):
+              PrefillKernel(AttentionSpec(family="prefill", causal=True), "wgmma").module(),
+              QuestScoreKernel("bf16", "int4", 128, 8, 4).module()):
         src = tmp_path / f"{m.name}.cu"
         src.write_text(dataclasses.replace(m, context={**m.context, "trace": True}).source)
         subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
@@ -204,3 +206,46 @@ def test_sdpa_peers_time_each_backend_and_note_a_refusal():
                                                            is_causal=True)
     assert torch.allclose(outs[0], ref, atol=1e-5)
     assert set(harness.sdpa_backends("cudnn-sdpa", "fa2-sdpa")) == {"cudnn-sdpa", "fa2-sdpa"}
+
+
+def load_trace_quest():
+    spec = importlib.util.spec_from_file_location("trace_quest", REPORT.parent / "trace_quest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quest_trace_reads_the_stamp_layout():
+    """benchmarks/trace_quest.py's readers on stamps laid out as templates/quest_score.cu.jinja and
+    batch_decode.cu.jinja write them: times in us after the first query-sums CTA, the select's phases in
+    cycles (a skipped pass shows as None), decode CTAs by kind. Importing it builds nothing traced."""
+    import numpy as np
+    from attnforge.kernels.quest import QuestScoreKernel
+    plain = QuestScoreKernel.module
+    mod = load_trace_quest()
+    assert QuestScoreKernel.module is plain  # the traced builds start in main()
+    qt = np.zeros((3, 4096, 16), dtype=np.int64)
+    qt[0, :4, 0], qt[0, :4, 2] = 1000, [1500, 1500, 1500, 3900]  # query sums: entry, exit (ns)
+    qt[1, :2, 0], qt[1, :2, 1], qt[1, :2, 2] = 1400, 4600, [21000, 22000]  # scoring: entry, wait's end, exit
+    qt[2, :2, 0], qt[2, :2, 1], qt[2, :2, 2] = 20000, 22000, 28000  # select: entry, wait's end, exit
+    qt[2, :2, 3:16] = 100 + np.cumsum(np.full(13, 50))  # select cycles: every stamp 50 apart
+    qt[2, 1, 11:14] = 0  # request 1 skipped its third pass
+    times = mod.quest_kernel_times(qt, 1000)
+    assert times["qsplit"]["exit"] == {"min": 0.5, "median": 0.5, "max": 2.9}
+    assert times["score"]["after_wait"]["max"] == 3.6 and times["score"]["exit"]["max"] == 21.0
+    assert times["select"]["exit"]["median"] == 27.0
+    phases = mod.select_phases(qt)
+    assert phases["keys"] == 50.0 and phases["pass2 histogram"] == 50.0 and phases["entry_to_exit"] == 600.0
+    qt[2, 0, 11:14] = 0  # neither request ran a third pass
+    assert mod.select_phases(qt)["pass2 bin"] is None
+    dt = np.zeros(8 * 32 * 4096, dtype=np.int64)
+    d = dt.reshape(-1, 32, 8)
+    d[:4, 31, 6] = [21000, 21100, 21200, 29000]  # entries (ns): the last placed late
+    d[:4, 31, 5] = [90000, 95000, 96000, 94000]  # exits
+    d[:3, 0, :5] = [10, 20, 30, 40, 50]  # CTAs 0-2 ran an item (cycle stamps); CTA 3 found none
+    d[1, 0, 5] = (7 << 32) | (1 << 16)  # CTA 1 merged, on SM 7
+    dec = mod.decode_times(dt, 1000)
+    assert dec["exit_by_kind_us"] == {"idle": {"ctas": 1, "mean": 93.0, "max": 93.0},
+                                      "worked": {"ctas": 2, "mean": 92.0, "max": 95.0},
+                                      "worked, merged": {"ctas": 1, "mean": 94.0, "max": 94.0}}
+    assert dec["first_item_cycles_mean"]["tiles"] == 10.0 and dec["per_cta"]["sm"][1] == 7
