@@ -12,11 +12,16 @@ import pytest
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
 
 
-def load_report():
-    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPORT.parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_report():
+    return load_benchmark("report")
 
 
 def row(suite, case, impl, us):
@@ -53,10 +58,7 @@ def test_table_shows_bandwidth_and_flops():
 
 
 def load_harness():
-    spec = importlib.util.spec_from_file_location("harness", REPORT.parent / "harness.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("harness")
 
 
 def test_interleaved_timing_rotates_the_variants_so_drift_hits_all_alike():
@@ -146,10 +148,7 @@ def test_decode_trace_splits_the_tail_by_kind_of_cta():
 
 
 def load_trace_capture():
-    spec = importlib.util.spec_from_file_location("trace_capture", REPORT.parent / "trace_capture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("trace_capture")
 
 
 def test_trace_scripts_save_json_only_when_asked(tmp_path, monkeypatch):
@@ -209,10 +208,7 @@ def test_sdpa_peers_time_each_backend_and_note_a_refusal():
 
 
 def load_trace_quest():
-    spec = importlib.util.spec_from_file_location("trace_quest", REPORT.parent / "trace_quest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("trace_quest")
 
 
 def test_quest_trace_reads_the_stamp_layout():
