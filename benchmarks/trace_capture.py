@@ -22,23 +22,34 @@ def build_traced(kernel_cls) -> None:
     kernel_cls.module = traced_module
 
 
+def trace_buffer(kernel, device) -> tuple[int, int]:
+    """(device pointer, bytes) of the traced module's __device__ array af_trace, zeroed."""
+    lib = registry.get_library(kernel, kernel.module, device)
+    drv = loader.driver()
+    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
+    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
+    return dptr, size
+
+
+def read_trace(dptr: int, size: int) -> np.ndarray:
+    """af_trace back on the host, as uint64."""
+    host = np.zeros(size // 8, dtype=np.uint64)
+    loader.check(loader.driver().cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
+    return host
+
+
 def capture(wrapper, run) -> tuple[np.ndarray, float]:
     """(af_trace as uint64, the run's milliseconds): warm-up, zero the stamps, one timed run(), read back."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    drv = loader.driver()
-    lib = registry.get_library(wrapper.kernel, wrapper.kernel.module, wrapper.device)
-    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
-    loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
+    buffer = trace_buffer(wrapper.kernel, wrapper.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()
     end.record()
     torch.cuda.synchronize()
-    host = np.zeros(size // 8, dtype=np.uint64)
-    loader.check(drv.cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
-    return host, start.elapsed_time(end)
+    return read_trace(*buffer), start.elapsed_time(end)
 
 
 def exit_by_class(exit_ns: np.ndarray, n_items: np.ndarray, did_merge: np.ndarray) -> dict:

@@ -16,26 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec  # noqa: E402
-from attnforge.jit import loader, registry  # noqa: E402
 from attnforge.kernels import decode as kdecode, quest as kquest  # noqa: E402
 from attnforge.sparse import QuestIndex, channel_scales  # noqa: E402
 from bench_quest import B, D, L, PAGE, case_inputs, planned_quest  # noqa: E402
 from harness import prepare  # noqa: E402
-from trace_capture import build_traced, save_json_if_asked  # noqa: E402
+from trace_capture import build_traced, read_trace, save_json_if_asked, trace_buffer  # noqa: E402
 
 KERNELS = ("qsplit", "score", "select")
 DECODE_ITEMS = 32  # trace slots per CTA in batch_decode's trace
-
-
-def trace_array(kernel, device) -> tuple[int, int]:
-    lib = registry.get_library(kernel, kernel.module, device)
-    return loader.check(loader.driver().cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
-
-
-def read(dptr: int, size: int) -> np.ndarray:
-    host = np.zeros(size // 8, dtype=np.uint64)
-    loader.check(loader.driver().cuMemcpyDtoH(host.ctypes.data, dptr, size), "cuMemcpyDtoH")
-    return host.astype(np.int64)
 
 
 def spread(ns: np.ndarray, t0: int) -> dict:
@@ -110,15 +98,13 @@ def main() -> None:
     quest = planned_quest(spec, index, indptr, indices, last)
     out = torch.empty_like(q)
     run = prepare(lambda: quest.run(q, cache, out=out), calls=1)  # one step in a CUDA graph, as the suite times it
-    arrays = [trace_array(quest.kernel, quest.device), trace_array(quest.decode.kernel, quest.device)]
-    for dptr, size in arrays:
-        loader.check(loader.driver().cuMemsetD8(dptr, 0, size), "cuMemsetD8")
+    buffers = [trace_buffer(quest.kernel, quest.device), trace_buffer(quest.decode.kernel, quest.device)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()
     end.record()
     torch.cuda.synchronize()
-    qt, dt = (read(*a) for a in arrays)
+    qt, dt = (read_trace(*b).astype(np.int64) for b in buffers)
     qt = qt.reshape(3, 4096, 16)
     t0 = int(qt[0, qt[0, :, 0] > 0, 0].min())
     res = {"case": f"h{hq}/{hkv} B{B} L{L} budget{quest.budget_pages * PAGE}",
