@@ -278,3 +278,14 @@ def test_int4_index_selects_as_exact_summaries_do_where_key_magnitudes_vary():
         assert kept["int4"] >= 0.98 * kept["exact"], (seed, kept)
         if seed == 0:
             assert kept["fp8"] < 0.97 * kept["exact"], kept
+
+
+def test_channel_scales_refuse_keys_without_heads_and_unscaled_formats():
+    from attnforge.sparse import channel_scales
+    keys = torch.randn(64, 2, 8)
+    assert channel_scales(keys, "int4").shape == (2, 8)
+    assert torch.allclose(channel_scales(keys, "int4"), keys.abs().amax(0) * 1.25 / 7)
+    with pytest.raises(ValueError, match=r"channel_scales\(keys.shape\): expected \[..., Hkv, D\]"):
+        channel_scales(torch.randn(8))
+    with pytest.raises(ValueError, match="float32 / bfloat16 summaries take no scale"):
+        channel_scales(keys, torch.float32)
