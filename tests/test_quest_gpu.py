@@ -151,6 +151,8 @@ def test_bad_arguments_raise():
         quest.run(torch.zeros(1, 32, D, device="cuda").bfloat16(), cache)
     with pytest.raises(ValueError, match="max_num_pages=4"):
         quest.plan([0, 7], list(range(7)), [4])
+    with pytest.raises(ValueError, match="below the QuestIndex's 7 pages"):  # page 7 has no summary
+        quest.plan([0, 2], [3, 7], [4])
     g = QuestDecode(spec, index, budget_tokens=64, page_size=PAGE, use_cuda_graph=True, max_batch_size=1,
                     max_pages_per_request=2)
     with pytest.raises(ValueError, match="max_pages_per_request=2"):

@@ -151,7 +151,10 @@ def test_cuda_graph_replay_after_replans():
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"replay {i}")
 
 
-def test_bad_specs_are_refused():
+def test_bad_specs_and_plans_are_refused():
     cache, kv, indptr, indices, last, index = build([100], "pair")
     with pytest.raises(ValueError, match="'HND'"):
         QuestHeadDecode(AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV), index, budget_tokens=64, page_size=PAGE)
+    quest = QuestHeadDecode(SPEC, index, budget_tokens=64, page_size=PAGE)
+    with pytest.raises(ValueError, match="below the QuestIndex's 7 pages"):  # the index's pages, not its rows
+        quest.plan([0, 2], [3, 7], [4])

@@ -233,6 +233,10 @@ class QuestDecode:
         name = type(self).__name__
         table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, self.page_size)
         n = len(table.indices)
+        index_pages = self.index.summary_shape[0] // rows_per_request  # (a per-head view has a row per head)
+        if n and table.max_page_index >= index_pages:  # the scoring kernel reads each listed page's summary
+            raise fail("plan: page ids", f"below the QuestIndex's {index_pages} pages", table.max_page_index,
+                       f"Build the QuestIndex with one summary per cache page, or list only pages below {index_pages}.")
         if n * rows_per_request > len(self._scores):
             raise fail("plan: number of pages", f"at most max_num_pages={len(self._scores) // rows_per_request}", n,
                        f"Construct {name} with a larger max_num_pages.")
