@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import Report, sdpa_backends, time_sdpa_peers, time_us
+from harness import Report, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -58,6 +58,7 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
     # ATTNFORGE_BENCH_DECODE_ABLATION="3,4": the default pipeline with other stage counts (fewer stages,
     # more CTAs per SM), for docs/perf-notes.md
     variants += [("auto", int(x)) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_DECODE_ABLATION", "").split(","))]
+    runs = {}
     for pipeline, stages in variants:
         spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                              pipeline=pipeline, kv_layout=layout)
@@ -71,7 +72,11 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         impl = "attnforge" if pipeline == "auto" else f"attnforge-{pipeline}"  # auto: the default
         if stages is not None:
             impl = f"attnforge-s{stages}-{w.kernel.ctas_per_sm}cta"
-        report.add("decode", case, impl, time_us(lambda: w.run(q, cache, out=out)), nbytes)
+        runs[impl] = (lambda w, out: lambda: w.run(q, cache, out=out))(w, out)
+    # in rotation: timed one after another, the first (the default, often the same kernel as a forced
+    # pipeline) read 7% slower than its twin on the skew case (seventeenth session)
+    for impl, us in time_interleaved(runs).items():
+        report.add("decode", case, impl, us, nbytes)
 
 
 def bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
