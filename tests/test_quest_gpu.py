@@ -227,3 +227,23 @@ def test_select_kernel_on_crafted_scores(kind, budget_pages):
         assert pos[-1] == indptr[b + 1] - 1, f"request {b}: the last page is not kept"
         assert sorted(scores[pos[:-1]].tolist()) == sorted(scores[[position[int(p)] for p in theirs[:-1]]].tolist()), \
             f"request {b} ({kind}): kept scores differ from torch.topk's"
+
+
+def test_select_kernel_ranks_a_narrow_boundary_bin_with_exact_ties():
+    """After one pass the boundary bin holds ~15 candidates, five of them equal, two of which fit: the
+    kernel ranks the bin in one warp and keeps the first two copies in list order, as the CPU model."""
+    from test_quest_select_model import kernel_model, narrow_bin_ties, register_path_select
+    scores, k = narrow_bin_ties(0)
+    assert register_path_select(scores, k)[-1]  # the model takes the warp rank here
+    n = len(scores)
+    indptr, last = np.array([0, n], np.int32), np.array([PAGE], np.int32)
+    indices = np.random.default_rng(1).permutation(n).astype(np.int32)
+    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=HKV), QuestIndex(n, HKV, D, device="cuda"),
+                        budget_tokens=k * PAGE, page_size=PAGE, max_num_pages=n)
+    quest.plan(indptr, indices, last)
+    quest._scores[:n].copy_(torch.from_numpy(scores))
+    table = quest._selection_out()
+    table.fill_(-1)
+    quest._select(quest._scores)
+    position = {int(p): j for j, p in enumerate(indices)}
+    assert [position[int(p)] for p in table[:k].cpu().numpy()] == kernel_model(scores, k)

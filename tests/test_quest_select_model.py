@@ -98,14 +98,25 @@ def scan_bin(hist, take):
     return bs[t] - 1, int(above[t] + h_hi[t])
 
 
+def warp_rank(cand: list[int], take: int) -> tuple[int, int, int]:
+    """The warp's rank of at most 32 boundary candidates: each lane counts the keys above and equal to
+    its own; the lanes holding the take-th largest key T report (T, take - above, equal)."""
+    assert len(cand) <= 32
+    found = {(c, take - sum(x > c for x in cand), sum(x == c for x in cand)) for c in cand
+             if sum(x > c for x in cand) < take <= sum(x >= c for x in cand)}
+    assert len(found) == 1  # every lane that reports writes the same three values
+    return found.pop()
+
+
 def register_path_select(scores: np.ndarray, k: int):
     """The register path's passes: the last page kept apart, digits of up to 11 bits from the highest
-    bit in which the other pages' keys differ, stopping once the boundary bin is taken whole.
-    Returns (keys, prefix, mask, take, tied, passes): candidates with key & mask == prefix are the
-    boundary class (`tied` of them, the first `take` kept), those above it are kept."""
+    bit in which the other pages' keys differ, stopping once the boundary bin is taken whole, or
+    ranking its whole keys in one warp once it holds at most 32 candidates.
+    Returns (keys, prefix, mask, take, tied, passes, ranked): candidates with key & mask == prefix are
+    the boundary class (`tied` of them, the first `take` kept), those above it are kept."""
     n = len(scores)
     keys = [order_key(float(scores[j])) if j < n - 1 else 0 for j in range(n)]
-    take, tied, prefix, mask, passes = k - 1, n - 1, 0, 0, 0
+    take, tied, prefix, mask, passes, ranked = k - 1, n - 1, 0, 0, 0, False
     if n > k and take > 0:
         cand = keys[:n - 1]
         lo, hi = min(cand), max(cand)
@@ -122,7 +133,10 @@ def register_path_select(scores: np.ndarray, k: int):
             b, above = scan_bin(hist, take)
             prefix, take, tied = prefix | (b << shift), take - above, hist[b]
             mask, top, passes = mask | (digit << shift), shift, passes + 1
-    return keys, prefix, mask, take, tied, passes
+            if top > 0 and take < tied <= 32:
+                prefix, take, tied = warp_rank([key for key in cand if key & mask == prefix], take)
+                mask, top, ranked = 0xFFFFFFFF, 0, True
+    return keys, prefix, mask, take, tied, passes, ranked
 
 
 def fast_kernel_model(scores: np.ndarray, k_budget: int, threads: int = 16, run: int = 8) -> list[int]:
@@ -133,7 +147,7 @@ def fast_kernel_model(scores: np.ndarray, k_budget: int, threads: int = 16, run:
     assert n <= threads * run
     k = min(k_budget, n)
     select = n > k
-    keys, prefix, mask, take, tied, _ = register_path_select(scores, k)
+    keys, prefix, mask, take, tied, *_ = register_path_select(scores, k)
 
     def in_tie(j):
         return select and take > 0 and j < n - 1 and keys[j] & mask == prefix
@@ -205,10 +219,38 @@ def test_register_path_spans_signs_and_magnitudes():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_requests_distinct_scores_take_at_most_two_passes(seed):
+def test_a_requests_distinct_scores_take_one_pass_and_a_warp_rank(seed):
     # the suite's case: 4096 pages, budget 256, scores of one sign and similar size (Quest's bounds)
     rng = np.random.default_rng(seed)
     scores = (50 + 10 * rng.standard_normal(4096)).astype(np.float32)
-    *_, passes = register_path_select(scores, 256)
-    assert passes <= 2
+    *_, passes, ranked = register_path_select(scores, 256)
+    assert passes == 1 and ranked
     assert fast_kernel_model(scores, 256, threads=1024, run=8) == reference(scores, 256)
+
+
+NARROW_X = np.float32(5e5)
+
+
+def narrow_bin_ties(seed: int) -> tuple[np.ndarray, int]:
+    """Scores over a wide range (the first pass leaves 19 bits: a boundary bin of ~15 candidates), five
+    copies of x with its two float neighbours, and a budget that keeps two of the five copies."""
+    rng = np.random.default_rng(400 + seed)
+    x = NARROW_X
+    base = rng.uniform(0, 1e6, 500).astype(np.float32)
+    base = base[np.abs(base - x) > 1]
+    near = np.array([x] * 5 + [np.nextafter(x, np.float32(1e7)), np.nextafter(x, np.float32(0))], np.float32)
+    scores = np.concatenate([base, near])
+    rng.shuffle(scores)
+    scores = np.append(scores, np.float32(1.0))  # the last page, always kept
+    return scores, 1 + int((base > x).sum()) + 1 + 2  # the last page, every key above x, two copies of x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_warp_rank_splits_exact_ties_like_the_passes(seed):
+    scores, k = narrow_bin_ties(seed)
+    x = NARROW_X
+    keys, prefix, mask, take, tied, passes, ranked = register_path_select(scores, k)
+    assert ranked and passes == 1 and (take, tied) == (2, 5) and mask == 0xFFFFFFFF
+    got = fast_kernel_model(scores, k, threads=128, run=8)
+    assert got == kernel_model(scores, k)  # the ballot path's pages: the first two copies in list order
+    assert sum(scores[j] == x for j in got) == 2
