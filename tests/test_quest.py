@@ -118,6 +118,8 @@ def test_bf16_summaries_and_bad_dtype():
         QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="1.0 for float32"):
         QuestIndex(2, 1, 8, scale=torch.ones(1, 8))
+    with pytest.raises(ValueError, match="an even number for int4 summaries"):  # two codes a byte
+        QuestIndex(2, 1, 7, dtype="int4", scale=1.0)
 
 
 def test_group_sums_give_the_same_bound_as_per_head_maxima():
