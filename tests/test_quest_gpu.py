@@ -149,6 +149,15 @@ def test_bad_arguments_raise():
     quest = QuestDecode(spec, index, budget_tokens=64, page_size=PAGE, max_num_pages=4)
     with pytest.raises(RuntimeError, match="call plan"):
         quest.run(torch.zeros(1, 32, D, device="cuda").bfloat16(), cache)
+    with pytest.raises(RuntimeError, match="QuestDecode.scores: call plan"):
+        quest.scores(torch.zeros(1, 32, D, device="cuda").bfloat16())
+    quest.plan([0, 2], [3, 5], [4])
+    with pytest.raises(ValueError, match="q.dtype"):  # scores() checks q itself: the kernel reads 16-byte rows
+        quest.scores(torch.zeros(1, 32, D, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="q.shape"):
+        quest.scores(torch.zeros(2, 32, D, device="cuda").bfloat16())  # planned for one request
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        quest.scores(torch.zeros(1, 32, D + 1, device="cuda").bfloat16()[..., 1:])
     with pytest.raises(ValueError, match="max_num_pages=4"):
         quest.plan([0, 7], list(range(7)), [4])
     with pytest.raises(ValueError, match="below the QuestIndex's 7 pages"):  # page 7 has no summary

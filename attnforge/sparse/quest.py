@@ -275,6 +275,10 @@ class QuestDecode:
         """Quest bound of every listed page of the plan, [max_num_pages] float32 (the kernel)."""
         from ..jit import registry
         from ..kernels.quest import SCORE_THREADS
+        if self._planned is None:
+            raise RuntimeError(f"{type(self).__name__}.scores: call plan(...) first (once per step, outside "
+                               "graph capture).")
+        self.decode._check_q(q)  # the kernels read q's rows in 16-byte vectors, batch as planned
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         params = self.kernel.params.pack(q=q.data_ptr(), kmin=self.index.kmin.data_ptr(),
                                          kmax=self.index.kmax.data_ptr(), kv_indptr=self._indptr.data_ptr(),
@@ -332,6 +336,5 @@ class QuestDecode:
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
         if self._planned is None:
             raise RuntimeError("QuestDecode.run: call plan(...) first (once per step, outside graph capture).")
-        self.decode._check_q(q)
-        self._select(self.scores(q))
+        self._select(self.scores(q))  # (scores checks q)
         return self.decode.run(q, kv_cache, out=out, return_lse=return_lse)

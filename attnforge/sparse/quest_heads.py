@@ -122,7 +122,6 @@ class QuestHeadDecode(QuestDecode):
         if q.dim() != 3 or q.shape[1:] != (s.num_qo_heads, s.head_dim_qk):
             raise fail("q.shape", f"[B, {s.num_qo_heads}, {s.head_dim_qk}]", list(q.shape), "One query token per request.")
         rows = q.reshape(q.shape[0] * hkv, s.group_size, s.head_dim_qk)
-        self.decode._check_q(rows)
         self._ratio = r
         self._select(self.scores(rows))  # page * Hkv + h, into the page table or the scratch table
         if r != hkv:  # the cache's virtual pages are p * r + h

@@ -2,13 +2,19 @@
 //
 // Items (request, kv_head) lie end to end, request-major, each `stride` stream positions long: its cost
 // (tokens + kFixedCost), or more where the planner padded equal items to whole spans; the kernel reads
-// it back as (prefix[r+1] - prefix[r]) / heads. An item's tokens take the positions after its first
-// kFixedCost. CTA c owns stream positions [c*span, (c+1)*span): the tokens there, and the empty items
+// it back with item_stride(). An item's tokens take the positions after its first kFixedCost.
+// CTA c owns stream positions [c*span, (c+1)*span): the tokens there, and the empty items
 // that start there. Chunks of split items write partial slot 2*c + (chunk starts its item ? 1 : 0).
 #pragma once
 #include "attnforge/common.cuh"
 
 namespace attnforge {
+
+// Stream positions of each of request r's `items` items: (prefix[r+1] - prefix[r]) / items. WorkStream
+// walks by it; the merges find an item's chunks with it (they must cut exactly as the walk did).
+AF_DEVICE int32_t item_stride(const int32_t* prefix, int r, int items) {
+  return (__ldg(prefix + r + 1) - __ldg(prefix + r)) / items;
+}
 
 struct StreamMeta {  // device-resident, rewritten by every plan() (CUDA-graph safe)
   int32_t batch, span, total;
@@ -49,9 +55,7 @@ struct WorkStream {
   }
 
   AF_DEVICE int32_t tokens(int req) const { return __ldg(kv_end + req) - __ldg(kv_begin + req); }
-  AF_DEVICE int32_t stride(int req) const {
-    return (__ldg(prefix + req + 1) - __ldg(prefix + req)) / num_kv_heads;
-  }
+  AF_DEVICE int32_t stride(int req) const { return item_stride(prefix, req, num_kv_heads); }
 
   // The next chunk this CTA owns; false when the span is exhausted.
   AF_DEVICE bool next(Chunk& c) {
