@@ -34,6 +34,18 @@ def case_inputs(hq: int, hkv: int, device="cuda"):
     return cache, indptr, indices, last, kmin, kmax, q
 
 
+def int4_case(argv) -> tuple:
+    """The default row's case for the debug scripts (`--heads 32/8` in argv, the default): its spec,
+    int4 index (per-channel scales), cache, page table and queries."""
+    heads = argv[argv.index("--heads") + 1] if "--heads" in argv else "32/8"
+    hq, hkv = (int(x) for x in heads.split("/"))
+    cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
+    index = QuestIndex(B * L // PAGE, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
+    index.assign(kmin, kmax)
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+    return spec, index, cache, indptr, indices, last, q
+
+
 def planned_quest(spec, index, indptr, indices, last, **kw) -> QuestDecode:
     """The suite's QuestDecode (graph mode, sized for the case) planned for the case's page table."""
     quest = QuestDecode(spec, index, budget_tokens=BUDGET, page_size=PAGE, max_batch_size=B, max_num_pages=B * L // PAGE,

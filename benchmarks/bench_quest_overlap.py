@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attnforge import AttentionSpec  # noqa: E402
-from attnforge.sparse import QuestDecode, QuestIndex, channel_scales  # noqa: E402
-from bench_quest import B, BUDGET, D, L, PAGE, case_inputs  # noqa: E402
+from attnforge.sparse import QuestDecode  # noqa: E402
+from bench_quest import B, BUDGET, L, PAGE, int4_case  # noqa: E402
 from harness import time_interleaved  # noqa: E402
 
 
@@ -39,12 +38,8 @@ def step(quest, q, cache, out):
 
 
 def main() -> None:
-    heads = sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "32/8"
-    hq, hkv = (int(x) for x in heads.split("/"))
-    cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
-    index = QuestIndex(B * L // PAGE, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
-    index.assign(kmin, kmax)
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+    spec, index, cache, indptr, indices, last, q = int4_case(sys.argv)
+    hq, hkv = spec.num_qo_heads, spec.num_kv_heads
     whole = half_quest(spec, index, indptr, indices, list(range(B)))
     h = B // 2
     first, second = list(range(h)), list(range(h, B))

@@ -15,10 +15,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attnforge import AttentionSpec  # noqa: E402
 from attnforge.kernels import decode as kdecode, quest as kquest  # noqa: E402
-from attnforge.sparse import QuestIndex, channel_scales  # noqa: E402
-from bench_quest import B, D, L, PAGE, case_inputs, planned_quest  # noqa: E402
+from bench_quest import B, L, PAGE, int4_case, planned_quest  # noqa: E402
 from harness import prepare  # noqa: E402
 from trace_capture import build_traced, read_trace, save_json_if_asked, trace_buffer  # noqa: E402
 
@@ -89,12 +87,8 @@ def decode_times(dt: np.ndarray, t0: int) -> dict:
 def main() -> None:
     build_traced(kquest.QuestScoreKernel)  # every Quest and decode module this process builds: traced
     build_traced(kdecode.DecodeKernel)
-    heads = sys.argv[sys.argv.index("--heads") + 1] if "--heads" in sys.argv else "32/8"
-    hq, hkv = (int(x) for x in heads.split("/"))
-    cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
-    index = QuestIndex(B * L // PAGE, hkv, D, device="cuda", dtype="int4", scale=channel_scales(cache[:, 0], "int4"))
-    index.assign(kmin, kmax)
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D)
+    spec, index, cache, indptr, indices, last, q = int4_case(sys.argv)
+    hq, hkv = spec.num_qo_heads, spec.num_kv_heads
     quest = planned_quest(spec, index, indptr, indices, last)
     out = torch.empty_like(q)
     run = prepare(lambda: quest.run(q, cache, out=out), calls=1)  # one step in a CUDA graph, as the suite times it
