@@ -138,6 +138,14 @@ AF_DEVICE void let_dependents_launch() {
 
 // A GPU-scope acquire-release fence (sm_70+): with a relaxed atomic, the release and acquire patterns of
 // the PTX memory model; lighter than __threadfence(), which is sequentially consistent.
+// A load with acquire semantics at GPU scope: what the writer released before its write is visible to
+// this thread's later reads.
+AF_DEVICE int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 AF_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 // Clocks for the kernels' debug traces (template variable `trace`): this SM's cycle counter, and the
