@@ -136,8 +136,6 @@ AF_DEVICE void let_dependents_launch() {
 #endif
 }
 
-// A GPU-scope acquire-release fence (sm_70+): with a relaxed atomic, the release and acquire patterns of
-// the PTX memory model; lighter than __threadfence(), which is sequentially consistent.
 // A load with acquire semantics at GPU scope: what the writer released before its write is visible to
 // this thread's later reads.
 AF_DEVICE int load_acquire_gpu(const int* p) {
@@ -146,6 +144,8 @@ AF_DEVICE int load_acquire_gpu(const int* p) {
   return v;
 }
 
+// A GPU-scope acquire-release fence (sm_70+): with a relaxed atomic, the release and acquire patterns of
+// the PTX memory model; lighter than __threadfence(), which is sequentially consistent.
 AF_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 // Clocks for the kernels' debug traces (template variable `trace`): this SM's cycle counter, and the
