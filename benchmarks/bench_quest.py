@@ -6,10 +6,14 @@ session), `attnforge-fp8` fp8 e4m3 ones (1/32, one scale), `attnforge-bf16-summa
 `-scoring` rows time the scoring kernel alone, `attnforge-select` the top-k kernel alone and
 `attnforge-subset-decode` the decode over the selected pages alone (both as the fp8 path runs them).
 
+ATTNFORGE_BENCH_QUEST_HEADS="32/8" runs one case (A/B calls).
+
 GB/s counts the bytes each path must read: dense = all K and V; Quest = the summaries of every page
 plus K and V of the selected pages.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -55,7 +59,10 @@ def planned_quest(spec, index, indptr, indices, last, **kw) -> QuestDecode:
 
 
 def run(report: Report, peers: bool = True) -> None:
+    keep = os.environ.get("ATTNFORGE_BENCH_QUEST_HEADS")  # "32/8": a subset, e.g. for A/B calls
     for hq, hkv in ((32, 32), (32, 8)):
+        if keep and f"{hq}/{hkv}" not in keep.split(","):
+            continue
         case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
         pages = B * L // PAGE
         cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)
