@@ -41,6 +41,11 @@ def quest_kernel_times(qt: np.ndarray, t0: int) -> dict:
         waited = ran & (qt[k, :, 1] > 0)
         if waited.any():
             res[name]["after_wait"] = spread(qt[k, waited, 1], t0)
+        landed = ran & (qt[k, :, 4] > 0) if name == "qsplit" else None
+        if landed is not None and landed.any():  # the CTAs with rows: their first row's loads, their exits
+            res[name]["rows_loaded"] = spread(qt[k, landed, 4], t0)
+            res[name]["rows_entry"] = spread(qt[k, landed, 0], t0)
+            res[name]["rows_exit"] = spread(qt[k, landed, 2], t0)
     return res
 
 
