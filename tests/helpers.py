@@ -131,11 +131,14 @@ def int4_kernel_scores(q, index, indptr, indices):
     table = index.channel_scale_table(q.device)  # [rows, D]: row (request * Hkv + head) % rows
     scale = table[torch.arange(b * hkv, device=q.device).view(b, hkv) % table.shape[0]]
     sums = []
-    for part in (qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)):
+    for sign in (1, -1):  # the kernel's float32 steps exactly, so the int8 codes are the kernel's
+        part = torch.zeros_like(qg[:, :, 0])
+        for g in range(qg.shape[2]):  # summed in the kernel's order (a reduction may pair them up)
+            part = part + (qg[:, :, g].clamp(min=0) if sign > 0 else qg[:, :, g].clamp(max=0))
         part = part * scale
         step = part.abs().amax(-1, keepdim=True) / 127
         step = torch.where(step > 0, step, torch.ones_like(step))
-        sums.append(torch.round(part / step) * step)
+        sums.append(torch.round(part * (1 / step)) * step)  # codes: products by the step's reciprocal
     counts = (indptr[1:] - indptr[:-1]).long()
     request = torch.repeat_interleave(torch.arange(b, device=q.device), counts)
     pages = indices.long()
