@@ -246,14 +246,3 @@ def test_quest_trace_reads_the_stamp_layout():
                                       "worked, merged": {"ctas": 1, "mean": 94.0, "max": 94.0}}
     assert dec["first_item_cycles_mean"]["tiles"] == 10.0 and dec["per_cta"]["sm"][1] == 7
 
-
-def test_ab_trees_table_takes_each_trees_median_over_rounds_and_the_change_against_the_first(tmp_path):
-    ab = load_benchmark("ab_trees")
-    runs = {"main": [100.0, 104.0, 101.0], "new": [98.0, 99.0, 120.0]}  # medians 101 and 99
-    for name, times in runs.items():
-        for r, us in enumerate(times):
-            rows = [row("quest", "h32/8", "attnforge", us), row("quest", "h32/8", "attnforge-plan", None)]
-            (tmp_path / f"{name}.r{r}.json").write_text(json.dumps({"rows": rows}))
-    table = ab.compare(tmp_path, ["main", "new"]).splitlines()
-    assert len(table) == 3  # header, rule, one timed row (rows without a time are left out)
-    assert table[2] == "| quest | h32/8 | attnforge | 101.00 (3) | 99.00 (3) | -1.98% |"
