@@ -245,4 +245,3 @@ def test_quest_trace_reads_the_stamp_layout():
                                       "worked": {"ctas": 2, "mean": 92.0, "max": 95.0},
                                       "worked, merged": {"ctas": 1, "mean": 94.0, "max": 94.0}}
     assert dec["first_item_cycles_mean"]["tiles"] == 10.0 and dec["per_cta"]["sm"][1] == 7
-
