@@ -41,6 +41,8 @@ def quest_kernel_times(qt: np.ndarray, t0: int) -> dict:
         waited = ran & (qt[k, :, 1] > 0)
         if waited.any():
             res[name]["after_wait"] = spread(qt[k, waited, 1], t0)
+        if name == "score" and (ran & (qt[k, :, 3] > 0)).any():  # the page loop's first step done
+            res[name]["first_step"] = spread(qt[k, ran & (qt[k, :, 3] > 0), 3], t0)
         landed = ran & (qt[k, :, 4] > 0) if name == "qsplit" else None
         if landed is not None and landed.any():  # the CTAs with rows: their first row's loads, their exits
             res[name]["rows_loaded"] = spread(qt[k, landed, 4], t0)

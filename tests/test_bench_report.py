@@ -222,12 +222,16 @@ def test_quest_trace_reads_the_stamp_layout():
     assert QuestScoreKernel.module is plain  # the traced builds start in main()
     qt = np.zeros((3, 4096, 16), dtype=np.int64)
     qt[0, :4, 0], qt[0, :4, 2] = 1000, [1500, 1500, 1500, 3900]  # query sums: entry, exit (ns)
+    qt[0, 3, 4] = 2400  # the one CTA with rows: its first row's loads landed
     qt[1, :2, 0], qt[1, :2, 1], qt[1, :2, 2] = 1400, 4600, [21000, 22000]  # scoring: entry, wait's end, exit
+    qt[1, :2, 3] = [5000, 5400]  # scoring: its first step's summaries used
     qt[2, :2, 0], qt[2, :2, 1], qt[2, :2, 2] = 20000, 22000, 28000  # select: entry, wait's end, exit
     qt[2, :2, 3:16] = 100 + np.cumsum(np.full(13, 50))  # select cycles: every stamp 50 apart
     qt[2, 1, 11:14] = 0  # request 1 skipped its third pass
     times = mod.quest_kernel_times(qt, 1000)
     assert times["qsplit"]["exit"] == {"min": 0.5, "median": 0.5, "max": 2.9}
+    assert times["qsplit"]["rows_loaded"]["max"] == 1.4 and times["qsplit"]["rows_exit"]["max"] == 2.9
+    assert times["score"]["first_step"] == {"min": 4.0, "median": 4.2, "max": 4.4}
     assert times["score"]["after_wait"]["max"] == 3.6 and times["score"]["exit"]["max"] == 21.0
     assert times["select"]["exit"]["median"] == 27.0
     phases = mod.select_phases(qt)
