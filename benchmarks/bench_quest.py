@@ -58,11 +58,14 @@ def planned_quest(spec, index, indptr, indices, last, **kw) -> QuestDecode:
     return quest
 
 
+def head_layouts() -> list[tuple[int, int]]:
+    """(Hq, Hkv) of the suite's cases; ATTNFORGE_BENCH_QUEST_HEADS="32/8" keeps a subset (A/B calls)."""
+    keep = os.environ.get("ATTNFORGE_BENCH_QUEST_HEADS")
+    return [(hq, hkv) for hq, hkv in ((32, 32), (32, 8)) if not keep or f"{hq}/{hkv}" in keep.split(",")]
+
+
 def run(report: Report, peers: bool = True) -> None:
-    keep = os.environ.get("ATTNFORGE_BENCH_QUEST_HEADS")  # "32/8": a subset, e.g. for A/B calls
-    for hq, hkv in ((32, 32), (32, 8)):
-        if keep and f"{hq}/{hkv}" not in keep.split(","):
-            continue
+    for hq, hkv in head_layouts():
         case = f"h{hq}/{hkv} B{B} L{L} budget{BUDGET}"
         pages = B * L // PAGE
         cache, indptr, indices, last, kmin, kmax, q = case_inputs(hq, hkv)

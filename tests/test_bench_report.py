@@ -249,3 +249,11 @@ def test_quest_trace_reads_the_stamp_layout():
                                       "worked": {"ctas": 2, "mean": 92.0, "max": 95.0},
                                       "worked, merged": {"ctas": 1, "mean": 94.0, "max": 94.0}}
     assert dec["first_item_cycles_mean"]["tiles"] == 10.0 and dec["per_cta"]["sm"][1] == 7
+
+
+def test_quest_suite_runs_the_head_layouts_the_environment_keeps(monkeypatch):
+    mod = load_benchmark("bench_quest")
+    monkeypatch.delenv("ATTNFORGE_BENCH_QUEST_HEADS", raising=False)
+    assert mod.head_layouts() == [(32, 32), (32, 8)]
+    monkeypatch.setenv("ATTNFORGE_BENCH_QUEST_HEADS", "32/8")
+    assert mod.head_layouts() == [(32, 8)]
