@@ -252,6 +252,7 @@ def test_quest_trace_reads_the_stamp_layout():
 
 
 def test_quest_suite_runs_the_head_layouts_the_environment_keeps(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPORT.parent))  # the suite imports harness as run.py does
     mod = load_benchmark("bench_quest")
     monkeypatch.delenv("ATTNFORGE_BENCH_QUEST_HEADS", raising=False)
     assert mod.head_layouts() == [(32, 32), (32, 8)]
