@@ -258,3 +258,12 @@ def test_quest_suite_runs_the_head_layouts_the_environment_keeps(monkeypatch):
     assert mod.head_layouts() == [(32, 32), (32, 8)]
     monkeypatch.setenv("ATTNFORGE_BENCH_QUEST_HEADS", "32/8")
     assert mod.head_layouts() == [(32, 8)]
+
+
+def test_decode_sweep_takes_its_configurations_from_the_environment(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_decode_sweep")
+    monkeypatch.delenv("ATTNFORGE_BENCH_SWEEP_CONFIGS", raising=False)
+    assert mod.configs() == mod.CONFIGS
+    monkeypatch.setenv("ATTNFORGE_BENCH_SWEEP_CONFIGS", "64x2x4,128x3x8")
+    assert mod.configs() == [(64, 2, 4), (128, 3, 8)]
