@@ -57,7 +57,10 @@ def select_phases(qt: np.ndarray) -> dict:
     if not len(sel):
         return {}
     c = sel[:, 3:16].astype(np.float64)
-    names = ["keys"] + [f"pass{k} {p}" for k in range(3) for p in ("histogram", "bin", "end")] + ["scans", "write_out"]
+    # stamps 11-13 are a third pass's, or a rank's (candidates in, ranked) and the write-out's counts
+    names = (["keys"] + [f"pass{k} {p}" for k in range(2) for p in ("histogram", "bin", "end")]
+             + ["pass2 histogram | rank candidates", "pass2 bin | rank", "pass2 end | write-out counts",
+                "position scan", "write_out"])
     with np.errstate(invalid="ignore"):
         steps = np.diff(np.where(c > 0, c, np.nan), axis=1)
         out = {n: round(float(np.nanmean(v)), 1) if np.isfinite(v).any() else None for n, v in zip(names, steps.T)}
@@ -111,6 +114,8 @@ def main() -> None:
     res = {"case": f"h{hq}/{hkv} B{B} L{L} budget{quest.budget_pages * PAGE}",
            "event_us": start.elapsed_time(end) * 1e3, **quest_kernel_times(qt, t0), "decode": decode_times(dt, t0)}
     res["select"]["cycles_mean"] = select_phases(qt)
+    sel = qt[2, qt[2, :, 15] > 0]
+    res["select"]["stamps"] = (sel[:, 3:16] - sel[:, 3:4]).clip(min=-1).tolist()  # SM cycles after entry (<0: none)
     shown = {k: ({a: b for a, b in v.items() if a != "per_cta"} if isinstance(v, dict) else v) for k, v in res.items()}
     print(json.dumps(shown, indent=1))
     save_json_if_asked([res])

@@ -235,9 +235,10 @@ def test_quest_trace_reads_the_stamp_layout():
     assert times["score"]["after_wait"]["max"] == 3.6 and times["score"]["exit"]["max"] == 21.0
     assert times["select"]["exit"]["median"] == 27.0
     phases = mod.select_phases(qt)
-    assert phases["keys"] == 50.0 and phases["pass2 histogram"] == 50.0 and phases["entry_to_exit"] == 600.0
-    qt[2, 0, 11:14] = 0  # neither request ran a third pass
-    assert mod.select_phases(qt)["pass2 bin"] is None
+    assert phases["keys"] == 50.0 and phases["pass2 histogram | rank candidates"] == 50.0
+    assert phases["entry_to_exit"] == 600.0
+    qt[2, 0, 11:14] = 0  # neither request ran a third pass (nor a rank)
+    assert mod.select_phases(qt)["pass2 bin | rank"] is None
     dt = np.zeros(8 * 32 * 4096, dtype=np.int64)
     d = dt.reshape(-1, 32, 8)
     d[:4, 31, 6] = [21000, 21100, 21200, 29000]  # entries (ns): the last placed late
