@@ -23,7 +23,7 @@ SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
                  ParamField("budget_pages", "int32_t", "i32"))
 SELECT_LAYOUT = ParamsLayout("QuestSelectParams", SELECT_FIELDS)
-SELECT_THREADS = 1024  # quest_select_kernel's CTA, one per request: 8 keys per thread in registers
+SELECT_THREADS = 1024  # quest_select_kernel's CTA, one per request: up to 8 keys per thread in registers
 SCORE_THREADS = 256  # quest_score_kernel's CTA: up to 256 threads share one page's summary
 
 
