@@ -205,11 +205,12 @@ def crafted_scores(kind: str, n: int, rng) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["distinct", "all-equal", "few-values", "signs-and-magnitudes", "one-bit-apart"])
 @pytest.mark.parametrize("budget_pages", [1, 3, 256])
 def test_select_kernel_on_crafted_scores(kind, budget_pages):
-    """quest_select_kernel given scores directly: requests of 0, 1, budget, budget + 1, 3001, 4096 and
-    8192 pages (runs of 1 to 8 keys a thread, the last thread's run cut short); each keeps its last page,
-    its pages in list order, and scores equal (as a multiset) to torch.topk's."""
+    """quest_select_kernel given scores directly: requests of 0, 1, budget, budget + 1, 3001, 4096, 5000
+    and 8192 pages (runs of 1 to 8 keys a thread, in both of the register path's instantiations, kRun 4
+    and 8, with the last thread's run cut short); each keeps its last page, its pages in list order, and
+    scores equal (as a multiset) to torch.topk's."""
     rng = np.random.default_rng(len(kind) * 1000 + budget_pages)
-    counts = [0, 1, budget_pages, budget_pages + 1, 3001, 4096, 8192]
+    counts = [0, 1, budget_pages, budget_pages + 1, 3001, 4096, 5000, 8192]
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     indices = rng.permutation(int(indptr[-1])).astype(np.int32)
     last = np.where(np.array(counts) > 0, PAGE, 0).astype(np.int32)
