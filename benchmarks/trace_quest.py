@@ -68,6 +68,12 @@ def select_phases(qt: np.ndarray) -> dict:
     return out
 
 
+def select_stamps(qt: np.ndarray) -> list:
+    """Per select CTA, its SM-cycle stamps [3..15] counted from its entry; -1 where a phase did not run."""
+    sel = qt[2, qt[2, :, 15] > 0]
+    return np.where(sel[:, 3:16] > 0, sel[:, 3:16] - sel[:, 3:4], -1).tolist()
+
+
 def decode_times(dt: np.ndarray, t0: int) -> dict:
     """The decode kernel's CTAs: placement and exits, its first item's phases (SM cycles, as
     trace_decode.py counts them), exits by kind and the per-CTA data for offline attribution."""
@@ -114,8 +120,7 @@ def main() -> None:
     res = {"case": f"h{hq}/{hkv} B{B} L{L} budget{quest.budget_pages * PAGE}",
            "event_us": start.elapsed_time(end) * 1e3, **quest_kernel_times(qt, t0), "decode": decode_times(dt, t0)}
     res["select"]["cycles_mean"] = select_phases(qt)
-    sel = qt[2, qt[2, :, 15] > 0]
-    res["select"]["stamps"] = (sel[:, 3:16] - sel[:, 3:4]).clip(min=-1).tolist()  # SM cycles after entry (<0: none)
+    res["select"]["stamps"] = select_stamps(qt)
     shown = {k: ({a: b for a, b in v.items() if a != "per_cta"} if isinstance(v, dict) else v) for k, v in res.items()}
     print(json.dumps(shown, indent=1))
     save_json_if_asked([res])

@@ -237,6 +237,8 @@ def test_quest_trace_reads_the_stamp_layout():
     phases = mod.select_phases(qt)
     assert phases["keys"] == 50.0 and phases["pass2 histogram | rank candidates"] == 50.0
     assert phases["entry_to_exit"] == 600.0
+    stamps = mod.select_stamps(qt)  # per CTA, from its entry; a skipped phase reads -1
+    assert stamps[0][:3] == [0, 50, 100] and stamps[1][8:11] == [-1, -1, -1] and stamps[1][12] == 600
     qt[2, 0, 11:14] = 0  # neither request ran a third pass (nor a rank)
     assert mod.select_phases(qt)["pass2 bin | rank"] is None
     dt = np.zeros(8 * 32 * 4096, dtype=np.int64)
