@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import DecodeKernel
+from .kernels.decode import DecodeKernel, whole_item_tiling
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -44,10 +44,18 @@ class BatchDecode:
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
                  num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
-                 head_splits: Optional[int] = None, **spec_kwargs):
+                 head_splits: Optional[int] = None, whole_items: Optional[bool] = None, **spec_kwargs):
         # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
         # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
-        # head_splits: work items per KV head (None: kernels.decode.default_head_splits)
+        # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
+        # whole_items: where a plan has about one (near-)equal item per SM, run a one-CTA-per-SM kernel that
+        # reads each item whole (kernels.decode.whole_item_tiling; specs without one, and explicit tilings,
+        # keep one kernel). None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured,
+        # and a capture's placeholder lengths say little about later batches); True: also under CUDA graphs,
+        # chosen by the first plan's batch size (a fixed batch keeps the kernel; unequal lengths then
+        # stream over its grid); False: never
+        if not (whole_items is None or isinstance(whole_items, bool)):
+            raise checks.fail("whole_items", "None, True or False", repr(whole_items), "Pass None for the default.")
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -65,6 +73,10 @@ class BatchDecode:
         # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap
         self.launch_after_own_kernel = False
         self.num_ctas = grid_ctas(_num_sms(self.device), self.kernel.ctas_per_sm, ctas_per_sm)
+        explicit = (tile_kv, num_stages, num_warps, ctas_per_sm, head_splits) != (None,) * 5
+        self.whole_items = whole_items
+        self._whole = None if explicit or whole_items is False else self._make_whole_kernel(spec)
+        self._whole_ctas = grid_ctas(_num_sms(self.device), self._whole.ctas_per_sm) if self._whole else 0
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
@@ -88,6 +100,10 @@ class BatchDecode:
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
+
+    def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
+        tiling = whole_item_tiling(spec) if self.FAMILY == "decode" else None
+        return DecodeKernel(spec, *tiling, self._head_splits) if tiling else None
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel reads, at their defaults (host_only skips __init__)."""
@@ -128,6 +144,8 @@ class BatchDecode:
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
         w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size
+        w.whole_items, w._whole = None, w._make_whole_kernel(spec)
+        w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
         w._alloc_int_buffers(max_num_pages)
         return w
@@ -192,7 +210,7 @@ class BatchDecode:
         kv_begin = np.zeros(len(kv_end), dtype=kv_end.dtype)  # (zeros_like: 4x the call overhead)
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
-        work = self._plan_stream(kv_begin, kv_end, items_per_request)
+        kernel, ctas, work = self._launch_plan(kv_begin, kv_end, items_per_request)
 
         h = self._upload.host()  # waits for that buffer's copy of two plans ago
         b, at = table.batch_size, self._starts
@@ -213,10 +231,40 @@ class BatchDecode:
                                   f"page_size, sm_scale*k_scale, v_scale, q_len as captured {was}",
                                   (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
-                      "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len}
+                      "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
+                      "kernel": kernel, "ctas": ctas}
+
+    @property
+    def planned_kernel(self) -> tuple:
+        """(DecodeKernel, grid CTAs) that run() launches for the current plan."""
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__}: call plan(...) first")
+        return self._plan["kernel"], self._plan["ctas"]
+
+    def _launch_plan(self, kv_begin, kv_end, items_per_request: int) -> tuple:
+        """(kernel, grid CTAs, stream plan): the whole-item kernel where this plan has about one
+        (near-)equal item per SM (see whole_items in __init__), else the default kernel."""
+        whole, ctas = self._whole, self._whole_ctas
+        if whole is not None and (self.whole_items or not self.use_cuda_graph):
+            items = len(kv_end) * items_per_request
+            if self.use_cuda_graph and self._plan is not None:  # the captured graph launches that kernel
+                use = self._plan["kernel"] is whole
+            else:
+                use = scheduler.in_whole_item_band(items, ctas)
+            if use:
+                work = scheduler.plan_whole_items(kv_begin, kv_end, items_per_request, ctas)
+                if self.use_cuda_graph or scheduler.is_whole_item_plan(work):
+                    return whole, ctas, work
+        return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request)
+
+    # How much longer (token-equivalents) a span may grow so that equal items split into equal whole-span
+    # chunks (scheduler.plan_stream); None: the scheduler's ALIGN_SLACK
+    align_slack: Optional[int] = None
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
-        return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas, align_equal_items=True)
+        slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack
+        return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas, align_equal_items=True,
+                                     align_slack=slack)
 
     def default_sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.spec.head_dim_qk)
@@ -248,9 +296,10 @@ class BatchDecode:
         out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")
-        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        kernel, ctas = self._plan["kernel"], self._plan["ctas"]
+        lib = registry.get_library(kernel, kernel.module, self.device)
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = self.kernel.params.pack(
+        params = kernel.params.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
             partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
@@ -263,6 +312,6 @@ class BatchDecode:
             num_qo_heads=s.num_qo_heads, num_kv_heads=self._stream_items(),
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
-            lib["batch_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
-                                             smem=self.kernel.smem_bytes, pdl=self.launch_after_own_kernel)
+            lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
+                                             smem=kernel.smem_bytes, pdl=self.launch_after_own_kernel)
         return (out, lse) if return_lse else out

@@ -28,6 +28,14 @@ MIN_SPAN = 192  # smallest per-CTA span in tokens: splitting shorter work costs 
 # straddling span pays. Measured on the H200 (thirteenth session, B16 L8192 in rotation): aligned spans
 # 83 tokens longer won 1.4% (GQA 32/8), 20-41 longer 2.6-18% (32/4, 32/2, MQA); 662 longer lost 0.9% (L65536)
 ALIGN_SLACK = 2 * CHUNK_FIXED_COST
+# Items whose costs differ by at most this much count as equal for aligned spans, each padded to the
+# costliest: Quest's selections differ by their last pages' fill
+EQUAL_ITEM_TOLERANCE = CHUNK_FIXED_COST
+# A kernel of one CTA per SM that reads each item whole (BatchDecode(whole_items=...)) may leave SMs idle
+# for that: its span may grow by this fraction of itself. Measured on the H200 (twenty-first session,
+# benchmarks/bench_decode_whole_items.py): 128 equal items on 132 SMs (+3.1%) won 1.7-3.2% over the
+# default three CTAs per SM; 96 on 132 (+37%) lost 29%
+WHOLE_ITEM_SLACK = 0.04
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,8 @@ class StreamPlan:
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
-    align_equal_items: when every item costs the same and there are at most num_ctas of them, cut each
+    align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
+    costliest) and there are at most num_ctas of them, cut each
     into chunks = num_ctas // items equal chunks: span = cost / chunks rounded up, and every item
     padded to chunks * span stream positions, so each span holds one chunk of one item (B16 L8192 GQA
     32/8: 384 one-chunk spans instead of 396, most of them two chunks; unpadded, the rounding drifted
@@ -69,13 +78,31 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
         raise ValueError(f"plan: {total} token-heads in one batch exceed the int32 stream; split the batch")
     span = max(-(-total // num_ctas), MIN_SPAN + CHUNK_FIXED_COST)
     items = len(kv_end) * num_kv_heads
-    if align_equal_items and 0 < items <= num_ctas and (item_cost == item_cost[0]).all():
+    if align_equal_items and 0 < items <= num_ctas and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE:
         chunks = num_ctas // items
-        aligned = max(-(-int(item_cost[0]) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
+        aligned = max(-(-int(item_cost.max()) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
     return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total)
+
+
+def in_whole_item_band(items: int, num_ctas: int) -> bool:
+    """Whether `items` items could each fill one of `num_ctas` CTAs within WHOLE_ITEM_SLACK (before planning)."""
+    return 0 < items <= num_ctas <= items * (1 + WHOLE_ITEM_SLACK)
+
+
+def plan_whole_items(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int) -> StreamPlan:
+    """plan_stream for a one-CTA-per-SM kernel: spans aligned to whole (near-)equal items where that
+    grows the span by at most WHOLE_ITEM_SLACK, else the plain stream (is_whole_item_plan tells which)."""
+    total = (int((kv_end - kv_begin).sum()) + CHUNK_FIXED_COST * len(kv_end)) * num_kv_heads
+    slack = max(ALIGN_SLACK, int(WHOLE_ITEM_SLACK * -(-total // max(num_ctas, 1))))
+    return plan_stream(kv_begin, kv_end, num_kv_heads, num_ctas, align_equal_items=True, align_slack=slack)
+
+
+def is_whole_item_plan(plan: StreamPlan) -> bool:
+    """Every item in one span of its own (so no item is split, and nothing merges)."""
+    return plan.batch_size > 0 and bool((np.diff(plan.prefix) == plan.num_kv_heads * plan.span).all())
 
 
 def item_stride(plan: StreamPlan, request: int) -> int:

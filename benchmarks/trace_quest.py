@@ -5,7 +5,9 @@ wait for the prior grid, and their exit, in us after the first qsplit CTA's entr
 the select kernel's phases in SM cycles; the decode kernel's item phases as trace_decode.py counts them.
 The step runs as one CUDA-graph replay (as the suite times it): no host gaps between the kernels.
 
-    python benchmarks/trace_quest.py [--json out.json] [--heads 32/32]
+    python benchmarks/trace_quest.py [--json out.json] [--heads 32/32] [--tiling 64x6x4]
+
+--tiling: the subset decode's tile_kv x stages x warps (benchmarks/bench_quest_tilings.py).
 """
 import json
 import sys
@@ -105,10 +107,12 @@ def main() -> None:
     build_traced(kdecode.DecodeKernel)
     spec, index, cache, indptr, indices, last, q = int4_case(sys.argv)
     hq, hkv = spec.num_qo_heads, spec.num_kv_heads
-    quest = planned_quest(spec, index, indptr, indices, last)
+    tiling = sys.argv[sys.argv.index("--tiling") + 1] if "--tiling" in sys.argv else None
+    kw = dict(zip(("tile_kv", "num_stages", "num_warps"), (int(x) for x in tiling.split("x")))) if tiling else {}
+    quest = planned_quest(spec, index, indptr, indices, last, **kw)
     out = torch.empty_like(q)
     run = prepare(lambda: quest.run(q, cache, out=out), calls=1)  # one step in a CUDA graph, as the suite times it
-    buffers = [trace_buffer(quest.kernel, quest.device), trace_buffer(quest.decode.kernel, quest.device)]
+    buffers = [trace_buffer(quest.kernel, quest.device), trace_buffer(quest.decode.planned_kernel[0], quest.device)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()

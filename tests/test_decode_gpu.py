@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode
+from attnforge import AttentionSpec, BatchDecode, scheduler
 from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison,
                      poison_unused_slots, random_page_table, replays_after_replans)
 
@@ -247,6 +247,59 @@ def test_cuda_graph_replay_after_replans(pipeline):
             ref, _ = decode_reference(spec, q, per)
             assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
         assert torch.isfinite(out).all(), f"replay {i}"
+
+
+# ~one (near-)equal item per SM: the one-CTA-per-SM kernel that reads items whole (whole_item_tiling)
+@pytest.mark.parametrize("page_size,layout,q_dtype,hkv", [(16, "NHD", "bf16", 8), (7, "HND", "fp16", 8),
+                                                         (1, "NHD", "bf16", 8), (7, "NHD", "bf16", 2)])
+def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv):
+    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv)  # 32/2: the normal pipeline
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms // hkv  # x KV heads: 128 or 132 items on the H200's 132 SMs
+    lengths = [1000 - (i % 5) for i in range(batch)]  # near-equal, no multiple of the 128-token tile
+    w, _ = run_case(spec, lengths, page_size, seed=page_size)
+    if not scheduler.in_whole_item_band(batch * hkv, w._whole_ctas):
+        pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
+    assert w.planned_kernel == (w._whole, sms) and w._whole.tile_kv == 128
+
+
+def test_whole_item_kernel_under_cuda_graphs_after_replans():
+    """whole_items=True under a graph: the captured one-CTA-per-SM kernel replays near-equal plans
+    (whole items) and unequal ones (a plain stream over its grid, items split and merged)."""
+    spec = AttentionSpec()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, page_size, pages = sms // 8, 16, 8192
+    rng = np.random.default_rng(3)
+    cache = torch.randn(pages, 2, page_size, 8, 128, device="cuda").bfloat16()
+    q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, whole_items=True)
+    kinds = []
+
+    def replan():
+        lens = rng.integers(1, 3000, batch) if len(kinds) % 2 else np.full(batch, int(rng.integers(100, 3000)))
+        if len(kinds) % 2 == 0:
+            lens = lens - rng.integers(0, 16, batch)  # near-equal: last pages filled differently
+        lens = lens.astype(np.int64)
+        pages_per = -(-lens // page_size)
+        indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
+        indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
+        last = (lens - (pages_per - 1) * page_size).astype(np.int32)
+        w.plan(indptr, indices, last, page_size=page_size)
+        kinds.append(scheduler.is_whole_item_plan(w._plan["work"]))
+        return indptr, indices, last
+
+    def refresh():
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(math.nan)
+
+    from attnforge import reference
+    for i, (indptr, indices, last) in replays_after_replans(lambda: w.run(q, cache, out=out), replan, refresh, 12):
+        assert w.planned_kernel == (w._whole, sms)
+        per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", indptr, indices, last, page_size)
+        ref, _ = decode_reference(spec, q, per)
+        assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
+    assert any(kinds) and not all(kinds)  # both kinds of plan replayed
 
 
 def test_bad_inputs_raise_before_launch():

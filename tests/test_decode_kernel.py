@@ -91,6 +91,6 @@ def test_plan_streams_head_split_items():
     from attnforge import BatchDecode
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=1), max_batch_size=4)
     assert w._stream_items() == 2
-    w.plan(np.array([0, 2, 3]), np.array([0, 1, 2]), np.array([16, 5]), page_size=16)
+    w.plan(np.array([0, 13, 14]), np.arange(14), np.array([16, 5]), page_size=16)  # (unequal: a plain stream)
     work = w._plan["work"]
-    assert work.num_kv_heads == 2 and work.total == 2 * (32 + 64) + 2 * (5 + 64)
+    assert work.num_kv_heads == 2 and work.total == 2 * (208 + 64) + 2 * (5 + 64)

@@ -65,3 +65,61 @@ def test_grid_ctas_defaults_to_the_occupancy_and_takes_fewer():
         with pytest.raises(ValueError, match=r"ctas_per_sm: expected an int in \[1, 3\]"):
             grid_ctas(132, 3, bad)
 
+
+
+def whole_wrapper(graph: bool = False, whole_items=None, **spec_kw) -> BatchDecode:
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, **spec_kw), max_batch_size=16,
+                              max_num_pages=1 << 13)
+    w.use_cuda_graph, w.whole_items = graph, whole_items
+    return w
+
+
+def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
+    w = whole_wrapper()
+    assert w._whole is not None and w._whole.ctas_per_sm == 1 and w._whole_ctas == 132
+    w.plan(*table([4096] * 15 + [4090]), page_size=16)  # 128 near-equal items: one a CTA
+    kernel, ctas = w.planned_kernel
+    assert kernel is w._whole and ctas == 132 and w._plan["work"].num_spans == 128
+    for lengths in ([4096] * 12, [65536] + [512] * 15):  # 96 items; unequal items
+        w.plan(*table(lengths), page_size=16)
+        assert w.planned_kernel == (w.kernel, w.num_ctas)
+
+
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}])
+def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
+    w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
+    assert w._whole is None
+    w.plan(*table([4096] * 16), page_size=16)
+    assert w.planned_kernel == (w.kernel, w.num_ctas)
+
+
+@pytest.mark.parametrize("hq,hkv,whole", [(32, 2, True), (32, 32, True), (32, 4, True), (32, 1, False)])
+def test_whole_item_tilings_by_head_layout(hq, hkv, whole):
+    """Measured winners: one 16-head tile on the normal pipeline, any transposed group; not MQA's
+    head-split items."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv)
+    w = BatchDecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
+    assert (w._whole is not None) is whole
+    w.plan(*table([4096] * (128 // w._stream_items())), page_size=16)
+    assert (w.planned_kernel[0] is w._whole) is whole
+
+
+def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():
+    off = whole_wrapper(graph=True)  # None: never under graphs (placeholder lengths at capture)
+    off.plan(*table([4096] * 16), page_size=16)
+    assert off.planned_kernel[0] is off.kernel
+    on = whole_wrapper(graph=True, whole_items=True)
+    on.plan(*table([4096] * 16), page_size=16)
+    assert on.planned_kernel == (on._whole, 132)
+    on.plan(*table([65536] + [512] * 15), page_size=16)  # the captured kernel, its grid, a plain stream
+    work = on._plan["work"]
+    assert on.planned_kernel == (on._whole, 132) and work.span == -(-work.total // 132)
+    small = whole_wrapper(graph=True, whole_items=True)
+    small.plan(*table([4096] * 12), page_size=16)  # 96 items: the default kernel, kept after
+    small.plan(*table([4096] * 12), page_size=16)
+    assert small.planned_kernel == (small.kernel, small.num_ctas)
+
+
+def test_whole_items_takes_only_none_or_a_bool():
+    with pytest.raises(ValueError, match="whole_items: expected None, True or False"):
+        BatchDecode(AttentionSpec(), whole_items="yes", device="cpu")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode
+from attnforge import AttentionSpec, BatchDecode, scheduler
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
 from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
 
@@ -138,6 +138,43 @@ def test_cuda_graph_replay_after_replans():
 
     for i, (indptr, indices, last) in replays_after_replans(lambda: quest.run(q, cache, out=out), replan, refresh, 10):
         ref = selection_reference(spec, q, cache, indptr, indices, last, index, 1024 // PAGE)
+        assert torch.equal(out, ref), f"replay {i}"
+
+
+def test_one_selection_per_sm_decodes_whole_items_under_cuda_graphs():
+    """B x 8 KV heads ~ the SMs (128 on the H200): the subset decode reads each selection whole on one CTA
+    (BatchDecode(whole_items=True), as QuestDecode asks), selections near-equal by their last pages."""
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
+    rng = np.random.default_rng(1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pages_total, batch = 8192, sms // HKV
+    cache = torch.randn(pages_total, 2, PAGE, HKV, D, device="cuda").bfloat16()
+    index = QuestIndex(pages_total, HKV, D, device="cuda")
+    index.append(cache[:, 0].reshape(-1, HKV, D), torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
+    q = torch.randn(batch, 32, D, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    quest = QuestDecode(spec, index, budget_tokens=1024, page_size=PAGE, use_cuda_graph=True, max_batch_size=batch,
+                        max_num_pages=pages_total, max_pages_per_request=512)
+
+    def replan():  # every request longer than the budget: 64 pages kept, the last one filled 1..16
+        lengths = rng.integers(1100, 8000, size=batch)
+        n = -(-lengths // PAGE)
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        indices = rng.permutation(pages_total)[: indptr[-1]]
+        last = lengths - (n - 1) * PAGE
+        quest.plan(indptr, indices, last)
+        return torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda(), torch.as_tensor(last)
+
+    def refresh():
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(float("nan"))
+
+    decode = quest.decode
+    for i, (indptr, indices, last) in replays_after_replans(lambda: quest.run(q, cache, out=out), replan, refresh, 6):
+        if decode._whole is None or not scheduler.in_whole_item_band(batch * HKV, decode._whole_ctas):
+            pytest.skip("no whole-item kernel for this GPU's SM count")
+        assert decode.planned_kernel == (decode._whole, sms) and scheduler.is_whole_item_plan(decode._plan["work"])
+        ref = selection_reference(spec, q, cache, indptr, indices, last, index, 1024 // PAGE)  # (whole items too)
         assert torch.equal(out, ref), f"replay {i}"
 
 

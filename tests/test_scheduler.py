@@ -302,3 +302,36 @@ def test_aligned_spans_leave_unequal_batches_alone():
     end = np.array([8192, 8000], dtype=np.int64)
     aligned, plain = (plan_stream(np.zeros_like(end), end, 8, CTAS, align) for align in (True, False))
     assert aligned.span == plain.span
+
+
+def test_near_equal_items_align_padded_to_the_costliest():
+    # Quest's selections: the same pages a request, the last one filled 1..16 tokens
+    end = np.array([4096 - i % 16 for i in range(16)], dtype=np.int64)
+    p = plan_stream(np.zeros_like(end), end, 8, 396, align_equal_items=True)
+    rows = expand(p)
+    assert (np.diff(p.prefix) == 8 * 3 * p.span).all()  # every item padded to three whole spans
+    assert np.bincount(rows[:, 0]).max() == 1  # one chunk a span
+    covered = np.bincount(rows[:, 1] * 8 + rows[:, 2], weights=rows[:, 4] - rows[:, 3])
+    assert np.array_equal(covered, np.repeat(end, 8))
+
+
+@pytest.mark.parametrize("items,expected", [(126, False), (127, True), (128, True), (132, True), (133, False),
+                                            (0, False)])
+def test_whole_item_band_is_items_within_the_slack_of_the_ctas(items, expected):
+    assert scheduler.in_whole_item_band(items, 132) is expected
+
+
+@pytest.mark.parametrize("lengths,whole", [([4096] * 16, True), ([65536] * 16, True),
+                                           ([4096 - i for i in range(16)], True), ([8192] * 12, False),
+                                           ([65536] + [512] * 15, False), ([8192] * 15 + [0], False)])
+def test_whole_item_plans_give_each_item_one_span_or_fall_back_to_the_stream(lengths, whole):
+    end = np.asarray(lengths, dtype=np.int64)
+    p = scheduler.plan_whole_items(np.zeros_like(end), end, 8, 132)
+    rows = expand(p)
+    assert scheduler.is_whole_item_plan(p) is whole
+    covered = np.bincount(rows[:, 1] * 8 + rows[:, 2], weights=rows[:, 4] - rows[:, 3], minlength=len(end) * 8)
+    assert np.array_equal(covered, np.repeat(end, 8))  # every token once, whole or not
+    if whole:  # one chunk an item, none split, one item a CTA
+        assert (rows[:, 5] == -1).all() and len(np.unique(rows[:, 0])) == len(rows) == len(end) * 8
+    else:
+        assert p.total == plan_stream(np.zeros_like(end), end, 8, 132).total

@@ -201,6 +201,9 @@ class QuestDecode:
                        "head_dim)", list(index.summary_shape), "Build the index for this model.")
         self.index, self.page_size, self.spec = index, page_size, spec
         self.budget_pages = budget_tokens // page_size
+        # whole_items also under CUDA graphs: every request longer than the budget keeps the same number of
+        # pages, so a batch of ~one (request, KV head) per SM reads each selection whole on one CTA
+        decode_kwargs.setdefault("whole_items", True)
         self.decode = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                                   max_num_pages=max_num_pages + 1, **decode_kwargs)  # +1: _select's dump slot
         self.decode.launch_after_own_kernel = True  # right after the selection: a PDL launch

@@ -1,0 +1,85 @@
+"""Decode (d128, page 16; GQA 32/8 unless a case names its heads) with one CTA of eight warps per SM
+reading whole items, against the default three CTAs of four warps per SM, each case's variants timed
+in rotation.
+
+Where a batch has at most one item (request x KV head) per SM and the items are equal, a 1-CTA-per-SM
+tiling can read each item whole (no partial states, no merge, one prologue per item) if the planner
+lets spans grow to a whole item. BatchDecode does so where whole_item_tiling(spec) has a tiling
+(whole_items); this measures the rule's cases and the shapes it leaves out.
+
+    python benchmarks/bench_decode_whole_items.py [--out X.json] ["B16 L8192" ...]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import D, HKV, HQ, cases, paged_inputs  # noqa: E402
+from harness import time_interleaved  # noqa: E402
+
+from attnforge import AttentionSpec, BatchDecode  # noqa: E402
+
+# name: (lengths, page, kv dtype, layout, (hq, hkv)); cases() supplies bench_decode's (GQA 32/8)
+EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16384] * 16, 16, "bf16", "NHD"),
+               "B12 L8192": ([8192] * 12, 16, "bf16", "NHD"), "B15 L8192": ([8192] * 15, 16, "bf16", "NHD"),
+               "B16 L2048": ([2048] * 16, 16, "bf16", "NHD"),
+               "B16 L4096 fp8kv": ([4096] * 16, 16, "fp8_e4m3", "NHD"),
+               "g8 B32 L8192": ([8192] * 32, 16, "bf16", "NHD", (32, 4)),
+               "mha B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 32)),
+               "g16 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 2)),
+               "mqa B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 1))}
+WHOLE = (128, 3, 8)
+DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192 HND", "g8 B32 L8192",
+                 "mha B4 L32768", "g16 B64 L4096", "mqa B64 L4096"]
+
+
+def variants(spec, lengths) -> dict:
+    """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
+    choice), `t128s3w8 aligned` (that tiling forced, spans grown to whole items)."""
+    out = {"split": BatchDecode(spec, whole_items=False), "auto": BatchDecode(spec)}
+    try:
+        forced = BatchDecode(spec, **dict(zip(("tile_kv", "num_stages", "num_warps"), WHOLE)))
+    except ValueError as e:
+        print(f"{spec.name}: no t128s3w8 ({e})")
+        return out
+    forced.align_slack = 1 << 30
+    out["t128s3w8 aligned"] = forced
+    return out
+
+
+def main(argv: list[str]) -> None:
+    out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
+    names = [a for a in argv if a != "--out" and a != out_path] or DEFAULT_CASES
+    known = {c[0]: c[1:] for c in cases()}
+    known.update(EXTRA_CASES)
+    results = {}
+    for name in names:
+        lengths, page, kv_dtype, layout, *heads = known[name]
+        hq, hkv = heads[0] if heads else (HQ, HKV)
+        q, cache, indptr, indices, last = paged_inputs(lengths, page, kv_dtype, layout, hq, hkv)
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout)
+        ws = variants(spec, lengths)
+        runs = {}
+        for label, w in ws.items():
+            w.plan(indptr, indices, last, page_size=page)
+            out = torch.empty_like(q)
+            runs[label] = (lambda w=w, out=out: w.run(q, cache, out=out))
+        t = time_interleaved(runs)
+        gb = sum(lengths) * hkv * D * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
+        results[name] = {label: {"us": us, "gbps": gb / us / 1e3, "ctas": ws[label].planned_kernel[1],
+                                 "spans": ws[label]._plan["work"].num_spans, "pipeline": spec.pipeline}
+                         for label, us in t.items()}
+        print(f"{name}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['gbps']:.0f} GB/s, {v['spans']} spans)"
+                                      for k, v in results[name].items()), flush=True)
+        del q, cache
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
