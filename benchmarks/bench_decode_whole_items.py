@@ -31,7 +31,8 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "g8 B32 L8192": ([8192] * 32, 16, "bf16", "NHD", (32, 4)),
                "mha B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 32)),
                "g16 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 2)),
-               "mqa B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 1))}
+               "mqa B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 1)),
+               "alibi B16 L8192": ([8192] * 16, 16, "bf16", "NHD"), "softcap B16 L8192": ([8192] * 16, 16, "bf16", "NHD")}
 WHOLE = (128, 3, 8)
 DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192 HND", "g8 B32 L8192",
                  "mha B4 L32768", "g16 B64 L4096", "mqa B64 L4096"]
@@ -51,6 +52,14 @@ def variants(spec, lengths) -> dict:
     return out
 
 
+def _mod(prefix: str, hq: int):
+    """A case named `alibi ...` / `softcap ...` runs that library mod (whole_item_tiling leaves mods out)."""
+    import attnforge.mods as mods
+    from attnforge.mods.alibi import default_slopes
+    return {"alibi": lambda: mods.alibi(default_slopes(hq, "cuda")), "softcap": lambda: mods.softcap(50.0)}.get(
+        prefix, lambda: None)()
+
+
 def main(argv: list[str]) -> None:
     out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
     names = [a for a in argv if a != "--out" and a != out_path] or DEFAULT_CASES
@@ -61,7 +70,9 @@ def main(argv: list[str]) -> None:
         lengths, page, kv_dtype, layout, *heads = known[name]
         hq, hkv = heads[0] if heads else (HQ, HKV)
         q, cache, indptr, indices, last = paged_inputs(lengths, page, kv_dtype, layout, hq, hkv)
-        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout)
+        mod = _mod(name.split()[0], hq)
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout,
+                             score_mod=mod)
         ws = variants(spec, lengths)
         runs = {}
         for label, w in ws.items():

@@ -2,6 +2,7 @@
 earlier copy it waits for (two pinned staging buffers used in turn)."""
 import numpy as np
 import pytest
+import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode, grid_ctas
@@ -85,8 +86,11 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
         assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}])
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}, "alibi"])
 def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
+    if spec_kw == "alibi":
+        from attnforge import mods
+        spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
     w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
     assert w._whole is None
     w.plan(*table([4096] * 16), page_size=16)
