@@ -53,7 +53,7 @@ def variants(spec, lengths) -> dict:
 
 
 def _mod(prefix: str, hq: int):
-    """A case named `alibi ...` / `softcap ...` runs that library mod (whole_item_tiling leaves mods out)."""
+    """A case named `alibi ...` / `softcap ...` runs that library mod."""
     import attnforge.mods as mods
     from attnforge.mods.alibi import default_slopes
     return {"alibi": lambda: mods.alibi(default_slopes(hq, "cuda")), "softcap": lambda: mods.softcap(50.0)}.get(

@@ -86,22 +86,21 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
         assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}, "alibi"])
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}])
 def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
-    if spec_kw == "alibi":
-        from attnforge import mods
-        spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
     w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
     assert w._whole is None
     w.plan(*table([4096] * 16), page_size=16)
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("hq,hkv,whole", [(32, 2, True), (32, 32, True), (32, 4, True), (32, 1, False)])
-def test_whole_item_tilings_by_head_layout(hq, hkv, whole):
-    """Measured winners: one 16-head tile on the normal pipeline, any transposed group; not MQA's
-    head-split items."""
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv)
+@pytest.mark.parametrize("hq,hkv,whole,mod", [(32, 2, True, False), (32, 32, True, False), (32, 4, True, False),
+                                              (32, 1, False, False), (32, 8, True, True)])
+def test_whole_item_tilings_by_head_layout(hq, hkv, whole, mod):
+    """Measured winners: one 16-head tile on the normal pipeline, any transposed group, with or without
+    a score modifier; not MQA's head-split items."""
+    from attnforge import mods
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, score_mod=mods.alibi(torch.ones(hq)) if mod else None)
     w = BatchDecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
     assert (w._whole is not None) is whole
     w.plan(*table([4096] * (128 // w._stream_items())), page_size=16)

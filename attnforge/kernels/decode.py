@@ -73,13 +73,12 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     -2.3%, L65536 -1.4%, HND -2.3%, 32/4 B32 -2.2%, MHA 32/32 B4 -2.1%; normal 32/2 (one 16-head tile)
     B64 L4096 -8.2% (no partial states, no merges, one prologue per item; eight warps keep the tile
     loop fed: four ran 1.7x slower). Left out as measured: MQA's head-split items (+17%), fp8 KV (+19..28%:
-    its widening needs the issue slots of more CTAs), score_mod specs (ALiBi decode read +4.9% over the
-    plain whole-item kernel, against +0.2% on three CTAs per SM: per-score work wants more warps per SM;
-    soft-cap and window mods tied, but one rule keeps every traced mod on the default); d64 and d256
-    were not measured."""
+    its widening needs the issue slots of more CTAs); d64 and d256 were not measured. Score modifiers
+    keep it: in rotation (call 5) soft-cap B16 L8192 132.2 -> 129.1 us, ALiBi 132.8 -> 132.6 (a tie:
+    its per-score work is what eight warps an SM issue more slowly, +3% over the plain kernel)."""
     one_head_tile = spec.pipeline == "transposed" or 8 < spec.group_size <= 16
     if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
-            and default_head_splits(spec) == 1 and spec.score_mod is None):
+            and default_head_splits(spec) == 1):
         return WHOLE_ITEM_TILING
     return None
 
