@@ -67,15 +67,17 @@ WHOLE_ITEM_TILING = (128, 3, 8)  # (tile_kv, stages, warps): 192 KB of 16-bit K/
 
 def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     """The tiling of a one-CTA-per-SM kernel that reads each work item whole, for batches of about one
-    item per SM (BatchDecode(whole_items=...)), or None where none was measured to win. On the H200
-    (benchmarks/bench_decode_whole_items.py, twenty-first session, d128 bf16, 128 equal items on 132 SMs),
-    against the default three CTAs of four warps per SM: transposed GQA 32/8 B16 L2048 -5.5%, L8192
-    -2.3%, L65536 -1.4%, HND -2.3%, 32/4 B32 -2.2%, MHA 32/32 B4 -2.1%; normal 32/2 (one 16-head tile)
-    B64 L4096 -8.2% (no partial states, no merges, one prologue per item; eight warps keep the tile
-    loop fed: four ran 1.7x slower). Left out as measured: MQA's head-split items (+17%), fp8 KV (+19..28%:
-    its widening needs the issue slots of more CTAs); d64 and d256 were not measured. Score modifiers
-    keep it: in rotation (call 5) soft-cap B16 L8192 132.2 -> 129.1 us, ALiBi 132.8 -> 132.6 (a tie:
-    its per-score work is what eight warps an SM issue more slowly, +3% over the plain kernel)."""
+    item per SM (BatchDecode(whole_items=...)), or None where none was measured to win.
+
+    On the H200 (benchmarks/bench_decode_whole_items.py, d128 bf16, 128 equal items on 132 SMs), against
+    the default three CTAs of four warps per SM: transposed GQA 32/8 B16 L2048 -5.5%, L8192 -2.3%,
+    L65536 -1.4%, HND -2.3%; 32/4 B32 -2.2%; MHA 32/32 B4 -2.1%; normal 32/2 (one 16-head tile) B64
+    L4096 -8.2%: no partial states, no merges, one prologue per item. Eight warps keep the tile loop
+    fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%, ALiBi a tie).
+    Left out as measured: MQA's head-split items (+17%); fp8 KV (+18..28%: its widening wants the issue
+    slots of more warps); several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
+    B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
+    other). d64 and d256 were not measured."""
     one_head_tile = spec.pipeline == "transposed" or 8 < spec.group_size <= 16
     if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
             and default_head_splits(spec) == 1):
