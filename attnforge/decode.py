@@ -39,6 +39,9 @@ def grid_ctas(num_sms: int, kernel_ctas_per_sm: int, ctas_per_sm: Optional[int] 
 
 class BatchDecode:
     FAMILY = "decode"  # the spec family this wrapper runs (subclasses: other decode-shaped families)
+    # How much longer (token-equivalents) a span may grow so that equal items split into equal whole-span
+    # chunks (scheduler.plan_stream); None: the scheduler's ALIGN_SLACK (benchmarks set it to compare)
+    align_slack: Optional[int] = None
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
@@ -256,10 +259,6 @@ class BatchDecode:
                 if self.use_cuda_graph or scheduler.is_whole_item_plan(work):
                     return whole, ctas, work
         return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request)
-
-    # How much longer (token-equivalents) a span may grow so that equal items split into equal whole-span
-    # chunks (scheduler.plan_stream); None: the scheduler's ALIGN_SLACK
-    align_slack: Optional[int] = None
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
         slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack

@@ -33,8 +33,8 @@ ALIGN_SLACK = 2 * CHUNK_FIXED_COST
 EQUAL_ITEM_TOLERANCE = CHUNK_FIXED_COST
 # A kernel of one CTA per SM that reads each item whole (BatchDecode(whole_items=...)) may leave SMs idle
 # for that: its span may grow by this fraction of itself. Measured on the H200 (twenty-first session,
-# benchmarks/bench_decode_whole_items.py): 128 equal items on 132 SMs (+3.1%) won 1.7-3.2% over the
-# default three CTAs per SM; 96 on 132 (+37%) lost 29%
+# benchmarks/bench_decode_whole_items.py): 128 equal items on 132 SMs (+3.1%) won 1.4-8.2% over the
+# default three CTAs per SM; 120 on 132 (+10%) lost 4.7%, 96 on 132 (+37%) 29%
 WHOLE_ITEM_SLACK = 0.04
 
 

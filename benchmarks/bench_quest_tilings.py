@@ -28,7 +28,7 @@ TILINGS = ["128x2x8", "64x3x4"]  # beside the default (whole items) and the thre
 
 def main(argv: list[str]) -> None:
     out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
-    given = [a for a in argv if "x" in a and not a.endswith(".json")]
+    given = [a for a in argv if a not in ("--out", out_path)]
     spec, index, cache, indptr, indices, last, q = int4_case(["--heads", "32/8"])
     out = torch.empty_like(q)
     dense = BatchDecode(spec)

@@ -67,7 +67,6 @@ def test_grid_ctas_defaults_to_the_occupancy_and_takes_fewer():
             grid_ctas(132, 3, bad)
 
 
-
 def whole_wrapper(graph: bool = False, whole_items=None, **spec_kw) -> BatchDecode:
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, **spec_kw), max_batch_size=16,
                               max_num_pages=1 << 13)

@@ -115,17 +115,23 @@ def test_lists_longer_than_the_register_path_select_the_same_pages():
     assert torch.equal(out, selection_reference(spec, q, cache, indptr, indices, last, index, 300))
 
 
-def test_cuda_graph_replay_after_replans():
+def graph_case(pages_total: int, batch: int, max_pages_per_request: int):
+    """GQA 32/8 over a cache of pages_total random pages (each summarised), queries and an output buffer,
+    and a QuestDecode in CUDA-graph mode with a 1024-token budget: (spec, cache, index, q, out, quest)."""
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
-    rng = np.random.default_rng(0)
-    pages_total, batch = 4096, 4
     cache = torch.randn(pages_total, 2, PAGE, HKV, D, device="cuda").bfloat16()
     index = QuestIndex(pages_total, HKV, D, device="cuda")
     index.append(cache[:, 0].reshape(-1, HKV, D), torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
     q = torch.randn(batch, 32, D, device="cuda").bfloat16()
-    out = torch.empty_like(q)
     quest = QuestDecode(spec, index, budget_tokens=1024, page_size=PAGE, use_cuda_graph=True, max_batch_size=batch,
-                        max_num_pages=pages_total, max_pages_per_request=1024)
+                        max_num_pages=pages_total, max_pages_per_request=max_pages_per_request)
+    return spec, cache, index, q, torch.empty_like(q), quest
+
+
+def test_cuda_graph_replay_after_replans():
+    rng = np.random.default_rng(0)
+    pages_total, batch = 4096, 4
+    spec, cache, index, q, out, quest = graph_case(pages_total, batch, 1024)
 
     def replan():
         _, indptr, indices, last = random_page_table(rng, batch, PAGE, pages_total, 12000)
@@ -144,17 +150,10 @@ def test_cuda_graph_replay_after_replans():
 def test_one_selection_per_sm_decodes_whole_items_under_cuda_graphs():
     """B x 8 KV heads ~ the SMs (128 on the H200): the subset decode reads each selection whole on one CTA
     (BatchDecode(whole_items=True), as QuestDecode asks), selections near-equal by their last pages."""
-    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=HKV)
     rng = np.random.default_rng(1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pages_total, batch = 8192, sms // HKV
-    cache = torch.randn(pages_total, 2, PAGE, HKV, D, device="cuda").bfloat16()
-    index = QuestIndex(pages_total, HKV, D, device="cuda")
-    index.append(cache[:, 0].reshape(-1, HKV, D), torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
-    q = torch.randn(batch, 32, D, device="cuda").bfloat16()
-    out = torch.empty_like(q)
-    quest = QuestDecode(spec, index, budget_tokens=1024, page_size=PAGE, use_cuda_graph=True, max_batch_size=batch,
-                        max_num_pages=pages_total, max_pages_per_request=512)
+    spec, cache, index, q, out, quest = graph_case(pages_total, batch, 512)
 
     def replan():  # every request longer than the budget: 64 pages kept, the last one filled 1..16
         lengths = rng.integers(1100, 8000, size=batch)
