@@ -35,16 +35,16 @@ def cases():
     return [c for c in out if c[0] in keep.split(",")] if keep else out
 
 
-def paged_inputs(lengths, page_size, kv_dtype, layout="NHD", hq=HQ, hkv=HKV):
+def paged_inputs(lengths, page_size, kv_dtype, layout="NHD", hq=HQ, hkv=HKV, d=D):
     pages = [-(-L // page_size) for L in lengths]
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     indices = torch.randperm(int(indptr[-1]), generator=torch.Generator().manual_seed(1)).numpy().astype(np.int32)
     last = np.array([L - (n - 1) * page_size for L, n in zip(lengths, pages)], dtype=np.int32)
-    shape = (page_size, hkv, D) if layout == "NHD" else (hkv, page_size, D)
+    shape = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
     cache = torch.empty(int(indptr[-1]), 2, *shape, device="cuda", dtype=torch.bfloat16).normal_()
     if kv_dtype == "fp8_e4m3":
         cache = cache.to(torch.float8_e4m3fn)
-    q = torch.randn(len(lengths), hq, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(len(lengths), hq, d, device="cuda", dtype=torch.bfloat16)
     return q, cache, indptr, indices, last
 
 

@@ -23,7 +23,7 @@ from harness import time_interleaved  # noqa: E402
 
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
-# name: (lengths, page, kv dtype, layout, (hq, hkv)); cases() supplies bench_decode's (GQA 32/8). B32 L8192,
+# name: (lengths, page, kv dtype, layout[, (hq, hkv)[, head_dim]]); cases() supplies bench_decode's (GQA 32/8). B32 L8192,
 # B128 L2048 and mha B16 L8192 have more items than SMs: the twenty-first session timed several whole
 # items a CTA on them with a planner change since reverted (docs/perf-notes.md)
 EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16384] * 16, 16, "bf16", "NHD"),
@@ -37,8 +37,12 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "B32 L8192": ([8192] * 32, 16, "bf16", "NHD"), "B128 L2048": ([2048] * 128, 16, "bf16", "NHD"),
                "mha B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 32)),
                "alibi B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
-               "softcap B16 L8192": ([8192] * 16, 16, "bf16", "NHD")}
-WHOLE = (128, 3, 8)
+               "softcap B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
+               "d64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 8), 64),
+               "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64)}
+# forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
+# three stages there fit two CTAs an SM)
+WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}
 DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192 HND", "g8 B32 L8192",
                  "mha B4 L32768", "g16 B64 L4096", "mqa B64 L4096"]
 
@@ -47,13 +51,15 @@ def variants(spec) -> dict:
     """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
     choice), `t128s3w8 aligned` (that tiling forced, spans grown to whole items)."""
     out = {"split": BatchDecode(spec, whole_items=False), "auto": BatchDecode(spec)}
-    try:
-        forced = BatchDecode(spec, **dict(zip(("tile_kv", "num_stages", "num_warps"), WHOLE)))
-    except ValueError as e:
-        print(f"{spec.name}: no t128s3w8 ({e})")
-        return out
-    forced.align_slack = 1 << 30
-    out["t128s3w8 aligned"] = forced
+    for tiling in WHOLE[spec.head_dim_qk]:
+        label = "t{}s{}w{}".format(*tiling)
+        try:
+            forced = BatchDecode(spec, **dict(zip(("tile_kv", "num_stages", "num_warps"), tiling)))
+        except ValueError as e:
+            print(f"{spec.name}: no {label} ({e})")
+            continue
+        forced.align_slack = 1 << 30
+        out[f"{label} aligned"] = forced
     return out
 
 
@@ -72,11 +78,11 @@ def main(argv: list[str]) -> None:
     known.update(EXTRA_CASES)
     results = {}
     for name in names:
-        lengths, page, kv_dtype, layout, *heads = known[name]
-        hq, hkv = heads[0] if heads else (HQ, HKV)
-        q, cache, indptr, indices, last = paged_inputs(lengths, page, kv_dtype, layout, hq, hkv)
+        lengths, page, kv_dtype, layout, *rest = known[name]
+        (hq, hkv), d = (rest + [(HQ, HKV), D][len(rest):])[:2]
+        q, cache, indptr, indices, last = paged_inputs(lengths, page, kv_dtype, layout, hq, hkv, d)
         mod = _mod(name.split()[0], hq)
-        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, kv_dtype=kv_dtype, kv_layout=layout,
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype=kv_dtype, kv_layout=layout,
                              score_mod=mod)
         ws = variants(spec)
         runs = {}
@@ -85,7 +91,7 @@ def main(argv: list[str]) -> None:
             out = torch.empty_like(q)
             runs[label] = (lambda w=w, out=out: w.run(q, cache, out=out))
         t = time_interleaved(runs)
-        gb = sum(lengths) * hkv * D * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
+        gb = sum(lengths) * hkv * d * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
         results[name] = {label: {"us": us, "gbps": gb / us / 1e3, "ctas": ws[label].planned_kernel[1],
                                  "spans": ws[label]._plan["work"].num_spans, "pipeline": spec.pipeline}
                          for label, us in t.items()}
