@@ -69,7 +69,7 @@ def main(which: str, out_path: str | None) -> None:
             w = cls(spec, max_batch_size=max(256, len(lengths)), **kw)
             w.plan(indptr, indices, last, page_size=16)
             spans = w._plan["work"].num_spans
-            runs[f"{label(kw) if cls is BatchDecode else 'aligned'} [{w.num_ctas} CTAs, {spans} spans, "
+            runs[f"{label(kw) if cls is BatchDecode else 'aligned'} [{w.planned_kernel[1]} CTAs, {spans} spans, "
                  f"{w.kernel.head_splits} splits]"] = (
                 lambda w=w, q=q, cache=cache: w.run(q, cache))
         times = time_interleaved(runs)

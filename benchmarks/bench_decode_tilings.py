@@ -42,7 +42,7 @@ def main(names: list[str]) -> None:
             w = BatchDecode(spec, **kw)
             w.plan(indptr, indices, last, page_size=16)
             label = "default" if tiling is None else "t{}s{}w{}".format(*tiling)
-            runs[f"{label} ({w.num_ctas // sms} CTAs/SM)"] = (lambda w=w, q=q, cache=cache: w.run(q, cache))
+            runs[f"{label} ({w.planned_kernel[1] // sms} CTAs/SM)"] = (lambda w=w, q=q, cache=cache: w.run(q, cache))
         t = time_interleaved(runs)
         kv_bytes = 16 * 8192 * spec.num_kv_heads * d * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
         print(f"{name} B16 L8192: " + ", ".join(f"{k} {v:.1f} us ({kv_bytes / v / 1e3:.0f} GB/s)" for k, v in t.items()))

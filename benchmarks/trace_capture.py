@@ -43,7 +43,9 @@ def capture(wrapper, run) -> tuple[np.ndarray, float]:
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    buffer = trace_buffer(wrapper.kernel, wrapper.device)
+    # the kernel the plan launches (decode may run its whole-item kernel: BatchDecode.planned_kernel)
+    kernel = wrapper.planned_kernel[0] if hasattr(type(wrapper), "planned_kernel") else wrapper.kernel
+    buffer = trace_buffer(kernel, wrapper.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()
