@@ -20,9 +20,11 @@ def _cmd_build(args) -> int:
     if not specs:
         print("nothing to build: pass --preset NAME or --spec-file FILE", file=sys.stderr)
         return 2
-    paths = build_many([presets.module_for(s) for s in specs])
-    for s, p in zip(specs, paths):
-        print(f"{s.name}: {p}")
+    per_spec = [presets.modules_for(s) for s in specs]
+    paths = iter(build_many([m for mods in per_spec for m in mods]))
+    for s, mods in zip(specs, per_spec):
+        for m in mods:
+            print(f"{s.name}: {next(paths)}" if len(mods) == 1 else f"{s.name} ({m.name}): {next(paths)}")
     return 0
 
 

@@ -32,6 +32,18 @@ def load_spec_file(path: str | Path) -> list[AttentionSpec]:
     return [AttentionSpec.from_dict(d) for d in data]
 
 
+def modules_for(spec) -> list:
+    """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
+    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), so an AOT build covers both."""
+    mods = [module_for(spec)]
+    if isinstance(spec, AttentionSpec) and spec.family == "decode":
+        from .kernels.decode import DecodeKernel, whole_item_tiling
+        tiling = whole_item_tiling(spec)
+        if tiling is not None:
+            mods.append(DecodeKernel(spec, *tiling).module())
+    return mods
+
+
 def module_for(spec):
     """Any buildable spec -> its JitModule."""
     if hasattr(spec, "module"):
