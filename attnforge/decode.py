@@ -25,6 +25,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def fits_device_smem(props, kernel: DecodeKernel) -> bool:
+    """Whether a kernel's dynamic shared memory fits the device's opt-in limit per CTA (torch's device
+    properties): the whole-item kernel's 196 KB does on Hopper (227 KB), not on Ampere (163 KB)."""
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or (227 * 1024 if props.major >= 9 else 48 * 1024)
+    return kernel.smem_bytes <= optin
+
+
 def grid_ctas(num_sms: int, kernel_ctas_per_sm: int, ctas_per_sm: Optional[int] = None) -> int:
     """The persistent grid: SMs x CTAs per SM, the kernel's occupancy unless fewer are asked for (each
     CTA then streams a longer span: fewer chunk fills and partial states to merge, fewer bytes in flight)."""
@@ -79,6 +86,8 @@ class BatchDecode:
         explicit = (tile_kv, num_stages, num_warps, ctas_per_sm, head_splits) != (None,) * 5
         self.whole_items = whole_items
         self._whole = None if explicit or whole_items is False else self._make_whole_kernel(spec)
+        if self._whole is not None and not fits_device_smem(torch.cuda.get_device_properties(self.device), self._whole):
+            self._whole = None  # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
         self._whole_ctas = grid_ctas(_num_sms(self.device), self._whole.ctas_per_sm) if self._whole else 0
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec
-from attnforge.decode import BatchDecode, grid_ctas
+from attnforge.decode import BatchDecode, fits_device_smem, grid_ctas
 from attnforge.jit.upload import HostOnlyUpload
 
 
@@ -125,3 +125,12 @@ def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():
 def test_whole_items_takes_only_none_or_a_bool():
     with pytest.raises(ValueError, match="whole_items: expected None, True or False"):
         BatchDecode(AttentionSpec(), whole_items="yes", device="cpu")
+
+
+def test_the_whole_item_kernel_needs_hopper_sized_shared_memory():
+    from types import SimpleNamespace
+    whole = whole_wrapper()._whole  # 196 KB of dynamic shared memory
+    assert fits_device_smem(SimpleNamespace(major=9, shared_memory_per_block_optin=232448), whole)
+    assert not fits_device_smem(SimpleNamespace(major=8, shared_memory_per_block_optin=166912), whole)  # A100
+    assert fits_device_smem(SimpleNamespace(major=9), whole)  # (a torch without the field: by capability)
+    assert not fits_device_smem(SimpleNamespace(major=8), whole)
