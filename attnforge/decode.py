@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import DecodeKernel, whole_item_tiling
+from .kernels.decode import DecodeKernel, whole_item_kernel
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -114,8 +114,8 @@ class BatchDecode:
         return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
-        tiling = whole_item_tiling(spec) if self.FAMILY == "decode" else None
-        return DecodeKernel(spec, *tiling, self._head_splits) if tiling else None
+        # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
+        return whole_item_kernel(spec) if self.FAMILY == "decode" else None
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel reads, at their defaults (host_only skips __init__)."""

@@ -36,11 +36,10 @@ def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
     whole-item kernel (BatchDecode(whole_items=...) picks it per plan), so an AOT build covers both."""
     mods = [module_for(spec)]
-    if isinstance(spec, AttentionSpec) and spec.family == "decode":
-        from .kernels.decode import DecodeKernel, whole_item_tiling
-        tiling = whole_item_tiling(spec)
-        if tiling is not None:
-            mods.append(DecodeKernel(spec, *tiling).module())
+    if isinstance(spec, AttentionSpec):
+        from .kernels.decode import whole_item_kernel
+        whole = whole_item_kernel(spec)
+        mods += [whole.module()] if whole is not None else []
     return mods
 
 

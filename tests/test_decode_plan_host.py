@@ -71,6 +71,8 @@ def whole_wrapper(graph: bool = False, whole_items=None, **spec_kw) -> BatchDeco
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, **spec_kw), max_batch_size=16,
                               max_num_pages=1 << 13)
     w.use_cuda_graph, w.whole_items = graph, whole_items
+    if whole_items is False:  # (as the constructor: no whole-item kernel at all)
+        w._whole = None
     return w
 
 
@@ -134,3 +136,29 @@ def test_the_whole_item_kernel_needs_hopper_sized_shared_memory():
     assert not fits_device_smem(SimpleNamespace(major=8, shared_memory_per_block_optin=166912), whole)  # A100
     assert fits_device_smem(SimpleNamespace(major=9), whole)  # (a torch without the field: by capability)
     assert not fits_device_smem(SimpleNamespace(major=8), whole)
+
+
+def test_planned_kernel_before_a_plan_says_to_plan():
+    with pytest.raises(RuntimeError, match="call plan"):
+        whole_wrapper().planned_kernel
+
+
+def test_align_slack_overrides_the_planners_bound():
+    # fp8 B16 L65536 (one kernel, 528 CTAs): four chunks of 16400 positions an item would lengthen the
+    # span by 497, past ALIGN_SLACK, so the plan streams; a larger slack aligns (what benchmarks compare)
+    w = whole_wrapper(kv_dtype="fp8_e4m3")
+    assert w._whole is None and w.num_ctas == 528
+    w.plan(*table([65536] * 16), page_size=16)
+    assert w._plan["work"].span == -(-128 * (65536 + 64) // 528)
+    w.align_slack = 1 << 30
+    w.plan(*table([65536] * 16), page_size=16)
+    assert w._plan["work"].span == (65536 + 64) // 4
+
+
+def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
+    from attnforge import presets
+    for spec in (AttentionSpec(), AttentionSpec(kv_dtype="fp8_e4m3"), AttentionSpec(num_qo_heads=32, num_kv_heads=2)):
+        w = BatchDecode.host_only(spec)
+        launched = {w.kernel.module().name} | ({w._whole.module().name} if w._whole else set())
+        assert {m.name for m in presets.modules_for(spec)} == launched
+    assert presets.modules_for(AttentionSpec(family="prefill"))[1:] == []  # prefill: one kernel

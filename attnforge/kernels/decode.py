@@ -85,6 +85,13 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     return None
 
 
+def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
+    """The spec's whole-item kernel (whole_item_tiling), or None: what BatchDecode may launch beside
+    its default kernel, and what an AOT build of the spec builds beside it (presets.modules_for)."""
+    tiling = whole_item_tiling(spec) if spec.family == "decode" else None
+    return DecodeKernel(spec, *tiling) if tiling else None
+
+
 @dataclass(frozen=True)
 class DecodeKernel:
     """Launch shape of one decode spec. tile_kv / num_stages override the measured defaults."""
