@@ -33,7 +33,7 @@ class BatchPrefill:
                  max_tiles: int = 1 << 20, backend: Optional[str] = None, num_stages: Optional[int] = None,
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
                  split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
-                 tma: Optional[bool] = None, **spec_kwargs):
+                 tma: Optional[bool] = None, fma_exp_every: Optional[int] = None, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -45,7 +45,9 @@ class BatchPrefill:
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list (None: wherever the
         # kernel has a producer and no ping-pong, where it measured faster); tma: whole K/V tiles
         # copied by the copy engine (None: ragged K/V and pages of 8+ tokens that tile the KV tile,
-        # where it measured faster; True: the same today; False: cp.async only).
+        # where it measured faster; True: the same today; False: cp.async only). fma_exp_every: every Nth
+        # exponential of the softmax on the FMA pipe (None: where a core per score, soft-cap's tanh,
+        # shares the SFU with the exponentials).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the
@@ -63,7 +65,7 @@ class BatchPrefill:
             flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
-                                    persistent, tma)
+                                    persistent, tma, fma_exp_every)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._plan = None
         self.use_cuda_graph = use_cuda_graph

@@ -1,10 +1,11 @@
 """Prefill schedules at B1 S8192 causal (GQA 32/8, bf16, ragged K/V), each case's variants timed in
 rotation: the default against the ping-pong of the consumer warpgroups, one CTA per item, other KV
-tiles and stage counts. For the shapes whose default was chosen at d128: at d64 the exponentials
+tiles and stage counts, every Nth exponential on the FMA pipe (fma_exp_every). For the shapes
+whose default was chosen at d128: at d64 the exponentials
 (one MUFU op per score) take as long as the two GEMMs, so the ping-pong that lost at d128 (+8.5%)
 may win there; d256 has run two consumer warpgroups only since the split ring. One line per case.
 
-    python benchmarks/bench_prefill_tilings.py [d64|d128|d256|d128-softcap ...]
+    python benchmarks/bench_prefill_tilings.py [d64|d128|d256|d128-softcap|d64-softcap ...]
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from benchmarks.harness import time_interleaved  # noqa: E402
 L = 8192
 # name: (head_dim, spec extras, [BatchPrefill overrides beside the default])
 CASES = {
-    "d64": (64, {}, [{"pingpong": True}, {"persistent": False}, {"num_stages": 4}, {"kv_tile": 64, "num_stages": 4}]),
-    "d128": (128, {}, [{"pingpong": True}, {"num_stages": 2}]),  # 2 stages: the split ring at d128
-    "d128-softcap": (128, {"logits_soft_cap": 30.0}, [{"pingpong": True}]),
+    "d64": (64, {}, [{"pingpong": True}, {"persistent": False}, {"num_stages": 4}, {"kv_tile": 64, "num_stages": 4},
+                     {"fma_exp_every": 0}, {"fma_exp_every": 2}, {"fma_exp_every": 4}]),
+    "d128": (128, {}, [{"pingpong": True}, {"num_stages": 2}, {"fma_exp_every": 4}, {"fma_exp_every": 8}]),
+    "d128-softcap": (128, {"logits_soft_cap": 30.0}, [{"pingpong": True}, {"fma_exp_every": 0}, {"fma_exp_every": 2},
+                                                      {"fma_exp_every": 8}]),
+    "d64-softcap": (64, {"logits_soft_cap": 30.0}, [{"fma_exp_every": 0}, {"fma_exp_every": 2}, {"fma_exp_every": 8}]),
     "d256": (256, {}, [{"pingpong": True}, {"persistent": False}]),
 }
 

@@ -385,6 +385,26 @@ def test_soft_cap_folded_and_not(form, dtype):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("head_dim,every,extras", [(128, 1, {"logits_soft_cap": 5.0}),
+                                                 (128, 2, {"logits_soft_cap": 5.0, "window_left": 100}),
+                                                 (64, 4, {}), (128, 8, {"window_left": 33})])
+def test_exponentials_on_the_fma_pipe(head_dim, every, extras):
+    """Every Nth exponential by ex2_poly (all of them at N = 1), soft-capped or not, windowed (masked
+    logits must weigh exactly 0), causal with rows that see no key, in fp16 (P's finer rounding),
+    against the reference."""
+    spec = AttentionSpec(family="prefill", causal=True, head_dim_qk=head_dim, q_dtype="fp16", kv_dtype="fp16",
+                         out_dtype="fp16", **extras)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [200, 1000, 700], seed=12)
+    q = q * 3  # scores that spread the weights over the exponent's whole range
+    w = BatchPrefill(spec, fma_exp_every=every)
+    assert f"constexpr int kFmaExpEvery = {every};" in w.kernel.module().source
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()  # request 0's first rows precede every key
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 def sdpa_checked_attention(seed, lq, lk):
     """attention() on random GQA 16/4 d128 [2, H, L, D] inputs, checked against SDPA (output and LSE)."""
     torch.manual_seed(seed)

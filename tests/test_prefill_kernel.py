@@ -92,6 +92,33 @@ def test_kv_tile_override():
         PrefillKernel(SPEC, "mma", kv_tile=64)
 
 
+def test_exponentials_on_the_fma_pipe_where_a_score_function_shares_the_sfu():
+    """fma_exp_every: by default FMA_EXP_EVERY's choice by head_dim and whether the logits transform is a
+    transcendental function of the score (soft-cap's tanh, by the spec or a mod); 0 on the mma.sync kernel."""
+    import dataclasses
+
+    from attnforge import mods
+    from attnforge.kernels.prefill import FMA_EXP_EVERY
+    capped = dataclasses.replace(SPEC, logits_soft_cap=30.0)
+    runtime_cap = dataclasses.replace(SPEC, score_mod=mods.softcap(torch.tensor(30.0)))  # not a folded core
+    alibi = dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(32)))
+    d64 = dataclasses.replace(SPEC, head_dim_qk=64, head_dim_vo=64)
+    cases = ((SPEC, (128, False)), (capped, (128, True)), (runtime_cap, (128, True)), (alibi, (128, False)),
+             (d64, (64, False)), (dataclasses.replace(d64, logits_soft_cap=30.0), (64, True)))
+    assert any(FMA_EXP_EVERY.get(key, 0) for _, key in cases) and not all(FMA_EXP_EVERY.get(key, 0) for _, key in cases)
+    for spec, key in cases:
+        want = FMA_EXP_EVERY.get(key, 0)
+        k = PrefillKernel(spec, "wgmma")
+        assert k.fma_exp_every == want and f"constexpr int kFmaExpEvery = {want};" in k.module().source
+        assert (f"_fx{want}_" in k.module().name) == (want > 0)
+        assert PrefillKernel(spec, "mma").fma_exp_every == 0
+    assert PrefillKernel(SPEC, "wgmma", fma_exp_every=2).module().name.endswith("_tma_fx2_s3")
+    with pytest.raises(ValueError, match=r"fma_exp_every: expected one of \(0, 1, 2, 4, 8\).*got 3"):
+        PrefillKernel(SPEC, "wgmma", fma_exp_every=3)
+    with pytest.raises(ValueError, match="only the wgmma backend has it"):
+        PrefillKernel(SPEC, "mma", fma_exp_every=4)
+
+
 def test_persistent_shape_and_refusals():
     k = PrefillKernel(SPEC, "wgmma", persistent=True)
     assert k.module().name.endswith("_ws_pers_tma_s3") and "constexpr bool kPersistent = true;" in k.module().source

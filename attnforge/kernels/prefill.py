@@ -17,6 +17,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch, env
 from ..jit import tma as tma_maps
 from ..jit.cubin import REGISTERS_PER_SM
+from ..mods import graph
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
@@ -60,6 +61,33 @@ TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "T
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request", "tma_q_tokens"))
 
 
+# The softmax's exponentials on the FMA pipe (wgmma kernel), one in N by (head_dim, whether a function of
+# the score also runs on the SFU): where the SFU's share of a tile approaches the tensor cores'. Measured
+# on the H200 (B1 S8192 causal, timed in rotation, twenty-second session): d64 N=8 -3.9% (N=4 +2.6%,
+# N=2 +12.9%); d128 N=8 +4.0%, N=4 +11.9% (left at 0); d128 soft-cap N=4 -0.7% (N=8 +0.5%, N=2 +7.7%).
+FMA_EXP_EVERY = {(64, False): 8, (64, True): 4, (128, True): 4}
+FMA_EXP_CHOICES = (0, 1, 2, 4, 8)
+
+
+def sfu_core_per_score(spec: AttentionSpec) -> bool:
+    """Whether the spec's logits transform puts a transcendental function of the score (soft-cap's
+    tanh, a sigmoid, ...) on the SFU beside the softmax's exponential: two SFU ops a score."""
+    mod = spec.score_mod
+    return spec.logits_soft_cap > 0 or (mod is not None and _function_of_score(mod.score_root))
+
+
+def _function_of_score(node) -> bool:
+    if not isinstance(node, tuple) or not node:
+        return False
+    if node[0] in graph.FLOAT_FUNCS and _depends_on_score(node[1]):
+        return True
+    return any(_function_of_score(a) for a in node[1:])
+
+
+def _depends_on_score(node) -> bool:
+    return node == ("input", "score") or (isinstance(node, tuple) and any(_depends_on_score(a) for a in node[1:]))
+
+
 def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     """None when the Hopper kernel can run this spec, else why not."""
     if spec.head_dim_qk not in WGMMA_HEAD_DIMS:
@@ -95,8 +123,14 @@ class PrefillKernel:
     tma: Optional[bool] = None  # with a producer: whole tiles copied by TMA boxes. None: where a box
     # holds TMA_AUTO_MIN_ROWS+ rows (ragged K/V, pages of 8+ tokens); True: wherever the tensors
     # qualify (also pages of 8+ tokens that tile the KV tile); False: cp.async only (no maps built in)
+    fma_exp_every: Optional[int] = None  # wgmma: every Nth exponential on the FMA pipe (ex2_poly), 0 for
+    # none. None: FMA_EXP_EVERY's measured choice by head_dim and whether a function of the score
+    # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
 
     def __post_init__(self):
+        if self.fma_exp_every is None:
+            key = (self.spec.head_dim_qk, sfu_core_per_score(self.spec))
+            object.__setattr__(self, "fma_exp_every", FMA_EXP_EVERY.get(key, 0) if self.backend == "wgmma" else 0)
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
         if self.persistent is None:
@@ -127,6 +161,10 @@ class PrefillKernel:
         if self.pingpong and not self.producer:
             raise ValueError("PrefillKernel.pingpong: needs the producer warpgroup (the consumers then share no CTA "
                              "barrier), got producer=False; pass producer=True (the wgmma default) or pingpong=False")
+        if self.fma_exp_every not in FMA_EXP_CHOICES or (self.fma_exp_every and self.backend != "wgmma"):
+            raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
+                             f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
+                             f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
         least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
         if self.stages < least:
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
@@ -258,7 +296,7 @@ class PrefillKernel:
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
-               "split_ring": self.split_ring, "tma": self.has_tma, "params_struct": self.params.cpp(), "trace": False}
+               "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every, "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
@@ -267,6 +305,7 @@ class PrefillKernel:
                          *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
+                         *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))

@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <cstring>
 #include <type_traits>
 
 #define AF_DEVICE __device__ __forceinline__
@@ -25,6 +26,37 @@ AF_DEVICE float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// A float's bits and back, on the device and in host-tested code.
+AF_HOST_DEVICE uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+AF_HOST_DEVICE float bits_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// 2^x on the FMA pipe: 2^round(x) in the exponent bits, 2^f for f in [-0.5, 0.5] by a cubic with
+// p(0) = 1 exactly (max relative error 1.0e-4, below half an ulp of the bf16 / fp16 P it feeds). For
+// a softmax whose SFU is the bottleneck (tanh and ex2 per score): ~8 instructions, no SFU. Inputs
+// below -127 (-inf included) clamp to -127, where f = 0 and the bits come out exactly +0.
+AF_HOST_DEVICE float ex2_poly(float x) {
+  x = fmaxf(x, -127.f);
+  const float shifted = x + 12582912.f;  // 1.5 * 2^23: the low mantissa bits now hold n = round(x)
+  const float f = x - (shifted - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.05500858277f, f, 0.24221037328f), f, 0.69328290224f), f, 1.f);
+  return bits_float(float_bits(p) + (float_bits(shifted) << 23));  // == n << 23: the constant's bits shift out
 }
 AF_DEVICE float lg2(float x) {
   float y;
