@@ -41,6 +41,37 @@ def test_library_mod_in_decode(name, pipeline):
     assert_lse_close(lse, ref_lse, name)
 
 
+@pytest.mark.parametrize("heads,lengths,whole,kv_dtype", [((32, 8), [3000] * 15 + [2990], True, "bf16"),  # ~1 item an SM
+                                                           ((32, 8), (1, 200, 2999, 1000), False, "bf16"),
+                                                           ((32, 8), (1, 200, 2999, 1000), False, "fp8_e4m3"),
+                                                           ((32, 2), (5000, 17, 700), False, "bf16")])  # two head tiles
+def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dtype):
+    """score + A + B kv on the transposed pipeline: each head's bias at the query's position and its
+    slope once per item, then B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in
+    the thousands) and a mod with a per-head offset A as well, on the whole-item kernel, the default
+    one (fp8 K/V widened in registers too) and groups of 16 (two head tiles a warp), against the reference."""
+    hq, hkv = heads
+    slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
+    offsets = torch.linspace(-3.0, 5.0, hq, device="cuda")
+    mods = {"alibi": m.alibi(slopes),
+            "offset": m.compile_mod(score_mod=lambda s, b, h, q, kv: s + offsets[h] + slopes[h] * 0.01 * (kv - q))}
+    for name, mod in mods.items():
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, score_mod=mod, pipeline="transposed",
+                             kv_dtype=kv_dtype)
+        assert "kAffineKV = true" in BatchDecode.host_only(spec).kernel.module().source, name
+        q, cache, (indptr, indices, last), per_req = make_paged_case(spec, list(lengths), 16, seed=4)
+        w = BatchDecode(spec)
+        w.plan(indptr, indices, last, page_size=16)
+        assert (w.planned_kernel[0] is w._whole) == whole, name
+        out, lse = w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
+        for b, (k, v) in enumerate(per_req):
+            kw = dict(score_mod=mod.torch_score, batch_index=b)
+            ref, ref_lse = reference.attention(q[b:b + 1], k, v, **kw)
+            low, _ = reference.attention(q[b:b + 1].float(), k.float(), v.float(), dtype=torch.float32, **kw)
+            assert_attention_close(out[b:b + 1], ref, low.to(q.dtype), f"{name} request {b}")
+            assert_lse_close(lse[b:b + 1], ref_lse, f"{name} request {b}")
+
+
 def test_split_rows_get_the_sink_after_the_merge():
     mod = m.attention_sink(torch.full((HQ,), 2.0, device="cuda"))
     out, lse, ref, ref_lse, low = decode_with_mod(mod, "transposed", lengths=(70000, 3))
