@@ -5,7 +5,7 @@ whose default was chosen at d128: at d64 the exponentials
 (one MUFU op per score) take as long as the two GEMMs, so the ping-pong that lost at d128 (+8.5%)
 may win there; d256 has run two consumer warpgroups only since the split ring. One line per case.
 
-    python benchmarks/bench_prefill_tilings.py [d64|d128|d256|d128-softcap|d64-softcap ...]
+    python benchmarks/bench_prefill_tilings.py [d64|d128|d256|d128-softcap|d64-softcap|d128-alibi ...]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ CASES = {
     "d128-softcap": (128, {"logits_soft_cap": 30.0}, [{"pingpong": True}, {"fma_exp_every": 0}, {"fma_exp_every": 2},
                                                       {"fma_exp_every": 8}]),
     "d64-softcap": (64, {"logits_soft_cap": 30.0}, [{"fma_exp_every": 0}, {"fma_exp_every": 2}, {"fma_exp_every": 8}]),
+    "d128-alibi": (128, {"score_mod": "alibi"}, []),
     "d256": (256, {}, [{"pingpong": True}, {"persistent": False}]),
 }
 
@@ -39,6 +40,10 @@ def label(kw: dict) -> str:
 def main(names: list[str]) -> None:
     for name in names or list(CASES):
         d, extras, variants = CASES[name]
+        if extras.get("score_mod") == "alibi":
+            from attnforge import mods
+            from attnforge.mods.alibi import default_slopes
+            extras = {**extras, "score_mod": mods.alibi(default_slopes(32, "cuda"))}
         spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=d, causal=True, **extras)
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(L, h, d, generator=g).bfloat16().cuda() for h in (32, 8, 8))
