@@ -41,22 +41,26 @@ def test_library_mod_in_decode(name, pipeline):
     assert_lse_close(lse, ref_lse, name)
 
 
-@pytest.mark.parametrize("heads,lengths,whole,kv_dtype", [((32, 8), [3000] * 15 + [2990], True, "bf16"),  # ~1 item an SM
-                                                           ((32, 8), (1, 200, 2999, 1000), False, "bf16"),
-                                                           ((32, 8), (1, 200, 2999, 1000), False, "fp8_e4m3"),
-                                                           ((32, 2), (5000, 17, 700), False, "bf16")])  # two head tiles
-def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dtype):
-    """score + A + B kv on the transposed pipeline: each head's bias at the query's position and its
-    slope once per item, then B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in
-    the thousands) and a mod with a per-head offset A as well, on the whole-item kernel, the default
-    one (fp8 K/V widened in registers too) and groups of 16 (two head tiles a warp), against the reference."""
+@pytest.mark.parametrize("heads,lengths,whole,kv_dtype,pipeline", [
+    ((32, 8), [3000] * 15 + [2990], True, "bf16", "transposed"),  # ~1 item an SM
+    ((32, 8), (1, 200, 2999, 1000), False, "bf16", "transposed"),
+    ((32, 8), (1, 200, 2999, 1000), False, "fp8_e4m3", "transposed"),
+    ((32, 2), (5000, 17, 700), False, "bf16", "transposed"),  # two head tiles
+    ((32, 2), (5000, 17, 700), False, "bf16", "normal"),
+    ((32, 1), (20000, 17, 700), False, "bf16", "normal")])  # MQA: two head splits, a split request
+def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dtype, pipeline):
+    """score + A + B kv: each head's bias at the query's position and its slope once per item, then
+    B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in the thousands) and a mod
+    with a per-head offset A as well, on the whole-item kernel, the default one (fp8 K/V widened in
+    registers too), groups of 16 (two head tiles a warp) and both pipelines, MQA's head splits
+    included, against the reference."""
     hq, hkv = heads
     slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
     offsets = torch.linspace(-3.0, 5.0, hq, device="cuda")
     mods = {"alibi": m.alibi(slopes),
             "offset": m.compile_mod(score_mod=lambda s, b, h, q, kv: s + offsets[h] + slopes[h] * 0.01 * (kv - q))}
     for name, mod in mods.items():
-        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, score_mod=mod, pipeline="transposed",
+        spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, score_mod=mod, pipeline=pipeline,
                              kv_dtype=kv_dtype)
         assert "kAffineKV = true" in BatchDecode.host_only(spec).kernel.module().source, name
         q, cache, (indptr, indices, last), per_req = make_paged_case(spec, list(lengths), 16, seed=4)
