@@ -1,7 +1,9 @@
-"""Shared GPU-test helpers: random paged caches and the tolerance rule."""
+"""Shared test helpers: random paged caches, the tolerance rule, host programs over the headers."""
 from __future__ import annotations
 
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -156,3 +158,13 @@ def summary_format(index_dtype, keys):
     if index_dtype == "int4":
         return {"dtype": "int4", "scale": channel_scales(keys, "int4")}
     return {"dtype": index_dtype, "scale": 0.02 if index_dtype == torch.float8_e4m3fn else 1.0}
+
+
+def run_host_program(source: str, directory: Path) -> str:
+    """Build a host C++ program over the attnforge headers (their AF_HOST_DEVICE functions) with nvcc
+    in `directory` and run it: its standard output."""
+    from attnforge import codegen
+    (directory / "t.cu").write_text(source)
+    subprocess.run(["nvcc", "-std=c++20", f"-I{codegen.include_dir()}", "-o", str(directory / "t"),
+                    str(directory / "t.cu")], check=True, capture_output=True)
+    return subprocess.run([str(directory / "t")], check=True, capture_output=True, text=True).stdout

@@ -2,11 +2,10 @@
 host by nvcc against float64 2^x: its error bound, and exact zeros for masked (-inf) logits."""
 import math
 import shutil
-import subprocess
 
 import pytest
 
-from attnforge import codegen
+from helpers import run_host_program
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 
@@ -26,11 +25,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ex2")
-    (d / "t.cu").write_text(PROGRAM)
-    subprocess.run(["nvcc", "-std=c++20", f"-I{codegen.include_dir()}", "-o", str(d / "t"), str(d / "t.cu")],
-                   check=True, capture_output=True)
-    out = subprocess.run([str(d / "t")], check=True, capture_output=True, text=True).stdout.split()
+    out = run_host_program(PROGRAM, tmp_path_factory.mktemp("ex2")).split()
     return [(float(out[i]), float(out[i + 1])) for i in range(0, len(out), 2)]
 
 

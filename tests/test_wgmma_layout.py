@@ -5,11 +5,10 @@ Python models the 128B swizzle independently: within a 1024-byte-aligned atom of
 address bits 4-6 are XORed with bits 7-9 (PTX ISA, shared-memory matrix layouts).
 """
 import shutil
-import subprocess
 
 import pytest
 
-from attnforge import codegen
+from helpers import run_host_program
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 
@@ -32,11 +31,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def output(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sw128")
-    (d / "t.cu").write_text(PROGRAM)
-    subprocess.run(["nvcc", "-std=c++20", f"-I{codegen.include_dir()}", "-o", str(d / "t"), str(d / "t.cu")],
-                   check=True, capture_output=True)
-    return subprocess.run([str(d / "t")], check=True, capture_output=True, text=True).stdout.split("\n")
+    return run_host_program(PROGRAM, tmp_path_factory.mktemp("sw128")).split("\n")
 
 
 def hw_swizzle(addr):  # the hardware's 128B swizzle of a byte address inside an aligned atom

@@ -27,24 +27,14 @@ AF_DEVICE float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// A float's bits and back, on the device and in host-tested code.
-AF_HOST_DEVICE uint32_t float_bits(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-AF_HOST_DEVICE float bits_float(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
+// A value's bits as another type of the same size, on the device and in host-tested code (a memcpy of
+// a register compiles to a move).
+template <class To, class From>
+AF_HOST_DEVICE To bit_cast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast: the sizes differ");
+  To y;
+  std::memcpy(&y, &x, sizeof(To));
+  return y;
 }
 
 // 2^x on the FMA pipe: 2^round(x) in the exponent bits, 2^f for f in [-0.5, 0.5] by a cubic with
@@ -56,7 +46,7 @@ AF_HOST_DEVICE float ex2_poly(float x) {
   const float shifted = x + 12582912.f;  // 1.5 * 2^23: the low mantissa bits now hold n = round(x)
   const float f = x - (shifted - 12582912.f);
   const float p = fmaf(fmaf(fmaf(0.05500858277f, f, 0.24221037328f), f, 0.69328290224f), f, 1.f);
-  return bits_float(float_bits(p) + (float_bits(shifted) << 23));  // == n << 23: the constant's bits shift out
+  return bit_cast<float>(bit_cast<uint32_t>(p) + (bit_cast<uint32_t>(shifted) << 23));  // == n << 23: the constant's bits shift out
 }
 AF_DEVICE float lg2(float x) {
   float y;
