@@ -46,8 +46,8 @@ class BatchPrefill:
         # kernel has a producer and no ping-pong, where it measured faster); tma: whole K/V tiles
         # copied by the copy engine (None: ragged K/V and pages of 8+ tokens that tile the KV tile,
         # where it measured faster; True: the same today; False: cp.async only). fma_exp_every: every Nth
-        # exponential of the softmax on the FMA pipe (None: where a core per score, soft-cap's tanh,
-        # shares the SFU with the exponentials).
+        # exponential of the softmax on the FMA pipe (None: as measured, by head_dim and whether a
+        # function of the score such as soft-cap's tanh shares the SFU; kernels/prefill.py).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the

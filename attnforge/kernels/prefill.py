@@ -296,7 +296,8 @@ class PrefillKernel:
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
-               "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every, "params_struct": self.params.cpp(), "trace": False}
+               "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
+               "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
