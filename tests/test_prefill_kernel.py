@@ -115,6 +115,9 @@ def test_exponentials_on_the_fma_pipe_where_a_score_function_shares_the_sfu():
     assert PrefillKernel(SPEC, "wgmma", fma_exp_every=2).module().name.endswith("_tma_fx2_s3")
     with pytest.raises(ValueError, match=r"fma_exp_every: expected one of \(0, 1, 2, 4, 8\).*got 3"):
         PrefillKernel(SPEC, "wgmma", fma_exp_every=3)
+    for bad in (True, 4.0):
+        with pytest.raises(ValueError, match=f"fma_exp_every: expected one of.*got {bad!r}"):
+            PrefillKernel(SPEC, "wgmma", fma_exp_every=bad)
     with pytest.raises(ValueError, match="only the wgmma backend has it"):
         PrefillKernel(SPEC, "mma", fma_exp_every=4)
 

@@ -64,7 +64,8 @@ TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "T
 # The softmax's exponentials on the FMA pipe (wgmma kernel), one in N by (head_dim, whether a function of
 # the score also runs on the SFU): where the SFU's share of a tile approaches the tensor cores'. Measured
 # on the H200 (B1 S8192 causal, timed in rotation, twenty-second session): d64 N=8 -3.9% (N=4 +2.6%,
-# N=2 +12.9%); d128 N=8 +4.0%, N=4 +11.9% (left at 0); d128 soft-cap N=4 -0.7% (N=8 +0.5%, N=2 +7.7%).
+# N=2 +12.9%); d128 N=8 +4.0%, N=4 +11.9% (left at 0); d128 soft-cap N=4 -0.7% (N=8 +0.5%, N=2 +7.7%);
+# d64 soft-cap N=4 -6.4% (N=8 -4.8%, N=2 -3.7%).
 FMA_EXP_EVERY = {(64, False): 8, (64, True): 4, (128, True): 4}
 FMA_EXP_CHOICES = (0, 1, 2, 4, 8)
 
@@ -73,19 +74,7 @@ def sfu_core_per_score(spec: AttentionSpec) -> bool:
     """Whether the spec's logits transform puts a transcendental function of the score (soft-cap's
     tanh, a sigmoid, ...) on the SFU beside the softmax's exponential: two SFU ops a score."""
     mod = spec.score_mod
-    return spec.logits_soft_cap > 0 or (mod is not None and _function_of_score(mod.score_root))
-
-
-def _function_of_score(node) -> bool:
-    if not isinstance(node, tuple) or not node:
-        return False
-    if node[0] in graph.FLOAT_FUNCS and _depends_on_score(node[1]):
-        return True
-    return any(_function_of_score(a) for a in node[1:])
-
-
-def _depends_on_score(node) -> bool:
-    return node == ("input", "score") or (isinstance(node, tuple) and any(_depends_on_score(a) for a in node[1:]))
+    return spec.logits_soft_cap > 0 or (mod is not None and graph.applies_function_to_score(mod.score_root))
 
 
 def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
@@ -161,7 +150,8 @@ class PrefillKernel:
         if self.pingpong and not self.producer:
             raise ValueError("PrefillKernel.pingpong: needs the producer warpgroup (the consumers then share no CTA "
                              "barrier), got producer=False; pass producer=True (the wgmma default) or pingpong=False")
-        if self.fma_exp_every not in FMA_EXP_CHOICES or (self.fma_exp_every and self.backend != "wgmma"):
+        if (type(self.fma_exp_every) is not int or self.fma_exp_every not in FMA_EXP_CHOICES
+                or (self.fma_exp_every and self.backend != "wgmma")):
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")

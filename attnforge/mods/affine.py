@@ -1,15 +1,17 @@
 """Score modifiers of the form score + bias, the bias affine in the key position:
 score + A(b, h, q_idx) + B(b, h, q_idx) * kv_idx (ALiBi, or any bias linear in distance).
 
-A kernel that knows B evaluates the modifier once per row and KV tile (at the tile's first column
-of the thread, score 0: the bias there, with the modifier's own integer arithmetic) and adds
-bias + B * offset per score: two FMAs instead of positions, an integer-to-float conversion and the
-body per score. The Hopper prefill's softmax warps are issue-bound, so instructions per score are
-what a modifier costs there (ALiBi on the H200: +21% with the body per score, +13% stepped).
+A kernel that knows B evaluates the modifier once per row and KV tile (the Hopper prefill: at the
+tile's first column of the thread, score 0, with the modifier's own integer arithmetic) or once per
+item (decode: at the query's position), then steps by B per column: one FMA a score instead of
+positions, an integer-to-float conversion and the body per score. Instructions per score are what
+a modifier costs in the prefill (ALiBi on the H200: +21% with the body per score, +11% stepped).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from . import graph
 
 _SCORE, _KV = ("input", "score"), ("input", "kv_idx")
 _ZERO = ("const", 0, "i")
@@ -24,14 +26,6 @@ def kv_slope(root: Optional[tuple]) -> Optional[tuple]:
         return None
     form = _form(root, {})
     return form[2] if form is not None and form[0] == "score" else None
-
-
-def _has(node, leaves: tuple) -> bool:
-    if not isinstance(node, tuple):
-        return False
-    if node in leaves:
-        return True
-    return any(_has(a, leaves) for a in node[1:])
 
 
 def _form(node: tuple, memo: dict) -> Optional[tuple]:
@@ -62,7 +56,7 @@ def _parts(form: tuple) -> tuple[tuple, tuple]:
 
 
 def _classify(node: tuple, memo: dict) -> Optional[tuple]:
-    if not _has(node, (_SCORE, _KV)):
+    if not graph.contains(node, (_SCORE, _KV)):
         return ("free", node)
     if node == _KV:
         return ("kv", _ZERO, _ONE)

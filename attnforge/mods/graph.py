@@ -32,6 +32,23 @@ COMPARE = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or"}
 INPUT_TYPES = {"score": "f", "b": "i", "h": "i", "q_idx": "i", "kv_idx": "i"}
 
 
+def contains(node, leaves: tuple) -> bool:
+    """Whether any of `leaves` (e.g. ("input", "score")) occurs in the graph below `node`."""
+    if not isinstance(node, tuple):
+        return False
+    return node in leaves or any(contains(a, leaves) for a in node[1:])
+
+
+def applies_function_to_score(node) -> bool:
+    """Whether a float function (FLOAT_FUNCS: tanh, exp, ...) takes the score in its argument somewhere
+    below `node`: per score, an SFU op beside the softmax's exponential."""
+    if not isinstance(node, tuple) or not node:
+        return False
+    if node[0] in FLOAT_FUNCS and contains(node[1], (("input", "score"),)):
+        return True
+    return any(applies_function_to_score(a) for a in node[1:])
+
+
 def result_type(op: str, types: list[str]) -> str:
     if op in COMPARE or op == "not":
         return "b"
