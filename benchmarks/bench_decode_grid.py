@@ -1,6 +1,6 @@
 """Decode launch shapes beside the default, timed in rotation per case: fewer persistent CTAs per SM
 (longer spans: fewer chunk fills, partial states and merges, but fewer bytes in flight), head splits
-for MQA-sized groups, wider KV tiles ("grid"); and spans aligned to equal items ("align":
+for MQA-sized groups, the other pipeline than the shape's default, wider KV tiles ("grid"); and spans aligned to equal items ("align":
 scheduler.plan_stream(align_equal_items=True), one chunk a span). The thirteenth session's span sweep
 showed every case slowing as chunks multiply (MQA 32/1 most: +26% at twice the chunks); this asks
 the converse. Prints one line per case and writes the rows as JSON to the path given.
@@ -9,6 +9,7 @@ the converse. Prints one line per case and writes the rows as JSON to the path g
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,8 +27,8 @@ GRIDS = [{"ctas_per_sm": 2}, {"ctas_per_sm": 1}]
 # name: (lengths, (Hq, Hkv), kv dtype, [BatchDecode overrides beside the default])
 CASES = {
     "h32/8 B16 L8192": (L16, (32, 8), "bf16", GRIDS),
-    "h32/4 B16 L8192": (L16, (32, 4), "bf16", GRIDS),
-    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS),
+    "h32/4 B16 L8192": (L16, (32, 4), "bf16", GRIDS + [{"pipeline": "normal"}]),
+    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS + [{"pipeline": "transposed"}]),
     "h32/1 B16 L8192": (L16, (32, 1), "bf16", GRIDS + [{"head_splits": 1}, {"head_splits": 2, "ctas_per_sm": 2},
                                                        {"tile_kv": 32, "num_warps": 2}]),
     "h64/1 B16 L8192": (L16, (64, 1), "bf16", GRIDS + [{"head_splits": 1}]),
@@ -66,7 +67,11 @@ def main(which: str, out_path: str | None) -> None:
         for kw in [{}] + variants:
             kw = dict(kw)
             cls = AlignedDecode if kw.pop("align_equal_items", False) else BatchDecode
-            w = cls(spec, max_batch_size=max(256, len(lengths)), **kw)
+            pipeline = kw.pop("pipeline", None)  # the other pipeline than the shape's default
+            w = cls(dataclasses.replace(spec, pipeline=pipeline) if pipeline else spec,
+                    max_batch_size=max(256, len(lengths)), **kw)
+            if pipeline:
+                kw["pipeline"] = pipeline
             w.plan(indptr, indices, last, page_size=16)
             spans = w._plan["work"].num_spans
             runs[f"{label(kw) if cls is BatchDecode else 'aligned'} [{w.planned_kernel[1]} CTAs, {spans} spans, "

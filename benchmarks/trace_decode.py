@@ -21,7 +21,7 @@ from trace_capture import build_traced, capture, exit_by_class, save_json_if_ask
 import bench_decode  # noqa: E402
 from bench_decode import D, cases, paged_inputs  # noqa: E402
 
-if os.environ.get("ATTNFORGE_TRACE_DECODE_HEADS"):  # paged_inputs reads the module's head counts
+if os.environ.get("ATTNFORGE_TRACE_DECODE_HEADS"):  # passed to paged_inputs below (its defaults are fixed)
     bench_decode.HQ, bench_decode.HKV = map(int, os.environ["ATTNFORGE_TRACE_DECODE_HEADS"].split("/"))
 
 ITEMS = 32  # trace slots per CTA (the template's)
@@ -29,7 +29,8 @@ build_traced(kdecode.DecodeKernel)
 
 
 def trace_case(name, lengths, page_size, kv_dtype, layout):
-    q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype, layout)
+    q, cache, indptr, indices, last = paged_inputs(lengths, page_size, kv_dtype, layout, hq=bench_decode.HQ,
+                                                   hkv=bench_decode.HKV)
     spec = AttentionSpec(num_qo_heads=bench_decode.HQ, num_kv_heads=bench_decode.HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                          kv_layout=layout)
     w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))

@@ -385,6 +385,28 @@ def test_soft_cap_folded_and_not(form, dtype):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("pattern", ["low", "high"])
+@pytest.mark.parametrize("form,dtype", [("const", "bf16"), ("spec", "bf16"), ("const", "fp16"), ("sigmoid", "bf16")])
+def test_scaled_cores_at_their_flat_ends(form, dtype, pattern):
+    """Soft-cap 50 (and 10 sigmoid(s / 2)) with every score near -100 or near +100: the cores' flat
+    ends, so each row's logits sit within a hair of -cap or +cap and its weights are nearly uniform
+    (the row max, not the score scale, must set the exponents), causal, with rows that see no key."""
+    cap = 50.0 if form != "sigmoid" else 10.0
+    mod = {"const": lambda: m.softcap(cap), "spec": lambda: None,
+           "sigmoid": lambda: m.compile_mod(score_mod=lambda s, b, h, q, kv: cap * torch.sigmoid(s * 0.5))}[form]()
+    kw = {"logits_soft_cap": cap} if form == "spec" else {"score_mod": mod}
+    spec = AttentionSpec(family="prefill", causal=True, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype, **kw)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [200, 1000, 700], seed=21)
+    q, k = q * 0.5 + 3, k * 0.5 + (3 if pattern == "high" else -3)  # q.k / sqrt(128) near +-100
+    w = BatchPrefill(spec)
+    assert form == "spec" or "kScaledCore = true" in w.kernel.module().source
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
+    assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()  # request 0's first rows precede every key
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("head_dim,every,extras", [(128, 1, {"logits_soft_cap": 5.0}),
                                                  (128, 2, {"logits_soft_cap": 5.0, "window_left": 100}),
                                                  (64, 4, {}), (128, 8, {"window_left": 33})])
