@@ -175,8 +175,9 @@ class BatchDecode:
 
     @staticmethod
     def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
-        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA."""
-        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4
+        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA, and 16
+        bytes past them (the merge copies the lse values in aligned 16-byte blocks)."""
+        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4 + 16
 
     # -- plan ----------------------------------------------------------------------------------------
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,

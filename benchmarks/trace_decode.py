@@ -60,6 +60,10 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
            "entry_to_first_item_median": float(np.median(first_item)),
            "phase_mean_cycles": {k: float(v[used].mean()) for k, v in ph.items()},
            "merge_mean_when_merging": float(ph["merge"][used & (merged > 0)].mean()) if merged.any() else 0.0,
+           # the merging CTA's count (barriers, fences, atomic) and then its merge_item ([6]: the split)
+           "count_then_merge_mean_cycles": [float((items[:, :, 6] - e[:, :, 3])[used & (merged > 0)].mean()),
+                                            float((e[:, :, 4] - items[:, :, 6])[used & (merged > 0)].mean())]
+           if merged.any() else None,
            "tile_median_cycles": float(np.median(per_tile)) if len(per_tile) else None,
            "sms": int(len(np.unique(sm[used])))}
     g_entry, g_exit = t[ctas, ITEMS - 1, 6], t[ctas, ITEMS - 1, 5]  # %globaltimer (ns), comparable across SMs

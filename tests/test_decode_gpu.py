@@ -112,9 +112,11 @@ def test_mqa_at_d256_on_eight_warps(kv_dtype):
     run_case(spec, [1, 300, 17, 20000], 7, seed=5, k_scale=0.5, v_scale=1.5)
 
 
-# (query heads, kv heads, head_dim, pipeline): the in-kernel merge of a split item runs in passes of one
-# vector per thread and rounds of up to kMergeRound chunks; one long request per KV head cut into
-# ~200 chunks takes several rounds of each pass (MQA 32/1: 8 passes), group 5 a pass of 32 threads
+# (query heads, kv heads, head_dim, pipeline): the in-kernel merge of a split item streams its chunks
+# through a ring of kMergeSlots slots in two halves, up to 4 vectors a thread, in passes where the
+# group has more vectors; one long request per KV head cut into ~200 chunks turns the ring many
+# times (MQA 32/1: items of 16 heads, 4 vectors a thread; 64/1 at d256: 4 passes), group 5 (160
+# vectors at 128 threads) takes a second pass of 32 threads
 @pytest.mark.parametrize("hq,hkv,head_dim,pipeline", [(32, 1, 128, "normal"), (40, 8, 128, "transposed"),
                                                       (64, 1, 256, "normal"), (32, 32, 64, "transposed")])
 def test_merge_of_many_chunks_in_passes_and_rounds(hq, hkv, head_dim, pipeline):

@@ -1,5 +1,6 @@
 """DecodeKernel's launch shape (CPU): how many CTAs the persistent grid puts on an SM, and where the
-kernel asks ptxas to honour that (tests/jit/test_build.py checks the compiled registers agree)."""
+kernel asks ptxas to honour that: where registers bind, and where a register rule planned the shape
+(tests/jit/test_build.py checks the compiled registers agree)."""
 import numpy as np
 import pytest
 
@@ -10,11 +11,11 @@ from attnforge.kernels.decode import DecodeKernel
 @pytest.mark.parametrize("kw,ctas,bound", [
     ({}, 3, 0),                                                   # d128 GQA-4: shared memory allows 3
     ({"kv_dtype": "fp8_e4m3"}, 4, 4),                             # 2 fp8 stages: 6 by shared memory, 4 by registers
-    ({"kv_dtype": "fp8_e4m3", "head_dim_qk": 256}, 2, 0),         # 2 stages at d256: 3 by shared memory, 2 by registers
+    ({"kv_dtype": "fp8_e4m3", "head_dim_qk": 256}, 2, 2),         # 2 stages at d256: 3 by shared memory, 2 by registers
     ({"head_dim_qk": 64, "num_qo_heads": 8, "num_kv_heads": 8}, 4, 4),  # 6 by shared memory, 4 by registers
-    ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 0),  # two head tiles of O^T
-    ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 0),  # 32-token tiles of two warps: 72 KB
-    ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 0),  # MQA: 64 tokens, 8 warps
+    ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 2),  # two head tiles of O^T
+    ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 3),  # 32-token tiles of two warps: 72 KB
+    ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 1),  # MQA: 64 tokens, 8 warps
 ])
 def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     k = DecodeKernel(AttentionSpec(**kw))
@@ -48,21 +49,24 @@ def test_trace_stamps_only_when_asked():
     m = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module()
     assert "af_trace" not in m.source and "#define AF_STAMP(k, i) do { } while (0)" in m.source
     traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
-    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(trace_k") == 5
+    assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP(trace_k") == 6
 
 
-def test_merge_rounds_hold_only_a_pass_of_each_chunk():
-    """A split item's merge stages a round of chunks in the idle K/V stages; a pass merges one vector
-    per thread, so a round holds only those vectors of each chunk (the template takes the count and
-    checks that it fits). Sized by the whole group's vectors, MQA 32/1 at d128 fitted 3 chunks a round: 25 chunks
-    took 9 round trips in each of 8 passes."""
+def test_merge_ring_streams_a_pass_of_each_chunk():
+    """A split item's merge streams the chunks' partial states through a ring of slots in the idle
+    K/V stages, in two halves: a slot holds a pass of the group's vectors (up to 4 a thread, 4 dims
+    each) and the 16-byte blocks around the chunk's lse row (the template takes the count, even and
+    at most 32, and checks that it fits)."""
     mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=1)
-    assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_round == 65536 // (128 * 16 + 32 * 4) == 30
-    assert DecodeKernel(AttentionSpec()).merge_round == 31  # GQA 4: 128 vectors, one pass either way
-    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_round == 64  # MHA: capped
-    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_round == 30
-    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1)).merge_round == 31  # items of 16 heads
-    assert "kMergeRound = 30;" in mqa.module().source
+    # 32 heads x 32 vectors, 4 a thread over 128 threads: 8 KB + 9 lse blocks a slot in 2 x 2 x 64 x 128 x 2 bytes
+    assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_slots == 65536 // ((512 + 9) * 16) // 2 * 2 == 6
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1)).merge_slots == 6  # items of 16 heads: one pass
+    assert DecodeKernel(AttentionSpec()).merge_slots == 65536 // ((128 + 2) * 16) // 2 * 2 == 30  # GQA 4
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=4)).merge_slots == 14  # 256 vectors, 2 a thread
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_slots == 32  # MHA: 32 vectors, capped
+    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_slots == \
+        131072 // ((1024 + 17) * 16) // 2 * 2 == 6  # 4096 vectors: 4 passes of 4 a thread over 256 threads
+    assert "kMergeSlots = 6;" in mqa.module().source
 
 
 def test_mqa_groups_split_into_items_of_16_heads():

@@ -180,13 +180,17 @@ class DecodeKernel:
         return self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
 
     @property
-    def merge_round(self) -> int:
-        """Chunks whose partial states one merge round stages at once, at most 64 (the template takes it
-        and checks that it fits): a pass merges one 4-dim vector per thread, so a round holds that many
-        vectors of each chunk (MQA 32/1 at d128: 30 chunks; sized by the whole group's vectors it was 3)."""
+    def merge_slots(self) -> int:
+        """Chunk slots of a split item's merge ring in the idle K/V stages, an even count up to 32 (two
+        halves: one merges while the other fills; the template checks that it fits): a slot holds a
+        pass of the group's vectors, up to 4 a thread (4 dims each), and the 16-byte blocks around the
+        chunk's lse row (MQA's 16-head items at d128: 8 KB and 80 bytes)."""
         g = self.item_heads  # the kernel's group: one work item's query heads
-        pass_vecs = min(g * self.spec.head_dim_qk // 4, self.threads)
-        return min(64, self.pipe_bytes // (pass_vecs * 16 + g * 4))
+        vecs = g * self.spec.head_dim_qk // 4
+        per_thread = 4 if vecs >= 4 * self.threads else 2 if vecs >= 2 * self.threads else 1
+        slot_vecs = min(vecs, self.threads * per_thread) + g // 4 + 1
+        fit = self.pipe_bytes // (slot_vecs * 16)
+        return min(32, fit - fit % 2)
 
     @property
     def params(self) -> ParamsLayout:
@@ -220,10 +224,13 @@ class DecodeKernel:
     @property
     def register_bound_ctas(self) -> int:
         """The __launch_bounds__ minimum of CTAs per SM where it binds (MIN_REGISTERS_PER_THREAD or
-        fewer per thread at ctas_per_sm), else 0: no bound, and ptxas allocates as it did when the
-        defaults were measured (tests/jit/test_build.py checks that those still fit)."""
+        fewer per thread at ctas_per_sm) or where a register rule planned the shape, else 0: no bound,
+        and ptxas allocates as it did when the defaults were measured (tests/jit/test_build.py checks
+        that those still fit)."""
         binds = REGISTERS_PER_SM // (self.threads * self.ctas_per_sm) <= MIN_REGISTERS_PER_THREAD
-        return self.ctas_per_sm if binds else 0
+        # shapes planned by a register rule (registers_needed) are held to the planned CTAs too: left to
+        # itself ptxas may aim at more (a d256 fp8 kernel capped itself at 168 registers and spilled)
+        return self.ctas_per_sm if binds or self.registers_needed > MIN_REGISTERS_PER_THREAD else 0
 
     def module(self) -> JitModule:
         s = self.spec
@@ -231,7 +238,7 @@ class DecodeKernel:
                "head_dim": s.head_dim_qk, "group_size": self.item_heads, "head_splits": self.head_splits,
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
-               "smem_bytes": self.smem_bytes, "merge_round": self.merge_round,
+               "smem_bytes": self.smem_bytes, "merge_slots": self.merge_slots,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
