@@ -98,3 +98,19 @@ def test_plan_streams_head_split_items():
     w.plan(np.array([0, 13, 14]), np.arange(14), np.array([16, 5]), page_size=16)  # (unequal: a plain stream)
     work = w._plan["work"]
     assert work.num_kv_heads == 2 and work.total == 2 * (208 + 64) + 2 * (5 + 64)
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(1, 1, 128), (3, 1, 64), (5, 1, 128), (32, 8, 128), (48, 8, 256),
+                                             (32, 1, 128), (64, 1, 256)])
+@pytest.mark.parametrize("num_ctas", [1, 131, 396])
+def test_merge_lse_blocks_stay_in_the_workspace(hq, hkv, head_dim, num_ctas):
+    """The merge copies each chunk's lse row as the aligned 16-byte blocks around it (g // 4 + 1 of
+    them): past the last slot's row that reads up to 4 floats beyond the partial states, which
+    BatchDecode.workspace_bytes pads by 16 bytes; checked for odd groups and odd CTA counts."""
+    from attnforge import BatchDecode
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim)
+    g = DecodeKernel(spec).item_heads  # the kernel's rows a slot (the wrapper's _rows_per_slot)
+    slots = 2 * num_ctas
+    lse_floats = BatchDecode.workspace_bytes(spec, num_ctas) // 4 - slots * g * head_dim  # as BatchDecode slices it
+    last_row = (slots - 1) * g
+    assert (last_row & ~3) + 4 * (g // 4 + 1) <= lse_floats
