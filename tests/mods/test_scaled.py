@@ -61,3 +61,15 @@ def test_gxx_scaled_core_reproduces_the_modifier(fn, tmp_path):
     zeros = torch.zeros(256, dtype=torch.int64)
     want = mm.torch_score(score, zeros, zeros, zeros, zeros)
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_written_with_exp_equals_the_tanh_form(tmp_path):
+    """The softcap docstring's tighter form, cap * (1 - 2 / (exp(2 s / cap) + 1)), traces (not a scaled
+    core: no fold) and, compiled by g++ from the emitted C++, equals cap * tanh(s / cap) on scores
+    across the curve, its flat ends and past exp's overflow (exp -> inf gives exactly cap)."""
+    cap = 50.0
+    mm = mod(lambda s, b, h, q, kv: cap * (1 - 2 / (torch.exp(2 * s / cap) + 1)))
+    assert mm.scaled_core is None
+    score = torch.cat([torch.tensor([-1e4, -300.0, -60.0, 0.0, 60.0, 300.0, 1e4]), torch.randn(64) * 40])
+    got = run_on_host(mm, [(float(s), 0, 0, 0, 0) for s in score], tmp_path)
+    assert torch.allclose(got.double(), cap * torch.tanh(score.double() / cap), rtol=1e-5, atol=1e-4)
