@@ -55,18 +55,48 @@ def test_trace_stamps_only_when_asked():
 def test_merge_ring_streams_a_pass_of_each_chunk():
     """A split item's merge streams the chunks' partial states through a ring of slots in the idle
     K/V stages, in two halves: a slot holds a pass of the group's vectors (up to 4 a thread, 4 dims
-    each) and the 16-byte blocks around the chunk's lse row (the template takes the count, even and
-    at most 32, and checks that it fits)."""
+    each) and the 16-byte blocks around the chunk's lse row (the template takes both counts and
+    checks that the ring fits)."""
     mqa = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1), head_splits=1)
     # 32 heads x 32 vectors, 4 a thread over 128 threads: 8 KB + 9 lse blocks a slot in 2 x 2 x 64 x 128 x 2 bytes
-    assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_slots == 65536 // ((512 + 9) * 16) // 2 * 2 == 6
-    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1)).merge_slots == 6  # items of 16 heads: one pass
-    assert DecodeKernel(AttentionSpec()).merge_slots == 65536 // ((128 + 2) * 16) // 2 * 2 == 30  # GQA 4
-    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=4)).merge_slots == 14  # 256 vectors, 2 a thread
-    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_slots == 32  # MHA: 32 vectors, capped
-    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_slots == \
-        131072 // ((1024 + 17) * 16) // 2 * 2 == 6  # 4096 vectors: 4 passes of 4 a thread over 256 threads
-    assert "kMergeSlots = 6;" in mqa.module().source
+    assert mqa.pipe_bytes == 2 * 2 * 64 * 128 * 2 and mqa.merge_shape == (4, 65536 // ((512 + 9) * 16) // 2 * 2) == (4, 6)
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1)).merge_shape == (4, 6)  # items of 16 heads
+    assert DecodeKernel(AttentionSpec()).merge_shape == (1, 65536 // ((128 + 2) * 16) // 2 * 2) == (1, 30)  # GQA 4
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=4)).merge_shape == (2, 14)  # 256 vectors
+    assert DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=32)).merge_shape == (1, 32)  # MHA: capped
+    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, head_dim_qk=256)).merge_shape == \
+        (4, 131072 // ((1024 + 17) * 16) // 2 * 2) == (4, 6)  # 4096 vectors: 4 passes of 4 a thread over 256 threads
+    # small stages: fewer vectors a thread, so that two slots fit (four a thread would leave none)
+    small = DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1, head_dim_qk=64, pipeline="normal"),
+                         tile_kv=32, stages=2, num_warps=4, head_splits=1)
+    assert small.pipe_bytes == 16384 and small.merge_shape == (2, 2)
+    assert "kMergeV = 4;" in mqa.module().source and "kMergeSlots = 6;" in mqa.module().source
+
+
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (32, 8), (32, 1), (64, 1), (48, 8), (40, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
+    """Every tiling a user may ask for (tile, stages, warps, head splits, pipeline) gets a merge ring of
+    two or more slots inside its stages: four vectors a thread once left a 16 KB pipeline no slot pair,
+    and the kernel would not have compiled."""
+    shapes = 0
+    for pipeline in ("normal", "transposed"):
+        for kw in ({}, {"tile_kv": 32, "stages": 2}, {"tile_kv": 32, "stages": 2, "num_warps": 8},
+                   {"tile_kv": 64, "stages": 2, "num_warps": 8}, {"tile_kv": 128, "stages": 2}):
+            for head_splits in (None, 1):
+                try:
+                    k = DecodeKernel(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim,
+                                                   kv_dtype=kv_dtype, pipeline=pipeline), head_splits=head_splits, **kw)
+                except ValueError:
+                    continue  # a shape the kernel refuses up front (with its own message)
+                shapes += 1
+                v, slots = k.merge_shape
+                vecs = k.item_heads * head_dim // 4
+                pass_threads = min(k.threads, vecs // v)
+                assert v in (1, 2, 4) and slots >= 2 and slots % 2 == 0
+                assert slots * (v * pass_threads + k.item_heads // 4 + 1) * 16 <= k.pipe_bytes
+    assert shapes > 0
 
 
 def test_mqa_groups_split_into_items_of_16_heads():

@@ -179,18 +179,23 @@ class DecodeKernel:
         wide = 2 * self.tile_kv * d * 2 if self.kv_bytes == 1 and not self.widens_in_registers else 0
         return self.num_stages * 2 * self.tile_kv * d * self.kv_bytes + wide
 
-    @property
-    def merge_slots(self) -> int:
-        """Chunk slots of a split item's merge ring in the idle K/V stages, an even count up to 32 (two
-        halves: one merges while the other fills; the template checks that it fits): a slot holds a
-        pass of the group's vectors, up to 4 a thread (4 dims each), and the 16-byte blocks around the
-        chunk's lse row (MQA's 16-head items at d128: 8 KB and 80 bytes)."""
+    @cached_property
+    def merge_shape(self) -> tuple[int, int]:
+        """(vectors a thread, ring slots) of a split item's merge (the template takes both and checks
+        that the ring fits): the chunks stream through an even number of slots, at most 32, in the idle
+        K/V stages (two halves: one merges while the other fills). A slot holds a pass of the group's
+        vectors (4 dims each), up to 4 a thread, fewer where two slots would not fit the stages, and the
+        16-byte blocks around the chunk's lse row (MQA's 16-head items at d128: 8 KB and 80 bytes)."""
         g = self.item_heads  # the kernel's group: one work item's query heads
         vecs = g * self.spec.head_dim_qk // 4
-        per_thread = 4 if vecs >= 4 * self.threads else 2 if vecs >= 2 * self.threads else 1
-        slot_vecs = min(vecs, self.threads * per_thread) + g // 4 + 1
-        fit = self.pipe_bytes // (slot_vecs * 16)
-        return min(32, fit - fit % 2)
+        for per_thread in (4, 2, 1):
+            if per_thread > 1 and vecs < per_thread * self.threads:
+                continue  # one pass holds the group with fewer a thread
+            slot_bytes = (min(vecs, self.threads * per_thread) + g // 4 + 1) * 16
+            fit = min(32, self.pipe_bytes // slot_bytes)
+            if fit >= 2 or per_thread == 1:
+                return per_thread, fit - fit % 2
+        raise AssertionError("unreachable")
 
     @property
     def params(self) -> ParamsLayout:
@@ -238,7 +243,7 @@ class DecodeKernel:
                "head_dim": s.head_dim_qk, "group_size": self.item_heads, "head_splits": self.head_splits,
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
-               "smem_bytes": self.smem_bytes, "merge_slots": self.merge_slots,
+               "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
