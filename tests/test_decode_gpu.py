@@ -125,6 +125,15 @@ def test_merge_of_many_chunks_in_passes_and_rounds(hq, hkv, head_dim, pipeline):
     run_case(spec, lengths, 16, seed=hq + head_dim)
 
 
+# Small stages where the merge takes fewer vectors a thread so that two ring slots fit (merge_shape):
+# MQA 32/1 at d64 in one item of 32 heads, 32-token tiles in two stages (16 KB: 2 vectors a thread)
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_merge_with_fewer_vectors_a_thread_in_small_stages(kv_dtype):
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1, head_dim_qk=64, kv_dtype=kv_dtype, pipeline="normal")
+    w, _ = run_case(spec, [20000, 5, 300], 16, seed=41, tile_kv=32, num_stages=2, num_warps=4, head_splits=1)
+    assert w.kernel.merge_shape[0] < 4 and w.kernel.merge_shape[1] >= 2
+
+
 # MQA-sized groups run as items of 16 query heads (head_splits per KV head, kernels.decode): item h
 # holds query heads 16h.., reads KV head h / splits; page 7 and a request split across many CTAs
 @pytest.mark.parametrize("hq,hkv,splits", [(32, 1, None), (48, 2, None), (64, 1, None), (64, 1, 2), (32, 1, 1)])
