@@ -49,6 +49,9 @@ class BatchDecode:
     # How much longer (token-equivalents) a span may grow so that equal items split into equal whole-span
     # chunks (scheduler.plan_stream); None: the scheduler's ALIGN_SLACK (benchmarks set it to compare)
     align_slack: Optional[int] = None
+    # Span boundaries within this many token-equivalents of an item's start or end move there, so short
+    # items are not split into slivers (scheduler.span_cuts); None: the scheduler's SPAN_SNAP
+    span_snap: Optional[int] = None
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
@@ -131,7 +134,7 @@ class BatchDecode:
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
         b = self.max_batch_size
-        sizes = {"meta": 3, "kv_indptr": b + 1, "kv_len": b, "kv_begin": b, "stream_prefix": b + 1,
+        sizes = {"meta": 4, "kv_indptr": b + 1, "kv_len": b, "kv_begin": b, "stream_prefix": b + 1,
                  "kv_indices": max(max_pages, 1)}
         self._offsets, total = {}, 0
         for k, n in sizes.items():
@@ -228,7 +231,7 @@ class BatchDecode:
         h = self._upload.host()  # waits for that buffer's copy of two plans ago
         b, at = table.batch_size, self._starts
         # plain slices of the staging buffer (a helper call per region costs more than its copy)
-        h[at["meta"]], h[at["meta"] + 1], h[at["meta"] + 2] = b, work.span, work.total
+        h[at["meta"]], h[at["meta"] + 1], h[at["meta"] + 2], h[at["meta"] + 3] = b, work.span, work.total, work.snap
         h[at["kv_indptr"]:at["kv_indptr"] + b + 1] = table.indptr
         h[at["kv_len"]:at["kv_len"] + b] = kv_end
         h[at["kv_begin"]:at["kv_begin"] + b] = kv_begin
@@ -272,8 +275,9 @@ class BatchDecode:
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
         slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack
+        snap = scheduler.SPAN_SNAP if self.span_snap is None else self.span_snap
         return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas, align_equal_items=True,
-                                     align_slack=slack)
+                                     align_slack=slack, snap=snap)
 
     def default_sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.spec.head_dim_qk)

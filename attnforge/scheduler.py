@@ -12,6 +12,11 @@ the same rules (templates/batch_decode.cu.jinja, attnforge/work_stream.cuh), so 
 vector operations and one async copy. `expand` below re-derives every chunk in Python exactly
 as the kernel does; the CPU tests check its properties.
 
+With `snap` > 0 a boundary k*span that falls within snap positions of the start or end of an item
+moves there (span_cuts): CTA c owns [cut(c), cut(c+1)) instead, and an item is split only by the cuts
+strictly inside its tokens, so short items are not split into slivers that each pay a chunk's fixed
+cost, a partial state and a merge.
+
 A chunk of a split item writes a partial state to slot 2*cta + (1 if the chunk starts its item
 else 0): a CTA holds at most one continuation chunk and at most one chunk that starts a split
 item, so slots never collide; the merge kernel recomputes the slots of each split item.
@@ -31,6 +36,9 @@ ALIGN_SLACK = 2 * CHUNK_FIXED_COST
 # Items whose costs differ by at most this much count as equal for aligned spans, each padded to the
 # costliest: Quest's selections differ by their last pages' fill
 EQUAL_ITEM_TOLERANCE = CHUNK_FIXED_COST
+# Span boundaries this close (token-equivalents) to an item's start or end move there (plan_stream's
+# snap), on batches where that pays (snap_pays): 128 beat 192 and 256 on two random short batches
+SPAN_SNAP = 128
 # A kernel of one CTA per SM that reads each item whole (BatchDecode(whole_items=...)) may leave SMs idle
 # for that: its span may grow by this fraction of itself. Measured on the H200 (twenty-first session,
 # benchmarks/bench_decode_whole_items.py): 128 equal items on 132 SMs (+3.1%) won 1.4-8.2% over the
@@ -47,6 +55,7 @@ class StreamPlan:
     num_ctas: int
     span: int
     total: int
+    snap: int = 0  # 0, or CHUNK_FIXED_COST <= snap < span / 2: see span_cuts
 
     @property
     def batch_size(self) -> int:
@@ -58,7 +67,8 @@ class StreamPlan:
 
 
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
-                align_equal_items: bool = False, align_slack: int = ALIGN_SLACK) -> StreamPlan:
+                align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
+                snap_where_it_pays: bool = True) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
     costliest) and there are at most num_ctas of them, cut each
@@ -69,7 +79,13 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     where that lengthens the span by less than ALIGN_SLACK: a straddling span pays a second chunk's
     fixed cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
     align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's).
+    snap: span boundaries within this many positions of an item's start or end move there (span_cuts);
+    0 for none, else at least CHUNK_FIXED_COST, and capped below span / 2 (aligned plans need none).
+    snap_where_it_pays: apply it only to batches of unequal items that each fit a span (snap_pays).
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
+    if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
+        raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
+                         f"got {snap!r}")
     item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
@@ -84,7 +100,37 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
-    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total)
+    if snap_where_it_pays and not snap_pays(item_cost, span):
+        snap = 0
+    snap = min(snap, (span - 1) // 2) if snap else 0
+    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total,
+                      snap if snap >= CHUNK_FIXED_COST else 0)
+
+
+def snap_pays(item_cost: np.ndarray, span: int) -> bool:
+    """Whether snapped cuts were measured to gain on a batch like this (H200, twenty-fourth session, in
+    rotation against none): unequal items that each fit a span, where a boundary often leaves a sliver
+    (random 64-1024 and 100-1500 tokens: -1.2..-1.6% at 128). Equal items are split evenly already and
+    lost up to +0.9% (B200 L700, B256 L512); beside items longer than a span the moved cuts unbalanced
+    the CTAs (B32 of 100-4000 tokens +0.6..+2.2%, skew mixed)."""
+    if len(item_cost) == 0:
+        return False
+    longest = int(item_cost.max())
+    return longest <= span and longest - int(item_cost.min()) > EQUAL_ITEM_TOLERANCE
+
+
+def span_cuts(plan: StreamPlan) -> np.ndarray:
+    """[num_spans + 1] stream positions where the CTAs' shares start (and the last ends): k*span, or with
+    plan.snap the start of the item that position falls in when at most snap after it, else its end when
+    at most snap before it (work_stream.cuh: span_cut)."""
+    cuts = np.minimum(np.arange(plan.num_spans + 1, dtype=np.int64) * plan.span, plan.total)
+    if plan.snap and plan.num_spans > 1:
+        b = cuts[1:-1]
+        r = np.searchsorted(plan.prefix, b, side="right") - 1
+        stride = (plan.prefix[r + 1] - plan.prefix[r]) // plan.num_kv_heads
+        s = plan.prefix[r] + np.minimum((b - plan.prefix[r]) // stride, plan.num_kv_heads - 1) * stride
+        cuts[1:-1] = np.where(b - s <= plan.snap, s, np.where(s + stride - b <= plan.snap, s + stride, b))
+    return cuts
 
 
 def in_whole_item_band(items: int, num_ctas: int) -> bool:
@@ -113,18 +159,22 @@ def item_stride(plan: StreamPlan, request: int) -> int:
 def expand(plan: StreamPlan) -> np.ndarray:
     """Every chunk, as the kernel derives it: rows (cta, request, kv_head, kv_lo, kv_hi, slot)."""
     rows = []
-    c0, span = CHUNK_FIXED_COST, plan.span
+    cuts = span_cuts(plan)
+
+    def owner(x: int) -> int:  # the CTA holding stream position x
+        return int(np.searchsorted(cuts, x, side="right")) - 1
+
     for r in range(plan.batch_size):
         n, stride = int(plan.kv_end[r] - plan.kv_begin[r]), item_stride(plan, r)
         for h in range(plan.num_kv_heads):
             s = int(plan.prefix[r]) + h * stride
             if n == 0:
-                rows.append((s // span, r, h, int(plan.kv_begin[r]), int(plan.kv_begin[r]), -1))
+                rows.append((owner(s), r, h, int(plan.kv_begin[r]), int(plan.kv_begin[r]), -1))
                 continue
-            lo, hi = s + c0, s + c0 + n
-            first, last = lo // span, (hi - 1) // span
+            lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n
+            first, last = owner(lo), owner(hi - 1)
             for cta in range(first, last + 1):
-                a, b = max(lo, cta * span), min(hi, (cta + 1) * span)
+                a, b = max(lo, int(cuts[cta])), min(hi, int(cuts[cta + 1]))
                 slot = -1 if first == last else 2 * cta + (1 if a == lo else 0)
                 rows.append((cta, r, h, int(plan.kv_begin[r]) + a - lo, int(plan.kv_begin[r]) + b - lo, slot))
     return np.array(rows, dtype=np.int64).reshape(-1, 6)
@@ -139,9 +189,13 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     n = int(plan.kv_end[request] - plan.kv_begin[request])
     if n == 0:
         return []
-    t_lo = int(plan.prefix[request]) + kv_head * item_stride(plan, request) + CHUNK_FIXED_COST
-    first, last = t_lo // plan.span, (t_lo + n - 1) // plan.span
-    return [] if first == last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
+    stride = item_stride(plan, request)
+    s = int(plan.prefix[request]) + kv_head * stride
+    lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n
+    if plan.snap:  # cuts within snap of the item's ends moved there (work_stream.cuh: item_ctas)
+        lo, hi = max(lo, s + plan.snap), min(hi, s + stride - plan.snap)
+    first, last = lo // plan.span, ((hi - 1) // plan.span if hi > lo else 0)  # boundaries k*span in (lo, hi)
+    return [] if first >= last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
 
 
 def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_heads: int, tile_q: int,

@@ -28,7 +28,9 @@ def cases():
            ("B16 L65536", [65536] * 16, 16, "bf16"), ("B64 Lrand", rand, 16, "bf16"),
            ("skew 1x65536+127x512", [65536] + [512] * 127, 16, "bf16"),
            ("B64 Lrand page1", rand, 1, "bf16"), ("B64 Lrand page64", rand, 64, "bf16"),
-           ("B16 L8192 fp8kv", [8192] * 16, 16, "fp8_e4m3")]
+           ("B16 L8192 fp8kv", [8192] * 16, 16, "fp8_e4m3"),
+           # unequal short requests: span boundaries snap to item ends here (scheduler.snap_pays)
+           ("B256 Lrand64-1024", torch.randint(64, 1024, (256,)).tolist(), 16, "bf16")]
     # HND: a page holds each head's tokens contiguously (4 KB runs instead of 256-byte rows 2 KB apart)
     out = [(*c, "NHD") for c in out] + [("B16 L8192 HND", [8192] * 16, 16, "bf16", "HND")]
     keep = os.environ.get("ATTNFORGE_BENCH_DECODE_CASES")
@@ -73,6 +75,11 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         if stages is not None:
             impl = f"attnforge-s{stages}-{w.kernel.ctas_per_sm}cta"
         runs[impl] = (lambda w, out: lambda: w.run(q, cache, out=out))(w, out)
+        if pipeline == "auto" and stages is None and w._plan["work"].snap:  # the same plan, cuts not snapped
+            w0 = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
+            w0.span_snap = 0
+            w0.plan(indptr, indices, last, page_size=page_size)
+            runs["attnforge-no-snap"] = (lambda w, out: lambda: w.run(q, cache, out=out))(w0, torch.empty_like(q))
     # in rotation: timed one after another, the first (the default, often the same kernel as a forced
     # pipeline) read 7% slower than its twin on the skew case (seventeenth session)
     for impl, us in time_interleaved(runs).items():

@@ -42,6 +42,20 @@ def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
 
 
+@pytest.mark.parametrize("snap", [scheduler.CHUNK_FIXED_COST, 288])
+@pytest.mark.parametrize("pipeline,kv_dtype", [("transposed", "bf16"), ("normal", "bf16"), ("transposed", "fp8_e4m3")])
+def test_snapped_span_boundaries(snap, pipeline, kv_dtype, monkeypatch):
+    """Span boundaries moved to the ends of the items they fall in (scheduler.span_cuts): the walk and the
+    merge must cut alike. Unequal short items, so the planner snaps (scheduler.snap_pays), some still split."""
+    monkeypatch.setattr(BatchDecode, "span_snap", snap)
+    lengths = np.random.default_rng(snap).integers(1, 700, 96).tolist() + [0, 1, 17]
+    w, _ = run_case(AttentionSpec(pipeline=pipeline, kv_dtype=kv_dtype), lengths, 16, seed=snap, ctas_per_sm=1)
+    work = w._plan["work"]
+    raw = np.minimum(np.arange(work.num_spans + 1) * work.span, work.total)
+    assert work.snap == snap and (scheduler.span_cuts(work) != raw).any()  # the kernel ran moved cuts
+    assert any(scheduler.split_slots(work, r, h) for r in range(len(lengths)) for h in range(8))  # and merged
+
+
 @pytest.mark.parametrize("page_size,layout,kv_dtype", [(16, "NHD", "bf16"), (7, "HND", "bf16"),
                                                      (64, "NHD", "fp8_e4m3")])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])

@@ -162,3 +162,16 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
         launched = {w.kernel.module().name} | ({w._whole.module().name} if w._whole else set())
         assert {m.name for m in presets.modules_for(spec)} == launched
     assert presets.modules_for(AttentionSpec(family="prefill"))[1:] == []  # prefill: one kernel
+
+
+def test_the_kernels_meta_row_carries_the_plans_snap():
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=512,
+                              max_num_pages=1 << 15)
+    lengths = np.random.default_rng(0).integers(64, 1024, 512).tolist()  # unequal short items: snapped
+    off, n = w._offsets["meta"]
+    for snap in (0, 128):
+        w.span_snap = snap
+        w.plan(*table(lengths), page_size=16)
+        work = w._plan["work"]
+        assert work.snap == snap and n == 4  # batch, span, total, snap (work_stream.cuh: StreamMeta)
+        assert w._upload.dev[off:off + 4].tolist() == [len(lengths), work.span, work.total, snap]

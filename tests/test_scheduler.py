@@ -11,11 +11,14 @@ from attnforge.scheduler import CHUNK_FIXED_COST, MIN_SPAN, cta_loads, expand, p
 HKV, CTAS = 8, 264
 
 
-def plan(lengths, begin=None, hkv=HKV, ctas=CTAS):
+def plan(lengths, begin=None, hkv=HKV, ctas=CTAS, snap=0):
     end = np.asarray(lengths, dtype=np.int64)
     begin = np.zeros_like(end) if begin is None else np.asarray(begin, dtype=np.int64)
-    p = plan_stream(begin, end, hkv, ctas)
+    p = plan_stream(begin, end, hkv, ctas, snap=snap, snap_where_it_pays=False)  # the mechanism on every batch
     return p, expand(p)
+
+
+SNAPS = [0, CHUNK_FIXED_COST, 288]  # none, the least, and half a 512-token item's stride
 
 
 def batches():
@@ -40,9 +43,10 @@ def groups(chunks):
     return out
 
 
+@pytest.mark.parametrize("snap", SNAPS)
 @pytest.mark.parametrize("name,lengths", CASES)
-def test_every_token_covered_exactly_once(name, lengths):
-    p, chunks = plan(lengths)
+def test_every_token_covered_exactly_once(name, lengths, snap):
+    p, chunks = plan(lengths, snap=snap)
     g = groups(chunks)
     assert set(g) == {(r, h) for r in range(len(lengths)) for h in range(HKV)}
     for (r, h), parts in g.items():
@@ -52,20 +56,22 @@ def test_every_token_covered_exactly_once(name, lengths):
         assert all(lo < hi for lo, hi in spans) or spans == [(0, 0)]  # only empty items are empty
 
 
+@pytest.mark.parametrize("snap", SNAPS)
 @pytest.mark.parametrize("name,lengths", CASES)
-def test_load_balance(name, lengths):
-    p, chunks = plan(lengths)
+def test_load_balance(name, lengths, snap):
+    p, chunks = plan(lengths, snap=snap)
     loads = cta_loads(chunks, CTAS)
-    assert loads.max() <= p.span + 2 * CHUNK_FIXED_COST, name  # by construction of the spans
-    if p.total >= CTAS * (MIN_SPAN + CHUNK_FIXED_COST):  # enough work for every CTA
+    assert loads.max() <= p.span + 2 * p.snap + 2 * CHUNK_FIXED_COST, name  # by construction of the spans
+    if p.total >= CTAS * (MIN_SPAN + CHUNK_FIXED_COST) and not snap:  # enough work for every CTA
         chunk = int((chunks[:, 4] - chunks[:, 3]).max()) + CHUNK_FIXED_COST
         assert loads.max() <= 1.1 * loads.mean() + chunk, name
         assert loads.max() <= 1.1 * p.total / CTAS + 2 * CHUNK_FIXED_COST, name
 
 
+@pytest.mark.parametrize("snap", SNAPS)
 @pytest.mark.parametrize("name,lengths", CASES)
-def test_slots_unique_bounded_and_match_merge(name, lengths):
-    p, chunks = plan(lengths)
+def test_slots_unique_bounded_and_match_merge(name, lengths, snap):
+    p, chunks = plan(lengths, snap=snap)
     assert chunks[:, 0].max() < CTAS
     slots = chunks[:, 5][chunks[:, 5] >= 0]
     assert len(set(slots.tolist())) == len(slots) and (len(slots) == 0 or slots.max() < 2 * CTAS)
@@ -335,3 +341,46 @@ def test_whole_item_plans_give_each_item_one_span_or_fall_back_to_the_stream(len
         assert (rows[:, 5] == -1).all() and len(np.unique(rows[:, 0])) == len(rows) == len(end) * 8
     else:
         assert p.total == plan_stream(np.zeros_like(end), end, 8, 132).total
+
+
+@pytest.mark.parametrize("name,lengths", CASES)
+def test_snapped_cuts_increase_and_stay_within_snap_of_the_span_boundaries(name, lengths):
+    p = plan(lengths, snap=288)[0]
+    cuts = scheduler.span_cuts(p)
+    raw = np.minimum(np.arange(p.num_spans + 1) * p.span, p.total)
+    assert cuts[0] == 0 and cuts[-1] == p.total and (np.diff(cuts) > 0).all(), name
+    assert (np.abs(cuts - raw) <= p.snap).all() and 2 * p.snap < p.span, name
+
+
+def test_snap_keeps_short_items_whole_beside_a_long_request():
+    lengths = [65536] + [512] * 127  # items of 576 stream positions: every boundary is within 288 of an end
+    before, after = (plan(lengths, ctas=396, snap=snap) for snap in (0, 288))
+    split = lambda chunks: {(r, h) for _, r, h, _, _, slot in chunks.tolist() if slot >= 0}  # noqa: E731
+    assert any(r > 0 for r, _ in split(before[1]))  # without snapping, short items straddle spans
+    assert {r for r, _ in split(after[1])} == {0}  # with it only the long request's items are cut
+    assert after[0].span == before[0].span  # the same spans, cut elsewhere
+
+
+@pytest.mark.parametrize("name,lengths,pays", [
+    ("random short", np.random.default_rng(5).integers(64, 1024, 256).tolist(), True),
+    ("equal short", [512] * 256, False),  # equal items: their splits are even already
+    ("beside a long request", [65536] + [512] * 127, False),  # an item longer than a span
+    ("empty", [], False)])
+def test_the_planner_snaps_only_batches_where_that_was_measured_to_pay(name, lengths, pays):
+    end = np.asarray(lengths, dtype=np.int64)
+    p = plan_stream(np.zeros_like(end), end, HKV, 396, snap=scheduler.SPAN_SNAP)
+    assert (p.snap == scheduler.SPAN_SNAP) == pays, name
+    if pays:  # no item of at most two snaps is cut: any boundary inside is within one snap of an end
+        short = {(r, h) for r, n in enumerate(lengths) if n + CHUNK_FIXED_COST <= 2 * p.snap for h in range(HKV)}
+        assert not {(r, h) for _, r, h, _, _, slot in expand(p).tolist() if slot >= 0} & short
+
+
+@pytest.mark.parametrize("snap", [1, CHUNK_FIXED_COST - 1, -64, 100.0])
+def test_snap_below_the_fixed_cost_is_an_error(snap):
+    with pytest.raises(ValueError, match="snap"):
+        plan([4096] * 4, snap=snap)
+
+
+def test_snap_is_capped_below_half_a_span():
+    p = plan([300] * 8, hkv=1, ctas=4, snap=10_000)[0]
+    assert CHUNK_FIXED_COST <= p.snap < p.span / 2
