@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -40,6 +41,17 @@ def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_sca
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
+
+
+@pytest.mark.parametrize("qk_chains", [1, 4])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_s_accumulated_in_one_or_four_mma_chains(qk_chains, kv_dtype, monkeypatch):
+    """The transposed kernel with S^T's k steps in one or four accumulators (the default: two)."""
+    make = BatchDecode._make_kernel
+    monkeypatch.setattr(BatchDecode, "_make_kernel",
+                        lambda self, *a: dataclasses.replace(make(self, *a), qk_chains=qk_chains))
+    w, _ = run_case(AttentionSpec(kv_dtype=kv_dtype), LENGTHS, 16, seed=qk_chains, whole_items=False)
+    assert w.planned_kernel[0].qk_chains == qk_chains
 
 
 @pytest.mark.parametrize("snap", [scheduler.CHUNK_FIXED_COST, 288])

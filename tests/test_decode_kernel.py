@@ -144,3 +144,12 @@ def test_merge_lse_blocks_stay_in_the_workspace(hq, hkv, head_dim, num_ctas):
     lse_floats = BatchDecode.workspace_bytes(spec, num_ctas) // 4 - slots * g * head_dim  # as BatchDecode slices it
     last_row = (slots - 1) * g
     assert (last_row & ~3) + 4 * (g // 4 + 1) <= lse_floats
+
+
+@pytest.mark.parametrize("chains", [1, 2, 4])
+def test_s_chains_render_into_the_kernel_and_only_1_2_or_4(chains):
+    src = DecodeKernel(AttentionSpec(), qk_chains=chains).module().source
+    assert f"constexpr int kQkChains = {chains};" in src
+    for bad in (0, 3, 8, 2.0):
+        with pytest.raises(ValueError, match="qk_chains: expected 1, 2 or 4"):
+            DecodeKernel(AttentionSpec(), qk_chains=bad)

@@ -101,6 +101,9 @@ class DecodeKernel:
     stages: Optional[int] = None
     num_warps: Optional[int] = None
     head_splits: Optional[int] = None  # work items per KV head, each of group / head_splits query heads
+    # transposed pipeline: independent MMA chains S^T's k steps accumulate into (1, 2 or 4). Two measured
+    # -0.1..-0.5% against one on nine decode cases, none slower (H200, twenty-fourth session); four mixed
+    qk_chains: int = 2
 
     def __post_init__(self):
         s = self.spec
@@ -125,6 +128,8 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
                              f"{g} heads per work item need {-(-g // 16)} warps, got "
                              f"{self.num_warps}. Use more warps or the default.")
+        if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
+            raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
@@ -243,7 +248,7 @@ class DecodeKernel:
                "head_dim": s.head_dim_qk, "group_size": self.item_heads, "head_splits": self.head_splits,
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
-               "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
+               "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1], "qk_chains": self.qk_chains,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
@@ -254,5 +259,6 @@ class DecodeKernel:
                          *(["win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
+                         *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))

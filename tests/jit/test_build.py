@@ -187,6 +187,9 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [MLADecodeKernel(mla[0], backend="wgmma").module(),
              MLADecodeKernel(dataclasses.replace(mla[1], logits_soft_cap=30.0), backend="wgmma").module(),
              MLADecodeKernel(dataclasses.replace(mla[0], pipeline="transposed"), backend="wgmma").module()]
+    from attnforge.kernels.decode import DecodeKernel  # S^T in one and in four MMA chains (the default: two)
+    mods += [DecodeKernel(AttentionSpec(), qk_chains=1).module(),
+             DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), qk_chains=4).module()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.kernels.quest import QuestScoreKernel
     mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module(),
