@@ -355,7 +355,9 @@ def test_snapped_cuts_increase_and_stay_within_snap_of_the_span_boundaries(name,
 def test_snap_keeps_short_items_whole_beside_a_long_request():
     lengths = [65536] + [512] * 127  # items of 576 stream positions: every boundary is within 288 of an end
     before, after = (plan(lengths, ctas=396, snap=snap) for snap in (0, 288))
-    split = lambda chunks: {(r, h) for _, r, h, _, _, slot in chunks.tolist() if slot >= 0}  # noqa: E731
+
+    def split(chunks):  # the (request, head) items cut into several chunks
+        return {(r, h) for _, r, h, _, _, slot in chunks.tolist() if slot >= 0}
     assert any(r > 0 for r, _ in split(before[1]))  # without snapping, short items straddle spans
     assert {r for r, _ in split(after[1])} == {0}  # with it only the long request's items are cut
     assert after[0].span == before[0].span  # the same spans, cut elsewhere
@@ -372,7 +374,7 @@ def test_the_planner_snaps_only_batches_where_that_was_measured_to_pay(name, len
     assert (p.snap == scheduler.SPAN_SNAP) == pays, name
     if pays:  # no item of at most two snaps is cut: any boundary inside is within one snap of an end
         short = {(r, h) for r, n in enumerate(lengths) if n + CHUNK_FIXED_COST <= 2 * p.snap for h in range(HKV)}
-        assert not {(r, h) for _, r, h, _, _, slot in expand(p).tolist() if slot >= 0} & short
+        assert short and not {(r, h) for _, r, h, _, _, slot in expand(p).tolist() if slot >= 0} & short
 
 
 @pytest.mark.parametrize("snap", [1, CHUNK_FIXED_COST - 1, -64, 100.0])
