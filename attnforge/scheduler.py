@@ -100,23 +100,24 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
-    if snap_where_it_pays and not snap_pays(item_cost, span):
+    if snap_where_it_pays and not snap_pays(item_cost, span, total // max(items, 1)):
         snap = 0
     snap = min(snap, (span - 1) // 2) if snap else 0
     return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total,
                       snap if snap >= CHUNK_FIXED_COST else 0)
 
 
-def snap_pays(item_cost: np.ndarray, span: int) -> bool:
+def snap_pays(item_cost: np.ndarray, span: int, mean_cost: int) -> bool:
     """Whether snapped cuts were measured to gain on a batch like this (H200, twenty-fourth session, in
-    rotation against none): unequal items that each fit a span, where a boundary often leaves a sliver
-    (random 64-1024 and 100-1500 tokens: -1.2..-1.6% at 128). Equal items are split evenly already and
-    lost up to +0.9% (B200 L700, B256 L512); beside items longer than a span the moved cuts unbalanced
-    the CTAs (B32 of 100-4000 tokens +0.6..+2.2%, skew mixed)."""
+    rotation against none): unequal items (the costliest more than EQUAL_ITEM_TOLERANCE above the mean:
+    one reduction, not two, on plan()'s path) that each fit a span, where a boundary often leaves a
+    sliver (random 64-1024 and 100-1500 tokens: -1.2..-1.6% at 128). Equal items are split evenly
+    already and lost up to +0.9% (B200 L700, B256 L512); beside items longer than a span the moved cuts
+    unbalanced the CTAs (B32 of 100-4000 tokens +0.6..+2.2%, skew mixed)."""
     if len(item_cost) == 0:
         return False
     longest = int(item_cost.max())
-    return longest <= span and longest - int(item_cost.min()) > EQUAL_ITEM_TOLERANCE
+    return longest <= span and longest - mean_cost > EQUAL_ITEM_TOLERANCE
 
 
 def span_cuts(plan: StreamPlan) -> np.ndarray:

@@ -62,7 +62,7 @@ def test_load_balance(name, lengths, snap):
     p, chunks = plan(lengths, snap=snap)
     loads = cta_loads(chunks, CTAS)
     assert loads.max() <= p.span + 2 * p.snap + 2 * CHUNK_FIXED_COST, name  # by construction of the spans
-    if p.total >= CTAS * (MIN_SPAN + CHUNK_FIXED_COST) and not snap:  # enough work for every CTA
+    if p.total >= CTAS * (MIN_SPAN + CHUNK_FIXED_COST):  # enough work for every CTA
         chunk = int((chunks[:, 4] - chunks[:, 3]).max()) + CHUNK_FIXED_COST
         assert loads.max() <= 1.1 * loads.mean() + chunk, name
         assert loads.max() <= 1.1 * p.total / CTAS + 2 * CHUNK_FIXED_COST, name
