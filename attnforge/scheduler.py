@@ -85,7 +85,7 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
-                         f"got {snap!r}")
+                         f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")
     item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
@@ -102,9 +102,9 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
     if snap_where_it_pays and not snap_pays(item_cost, span, total // max(items, 1)):
         snap = 0
-    snap = min(snap, (span - 1) // 2) if snap else 0
-    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total,
-                      snap if snap >= CHUNK_FIXED_COST else 0)
+    # cuts stay increasing: each moves by less than half a span (span >= MIN_SPAN + CHUNK_FIXED_COST keeps
+    # the cap at or above CHUNK_FIXED_COST)
+    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total, min(snap, (span - 1) // 2))
 
 
 def snap_pays(item_cost: np.ndarray, span: int, mean_cost: int) -> bool:
