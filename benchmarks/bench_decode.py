@@ -75,6 +75,10 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         if stages is not None:
             impl = f"attnforge-s{stages}-{w.kernel.ctas_per_sm}cta"
         runs[impl] = (lambda w, out: lambda: w.run(q, cache, out=out))(w, out)
+        if pipeline == "auto" and stages is None:  # a plain launch: the default's PDL overlaps consecutive calls
+            wp = BatchDecode(spec, max_batch_size=max(256, len(lengths)), pdl=False)
+            wp.plan(indptr, indices, last, page_size=page_size)
+            runs["attnforge-no-pdl"] = (lambda w, out: lambda: w.run(q, cache, out=out))(wp, torch.empty_like(q))
         if pipeline == "auto" and stages is None and w._plan["work"].snap:  # the same plan, cuts not snapped
             w0 = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
             w0.span_snap = 0

@@ -31,3 +31,9 @@ def test_aligned_rows():
     padded = torch.zeros(6, 4, 132, dtype=torch.bfloat16)[..., :128]
     with pytest.raises(ValueError, match=r"out: expected 16-byte aligned rows .*strides \(528, 132, 1\)"):
         checks.check_aligned_rows("out", padded)
+
+
+def test_decode_pdl_flag_must_be_a_bool():
+    from attnforge import AttentionSpec, BatchDecode
+    with pytest.raises(ValueError, match="pdl: expected True or False"):
+        BatchDecode(AttentionSpec(), pdl="yes")  # refused before any device work

@@ -43,6 +43,50 @@ def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
 
 
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+@pytest.mark.parametrize("kernel", ["default", "normal", "fp8", "whole-items"])
+def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):
+    """BatchDecode (PDL by default) three times in a row, each call's queries the previous call's output:
+    a call must read its queries (and the cache) only after the call before it completed; eagerly and
+    replayed in a CUDA graph, where the calls run back to back (the graph caught queries loaded ahead of
+    the wait through ld.global.nc, twenty-fifth session: common.cuh, load_after_wait)."""
+    spec = AttentionSpec(pipeline="normal" if kernel == "normal" else "auto",
+                         kv_dtype="fp8_e4m3" if kernel == "fp8" else "bf16")
+    # whole items: one near-equal (request, KV head) item per SM, which plans the one-CTA-per-SM kernel
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lengths = [1000, 17, 4000, 1, 0, 300] if kernel != "whole-items" else [3000 - i for i in range(sms // 8)]
+    q, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, 16, seed=11)
+    w = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths),
+                    whole_items=True if kernel == "whole-items" else None)
+    assert w.pdl
+    w.plan(indptr, indices, last, page_size=16)
+    assert scheduler.is_whole_item_plan(w._plan["work"]) == (kernel == "whole-items")
+    outs = [poison(q.shape, q.dtype) for _ in range(3)]
+
+    def chain():
+        w.run(q, cache, out=outs[0])
+        w.run(outs[0], cache, out=outs[1])
+        w.run(outs[1], cache, out=outs[2])
+    if use_cuda_graph:
+        chain()  # warm-up (JIT) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for o in outs:
+            o.copy_(poison(q.shape, q.dtype))
+        graph.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    expect = q
+    for o in outs:  # the reference chained on the kernel's own outputs: each call checked alone
+        ref, _ = decode_reference(spec, expect, per_req)
+        low, _ = decode_reference(spec, expect.float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
+                                                          for k, v in per_req], dtype=torch.float32)
+        assert_attention_close(o, ref, low.to(q.dtype), f"pdl chain, graph={use_cuda_graph}")
+        expect = o
+
+
 @pytest.mark.parametrize("qk_chains", [1, 4])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 def test_s_accumulated_in_one_or_four_mma_chains(qk_chains, kv_dtype, monkeypatch):

@@ -158,6 +158,16 @@ AF_DEVICE void let_dependents_launch() {
 #endif
 }
 
+// Loads of what the kernel before this one writes (queries, a selected page table, partial states),
+// read after wait_for_prior_grid() by a kernel launched with PDL: through ld.global, never __ldg's
+// ld.global.nc. .nc promises the data is read-only for the reading kernel's whole lifetime, which under
+// PDL overlaps the writer's, and ptxas used that: it issued decode's query loads (LDG.E.128.CONSTANT)
+// ahead of the wait (ACQBULK), so a decode chained on its predecessor's output read the poison there
+// (H200, twenty-fifth session). tests/jit/test_pdl.py keeps __ldg out of these reads.
+// A plain load, not asm: a volatile asm load with a memory clobber pinned its neighbours' order too and
+// cost Quest's fp8 scoring 5-7% (twenty-fifth session); the wait's own clobber keeps this one after it.
+AF_DEVICE uint4 load_after_wait(const void* src) { return *static_cast<const uint4*>(src); }
+
 // A load with acquire semantics at GPU scope: what the writer released before its write is visible to
 // this thread's later reads.
 AF_DEVICE int load_acquire_gpu(const int* p) {
@@ -197,9 +207,10 @@ AF_DEVICE void store_f32_if(uint64_t addr, float v, bool pred) {
 }
 
 // 16 bytes of floats (written by an earlier kernel) into registers.
+// Four floats of a partial state another kernel wrote (the MLA merge, launched with PDL): coherent.
 AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
-  const float4 t = __ldg(reinterpret_cast<const float4*>(p));
-  v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+  const uint4 t = load_after_wait(p);
+  v[0] = __uint_as_float(t.x); v[1] = __uint_as_float(t.y); v[2] = __uint_as_float(t.z); v[3] = __uint_as_float(t.w);
 }
 
 }  // namespace attnforge

@@ -44,7 +44,7 @@ struct KVTileLoader {
       const int pos = t0 + threadIdx.x / kChunks + j * kRowStep;
       const bool valid = pos < kv_end;
       const int slot = valid ? kv.page_of(pos) : 0;
-      tp.page[j] = valid ? __ldg(kv.page_ids + slot) : 0;
+      tp.page[j] = valid ? kv.page_id(slot) : 0;
       tp.in_page[j] = valid ? pos - slot * kv.page_size : -1;
     }
     return tp;
@@ -127,7 +127,7 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
     const int pos = t0 + int(threadIdx.x % kThreads);
     if (threadIdx.x % kThreads < kTileKV && pos < kv_end) {
       const int slot = kv.page_of(pos);
-      rp.page = __ldg(kv.page_ids + slot);
+      rp.page = kv.page_id(slot);
       rp.in_page = pos - slot * kv.page_size;
     }
     return rp;

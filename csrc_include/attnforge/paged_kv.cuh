@@ -20,12 +20,15 @@ struct PagedKV {
   int64_t token_base = 0;  // ragged (unpaged) KV: the request's first token, one huge "page"
 
   AF_DEVICE int32_t page_of(int32_t pos) const { return page_slot(pos, page_size); }
+  // A page-table entry: a plain (coherent) load, not __ldg, since under PDL the kernel before this one
+  // may write the table (Quest's select: load_after_wait in common.cuh says why)
+  AF_DEVICE int32_t page_id(int32_t slot) const { return page_ids[slot]; }
 
   // Offset (in elements) of token `pos` of the request, head `head`, dim 0.
   AF_DEVICE int64_t offset(int32_t pos, int32_t head) const {
     const int32_t slot = page_of(pos);  // page-table entry read once per row per tile
     const int32_t in_page = pos - slot * page_size;
-    return token_base + int64_t(__ldg(page_ids + slot)) * stride_page + int64_t(in_page) * stride_token +
+    return token_base + int64_t(page_id(slot)) * stride_page + int64_t(in_page) * stride_token +
            int64_t(head) * stride_head;
   }
 };

@@ -6,6 +6,7 @@ buffers before the wait (ones its predecessor never writes) and writes nothing; 
 launch is an ordinary one."""
 import ctypes
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,10 +42,11 @@ def _sources():
 # What each PDL kernel may read before its wait: buffers its predecessor in the stream never writes
 # (plan()'s copies, the queries, the Quest index), as params fields and helpers given the whole params.
 # The predecessors: quest_qsplit_kernel writes P / N, quest_score_kernel the scores,
-# quest_select_kernel the decode page table (kv_indices), mla_decode_kernel the partial states.
+# quest_select_kernel the decode page table (kv_indices), mla_decode_kernel the partial states; decode's
+# may be any kernel (the queries' projection, the cache append).
 READ_BEFORE_WAIT = {
-    "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr", "q",
-                            "q_stride_b", "q_stride_h"},
+    # decode runs after any kernel with BatchDecode(pdl=True): only plan()'s copies before the wait
+    "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr"},
     "mla_merge_kernel": set(),
     "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
     "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
@@ -73,11 +75,74 @@ def test_every_pdl_kernel_reads_only_what_its_predecessor_never_writes_before_wa
     assert not re.search(r"\bp\.\w+(\[[^]]*\])?\s*=[^=]", before), f"{kernel} writes before its wait"
 
 
+def test_decode_reads_its_queries_only_after_the_wait():
+    assert "p.q)" not in _body_before_wait("batch_decode_kernel")  # (an earlier kernel of the step writes q)
+
+
 def test_the_read_list_check_catches_a_read_of_the_predecessors_output():
     # the decode kernel's page-table read sits after its wait; read before it, the check must object
     before = _body_before_wait("batch_decode_kernel") + "__ldg(p.kv_indices + 3);"
     fields = set(re.findall(r"\bp\.(\w+)", before))
     assert "kv_indices" in fields - READ_BEFORE_WAIT["batch_decode_kernel"]
+
+
+# What each PDL kernel reads after its wait that its predecessor writes, and where: those loads must be
+# coherent (load_after_wait or a plain load), never __ldg's ld.global.nc, which ptxas may issue ahead of
+# the wait (it did for decode's queries: common.cuh, load_after_wait). Regions are a struct or function
+# of a rendered module or header, found by its opening text; fields are the params read there.
+HEADERS = Path(__file__).resolve().parents[2] / "csrc_include" / "attnforge"
+READ_AFTER_WAIT = {
+    "batch_decode_kernel": [("decode", "struct QStage {"), ("paged_kv.cuh", "struct PagedKV {"),
+                            ("kv_tile.cuh", None)],  # the queries, the page table (Quest's select)
+    "mla_merge_kernel": [("mla", "mla_merge_kernel("), ("common.cuh", "void load_floats(")],  # partial states
+    "quest_score_kernel": [("quest", "struct SlotQuery {"), ("quest-int4", "struct SlotQuery {")],  # P / N
+    "quest_select_kernel": [("quest", "quest_select_kernel(")],  # the scores
+}
+PREDECESSOR_FIELDS = {"q", "kv_indices", "page_ids", "partial_o", "partial_lse", "q_pos", "q_neg", "q_scale", "scores"}
+
+
+def _regions(where: str, opening):
+    src = dict(zip(("decode", "mla", "quest"), _sources())).get(where)
+    if where == "quest-int4":  # the default summaries' scoring (int8 P / N and their scales)
+        src = QuestScoreKernel("bf16", "int4", 128, 8, 4).module().source
+    src = (HEADERS / where).read_text() if src is None else src
+    if opening is None:
+        return [src]
+    out = []
+    for m in re.finditer(re.escape(opening), src):  # from the opening to its matching brace
+        start = src.index("{", m.start())
+        depth, i = 0, start
+        while True:
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out.append(src[m.start():i + 1])
+    assert out, f"{opening!r} not found in {where}"
+    return out
+
+
+def _ldg_reads_of_predecessor_output(text: str, whole_region: bool):
+    text = re.sub(r"//[^\n]*", "", text)
+    calls = re.findall(r"__ldg\(([^;]*)", text)
+    return calls if whole_region else [c for c in calls if PREDECESSOR_FIELDS & set(re.findall(r"\w+", c))]
+
+
+@pytest.mark.parametrize("kernel", sorted(loader.PDL_KERNELS))
+def test_every_pdl_kernel_reads_its_predecessors_output_coherently(kernel):
+    assert set(READ_AFTER_WAIT) == set(loader.PDL_KERNELS)
+    for where, opening in READ_AFTER_WAIT[kernel]:
+        for region in _regions(where, opening):  # a named region reads only such data: no __ldg at all
+            bad = _ldg_reads_of_predecessor_output(region, whole_region=opening is not None)
+            assert not bad, f"{kernel}: {where} {opening or ''} reads its predecessor's output through __ldg: {bad}"
+
+
+def test_the_coherence_check_catches_an_ldg_of_the_predecessors_output():
+    region = _regions("decode", "struct QStage {")[0]
+    assert not _ldg_reads_of_predecessor_output(region, True)
+    assert _ldg_reads_of_predecessor_output(region.replace("load_after_wait(src)", "__ldg(src)"), True)
+    assert _ldg_reads_of_predecessor_output("x = __ldg(kv.page_ids + slot);", False)
+    assert not _ldg_reads_of_predecessor_output("x = __ldg(p.stream_prefix + r);", False)
 
 
 class _RecordingDriver:
