@@ -87,6 +87,22 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):
         expect = o
 
 
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp8_warp_bands_match_the_cta_barrier_kernel_bitwise(page_size, head_dim, monkeypatch):
+    """fp8 widened in registers: each warp copying and waiting for its own band of the tile (the default,
+    DecodeKernel.warp_rows) computes exactly what the kernel with CTA-wide copies and barriers computes."""
+    spec = AttentionSpec(kv_dtype="fp8_e4m3", head_dim_qk=head_dim, head_dim_vo=head_dim)
+    w, banded = run_case(spec, LENGTHS, page_size, seed=5, whole_items=False)
+    assert w.planned_kernel[0].warp_rows and w.planned_kernel[0].spec.pipeline == "transposed"
+    make = BatchDecode._make_kernel
+    monkeypatch.setattr(BatchDecode, "_make_kernel",
+                        lambda self, *a: dataclasses.replace(make(self, *a), warp_rows=False))
+    w0, barrier = run_case(spec, LENGTHS, page_size, seed=5, whole_items=False)
+    assert not w0.planned_kernel[0].warp_rows
+    assert torch.equal(banded, barrier)
+
+
 @pytest.mark.parametrize("qk_chains", [1, 4])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 def test_s_accumulated_in_one_or_four_mma_chains(qk_chains, kv_dtype, monkeypatch):

@@ -153,3 +153,12 @@ def test_s_chains_render_into_the_kernel_and_only_1_2_or_4(chains):
     for bad in (0, 3, 8, 2.0):
         with pytest.raises(ValueError, match="qk_chains: expected 1, 2 or 4"):
             DecodeKernel(AttentionSpec(), qk_chains=bad)
+
+
+def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
+    fp8 = AttentionSpec(kv_dtype="fp8_e4m3")  # transposed, widened in registers, 4 warps of 16 tokens
+    assert "constexpr bool kWarpRows = true && kRegWiden && kSubBlocks == kWarps;" in DecodeKernel(fp8).module().source
+    off = DecodeKernel(fp8, warp_rows=False).module()
+    assert "constexpr bool kWarpRows = false" in off.source and off.name.endswith("_xb_t64s2w4")
+    with pytest.raises(ValueError, match="warp_rows: expected True or False"):
+        DecodeKernel(fp8, warp_rows=1)

@@ -104,6 +104,10 @@ class DecodeKernel:
     # transposed pipeline: independent MMA chains S^T's k steps accumulate into (1, 2 or 4). Two measured
     # -0.1..-0.5% against one on nine decode cases, none slower (H200, twenty-fourth session); four mixed
     qk_chains: int = 2
+    # fp8 widened in registers with one 16-token sub-block a warp: each warp copies its own band of each
+    # tile and waits for it with __syncwarp instead of a CTA barrier (False: every thread copies across
+    # the tile and the loop waits at __syncthreads, the kernel before the twenty-fifth session)
+    warp_rows: bool = True
 
     def __post_init__(self):
         s = self.spec
@@ -128,6 +132,8 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
                              f"{g} heads per work item need {-(-g // 16)} warps, got "
                              f"{self.num_warps}. Use more warps or the default.")
+        if type(self.warp_rows) is not bool:
+            raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
         if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
             raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
         if self.stages is not None and not 2 <= self.stages <= 8:
@@ -249,7 +255,7 @@ class DecodeKernel:
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
-               "qk_chains": self.qk_chains,
+               "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
@@ -261,5 +267,6 @@ class DecodeKernel:
                          *(["mod"] if s.score_mod is not None else []),
                          *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
                          *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
+                         *(["xb"] if not self.warp_rows else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))

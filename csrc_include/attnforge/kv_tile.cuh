@@ -4,7 +4,10 @@
 //   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
 //   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile; or stored
 //              swizzled (kSwizzleFp8) for kernels that widen in registers after ldmatrix.
-// Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep. Page ids are
+// Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep; with kWarpRows, warp
+// w copies rows [w * kTileKV / warps, (w + 1) * kTileKV / warps) alone (lane l: chunk l % kChunks of
+// rows l / kChunks + j * 32 / kChunks in that band), so a kernel whose warps each read only their own
+// band of the tile can wait for it with __syncwarp instead of a CTA barrier. Page ids are
 // fetched one tile ahead (Pages), so no cp.async waits on a page-table load. Sw128KVLoader writes
 // the same rows in the sw128 format of attnforge/wgmma.cuh instead (wgmma operands).
 #pragma once
@@ -21,7 +24,8 @@ AF_DEVICE T* swizzled_row(T* base, int row, int chunk) {  // 16-bit tile: kHeadD
 
 // kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for
 // kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen().
-template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false>
+template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false,
+          bool kWarpRows = false>
 struct KVTileLoader {
   static constexpr bool kFp8 = sizeof(TKV) == 1;
   static constexpr int kElems = 16 / sizeof(TKV);
@@ -29,8 +33,17 @@ struct KVTileLoader {
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kRowsPerThread = kTileKV / kRowStep;
   static constexpr int kTileBytes = kTileKV * kHeadDim * int(sizeof(TKV));  // one matrix
+  static constexpr int kBandRows = kTileKV / (kThreads / 32);  // kWarpRows: one warp's band
   static_assert(kThreads % kChunks == 0 && kTileKV % kRowStep == 0, "tile/thread mapping");
   static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 8), "a swizzled fp8 row needs 8 or more 16-byte chunks");
+  static_assert(!kWarpRows || (32 % kChunks == 0 && kBandRows % (32 / kChunks) == 0), "warp band mapping");
+
+  static AF_DEVICE int chunk() { return (kWarpRows ? threadIdx.x % 32 : threadIdx.x) % kChunks; }
+  static AF_DEVICE int row(int j) {  // this thread's j-th row of the tile
+    if constexpr (kWarpRows)
+      return threadIdx.x / 32 * kBandRows + threadIdx.x % 32 / kChunks + j * (32 / kChunks);
+    return threadIdx.x / kChunks + j * kRowStep;
+  }
 
   struct Pages {
     int32_t page[kRowsPerThread];     // physical page of each of this thread's rows
@@ -41,7 +54,7 @@ struct KVTileLoader {
     Pages tp;
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
-      const int pos = t0 + threadIdx.x / kChunks + j * kRowStep;
+      const int pos = t0 + row(j);
       const bool valid = pos < kv_end;
       const int slot = valid ? kv.page_of(pos) : 0;
       tp.page[j] = valid ? kv.page_id(slot) : 0;
@@ -55,14 +68,14 @@ struct KVTileLoader {
                              const Pages& tp, char* stage) {
     TKV* sk = reinterpret_cast<TKV*>(stage);
     TKV* sv = sk + kTileKV * kHeadDim;
-    const int ch = threadIdx.x % kChunks;
+    const int ch = chunk();
     const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * kElems;
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
-      const int row = threadIdx.x / kChunks + j * kRowStep;
+      const int r = row(j);
       const bool valid = tp.in_page[j] >= 0;
       const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
-      const int dst = row * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(row, ch)) * kElems;
+      const int dst = r * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(r, ch)) * kElems;
       cp_async_16(sk + dst, k_cache + off, valid);
       cp_async_16(sv + dst, v_cache + off, valid);
     }
