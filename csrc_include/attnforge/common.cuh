@@ -206,8 +206,8 @@ AF_DEVICE void store_f32_if(uint64_t addr, float v, bool pred) {
                ::"l"(addr), "f"(v), "r"(int(pred)) : "memory");
 }
 
-// 16 bytes of floats (written by an earlier kernel) into registers.
-// Four floats of a partial state another kernel wrote (the MLA merge, launched with PDL): coherent.
+// 16 bytes of floats another kernel wrote (the MLA merge's partial states, Quest's P / N; both kernels
+// launched with PDL) into registers, through load_after_wait.
 AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
   const uint4 t = load_after_wait(p);
   v[0] = __uint_as_float(t.x); v[1] = __uint_as_float(t.y); v[2] = __uint_as_float(t.z); v[3] = __uint_as_float(t.w);
