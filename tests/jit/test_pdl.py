@@ -108,18 +108,24 @@ def _regions(where: str, opening):
     src = (HEADERS / where).read_text() if src is None else src
     if opening is None:
         return [src]
-    out = []
-    for m in re.finditer(re.escape(opening), src):  # from the opening to its matching brace
-        start = src.index("{", m.start())
-        depth, i = 0, start
+    out = [src[a:b] for a, b in region_spans(src, opening)]
+    assert out, f"{opening!r} not found in {where}"
+    return out
+
+
+def region_spans(src: str, opening: str) -> list[tuple[int, int]]:
+    """(start, end) offsets of each struct or function of `src` that begins with `opening`: from the
+    opening text to its matching closing brace."""
+    spans = []
+    for m in re.finditer(re.escape(opening), src):
+        depth, i = 0, src.index("{", m.start())
         while True:
             depth += {"{": 1, "}": -1}.get(src[i], 0)
             if depth == 0:
                 break
             i += 1
-        out.append(src[m.start():i + 1])
-    assert out, f"{opening!r} not found in {where}"
-    return out
+        spans.append((m.start(), i + 1))
+    return spans
 
 
 def _ldg_reads_of_predecessor_output(text: str, whole_region: bool):
