@@ -1,11 +1,13 @@
 """Target architecture list and the nvcc toolchain it is built with."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 from . import env
 
@@ -77,6 +79,25 @@ def nvcc_path() -> Path:
         raise RuntimeError("nvcc not found: install the CUDA toolkit (12.4+) and put nvcc on PATH, "
                            "or set CUDA_HOME.")
     return Path(found)
+
+
+def nvdisasm_path() -> Optional[Path]:
+    """nvdisasm on PATH, beside nvcc, or from the nvidia-cuda-nvdisasm wheel (the test extra: CI's toolkit
+    has nvcc alone); None where there is none. Tests and tools read SASS with it; builds never need it."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return Path(found)
+    try:
+        beside = nvcc_path().parent / "nvdisasm"
+        if beside.exists():
+            return beside
+    except RuntimeError:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for tool in sorted(Path(root).glob("*/bin/nvdisasm")):
+            return tool
+    return None
 
 
 @lru_cache(maxsize=4)

@@ -3,9 +3,7 @@ load of a line that reads the predecessor's output may sit before the kernel's f
 (griddepcontrol.wait). tests/jit/test_pdl.py checks the source; this checks the machine code, where
 ptxas once issued decode's query loads (then ld.global.nc) ahead of the wait. Needs nvdisasm (CUDA
 toolkit); skipped where the toolkit ships without it."""
-import importlib.util
 import re
-import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -21,23 +19,8 @@ from attnforge.kernels.quest import QuestScoreKernel
 from .test_pdl import READ_AFTER_WAIT, region_spans
 
 
-def _nvdisasm():
-    """On PATH, beside nvcc, or from the nvidia-cuda-nvdisasm wheel (the test extra, for CI machines
-    whose toolkit has nvcc alone)."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    beside = Path(arch.nvcc_path()).parent / "nvdisasm"
-    if beside.exists():
-        return str(beside)
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for tool in sorted(Path(root).glob("*/bin/nvdisasm")):
-            return str(tool)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_nvdisasm() is None, reason="nvdisasm not found (CUDA toolkit without it)")
+NVDISASM = arch.nvdisasm_path()  # PATH, beside nvcc, or the test extra's wheel
+pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
 # A source line reads what a PDL kernel's predecessor writes when it lies in one of the regions
 # test_pdl.READ_AFTER_WAIT names for that kernel (QStage, SlotQuery, load_q, the page-table loads, ...)
@@ -77,7 +60,7 @@ def _sass(case: str, tmp: str) -> tuple[list, set]:
                     str(src), "-o", str(cubin)], check=True, capture_output=True)
     # -gi: each instruction's source line with the lines it was inlined at (an __ldg's own line is in
     # CUDA's headers; the caller's line is what names the buffer)
-    text = subprocess.run([_nvdisasm(), "-gi", "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+    text = subprocess.run([str(NVDISASM), "-gi", "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
     body = text.split(f".text.{kernel}:", 1)[1].split("//--------------------- ", 1)[0]  # the kernel's section
     out, chain, fresh = [], (), True
     for line in body.splitlines():
