@@ -1,8 +1,8 @@
-"""What ptxas made of each PDL kernel's wait: in the SASS (nvdisasm -g over a -lineinfo cubin), no global
-load of a line that reads the predecessor's output may sit before the kernel's first ACQBULK
+"""What ptxas made of each PDL kernel's wait: in the SASS (nvdisasm -gi over a -lineinfo cubin), no
+global load of a line that reads the predecessor's output may sit before the kernel's first ACQBULK
 (griddepcontrol.wait). tests/jit/test_pdl.py checks the source; this checks the machine code, where
-ptxas once issued decode's query loads (then ld.global.nc) ahead of the wait. Needs nvdisasm (CUDA
-toolkit); skipped where the toolkit ships without it."""
+ptxas once issued decode's query loads (then ld.global.nc) ahead of the wait. Needs nvdisasm (the test
+extra installs it); skipped where none is found."""
 import re
 import subprocess
 from functools import lru_cache
@@ -17,7 +17,6 @@ from attnforge.kernels.decode import DecodeKernel, whole_item_kernel
 from attnforge.kernels.mla import MLADecodeKernel
 from attnforge.kernels.quest import QuestScoreKernel
 from .test_pdl import READ_AFTER_WAIT, region_spans
-
 
 NVDISASM = arch.nvdisasm_path()  # PATH, beside nvcc, or the test extra's wheel
 pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
@@ -34,7 +33,7 @@ def _mla_spec(heads):
     return AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
 
 
-# (name, module, kernel): one representative per PDL kernel and per way it reads its predecessor
+# name -> (the module's factory, the kernel): one case per PDL kernel and per way it reads its predecessor
 CASES = {
     "decode-transposed": (lambda: DecodeKernel(AttentionSpec(pipeline="transposed")).module(), "batch_decode_kernel"),
     "decode-normal": (lambda: DecodeKernel(AttentionSpec(pipeline="normal")).module(), "batch_decode_kernel"),
