@@ -75,15 +75,17 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         if stages is not None:
             impl = f"attnforge-s{stages}-{w.kernel.ctas_per_sm}cta"
         runs[impl] = (lambda w, out: lambda: w.run(q, cache, out=out))(w, out)
-        if pipeline == "auto" and stages is None:  # a plain launch: the default's PDL overlaps consecutive calls
-            wp = BatchDecode(spec, max_batch_size=max(256, len(lengths)), pdl=False)
-            wp.plan(indptr, indices, last, page_size=page_size)
-            runs["attnforge-no-pdl"] = (lambda w, out: lambda: w.run(q, cache, out=out))(wp, torch.empty_like(q))
-        if pipeline == "auto" and stages is None and w._plan["work"].snap:  # the same plan, cuts not snapped
-            w0 = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
-            w0.span_snap = 0
-            w0.plan(indptr, indices, last, page_size=page_size)
-            runs["attnforge-no-snap"] = (lambda w, out: lambda: w.run(q, cache, out=out))(w0, torch.empty_like(q))
+        if pipeline != "auto" or stages is not None:
+            continue
+        # the default beside itself with one choice undone: a plain launch (the default's PDL overlaps
+        # consecutive calls), and where the plan snapped its cuts, the same plan unsnapped
+        twins = {"attnforge-no-pdl": {"pdl": False}, **({"attnforge-no-snap": {"span_snap": 0}}
+                                                         if w._plan["work"].snap else {})}
+        for name, change in twins.items():
+            twin = BatchDecode(spec, max_batch_size=max(256, len(lengths)), pdl=change.get("pdl", True))
+            twin.span_snap = change.get("span_snap")  # None: the scheduler's default
+            twin.plan(indptr, indices, last, page_size=page_size)
+            runs[name] = (lambda w, out: lambda: w.run(q, cache, out=out))(twin, torch.empty_like(q))
     # in rotation: timed one after another, the first (the default, often the same kernel as a forced
     # pipeline) read 7% slower than its twin on the skew case (seventeenth session)
     for impl, us in time_interleaved(runs).items():
