@@ -5,9 +5,10 @@ FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashI
 """
 from __future__ import annotations
 
-import os
-
+import ast
+import dataclasses
 import gc
+import os
 import time
 
 import numpy as np
@@ -54,6 +55,25 @@ def kv_bytes(lengths, kv_dtype):
     return sum(lengths) * HKV * D * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
 
 
+def kernel_twin_changes() -> dict:
+    """ATTNFORGE_BENCH_DECODE_KERNEL_TWIN="warp_rows=False,qk_chains=1": DecodeKernel fields to change in
+    an `attnforge-twin` row, timed in rotation beside the default (an A/B of one kernel choice in one process)."""
+    items = filter(None, os.environ.get("ATTNFORGE_BENCH_DECODE_KERNEL_TWIN", "").split(","))
+    return {k.strip(): ast.literal_eval(v.strip()) for k, v in (item.split("=", 1) for item in items)}
+
+
+def kernel_twin(changes: dict) -> type:
+    """BatchDecode with `changes` applied to every kernel it builds (the split and whole-item ones)."""
+    class Twin(BatchDecode):
+        def _make_kernel(self, *args):
+            return dataclasses.replace(super()._make_kernel(*args), **changes)
+
+        def _make_whole_kernel(self, spec):
+            k = super()._make_whole_kernel(spec)
+            return k and dataclasses.replace(k, **changes)
+    return Twin
+
+
 def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
     nbytes = kv_bytes(lengths, kv_dtype)
     variants = [(p, None) for p in ("auto", "normal", "transposed")]
@@ -86,6 +106,10 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
             twin.span_snap = change.get("span_snap")  # None: the scheduler's default
             twin.plan(indptr, indices, last, page_size=page_size)
             runs[name] = (lambda w, out: lambda: w.run(q, cache, out=out))(twin, torch.empty_like(q))
+        if kernel_twin_changes():
+            twin = kernel_twin(kernel_twin_changes())(spec, max_batch_size=max(256, len(lengths)))
+            twin.plan(indptr, indices, last, page_size=page_size)
+            runs["attnforge-twin"] = (lambda w, out: lambda: w.run(q, cache, out=out))(twin, torch.empty_like(q))
     # in rotation: timed one after another, the first (the default, often the same kernel as a forced
     # pipeline) read 7% slower than its twin on the skew case (seventeenth session)
     for impl, us in time_interleaved(runs).items():

@@ -270,3 +270,20 @@ def test_decode_sweep_takes_its_configurations_from_the_environment(monkeypatch)
     assert mod.configs() == mod.CONFIGS
     monkeypatch.setenv("ATTNFORGE_BENCH_SWEEP_CONFIGS", "64x2x4,128x3x8")
     assert mod.configs() == [(64, 2, 4), (128, 3, 8)]
+
+
+def test_decode_kernel_twin_changes_both_kernels_of_the_wrapper(monkeypatch):
+    from attnforge import AttentionSpec
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_decode")
+    monkeypatch.delenv("ATTNFORGE_BENCH_DECODE_KERNEL_TWIN", raising=False)
+    assert mod.kernel_twin_changes() == {}
+    monkeypatch.setenv("ATTNFORGE_BENCH_DECODE_KERNEL_TWIN", "warp_rows=False, qk_chains=1")
+    changes = mod.kernel_twin_changes()
+    assert changes == {"warp_rows": False, "qk_chains": 1}
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    plain, twin = mod.BatchDecode.host_only(spec), mod.kernel_twin(changes).host_only(spec)
+    assert (plain.kernel.warp_rows, plain.kernel.qk_chains) == (True, 2)
+    assert (twin.kernel.warp_rows, twin.kernel.qk_chains) == (False, 1)
+    assert twin._whole is not None and (twin._whole.warp_rows, twin._whole.qk_chains) == (False, 1)
+    assert twin.kernel.module().source != plain.kernel.module().source

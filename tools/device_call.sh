@@ -6,6 +6,8 @@
 # Usage (GPU machine, repo root), e.g.:
 #   TREES="pos fence" TESTS_pos="tests/test_prefill_gpu.py" TESTS_fence="tests/test_decode_gpu.py" \
 #     SUITES=prefill,mods ROUNDS=2 LIMIT=560 bash tools/device_call.sh
+#   MEMCHECK_<name>="test ids" runs those tests of that tree under compute-sanitizer beside its tests.
+#   main is abtrees/main where staged (the checkout on the device is whatever was checked out here), else .
 #   then: tar czf $OUT/call.tgz -C /tmp/w .   (here: tar czf ab.tgz -C <files_at>/ab/raw . and
 #   python tools/ab_compare.py ab.tgz)
 set -u
@@ -15,14 +17,15 @@ rm -rf "$W"; mkdir -p "$W/ab"
 for name in ${TREES:-}; do
   var="TESTS_$name"; tests=${!var:-${TESTS:-}}
   [ -z "$tests" ] && continue
-  mkdir -p "$W/$name"
-  (cd "abtrees/$name" && OUT="$W/$name" BENCH=0 TEST_GROUPS="$tests" bash tools/gpu_session.sh > "$W/$name/session.log" 2>&1) &
+  mkdir -p "$W/$name"; mc="MEMCHECK_$name"
+  (cd "abtrees/$name" && OUT="$W/$name" BENCH=0 TEST_GROUPS="$tests" SANITIZE_TESTS="${!mc:-}" \
+    env ${!mc:+SANITIZE=1 SANITIZE_PARALLEL=1} bash tools/gpu_session.sh > "$W/$name/session.log" 2>&1) &
 done
 wait
 echo "tests done at $(( $(date +%s) - start )) s"
 grep -h "== tests" "$W"/*/session.log 2>/dev/null
 if [ -n "${SUITES:-}" ]; then
-  args=("main=.")
+  args=("main=."); [ -d abtrees/main ] && args=("main=abtrees/main")
   for name in ${TREES:-}; do args+=("$name=abtrees/$name"); done
   # each round of one tree must fit before the limit: stop a minute short of it
   OUT="$W/ab" WORK="$W/ab/raw" ROUNDS=${ROUNDS:-2} DEADLINE=$((start + ${LIMIT:-560} - 60)) \
