@@ -18,7 +18,7 @@ for name in ${TREES:-}; do
   var="TESTS_$name"; tests=${!var:-${TESTS:-}}
   [ -z "$tests" ] && continue
   mkdir -p "$W/$name"; mc="MEMCHECK_$name"
-  (cd "abtrees/$name" && OUT="$W/$name" BENCH=0 TEST_GROUPS="$tests" SANITIZE_TESTS="${!mc:-}" \
+  (cd "abtrees/$name" && OUT="$W/$name" BENCH=0 SASS=0 TEST_GROUPS="$tests" SANITIZE_TESTS="${!mc:-}" \
     env ${!mc:+SANITIZE=1 SANITIZE_PARALLEL=1} bash tools/gpu_session.sh > "$W/$name/session.log" 2>&1) &
 done
 wait
