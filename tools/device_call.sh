@@ -26,7 +26,7 @@ echo "tests done at $(( $(date +%s) - start )) s"
 grep -h "== tests" "$W"/*/session.log 2>/dev/null
 if [ -n "${SUITES:-}" ]; then
   args=("main=."); [ -d abtrees/main ] && args=("main=abtrees/main")
-  for name in ${TREES:-}; do args+=("$name=abtrees/$name"); done
+  for name in ${AB_TREES-${TREES:-}}; do args+=("$name=abtrees/$name"); done  # AB_TREES: a subset
   # each round of one tree must fit before the limit: stop a minute short of it
   OUT="$W/ab" WORK="$W/ab/raw" ROUNDS=${ROUNDS:-2} DEADLINE=$((start + ${LIMIT:-560} - 60)) \
     BENCH_ARGS=${BENCH_ARGS---no-peers} bash tools/ab_bench.sh "${args[@]}"  # BENCH_ARGS= (set, empty): with peers
