@@ -60,13 +60,15 @@ class BatchMLADecode(BatchDecode):
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
                  tile_kv: Optional[int] = None, backend: Optional[str] = None, schedule: Optional[str] = None,
-                 ctas_per_sm: Optional[int] = None, **spec_kwargs):
+                 ctas_per_sm: Optional[int] = None, pdl: bool = True, **spec_kwargs):
         """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
         backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
         up to 32); "mma": mma.sync (any arch, fp8 KV); None: the measured winner for the spec
         (attnforge.kernels.mla.default_backend), or "mma" when tile_kv / num_stages are given.
         schedule: the wgmma normal pipeline's warpgroup schedule (attnforge.kernels.mla.SCHEDULES).
-        ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas)."""
+        ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas).
+        pdl: launch the decode kernel with programmatic dependent launch, as BatchDecode does (its CTAs
+        walk their plan while the kernel before it finishes; queries and cache are read after it completes); False for a plain launch."""
         self._backend, self._schedule = backend, schedule
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
@@ -79,7 +81,7 @@ class BatchMLADecode(BatchDecode):
         self.max_q_len = max_q_len
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                          max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
-                         ctas_per_sm=ctas_per_sm, **spec_kwargs)
+                         ctas_per_sm=ctas_per_sm, pdl=pdl, **spec_kwargs)
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)
@@ -189,7 +191,8 @@ class BatchMLADecode(BatchDecode):
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
-            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes)
+            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes,
+                                            pdl=self.pdl)
             # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
             lanes = self._plan["merge_lanes"]
             if lanes == 1:

@@ -52,6 +52,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # (row name, pipeline, backend, schedule, tile, stages, CTAs per SM): "attnforge" is the defaults;
     # -normal and -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
     variants = [("attnforge", "auto", None, None, None, None, None),
+                ("attnforge-no-pdl", "auto", None, None, None, None, None),  # the default in plain launches
                 ("attnforge-normal", "normal", "mma", None, None, None, None),
                 ("attnforge-transposed", "transposed", "mma", None, None, None, None),
                 ("attnforge-wgmma", "normal", "wgmma", None, None, None, None),
@@ -71,7 +72,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
                              head_dim_vo=512, pipeline=pipeline)
         try:
             w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
-                               backend=backend, schedule=schedule, ctas_per_sm=per_sm)
+                               backend=backend, schedule=schedule, ctas_per_sm=per_sm, pdl=impl != "attnforge-no-pdl")
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue
@@ -160,8 +161,14 @@ def accuracy(report: Report) -> None:
             report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {pipeline}: RMSE vs float64 {rmse:.3e}")
 
 
+PDL_NOTE = ("mla: attnforge's rows launch with programmatic dependent launch (BatchMLADecode(pdl=True), the "
+            "default; attnforge-no-pdl: the same kernels launched plainly); FlashInfer 0.2.14's MLA wrapper has no "
+            "PDL option, so its rows launch plainly")
+
+
 def run(report: Report, peers: bool = True) -> None:
     accuracy(report)
+    report.note(PDL_NOTE)
     for case, heads, batch, length in cases():
         q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
         tokens = batch * length

@@ -37,3 +37,9 @@ def test_decode_pdl_flag_must_be_a_bool():
     from attnforge import AttentionSpec, BatchDecode
     with pytest.raises(ValueError, match="pdl: expected True or False"):
         BatchDecode(AttentionSpec(), pdl="yes")  # refused before any device work
+
+
+def test_mla_decode_pdl_flag_must_be_a_bool():
+    from attnforge import BatchMLADecode
+    with pytest.raises(ValueError, match="pdl: expected True or False"):
+        BatchMLADecode(num_qo_heads=16, pdl=1)  # refused before any device work

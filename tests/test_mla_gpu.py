@@ -94,6 +94,45 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     return out, ref
 
 
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+@pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (128, None), (16, "mma")])
+def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, heads, backend):
+    """BatchMLADecode (PDL by default) three times in a row, each call's q_nope the previous call's
+    output: a decode must read its queries only after the call before it (decode and merge) completed,
+    and must not overwrite the partial states that merge still reads; eagerly and in a CUDA graph."""
+    spec = mla_spec(heads)
+    lengths = [1000, 17, 4000, 1, 0, 300]
+    q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, 64, seed=heads)
+    w = BatchMLADecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths),
+                       **({"backend": backend} if backend else {}))
+    assert w.pdl
+    w.plan(indptr, indices, last, page_size=64)
+    outs = [poison(q_nope.shape, q_nope.dtype) for _ in range(3)]
+
+    def chain():
+        w.run(q_nope, q_pe, *caches, out=outs[0])
+        w.run(outs[0], q_pe, *caches, out=outs[1])
+        w.run(outs[1], q_pe, *caches, out=outs[2])
+    if use_cuda_graph:
+        chain()  # warm-up (JIT) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for o in outs:
+            o.copy_(poison(q_nope.shape, q_nope.dtype))
+        graph.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    expect = q_nope
+    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
+    for o in outs:  # each call checked alone, on the queries it was given
+        ref, _ = mla_reference(expect, q_pe, per_req, 1, DEEPSEEK_SM_SCALE)
+        low, _ = mla_reference(expect.float(), q_pe.float(), low_rows, 1, DEEPSEEK_SM_SCALE, dtype=torch.float32)
+        assert_attention_close(o, ref.to(o.device), low.to(q_nope.dtype).to(o.device), f"mla pdl chain h{heads}")
+        expect = o
+
+
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):

@@ -47,6 +47,8 @@ def _sources():
 READ_BEFORE_WAIT = {
     # decode runs after any kernel with BatchDecode(pdl=True): only plan()'s copies before the wait
     "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr"},
+    # MLA decode after any kernel with BatchMLADecode(pdl=True): only plan()'s copies before the wait
+    "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks"},
     "mla_merge_kernel": set(),
     "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
     "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
@@ -94,6 +96,7 @@ HEADERS = Path(__file__).resolve().parents[2] / "csrc_include" / "attnforge"
 READ_AFTER_WAIT = {
     "batch_decode_kernel": [("decode", "struct QStage {"), ("paged_kv.cuh", "struct PagedKV {"),
                             ("kv_tile.cuh", None)],  # the queries, the page table (Quest's select)
+    "mla_decode_kernel": [("mla", "void load_q(")],  # the queries (its page table is plan()'s copy)
     "mla_merge_kernel": [("mla", "mla_merge_kernel("), ("common.cuh", "void load_floats(")],  # partial states
     "quest_score_kernel": [("quest", "struct SlotQuery {"), ("quest-int4", "struct SlotQuery {")],  # P / N
     "quest_select_kernel": [("quest", "quest_select_kernel(")],  # the scores

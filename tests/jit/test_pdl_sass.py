@@ -43,6 +43,12 @@ CASES = {
     "quest-score-fp8": (lambda: QuestScoreKernel("bf16", "fp8", 128, 8, 4).module(), "quest_score_kernel"),
     "quest-select": (lambda: QuestScoreKernel("bf16", "int4", 128, 8, 4).module(), "quest_select_kernel"),
     "mla-merge": (lambda: MLADecodeKernel(_mla_spec(16), None, None, "mma", None).module(), "mla_merge_kernel"),
+    "mla-decode-mma": (lambda: MLADecodeKernel(_mla_spec(16), None, None, "mma", None).module(), "mla_decode_kernel"),
+    "mla-decode-wgmma-roles": (lambda: MLADecodeKernel(_mla_spec(128), None, None, "wgmma", "roles").module(),
+                               "mla_decode_kernel"),
+    "mla-decode-wgmma-transposed": (lambda: MLADecodeKernel(AttentionSpec(
+        family="mla_decode", num_qo_heads=8, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512, pipeline="transposed"),
+        None, None, "wgmma", None).module(), "mla_decode_kernel"),
 }
 
 
