@@ -114,8 +114,9 @@ class BatchMLADecode(BatchDecode):
         (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time. Equal
         requests plan spans on item boundaries (scheduler.ALIGN_SLACK), as decode does."""
         side = self.kernel.side_blocks(row_blocks)
+        slack = MLA_ALIGN_SLACK if self.align_slack is None else self.align_slack
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
-                                     align_equal_items=True, align_slack=MLA_ALIGN_SLACK)
+                                     align_equal_items=True, align_slack=slack, whole_items_per_span=True)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,

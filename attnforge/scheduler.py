@@ -68,7 +68,7 @@ class StreamPlan:
 
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
-                snap_where_it_pays: bool = True) -> StreamPlan:
+                snap_where_it_pays: bool = True, whole_items_per_span: bool = False) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
     costliest) and there are at most num_ctas of them, cut each
@@ -82,6 +82,9 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     snap: span boundaries within this many positions of an item's start or end move there (span_cuts);
     0 for none, else at least CHUNK_FIXED_COST, and capped below span / 2 (aligned plans need none).
     snap_where_it_pays: apply it only to batches of unequal items that each fit a span (snap_pays).
+    whole_items_per_span: with align_equal_items, equal items that outnumber the CTAs go ceil(items /
+    num_ctas) whole to a span (each padded to the costliest) where that lengthens the span by less than
+    align_slack: no item is split, so none is merged (MLA's 64-row blocks, whose chunks cost most).
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
@@ -99,6 +102,13 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
         aligned = max(-(-int(item_cost.max()) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
+            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
+    elif (align_equal_items and whole_items_per_span and items > num_ctas
+          and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE):
+        stride = int(item_cost.max())  # every item padded to the costliest: span boundaries fall between items
+        aligned = max(-(-items // num_ctas), -(-(MIN_SPAN + CHUNK_FIXED_COST) // stride)) * stride
+        if aligned - span < align_slack:
+            np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * stride, out=prefix)
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
     if snap_where_it_pays and not snap_pays(item_cost, span, total // max(items, 1)):
         snap = 0

@@ -66,6 +66,10 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # fewer chunk fills and partial states to merge), for the single-request cases' overheads
     ctas = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_CTAS_PER_SM", "").split(","))]
     variants += [(f"attnforge-{c}cta", "auto", None, None, None, None, c) for c in ctas]
+    # ATTNFORGE_BENCH_MLA_ALIGN_SLACK="100000": the default kernel with that bound on aligned spans (equal
+    # requests cut into equal chunks, or several whole a span where they outnumber the CTAs)
+    slacks = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ALIGN_SLACK", "").split(","))]
+    variants += [(f"attnforge-slack{x}", "auto", None, None, None, None, None) for x in slacks]
     runs = {}
     for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
@@ -76,6 +80,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue
+        if impl.startswith("attnforge-slack"):
+            w.align_slack = int(impl[len("attnforge-slack"):])
         w.plan(indptr, indices, last, page_size=PAGE)
         runs[impl] = lambda w=w, out=torch.empty_like(q_nope): w.run(q_nope, q_pe, ckv, kpe, out=out)
         if impl == "attnforge" and len(last) == 1:  # one long request: what its chunks' merge costs

@@ -179,6 +179,29 @@ def test_long_request_split_across_ctas(pipeline, heads):
     run_case(mla_spec(heads, pipeline), [65536, 5, 3000], 64, seed=7, **mma_if_transposed(pipeline))
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_equal_requests_outnumbering_the_ctas_go_whole_to_spans(heads, monkeypatch):
+    """More equal requests than CTAs (row blocks side by side at 128 heads) with an unbounded alignment
+    slack: several whole requests a span, none split, so nothing is merged; the attention is the
+    reference's."""
+    import attnforge.mla
+    from attnforge import scheduler
+    monkeypatch.setattr(attnforge.mla, "MLA_ALIGN_SLACK", 1 << 30)
+    spec = mla_spec(heads, "auto")
+    probe = BatchMLADecode(spec, max_batch_size=512)
+    blocks = probe.kernel.row_blocks(1)
+    side = probe.kernel.side_blocks(blocks)
+    per_request, ctas = blocks // side, probe.num_ctas // side
+    requests = ctas // per_request + 5
+    lengths = [307] * requests  # no multiple of a tile; 371 stream positions an item
+    _, _, _, (indptr, indices, last), _ = make_case(spec, lengths, 64)
+    probe.plan(indptr, indices, last, page_size=64)
+    rows = scheduler.expand(probe._plan["work"])
+    assert len(rows) == requests * per_request  # one chunk an item: each whole in one span
+    assert (rows[:, 3] == 0).all() and (rows[:, 4] == 307).all() and (rows[:, 5] < 0).all()
+    run_case(spec, lengths, 64, seed=13, max_batch_size=requests)
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_equal_requests_on_aligned_spans(pipeline):
     """Equal requests whose cost splits evenly into CTAs // items chunks are planned one chunk a span

@@ -296,6 +296,35 @@ def test_aligned_spans_cut_equal_items_into_equal_chunks(lengths, hkv):
         assert (per_item == chunks).all()
 
 
+@pytest.mark.parametrize("lengths,hkv,ctas", [([4096] * 128, 1, 66), ([8192] * 70, 1, 66), ([100] * 300, 1, 264),
+                                              ([1000 - i % 9 for i in range(70)], 2, 66), ([4096] * 128, 8, 396)])
+def test_equal_items_outnumbering_the_ctas_go_whole_to_spans(lengths, hkv, ctas):
+    end = np.asarray(lengths, dtype=np.int64)
+    p = plan_stream(np.zeros_like(end), end, hkv, ctas, align_equal_items=True, align_slack=1 << 30,
+                    whole_items_per_span=True)
+    rows = expand(p)
+    items = len(lengths) * hkv
+    assert items > ctas and p.num_spans <= ctas
+    assert len(rows) == items and (rows[:, 5] < 0).all()  # one chunk an item, none merged
+    assert (rows[:, 3] == 0).all() and (rows[:, 4] == end[rows[:, 1]]).all()
+    per_span = np.bincount(rows[:, 0])
+    assert per_span.max() == max(-(-items // ctas), -(-(MIN_SPAN + CHUNK_FIXED_COST) // (max(lengths) + CHUNK_FIXED_COST)))
+    # under the default slack, spans that would grow by that much or more keep the even split
+    even = plan_stream(np.zeros_like(end), end, hkv, ctas)
+    bounded = plan_stream(np.zeros_like(end), end, hkv, ctas, align_equal_items=True, whole_items_per_span=True)
+    assert bounded.span == (p.span if p.span - even.span < scheduler.ALIGN_SLACK else even.span)
+
+
+def test_whole_items_per_span_leave_unequal_batches_and_other_callers_alone():
+    end = np.array([4096, 2000] * 64, dtype=np.int64)
+    whole, plain = (plan_stream(np.zeros_like(end), end, 1, 66, align_equal_items=True, align_slack=1 << 30,
+                                whole_items_per_span=w) for w in (True, False))
+    assert whole.span == plain.span  # unequal items: the plain stream
+    end = np.full(128, 4096, dtype=np.int64)
+    decode = plan_stream(np.zeros_like(end), end, 1, 66, align_equal_items=True, align_slack=1 << 30)
+    assert decode.span == -(-decode.total // 66)  # not asked for: decode keeps the even split
+
+
 def test_quests_subset_decode_has_no_sliver_chunks():
     # Quest's decode over the selection (B16, 4096 tokens, 8 KV heads, 396 CTAs): unpadded, the rounded
     # span drifted into the next items and cut 63 chunks of 1-63 tokens
