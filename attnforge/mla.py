@@ -51,6 +51,12 @@ def merge_lanes(work: scheduler.StreamPlan) -> int:
 # 512-byte token-heads). Measured on the H200 (fourteenth session, h16, in rotation): spans 62-63 tokens
 # longer won 2.9% (B64 L8192) and 3.8% (B128 L4096); 124 longer lost 1.5% (B16 L65536, h8 and h16).
 MLA_ALIGN_SLACK = 96
+# The 64-row kernels (wgmma normal, the default from 32 heads) pay far more for a split item: each chunk
+# loads 64 query rows (73 KB), writes a 128 KB partial state and has it merged. There aligned spans may
+# grow by this fraction of the even span. Measured on the H200 (twenty-sixth session, two rounds in
+# rotation): spans 3.1% longer, each holding whole items or one equal chunk of one, won 4-13% (h128 B64
+# L8192 -13%, B128 L4096 -7%, B16 L65536 -4%; h32 / h64 B16 L65536 -7 / -9%); 3.1% was the most measured.
+MLA_WIDE_ALIGN_FRACTION = 0.04
 
 
 class BatchMLADecode(BatchDecode):
@@ -112,9 +118,17 @@ class BatchMLADecode(BatchDecode):
         """R / S items per request over num_ctas // S spans, S = the row blocks run side by side
         (MLADecodeKernel.side_blocks): CTA c runs side c % S of span c // S
         (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time. Equal
-        requests plan spans on item boundaries (scheduler.ALIGN_SLACK), as decode does."""
+        requests plan spans on item boundaries, as decode does: cut into equal chunks, or several whole
+        to a span where they outnumber the CTAs, if that lengthens a span by less than MLA_ALIGN_SLACK
+        (64-row kernels: MLA_WIDE_ALIGN_FRACTION of it)."""
         side = self.kernel.side_blocks(row_blocks)
-        slack = MLA_ALIGN_SLACK if self.align_slack is None else self.align_slack
+        slack = self.align_slack
+        if slack is None:
+            slack = MLA_ALIGN_SLACK
+            if self.kernel.rows >= 64:
+                even = -(-int((kv_end - kv_begin + scheduler.CHUNK_FIXED_COST).sum()) * (row_blocks // side)
+                         // max(self.num_ctas // side, 1))
+                slack = max(slack, int(MLA_WIDE_ALIGN_FRACTION * even))
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
                                      align_equal_items=True, align_slack=slack, whole_items_per_span=True)
 

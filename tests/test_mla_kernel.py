@@ -190,3 +190,27 @@ def test_equal_requests_plan_aligned_spans():
     w.plan(indptr, np.arange(16 * 1024), np.full(16, 64), page_size=64)
     work = w._plan["work"]
     assert work.span == -(-work.total // w.num_ctas) and work.num_spans == w.num_ctas
+
+
+def test_64_row_kernels_align_spans_within_a_fraction_of_the_even_span():
+    """From 32 heads (wgmma normal, 64-row blocks) a split item costs most: equal requests go whole to
+    spans (or one equal chunk a span) when that lengthens a span by less than MLA_WIDE_ALIGN_FRACTION;
+    past it the even split stays."""
+    import numpy as np
+
+    from attnforge import scheduler
+    from attnforge.mla import MLA_WIDE_ALIGN_FRACTION, BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    w = BatchMLADecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
+    pairs = w.num_ctas // 2  # two row blocks side by side
+
+    def plan(batch, pages):
+        w.plan(np.arange(batch + 1) * pages, np.arange(batch * pages), np.full(batch, 64), page_size=64)
+        return w._plan["work"], scheduler.expand(w._plan["work"])
+    for batch in (64, 128):  # B64 L8192 (one item a span), B128 L4096 (two whole items a span)
+        work, rows = plan(batch, 8192 * 64 // batch // 64)
+        even = -(-work.total // pairs)
+        assert len(rows) == batch and (rows[:, 5] < 0).all()  # none split, none merged
+        assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even
+    work, rows = plan(pairs + 1, 16)  # two whole items a span would nearly double it: the even split
+    assert work.span == -(-work.total // pairs) and len(rows) > pairs + 1
