@@ -74,7 +74,8 @@ class BatchMLADecode(BatchDecode):
         schedule: the wgmma normal pipeline's warpgroup schedule (attnforge.kernels.mla.SCHEDULES).
         ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas).
         pdl: launch the decode kernel with programmatic dependent launch, as BatchDecode does (its CTAs
-        walk their plan while the kernel before it finishes; queries and cache are read after it completes); False for a plain launch."""
+        find their first item while the kernel before it finishes, and read queries and cache after it
+        completes); False for a plain launch."""
         self._backend, self._schedule = backend, schedule
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
@@ -206,8 +207,8 @@ class BatchMLADecode(BatchDecode):
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         rows_cap = (self.max_batch_size if self.use_cuda_graph else b) * q_len * s.num_qo_heads
         with torch.cuda.device(self.device):
-            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params, smem=self.kernel.smem_bytes,
-                                            pdl=self.pdl)
+            lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
+                                            smem=self.kernel.smem_bytes, pdl=self.pdl)
             # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
             lanes = self._plan["merge_lanes"]
             if lanes == 1:
