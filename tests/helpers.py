@@ -106,6 +106,31 @@ def poison(shape, dtype, device="cuda"):
     return torch.full(shape, math.nan, dtype=dtype, device=device)
 
 
+def chain_on_own_outputs(run, q, use_cuda_graph: bool, calls: int = 3) -> list:
+    """run(q_in, out) `calls` times in a row, each call's queries the previous call's output (a PDL launch
+    must not read them before that call completes): eagerly, or captured once in a CUDA graph and
+    replayed onto poisoned outputs. Returns the outputs."""
+    outs = [poison(q.shape, q.dtype) for _ in range(calls)]
+
+    def chain():
+        src = q
+        for o in outs:
+            run(src, o)
+            src = o
+    if use_cuda_graph:
+        chain()  # warm-up (JIT) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        for o in outs:
+            o.copy_(poison(q.shape, q.dtype))
+        graph.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    return outs
+
+
 def replays_after_replans(run, replan, refresh, rounds: int):
     """The CUDA-graph protocol every wrapper's test checks: plan, run once outside capture (build and
     load), capture `run`, then per round re-plan, refresh inputs and poison outputs (`refresh`), replay

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, scheduler
-from helpers import (assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison,
-                     poison_unused_slots, random_page_table, replays_after_replans)
+from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, decode_reference, make_paged_case,
+                     poison, poison_unused_slots, random_page_table, replays_after_replans)
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 15, 16, 17, 1000, 63, 64, 65]
@@ -61,23 +61,7 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):
     assert w.pdl
     w.plan(indptr, indices, last, page_size=16)
     assert scheduler.is_whole_item_plan(w._plan["work"]) == (kernel == "whole-items")
-    outs = [poison(q.shape, q.dtype) for _ in range(3)]
-
-    def chain():
-        w.run(q, cache, out=outs[0])
-        w.run(outs[0], cache, out=outs[1])
-        w.run(outs[1], cache, out=outs[2])
-    if use_cuda_graph:
-        chain()  # warm-up (JIT) outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain()
-        for o in outs:
-            o.copy_(poison(q.shape, q.dtype))
-        graph.replay()
-    else:
-        chain()
-    torch.cuda.synchronize()
+    outs = chain_on_own_outputs(lambda src, out: w.run(src, cache, out=out), q, use_cuda_graph)
     expect = q
     for o in outs:  # the reference chained on the kernel's own outputs: each call checked alone
         ref, _ = decode_reference(spec, expect, per_req)

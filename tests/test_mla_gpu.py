@@ -9,8 +9,8 @@ from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
-from helpers import (assert_attention_close, assert_lse_close, poison, random_page_table, replays_after_replans,
-                     unheld_slots)
+from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, poison, random_page_table,
+                     replays_after_replans, unheld_slots)
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]
@@ -107,23 +107,7 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, heads, backen
                        **({"backend": backend} if backend else {}))
     assert w.pdl
     w.plan(indptr, indices, last, page_size=64)
-    outs = [poison(q_nope.shape, q_nope.dtype) for _ in range(3)]
-
-    def chain():
-        w.run(q_nope, q_pe, *caches, out=outs[0])
-        w.run(outs[0], q_pe, *caches, out=outs[1])
-        w.run(outs[1], q_pe, *caches, out=outs[2])
-    if use_cuda_graph:
-        chain()  # warm-up (JIT) outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain()
-        for o in outs:
-            o.copy_(poison(q_nope.shape, q_nope.dtype))
-        graph.replay()
-    else:
-        chain()
-    torch.cuda.synchronize()
+    outs = chain_on_own_outputs(lambda src, out: w.run(src, q_pe, *caches, out=out), q_nope, use_cuda_graph)
     expect = q_nope
     low_rows = [r.to(q_nope.dtype).float() for r in per_req]
     for o in outs:  # each call checked alone, on the queries it was given
