@@ -163,7 +163,7 @@ def test_trace_scripts_save_json_only_when_asked(tmp_path, monkeypatch):
 
 
 def test_traced_kernels_compile(tmp_path):
-    """The trace builds (trace=True) of the decode, Hopper prefill and Quest kernels compile for sm_90a:
+    """The trace builds (trace=True) of the decode, Hopper prefill, Quest and MLA kernels compile for sm_90a:
     they are only built on the GPU machine, where a broken one would cost a device call."""
     from attnforge import AttentionSpec, codegen
     from attnforge.kernels.decode import DecodeKernel
@@ -171,9 +171,13 @@ def test_traced_kernels_compile(tmp_path):
     from attnforge.kernels.quest import QuestScoreKernel
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc (CI has it)")
+    from attnforge.kernels.mla import MLADecodeKernel
+    mla = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     for m in (DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=8)).module(),
               PrefillKernel(AttentionSpec(family="prefill", causal=True), "wgmma").module(),
-              QuestScoreKernel("bf16", "int4", 128, 8, 4).module()):
+              QuestScoreKernel("bf16", "int4", 128, 8, 4).module(),
+              MLADecodeKernel(mla, None, None, "wgmma", "roles").module(),
+              MLADecodeKernel(dataclasses.replace(mla, num_qo_heads=16), None, None, "mma", None).module()):
         src = tmp_path / f"{m.name}.cu"
         src.write_text(dataclasses.replace(m, context={**m.context, "trace": True}).source)
         subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
@@ -287,3 +291,24 @@ def test_decode_kernel_twin_changes_both_kernels_of_the_wrapper(monkeypatch):
     assert (twin.kernel.warp_rows, twin.kernel.qk_chains) == (False, 1)
     assert twin._whole is not None and (twin._whole.warp_rows, twin._whole.qk_chains) == (False, 1)
     assert twin.kernel.module().source != plain.kernel.module().source
+
+
+def test_mla_trace_reads_the_stamp_layout(monkeypatch):
+    """benchmarks/trace_mla.summarize on stamps laid out as templates/mla_decode.cu.jinja writes them:
+    two CTAs, one with two items (the second split), one that found no item."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_mla")
+    t = np.zeros((3, mod.ITEMS, 8), dtype=np.int64)
+    for cta, (entry, g0) in enumerate([(1000, 50_000), (2000, 50_400), (3000, 50_200)]):
+        t[cta, 31, 7], t[cta, 31, 4], t[cta, 31, 6] = entry, entry + 100, g0
+    t[0, 0, :6] = [1200, 1700, 11700, 11800, 12000, 10]  # 10 tiles: prologue 500, tiles 10000
+    t[0, 1, :6] = [12000, 12300, 16300, 16400, 16700, 4 | 1 << 17]  # split: 4 tiles, a partial state
+    t[1, 0, :6] = [2300, 2900, 8900, 9000, 9300, 6]
+    t[0, 31, 5], t[1, 31, 5], t[2, 31, 5] = 50_000 + 7850, 50_400 + 3650, 50_210
+    r = mod.summarize(t, 0.01)
+    assert (r["ctas"], r["busy_ctas"], r["items"], r["split_items"]) == (3, 2, 3, 1)
+    assert r["wait_cycles_median"] == 100 and r["entry_to_first_item_median"] == 250
+    assert r["phase_mean_cycles"] == {"prologue": 1400 / 3, "tiles": 20000 / 3, "finish": 100.0, "write": 800 / 3}
+    assert r["tile_median_cycles"] == 1000 and r["est_ghz_median"] == 2.0
+    assert r["global_ns"] == {"entry_spread": 400.0, "exit_spread": 3800.0, "first_entry_to_last_exit": 7850.0}

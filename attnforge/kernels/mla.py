@@ -181,7 +181,7 @@ class MLADecodeKernel:
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
-               "params_struct": self.params.cpp()}
+               "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *(["roles"] if self.resolved_schedule == "roles" else []),

@@ -1,0 +1,79 @@
+"""Where MLA decode's time goes (debug): the kernel built with trace=True stamps SM cycles per CTA and
+work item (thread 0; template mla_decode), and this script prints, per case, the CTAs' start and exit
+spread in %globaltimer ns, each CTA's wait for the prior grid, and per-item phases in cycles: prologue
+(Q staged, the first tiles issued), tiles (and per tile), finish (rows' LSE and factors) and write
+(output or partial state), plus each CTA's time between its last item and its exit.
+
+Why: in the twenty-sixth session's rotation the 64-row kernel's time fitted F + r * span with
+r ~ 32 ns a token and F ~ 60 us a CTA (h128 B16 L65536 590 us, B64 L8192 330 us, B1 L131072
+119 us without its merge): this says where F is.
+
+    python benchmarks/trace_mla.py [--json out.json] ["h128 B64 L8192" ...]
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnforge import AttentionSpec, BatchMLADecode  # noqa: E402
+from attnforge.kernels import mla as kmla  # noqa: E402
+from bench_mla import PAGE, inputs  # noqa: E402
+from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
+
+ITEMS = 32  # trace slots per CTA (the template's); slot 31 holds the CTA's entry, wait and exit
+DEFAULT_CASES = ["h128 B16 L65536", "h128 B64 L8192", "h128 B128 L4096", "h128 B1 L131072", "h16 B16 L65536",
+                 "h16 B64 L8192"]
+
+
+def summarize(t: np.ndarray, kernel_ms: float) -> dict:
+    """The phases of a trace: t [CTAs, ITEMS, 8] int64 as the template writes it."""
+    entry = t[:, ITEMS - 1, 7]
+    ctas = np.nonzero(entry)[0]
+    t = t[ctas]
+    entry, waited = t[:, ITEMS - 1, 7], t[:, ITEMS - 1, 4]
+    items = t[:, :ITEMS - 1]
+    used = items[:, :, 0] > 0
+    meta = items[:, :, 5]
+    tiles, partial = meta & 0xFFFF, (meta >> 17) & 1
+    e = items[:, :, :5]
+    ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
+          "write": e[:, :, 4] - e[:, :, 3]}
+    with_tiles = used & (tiles > 0)
+    per_tile = ph["tiles"][with_tiles] / tiles[with_tiles]
+    first = np.where(used[:, 0], e[:, 0, 0] - entry, 0)
+    last_end = np.where(used, e[:, :, 4], 0).max(axis=1)
+    g_entry, g_exit = t[:, ITEMS - 1, 6], t[:, ITEMS - 1, 5]  # %globaltimer (ns), comparable across SMs
+    span_ns = np.maximum(g_exit - g_entry, 1)
+    busy = used.any(axis=1)
+    ghz = (last_end - entry)[busy] / span_ns[busy]  # cycles a ns over each busy CTA's own life
+    return {"kernel_ms": kernel_ms, "ctas": int(len(ctas)), "busy_ctas": int(busy.sum()), "items": int(used.sum()),
+            "split_items": int((partial[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()) if used.any() else 0.0,
+            "wait_cycles_median": float(np.median(waited - entry)),
+            "entry_to_first_item_median": float(np.median(first[busy])) if busy.any() else 0.0,
+            "phase_mean_cycles": {k: float(v[used].mean()) if used.any() else 0.0 for k, v in ph.items()},
+            "tile_median_cycles": float(np.median(per_tile)) if len(per_tile) else None,
+            "est_ghz_median": float(np.median(ghz)) if len(ghz) else None,
+            "global_ns": {"entry_spread": float(g_entry.max() - g_entry.min()),
+                          "exit_spread": float(g_exit[busy].max() - g_exit[busy].min()) if busy.any() else 0.0,
+                          "first_entry_to_last_exit": float(g_exit.max() - g_entry.min())}}
+
+
+def trace_case(name: str) -> dict:
+    heads, batch, length = int(name.split()[0][1:]), int(name.split()[1][1:]), int(name.split()[2][1:])
+    q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    w = BatchMLADecode(spec, max_batch_size=max(256, batch))
+    w.plan(indptr, indices, last, page_size=PAGE)
+    out = torch.empty_like(q_nope)
+    host, ms = capture(w, lambda: w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:], out=out))
+    res = {"case": name, "kernel": w.kernel.module().name, **summarize(host.reshape(-1, ITEMS, 8).astype(np.int64), ms)}
+    print(res, flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    build_traced(kmla.MLADecodeKernel)
+    names = [a for a in sys.argv[1:] if a.startswith("h")] or DEFAULT_CASES
+    save_json_if_asked([trace_case(n) for n in names])
