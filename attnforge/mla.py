@@ -51,11 +51,12 @@ def merge_lanes(work: scheduler.StreamPlan) -> int:
 # 512-byte token-heads). Measured on the H200 (fourteenth session, h16, in rotation): spans 62-63 tokens
 # longer won 2.9% (B64 L8192) and 3.8% (B128 L4096); 124 longer lost 1.5% (B16 L65536, h8 and h16).
 MLA_ALIGN_SLACK = 96
-# The 64-row kernels (wgmma normal, the default from 32 heads) pay far more for a split item: each chunk
-# loads 64 query rows (73 KB), writes a 128 KB partial state and has it merged. There aligned spans may
-# grow by this fraction of the even span. Measured on the H200 (twenty-sixth session, two rounds in
-# rotation): spans 3.1% longer, each holding whole items or one equal chunk of one, won 4-13% (h128 B64
-# L8192 -13%, B128 L4096 -7%, B16 L65536 -4%; h32 / h64 B16 L65536 -7 / -9%); 3.1% was the most measured.
+# The 64-row wgmma kernels (normal pipeline, the default from 32 heads) pay far more for a split item:
+# each chunk loads 64 query rows (73 KB), writes a 128 KB partial state and has it merged. There aligned
+# spans may grow by this fraction of the even span. Measured on the H200 (twenty-sixth session, two
+# rounds in rotation): spans 3.1% longer, each holding whole items or one equal chunk of one, won 4-13%
+# (h128 B64 L8192 -13%, B128 L4096 -7%, B16 L65536 -4%; h32 / h64 B16 L65536 -7 / -9%); 3.1% was the
+# most measured. The 64-row mma.sync kernel (fp8 KV) keeps MLA_ALIGN_SLACK: not measured.
 MLA_WIDE_ALIGN_FRACTION = 0.04
 
 
@@ -126,7 +127,7 @@ class BatchMLADecode(BatchDecode):
         slack = self.align_slack
         if slack is None:
             slack = MLA_ALIGN_SLACK
-            if self.kernel.rows >= 64:
+            if self.kernel.backend == "wgmma" and self.kernel.rows >= 64:  # (measured there only)
                 even = -(-int((kv_end - kv_begin + scheduler.CHUNK_FIXED_COST).sum()) * (row_blocks // side)
                          // max(self.num_ctas // side, 1))
                 slack = max(slack, int(MLA_WIDE_ALIGN_FRACTION * even))

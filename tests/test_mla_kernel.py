@@ -1,4 +1,6 @@
 """MLA kernel shapes on the host: rows per CTA, shared memory, row blocks, rendering."""
+import dataclasses
+
 import pytest
 
 from attnforge import AttentionSpec
@@ -214,3 +216,10 @@ def test_64_row_kernels_align_spans_within_a_fraction_of_the_even_span():
         assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even
     work, rows = plan(pairs + 1, 16)  # two whole items a span would nearly double it: the even split
     assert work.span == -(-work.total // pairs) and len(rows) > pairs + 1
+    # the 64-row mma.sync kernel (fp8 KV: no wgmma) keeps the 96-token bound: B64 L8192 splits its items
+    w = BatchMLADecode.host_only(dataclasses.replace(spec, kv_dtype="fp8_e4m3"), max_batch_size=256,
+                                 max_num_pages=1 << 14)
+    assert (w.kernel.backend, w.kernel.rows) == ("mma", 64)
+    pairs = w.num_ctas // w.kernel.side_blocks(w.kernel.row_blocks(1))
+    work, rows = plan(64, 128)
+    assert work.span == -(-work.total // pairs) and len(rows) > 64
