@@ -347,6 +347,52 @@ def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
             assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
 
 
+def test_cuda_graph_replays_whole_items_per_span_and_plain_plans():
+    """h128 (the 64-row wgmma kernel, row blocks side by side) under one captured graph: equal requests,
+    two for each CTA pair, planned two whole a span (none split, nothing merged), alternating with
+    unequal batches on the plain stream (items split and merged); two replays of each checked."""
+    from attnforge import scheduler
+    spec = mla_spec(128, "auto")
+    probe = BatchMLADecode(spec)
+    pairs = probe.num_ctas // probe.kernel.side_blocks(probe.kernel.row_blocks(1))
+    batch, page_size, pages = 2 * pairs, 64, 8192
+    rng = np.random.default_rng(5)
+    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    q_nope = torch.randn(batch, 128, 512, device="cuda").bfloat16()
+    q_pe = torch.randn(batch, 128, 64, device="cuda").bfloat16()
+    out = torch.empty_like(q_nope)
+    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
+    equal = iter([True, False] * 4)
+
+    def replan():
+        if next(equal):
+            lengths = np.full(batch, 300)  # 5 pages, the last with 44 tokens
+            n = np.full(batch, 5)
+            indptr = np.concatenate([[0], np.cumsum(n)])
+            indices, last = rng.permutation(pages)[:indptr[-1]], np.full(batch, 44)
+        else:
+            lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 700, (3000, 9000))
+        w.plan(indptr, indices, last, page_size=page_size)
+        rows = scheduler.expand(w._plan["work"])
+        whole = len(rows) == int((lengths > 0).sum()) and (rows[:, 5] < 0).all()
+        assert whole == bool((lengths == 300).all()), "equal requests go whole to spans, the others are split"
+        return lengths, indptr, indices
+
+    def refresh():
+        q_nope.copy_(torch.randn_like(q_nope.float()).bfloat16())
+        out.fill_(math.nan)
+
+    for i, (lengths, indptr, indices) in replays_after_replans(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), replan,
+                                                               refresh, 7):
+        assert torch.isfinite(out).all(), f"replay {i}"
+        if i < 4:
+            per = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]])].reshape(-1, 576)[:lengths[b]].float()
+                   for b in range(batch)]
+            ref, _ = mla_reference(q_nope, q_pe, per, 1, DEEPSEEK_SM_SCALE)
+            assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
+
+
 def test_rmse_of_each_pipeline():
     """The issue asks for each pipeline's RMSE in fp16 and bf16; both must sit at the dtype's rounding level."""
     for q_dtype, bound in (("fp16", 2e-4), ("bf16", 1.5e-3)):
