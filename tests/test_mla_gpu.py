@@ -321,10 +321,8 @@ def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
     batch, page_size, pages, q_len = 4, 64, 2048, 2
     rng = np.random.default_rng(0)
     kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    ckv, kpe = kv[..., :512], kv[..., 512:]
     q_nope = torch.randn(batch * q_len, heads, 512, device="cuda").bfloat16()
     q_pe = torch.randn(batch * q_len, heads, 64, device="cuda").bfloat16()
-    out = torch.empty_like(q_nope)
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len,
                        **({"backend": "wgmma", "schedule": schedule} if schedule else {}))
 
@@ -333,16 +331,26 @@ def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
         w.plan(indptr, indices, last, page_size=page_size, q_len=q_len)
         return lengths, indptr, indices
 
+    replay_and_check(w, kv, q_nope, q_pe, replan, 12, q_len, lambda i: i % 4 == 0)
+
+
+def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, checked):
+    """Capture w.run once, then per round re-plan (replan() -> lengths, indptr, indices), refresh the
+    queries, poison the output and replay: every output finite, rounds where checked(i) against the
+    reference."""
+    ckv, kpe = kv[..., :512], kv[..., 512:]
+    out = torch.empty_like(q_nope)
+
     def refresh():
         q_nope.copy_(torch.randn_like(q_nope.float()).bfloat16())
         out.fill_(math.nan)
 
     for i, (lengths, indptr, indices) in replays_after_replans(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), replan,
-                                                               refresh, 12):
+                                                               refresh, rounds):
         assert torch.isfinite(out).all(), f"replay {i}"
-        if i % 4 == 0:
+        if checked(i):
             per = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]])].reshape(-1, 576)[:lengths[b]].float()
-                   for b in range(batch)]
+                   for b in range(len(lengths))]
             ref, _ = mla_reference(q_nope, q_pe, per, q_len, DEEPSEEK_SM_SCALE)
             assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
 
@@ -358,10 +366,8 @@ def test_cuda_graph_replays_whole_items_per_span_and_plain_plans():
     batch, page_size, pages = 2 * pairs, 64, 8192
     rng = np.random.default_rng(5)
     kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    ckv, kpe = kv[..., :512], kv[..., 512:]
     q_nope = torch.randn(batch, 128, 512, device="cuda").bfloat16()
     q_pe = torch.randn(batch, 128, 64, device="cuda").bfloat16()
-    out = torch.empty_like(q_nope)
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
     equal = iter([True, False] * 4)
 
@@ -379,18 +385,7 @@ def test_cuda_graph_replays_whole_items_per_span_and_plain_plans():
         assert whole == bool((lengths == 300).all()), "equal requests go whole to spans, the others are split"
         return lengths, indptr, indices
 
-    def refresh():
-        q_nope.copy_(torch.randn_like(q_nope.float()).bfloat16())
-        out.fill_(math.nan)
-
-    for i, (lengths, indptr, indices) in replays_after_replans(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), replan,
-                                                               refresh, 7):
-        assert torch.isfinite(out).all(), f"replay {i}"
-        if i < 4:
-            per = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]])].reshape(-1, 576)[:lengths[b]].float()
-                   for b in range(batch)]
-            ref, _ = mla_reference(q_nope, q_pe, per, 1, DEEPSEEK_SM_SCALE)
-            assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
+    replay_and_check(w, kv, q_nope, q_pe, replan, 7, 1, lambda i: i < 4)
 
 
 def test_rmse_of_each_pipeline():
