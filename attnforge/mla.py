@@ -124,15 +124,12 @@ class BatchMLADecode(BatchDecode):
         to a span where they outnumber the CTAs, if that lengthens a span by less than MLA_ALIGN_SLACK
         (64-row kernels: MLA_WIDE_ALIGN_FRACTION of it)."""
         side = self.kernel.side_blocks(row_blocks)
-        slack = self.align_slack
-        if slack is None:
-            slack = MLA_ALIGN_SLACK
-            if self.kernel.backend == "wgmma" and self.kernel.rows >= 64:  # (measured there only)
-                even = -(-int((kv_end - kv_begin + scheduler.CHUNK_FIXED_COST).sum()) * (row_blocks // side)
-                         // max(self.num_ctas // side, 1))
-                slack = max(slack, int(MLA_WIDE_ALIGN_FRACTION * even))
+        # the 64-row wgmma kernels: MLA_WIDE_ALIGN_FRACTION of the span (measured there only)
+        wide = self.align_slack is None and self.kernel.backend == "wgmma" and self.kernel.rows >= 64
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
-                                     align_equal_items=True, align_slack=slack, whole_items_per_span=True)
+                                     align_equal_items=True, whole_items_per_span=True,
+                                     align_slack=MLA_ALIGN_SLACK if self.align_slack is None else self.align_slack,
+                                     align_fraction=MLA_WIDE_ALIGN_FRACTION if wide else 0.0)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              q_len: int = 1, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,

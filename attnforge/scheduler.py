@@ -68,7 +68,8 @@ class StreamPlan:
 
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
-                snap_where_it_pays: bool = True, whole_items_per_span: bool = False) -> StreamPlan:
+                snap_where_it_pays: bool = True, whole_items_per_span: bool = False,
+                align_fraction: float = 0.0) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
     costliest) and there are at most num_ctas of them, cut each
@@ -78,7 +79,8 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     the boundaries into the next item's tokens: Quest's B16 L4096 got 63 chunks of 1-63 tokens) --
     where that lengthens the span by less than ALIGN_SLACK: a straddling span pays a second chunk's
     fixed cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
-    align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's).
+    align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's);
+    align_fraction: or this fraction of the even span, where that is more (kernels whose chunks cost more).
     snap: span boundaries within this many positions of an item's start or end move there (span_cuts);
     0 for none, else at least CHUNK_FIXED_COST, and capped below span / 2 (aligned plans need none).
     snap_where_it_pays: apply it only to batches of unequal items that each fit a span (snap_pays).
@@ -96,6 +98,7 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     if total >= 2**31:
         raise ValueError(f"plan: {total} token-heads in one batch exceed the int32 stream; split the batch")
     span = max(-(-total // num_ctas), MIN_SPAN + CHUNK_FIXED_COST)
+    align_slack = max(align_slack, int(align_fraction * span))
     items = len(kv_end) * num_kv_heads
     if align_equal_items and 0 < items <= num_ctas and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE:
         chunks = num_ctas // items
@@ -152,9 +155,8 @@ def in_whole_item_band(items: int, num_ctas: int) -> bool:
 def plan_whole_items(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int) -> StreamPlan:
     """plan_stream for a one-CTA-per-SM kernel: spans aligned to whole (near-)equal items where that
     grows the span by at most WHOLE_ITEM_SLACK, else the plain stream (is_whole_item_plan tells which)."""
-    total = (int((kv_end - kv_begin).sum()) + CHUNK_FIXED_COST * len(kv_end)) * num_kv_heads
-    slack = max(ALIGN_SLACK, int(WHOLE_ITEM_SLACK * -(-total // max(num_ctas, 1))))
-    return plan_stream(kv_begin, kv_end, num_kv_heads, num_ctas, align_equal_items=True, align_slack=slack)
+    return plan_stream(kv_begin, kv_end, num_kv_heads, num_ctas, align_equal_items=True,
+                       align_fraction=WHOLE_ITEM_SLACK)
 
 
 def is_whole_item_plan(plan: StreamPlan) -> bool:

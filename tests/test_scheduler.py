@@ -415,3 +415,14 @@ def test_snap_below_the_fixed_cost_is_an_error(snap):
 def test_snap_is_capped_below_half_a_span():
     p = plan([300] * 8, hkv=1, ctas=4, snap=10_000)[0]
     assert CHUNK_FIXED_COST <= p.snap < p.span / 2
+
+
+def test_align_fraction_bounds_aligned_spans_by_a_share_of_the_even_span():
+    # 64 equal items on 66 CTAs: whole items lengthen each span by 3.1%, past ALIGN_SLACK (128 here)
+    end = np.full(64, 8192, dtype=np.int64)
+    even = plan_stream(np.zeros_like(end), end, 1, 66, align_equal_items=True)
+    growth = 8192 + CHUNK_FIXED_COST - even.span
+    assert even.span == -(-even.total // 66) and 0.02 * even.span < growth < 0.04 * even.span
+    for fraction, aligned in ((0.02, False), (0.04, True)):
+        p = plan_stream(np.zeros_like(end), end, 1, 66, align_equal_items=True, align_fraction=fraction)
+        assert p.span == (8192 + CHUNK_FIXED_COST if aligned else even.span)
