@@ -45,12 +45,17 @@ template <int kBatch, int N, class LseOf, class VOf>
 AF_DEVICE void merge_lse_states(int begin, int end, LseOf lse_of, VOf v_of, SoftmaxState& st, float (&acc)[N]) {
   for (int b = begin; b < end; b += kBatch) {
     float x[kBatch], v[kBatch][N];
+    // Every load first, unconditionally (a state past `end` re-reads the last one and is then given
+    // -inf): guarded loads compiled to a branch per state with the lse's scaling inside it, so each
+    // state's lse load waited out its round trip before the next was issued (8 a batch, not 1)
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const bool in = b + k < end;
-      x[k] = in ? lse_of(b + k) * kLog2e : kNegInf;
-      if (in) v_of(b + k, v[k]);
+      const int i = b + k < end ? b + k : end - 1;
+      x[k] = lse_of(i);
+      v_of(i, v[k]);
     }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) x[k] = b + k < end ? x[k] * kLog2e : kNegInf;
     float block_max = kNegInf;
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) block_max = fmaxf(block_max, x[k]);
