@@ -65,7 +65,7 @@ def mla_reference(q_nope, q_pe, per_req, q_len, sm_scale, v_scale=1.0, dtype=tor
 
 
 def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=None, k_scale=1.0, v_scale=1.0,
-             ref_kw=None, nan_unheld=False, **wrapper_kw):
+             ref_kw=None, nan_unheld=False, out_pad=0, **wrapper_kw):
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, page_size, q_len, seed, unified)
     if nan_unheld:  # uninitialised cache memory: NaN wherever no request holds a row (per_req was taken before)
         unheld = unheld_slots(caches[0].shape[0], indptr, indices, last, page_size).to(caches[0].device)
@@ -74,9 +74,10 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     w = BatchMLADecode(spec, max_q_len=max(q_len, 1), **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size, q_len=q_len, sm_scale=sm_scale, k_scale=k_scale,
            v_scale=v_scale)
-    out = poison((len(lengths) * q_len, spec.num_qo_heads, 512), q_nope.dtype)
-    out, lse = w.run(q_nope, q_pe, *caches, out=out, return_lse=True)
+    padded = poison((len(lengths) * q_len, spec.num_qo_heads, 512 + out_pad), q_nope.dtype)
+    out, lse = w.run(q_nope, q_pe, *caches, out=padded[..., :512], return_lse=True)  # out_pad: strided rows
     torch.cuda.synchronize()
+    assert padded[..., 512:].isnan().all()  # the rows' padding is never written
     scale = (sm_scale or DEEPSEEK_SM_SCALE) * k_scale
     ref_kw = ref_kw or {}
     ref, ref_lse = mla_reference(q_nope, q_pe, per_req, q_len, scale, v_scale, **ref_kw)
@@ -125,6 +126,15 @@ def test_heads_and_odd_lengths(heads, pipeline):
     run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="mma")
     if heads >= WGMMA_MIN_HEADS or pipeline == "transposed":
         run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16, 32])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_out_with_padded_head_rows(heads, pipeline):
+    """out's rows are stored as 16-byte vectors at out's own strides (heads 520 elements apart here),
+    split and whole items alike; the padding stays as it was."""
+    run_case(mla_spec(heads, pipeline), [3000, 1, 130], 16, out_pad=8)
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 16, 32])
@@ -417,6 +427,8 @@ def test_bad_inputs_raise_before_launch():
         w.run(q_nope, q_pe, ckv)  # one cache must be 576 wide
     with pytest.raises(ValueError, match="page ids <"):
         w.run(q_nope, q_pe, ckv[:1], kpe[:1])
+    with pytest.raises(ValueError, match=r"out: expected 16-byte aligned rows"):  # heads 516 elements apart
+        w.run(q_nope, q_pe, ckv, kpe, out=torch.empty(2, 16, 516, dtype=q_nope.dtype, device="cuda")[..., :512])
     with pytest.raises(ValueError, match="max_q_len=1"):
         w.plan(indptr, indices, last, page_size=64, q_len=2)
     with pytest.raises(ValueError, match="page_size=64"):
