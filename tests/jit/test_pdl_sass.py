@@ -112,7 +112,7 @@ def _loads_before_wait(sass, marked_lines=frozenset()):
     first = next(i for i, (ins, _) in enumerate(sass) if ins.split()[-1] == "ACQBULK")
     early = []
     for ins, chain in sass[:first]:
-        if not re.search(r"\bLDG\b|\bLDG\.", ins):
+        if not re.search(r"\bLDG(STS)?\b|\bLDG(STS)?\.", ins):  # LDGSTS: cp.async
             continue
         for path, line in chain:
             text = _source_line(path, line)
@@ -139,6 +139,9 @@ def test_the_sass_check_catches_a_load_ahead_of_the_wait(tmp_path):
     sass = [("LDG.E.128 R4, desc[UR8][R2.64]", at), ("ACQBULK", ()), ("LDG.E.128 R8, desc[UR8][R2.64]", at)]
     assert len(_loads_before_wait(sass)) == 1
     assert not _loads_before_wait(sass[1:])
+    # so must a cp.async (LDGSTS: MLA's load_q), though no register receives it
+    cp_async = [("LDGSTS.E.BYPASS.LTC128B.128 [R157], desc[UR12][R158.64], !P0", at), ("ACQBULK", ())]
+    assert len(_loads_before_wait(cp_async)) == 1
     # a line inside a named region counts too, whatever its text (decode's query load was `__ldg(src)`),
     # and so does any line the load was inlined at
     plain = [("LDG.E.128.CONSTANT R4, desc[UR8][R2.64]", (("/nowhere.hpp", 7), (str(marked), 1))), ("ACQBULK", ())]
