@@ -142,6 +142,9 @@ class BatchMLADecode(BatchDecode):
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
         self._plan["merge_lanes"] = 1 if self.use_cuda_graph else merge_lanes(self._plan["work"])
+        # Outside graphs the merge launches only when some item is split (equal requests often are not:
+        # several whole ones a span); a captured graph keeps one launch sequence for every plan.
+        self._plan["merge"] = self.use_cuda_graph or scheduler.has_split_items(self._plan["work"])
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, name: str, t: torch.Tensor, dim: int) -> None:
@@ -208,12 +211,16 @@ class BatchMLADecode(BatchDecode):
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)
-            # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
-            lanes = self._plan["merge_lanes"]
-            if lanes == 1:
-                lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params, pdl=True)
-            else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
-                lib["mla_merge_kernel"].launch((rows_cap, MERGE_DIM_SPLIT),
-                                               (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes), params,
-                                               smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4, pdl=True)
+            if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)
+                self._launch_merge(lib, params, rows_cap)
         return (out, lse) if return_lse else out
+
+    def _launch_merge(self, lib, params, rows_cap: int) -> None:
+        # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
+        lanes = self._plan["merge_lanes"]
+        if lanes == 1:
+            lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params, pdl=True)
+        else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
+            lib["mla_merge_kernel"].launch((rows_cap, MERGE_DIM_SPLIT),
+                                           (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes), params,
+                                           smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4, pdl=True)

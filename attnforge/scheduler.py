@@ -211,6 +211,21 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     return [] if first >= last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
 
 
+def has_split_items(plan: StreamPlan) -> bool:
+    """Whether any item is cut over more than one CTA: split_slots for every item at once (MLA launches
+    its merge kernel only then, outside CUDA graphs)."""
+    if plan.batch_size == 0:
+        return False
+    n = (plan.kv_end - plan.kv_begin).astype(np.int64)
+    stride = np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads
+    s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride[:, None]  # [B, H]
+    lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n[:, None]
+    if plan.snap:
+        lo, hi = np.maximum(lo, s + plan.snap), np.minimum(hi, s + stride[:, None] - plan.snap)
+    cut = (n[:, None] > 0) & (hi > lo) & (lo // plan.span < (hi - 1) // plan.span)
+    return bool(cut.any())
+
+
 def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_heads: int, tile_q: int,
                  causal: bool) -> tuple[np.ndarray, np.ndarray]:
     """Prefill work items, one per (request, kv head, tile_q packed query rows), and their costs.

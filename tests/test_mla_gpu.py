@@ -101,11 +101,24 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, heads, backen
     """BatchMLADecode (PDL by default) three times in a row, each call's q_nope the previous call's
     output: a decode must read its queries only after the call before it (decode and merge) completed,
     and must not overwrite the partial states that merge still reads; eagerly and in a CUDA graph."""
-    spec = mla_spec(heads)
-    lengths = [1000, 17, 4000, 1, 0, 300]
-    q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, 64, seed=heads)
-    w = BatchMLADecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths),
-                       **({"backend": backend} if backend else {}))
+    w = check_pdl_chain(mla_spec(heads), [1000, 17, 4000, 1, 0, 300], use_cuda_graph,
+                        **({"backend": backend} if backend else {}))
+    assert w._plan["merge"]
+
+
+def test_pdl_chain_of_decodes_without_a_merge():
+    """Equal requests, one a CTA pair at 128 heads: every item whole, so no merge kernel runs between
+    the chained decodes (eagerly), and each decode's prior grid is the decode before it."""
+    probe = BatchMLADecode(mla_spec(128))
+    side = probe.kernel.side_blocks(probe.kernel.row_blocks(1))
+    pairs = probe.num_ctas // side
+    w = check_pdl_chain(mla_spec(128), [300] * pairs, False)
+    assert not w._plan["merge"]
+
+
+def check_pdl_chain(spec, lengths, use_cuda_graph, **wrapper_kw):
+    q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, 64, seed=spec.num_qo_heads)
+    w = BatchMLADecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths), **wrapper_kw)
     assert w.pdl
     w.plan(indptr, indices, last, page_size=64)
     outs = chain_on_own_outputs(lambda src, out: w.run(src, q_pe, *caches, out=out), q_nope, use_cuda_graph)
@@ -114,8 +127,10 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, heads, backen
     for o in outs:  # each call checked alone, on the queries it was given
         ref, _ = mla_reference(expect, q_pe, per_req, 1, DEEPSEEK_SM_SCALE)
         low, _ = mla_reference(expect.float(), q_pe.float(), low_rows, 1, DEEPSEEK_SM_SCALE, dtype=torch.float32)
-        assert_attention_close(o, ref.to(o.device), low.to(q_nope.dtype).to(o.device), f"mla pdl chain h{heads}")
+        what = f"mla pdl chain h{spec.num_qo_heads}"
+        assert_attention_close(o, ref.to(o.device), low.to(q_nope.dtype).to(o.device), what)
         expect = o
+    return w
 
 
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])

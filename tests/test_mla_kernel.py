@@ -214,8 +214,14 @@ def test_64_row_kernels_align_spans_within_a_fraction_of_the_even_span():
         even = -(-work.total // pairs)
         assert len(rows) == batch and (rows[:, 5] < 0).all()  # none split, none merged
         assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even
+        assert not w._plan["merge"]  # so run() launches no merge kernel
     work, rows = plan(pairs + 1, 16)  # two whole items a span would nearly double it: the even split
     assert work.span == -(-work.total // pairs) and len(rows) > pairs + 1
+    assert w._plan["merge"]
+    w = BatchMLADecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
+    w.use_cuda_graph = True  # a captured graph launches the merge for every plan, whole items too
+    work, rows = plan(64, 128)
+    assert (rows[:, 5] < 0).all() and w._plan["merge"]
     # the 64-row mma.sync kernel (fp8 KV: no wgmma) keeps the 96-token bound: B64 L8192 splits its items
     w = BatchMLADecode.host_only(dataclasses.replace(spec, kv_dtype="fp8_e4m3"), max_batch_size=256,
                                  max_num_pages=1 << 14)

@@ -79,6 +79,7 @@ def test_slots_unique_bounded_and_match_merge(name, lengths, snap):
         mine = [s for _, _, s, _ in sorted(parts)]
         assert split_slots(p, r, h) == (mine if len(parts) > 1 else []), (name, r, h)
         assert (len(parts) == 1) == (mine == [-1])
+    assert scheduler.has_split_items(p) == any(len(parts) > 1 for parts in groups(chunks).values()), name
 
 
 def test_deterministic():
@@ -306,6 +307,7 @@ def test_equal_items_outnumbering_the_ctas_go_whole_to_spans(lengths, hkv, ctas)
     items = len(lengths) * hkv
     assert items > ctas and p.num_spans <= ctas
     assert len(rows) == items and (rows[:, 5] < 0).all()  # one chunk an item, none merged
+    assert not scheduler.has_split_items(p)  # (MLA skips its merge launch)
     assert (rows[:, 3] == 0).all() and (rows[:, 4] == end[rows[:, 1]]).all()
     per_span = np.bincount(rows[:, 0])
     assert per_span.max() == max(-(-items // ctas), -(-(MIN_SPAN + CHUNK_FIXED_COST) // (max(lengths) + CHUNK_FIXED_COST)))
