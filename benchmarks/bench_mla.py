@@ -53,6 +53,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # -normal and -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
     variants = [("attnforge", "auto", None, None, None, None, None),
                 ("attnforge-no-pdl", "auto", None, None, None, None, None),  # the default in plain launches
+                ("attnforge-graph", "auto", None, None, None, None, None),  # use_cuda_graph=True: merge always launched
                 ("attnforge-normal", "normal", "mma", None, None, None, None),
                 ("attnforge-transposed", "transposed", "mma", None, None, None, None),
                 ("attnforge-wgmma", "normal", "wgmma", None, None, None, None),
@@ -75,8 +76,11 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                              head_dim_vo=512, pipeline=pipeline)
         try:
-            w = BatchMLADecode(spec, max_batch_size=max(256, len(last)), tile_kv=tile, num_stages=stages,
-                               backend=backend, schedule=schedule, ctas_per_sm=per_sm, pdl=impl != "attnforge-no-pdl")
+            graph = impl == "attnforge-graph"  # (the harness captures every row in a graph; this is the
+            # wrapper's graph mode: fixed buffers, and the merge kernel launched whatever the plan splits)
+            w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), tile_kv=tile,
+                               num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
+                               pdl=impl != "attnforge-no-pdl", use_cuda_graph=graph)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue
