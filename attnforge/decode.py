@@ -141,10 +141,15 @@ class BatchDecode:
         """Work items per request in the split-KV stream: KV heads x head splits (kernels.decode)."""
         return self.spec.num_kv_heads * self.kernel.head_splits
 
+    def _any_split(self, work) -> bool:
+        """StreamMeta.any_split: decode's kernels merge in-kernel and never read it; True spares plan()
+        the check (MLA computes it: its separate merge kernel exits on False)."""
+        return True
+
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc_int_buffers(self, max_pages: int) -> None:
         b = self.max_batch_size
-        sizes = {"meta": 4, "kv_indptr": b + 1, "kv_len": b, "kv_begin": b, "stream_prefix": b + 1,
+        sizes = {"meta": 5, "kv_indptr": b + 1, "kv_len": b, "kv_begin": b, "stream_prefix": b + 1,
                  "kv_indices": max(max_pages, 1)}
         self._offsets, total = {}, 0
         for k, n in sizes.items():
@@ -242,6 +247,8 @@ class BatchDecode:
         b, at = table.batch_size, self._starts
         # plain slices of the staging buffer (a helper call per region costs more than its copy)
         h[at["meta"]], h[at["meta"] + 1], h[at["meta"] + 2], h[at["meta"] + 3] = b, work.span, work.total, work.snap
+        any_split = self._any_split(work)
+        h[at["meta"] + 4] = any_split
         h[at["kv_indptr"]:at["kv_indptr"] + b + 1] = table.indptr
         h[at["kv_len"]:at["kv_len"] + b] = kv_end
         h[at["kv_begin"]:at["kv_begin"] + b] = kv_begin
@@ -258,7 +265,7 @@ class BatchDecode:
                                   (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
-                      "kernel": kernel, "ctas": ctas}
+                      "kernel": kernel, "ctas": ctas, "any_split": any_split}
 
     @property
     def planned_kernel(self) -> tuple:

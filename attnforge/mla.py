@@ -144,7 +144,10 @@ class BatchMLADecode(BatchDecode):
         self._plan["merge_lanes"] = 1 if self.use_cuda_graph else merge_lanes(self._plan["work"])
         # Outside graphs the merge launches only when some item is split (equal requests often are not:
         # several whole ones a span); a captured graph keeps one launch sequence for every plan.
-        self._plan["merge"] = self.use_cuda_graph or scheduler.has_split_items(self._plan["work"])
+        self._plan["merge"] = self.use_cuda_graph or self._plan["any_split"]
+
+    def _any_split(self, work) -> bool:  # the merge kernel's early exit (StreamMeta.any_split)
+        return scheduler.has_split_items(work)
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, name: str, t: torch.Tensor, dim: int) -> None:

@@ -173,5 +173,6 @@ def test_the_kernels_meta_row_carries_the_plans_snap():
         w.span_snap = snap
         w.plan(*table(lengths), page_size=16)
         work = w._plan["work"]
-        assert work.snap == snap and n == 4  # batch, span, total, snap (work_stream.cuh: StreamMeta)
-        assert w._upload.dev[off:off + 4].tolist() == [len(lengths), work.span, work.total, snap]
+        assert work.snap == snap and n == 5  # batch, span, total, snap, any_split (work_stream.cuh: StreamMeta)
+        # decode merges in-kernel and never reads any_split: plan() writes 1 without the check
+        assert w._upload.dev[off:off + 5].tolist() == [len(lengths), work.span, work.total, snap, 1]

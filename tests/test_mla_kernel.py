@@ -215,9 +215,11 @@ def test_64_row_kernels_align_spans_within_a_fraction_of_the_even_span():
         assert len(rows) == batch and (rows[:, 5] < 0).all()  # none split, none merged
         assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even
         assert not w._plan["merge"]  # so run() launches no merge kernel
+        off, _ = w._offsets["meta"]
+        assert w._upload.dev[off + 4] == 0  # StreamMeta.any_split: a graph's merge exits at once
     work, rows = plan(pairs + 1, 16)  # two whole items a span would nearly double it: the even split
     assert work.span == -(-work.total // pairs) and len(rows) > pairs + 1
-    assert w._plan["merge"]
+    assert w._plan["merge"] and w._upload.dev[w._offsets["meta"][0] + 4] == 1
     w = BatchMLADecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
     w.use_cuda_graph = True  # a captured graph launches the merge for every plan, whole items too
     work, rows = plan(64, 128)

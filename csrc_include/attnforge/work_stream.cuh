@@ -21,6 +21,7 @@ AF_DEVICE int32_t item_stride(const int32_t* prefix, int r, int items) {
 struct StreamMeta {  // device-resident, rewritten by every plan() (CUDA-graph safe)
   int32_t batch, span, total;
   int32_t snap;  // 0, or kFixedCost <= snap < span / 2 (scheduler.plan_stream checks): see span_cut
+  int32_t any_split;  // 0: the plan cuts no item (MLA's merge, launched in graphs for every plan, exits)
 };
 
 // The request holding stream position x (the last r with prefix[r] <= x; 0 <= x < total), for two
