@@ -48,6 +48,13 @@ def summarize(t: np.ndarray, kernel_ms: float) -> dict:
     span_ns = np.maximum(g_exit - g_entry, 1)
     busy = used.any(axis=1)
     ghz = (last_end - entry)[busy] / span_ns[busy]  # cycles a ns over each busy CTA's own life
+    # Exits after the first entry by how many busy CTAs shared the SM: a wide exit spread is benign when
+    # only SMs holding one busy CTA (of two) finish early, imbalance when CTAs of fully shared SMs spread
+    smid = np.where(used[:, 0], meta[:, 0] >> 32, -1)
+    sharing = np.bincount(smid[busy])[smid] if busy.any() else np.zeros_like(smid)
+    exit_ns = g_exit - g_entry.min()
+    by_sharing = {str(k): [float(np.percentile(exit_ns[busy & (sharing == k)], q)) for q in (0, 50, 90, 100)]
+                  for k in np.unique(sharing[busy])}
     return {"kernel_ms": kernel_ms, "ctas": int(len(ctas)), "busy_ctas": int(busy.sum()), "items": int(used.sum()),
             "split_items": int((partial[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()) if used.any() else 0.0,
             "wait_cycles_median": float(np.median(waited - entry)),
@@ -57,7 +64,9 @@ def summarize(t: np.ndarray, kernel_ms: float) -> dict:
             "est_ghz_median": float(np.median(ghz)) if len(ghz) else None,
             "global_ns": {"entry_spread": float(g_entry.max() - g_entry.min()),
                           "exit_spread": float(g_exit[busy].max() - g_exit[busy].min()) if busy.any() else 0.0,
-                          "first_entry_to_last_exit": float(g_exit.max() - g_entry.min())}}
+                          "first_entry_to_last_exit": float(g_exit.max() - g_entry.min()),
+                          # {busy CTAs on the SM: [min, median, p90, max] exit ns after the first entry}
+                          "exit_by_busy_ctas_on_sm": by_sharing}}
 
 
 def trace_case(name: str) -> dict:

@@ -302,13 +302,18 @@ def test_mla_trace_reads_the_stamp_layout(monkeypatch):
     t = np.zeros((3, mod.ITEMS, 8), dtype=np.int64)
     for cta, (entry, g0) in enumerate([(1000, 50_000), (2000, 50_400), (3000, 50_200)]):
         t[cta, 31, 7], t[cta, 31, 4], t[cta, 31, 6] = entry, entry + 100, g0
-    t[0, 0, :6] = [1200, 1700, 11700, 11800, 12000, 10]  # 10 tiles: prologue 500, tiles 10000
-    t[0, 1, :6] = [12000, 12300, 16300, 16400, 16700, 4 | 1 << 17]  # split: 4 tiles, a partial state
-    t[1, 0, :6] = [2300, 2900, 8900, 9000, 9300, 6]
+    sm5 = 5 << 32  # both busy CTAs on SM 5 (the SM id rides in the item's word 5, above bit 32)
+    t[0, 0, :6] = [1200, 1700, 11700, 11800, 12000, 10 | sm5]  # 10 tiles: prologue 500, tiles 10000
+    t[0, 1, :6] = [12000, 12300, 16300, 16400, 16700, 4 | 1 << 17 | sm5]  # split: 4 tiles, a partial state
+    t[1, 0, :6] = [2300, 2900, 8900, 9000, 9300, 6 | sm5]
     t[0, 31, 5], t[1, 31, 5], t[2, 31, 5] = 50_000 + 7850, 50_400 + 3650, 50_210
     r = mod.summarize(t, 0.01)
     assert (r["ctas"], r["busy_ctas"], r["items"], r["split_items"]) == (3, 2, 3, 1)
     assert r["wait_cycles_median"] == 100 and r["entry_to_first_item_median"] == 250
     assert r["phase_mean_cycles"] == {"prologue": 1400 / 3, "tiles": 20000 / 3, "finish": 100.0, "write": 800 / 3}
     assert r["tile_median_cycles"] == 1000 and r["est_ghz_median"] == 2.0
-    assert r["global_ns"] == {"entry_spread": 400.0, "exit_spread": 3800.0, "first_entry_to_last_exit": 7850.0}
+    assert r["global_ns"] == {"entry_spread": 400.0, "exit_spread": 3800.0, "first_entry_to_last_exit": 7850.0,
+                              "exit_by_busy_ctas_on_sm": {"2": [4050.0, 5950.0, 7470.0, 7850.0]}}
+    t[1, 0, 5] = 6 | 7 << 32  # the second CTA on an SM of its own
+    by = mod.summarize(t, 0.01)["global_ns"]["exit_by_busy_ctas_on_sm"]
+    assert by == {"1": [4050.0, 5950.0, 7470.0, 7850.0]}
