@@ -22,11 +22,11 @@ def build_traced(kernel_cls) -> None:
     kernel_cls.module = traced_module
 
 
-def trace_buffer(kernel, device) -> tuple[int, int]:
-    """(device pointer, bytes) of the traced module's __device__ array af_trace, zeroed."""
+def trace_buffer(kernel, device, symbol: str = "af_trace") -> tuple[int, int]:
+    """(device pointer, bytes) of the traced module's __device__ array `symbol`, zeroed."""
     lib = registry.get_library(kernel, kernel.module, device)
     drv = loader.driver()
-    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, b"af_trace"), "cuLibraryGetGlobal(af_trace)")
+    dptr, size = loader.check(drv.cuLibraryGetGlobal(lib.library, symbol.encode()), f"cuLibraryGetGlobal({symbol})")
     loader.check(drv.cuMemsetD8(dptr, 0, size), "cuMemsetD8")
     return dptr, size
 
@@ -38,20 +38,22 @@ def read_trace(dptr: int, size: int) -> np.ndarray:
     return host
 
 
-def capture(wrapper, run) -> tuple[np.ndarray, float]:
-    """(af_trace as uint64, the run's milliseconds): warm-up, zero the stamps, one timed run(), read back."""
+def capture(wrapper, run, symbols: tuple = ("af_trace",)):
+    """(af_trace as uint64, the run's milliseconds): warm-up, zero the stamps, one timed run(), read back.
+    With more symbols (the template's other trace arrays): ({symbol: uint64 array}, milliseconds)."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
     # the kernel the plan launches (decode may run its whole-item kernel: BatchDecode.planned_kernel)
     kernel = wrapper.planned_kernel[0] if hasattr(type(wrapper), "planned_kernel") else wrapper.kernel
-    buffer = trace_buffer(kernel, wrapper.device)
+    buffers = {name: trace_buffer(kernel, wrapper.device, name) for name in symbols}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()
     end.record()
     torch.cuda.synchronize()
-    return read_trace(*buffer), start.elapsed_time(end)
+    hosts = {name: read_trace(*b) for name, b in buffers.items()}
+    return (hosts["af_trace"] if symbols == ("af_trace",) else hosts), start.elapsed_time(end)
 
 
 def exit_by_class(exit_ns: np.ndarray, n_items: np.ndarray, did_merge: np.ndarray) -> dict:

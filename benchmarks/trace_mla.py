@@ -2,11 +2,13 @@
 work item (thread 0; template mla_decode), and this script prints, per case, the CTAs' start and exit
 spread in %globaltimer ns, each CTA's wait for the prior grid, and per-item phases in cycles: prologue
 (Q staged, the first tiles issued), tiles (and per tile), finish (rows' LSE and factors) and write
-(output or partial state), plus each CTA's time between its last item and its exit.
+(output or partial state), plus each CTA's time between its last item and its exit; for the roles
+schedule (h32-h128) also each tile's hand-offs between the two warpgroups (summarize_tiles).
 
-Why: in the twenty-sixth session's rotation the 64-row kernel's time fitted F + r * span with
-r ~ 32 ns a token and F ~ 60 us a CTA (h128 B16 L65536 590 us, B64 L8192 330 us, B1 L131072
-119 us without its merge): this says where F is.
+Why: the 64-row kernel's time fitted F + r * span with F ~ 60 us a CTA (twenty-sixth session); this
+trace found F in the output write (~37 us an item) and the query copy (~12 us), both fixed in the
+twenty-seventh. What is left at h128 is the tile loop (~3700 cycles a tile against ~2200 of tensor
+work): the per-tile hand-offs say which warpgroup's chain sets the period.
 
     python benchmarks/trace_mla.py [--json out.json] ["h128 B64 L8192" ...]
 """
@@ -69,6 +71,26 @@ def summarize(t: np.ndarray, kernel_ms: float) -> dict:
                           "exit_by_busy_ctas_on_sm": by_sharing}}
 
 
+TILES = 64  # tile slots per CTA in af_tile_trace (the roles schedule's per-tile hand-offs)
+
+
+def summarize_tiles(tt: np.ndarray) -> dict:
+    """Median SM cycles of the roles schedule's per-tile steps, from af_tile_trace [CTAs, TILES, 8] as
+    the template writes it (warpgroup 0: 0 S issued, 1 S done, 2 P published, 3 its P.V done;
+    warpgroup 1: 4 waiting for P, 5 P ready, 6 its P.V done, 7 the copies of tile t + 2 issued).
+    `period` is tile t to t + 1 on warpgroup 0; `wg0_waits_tile` the gap from its P.V(t) to S(t + 1)."""
+    full = (tt > 0).all(axis=2)  # tiles both warpgroups stamped
+    nxt = full[:, :-1] & full[:, 1:]  # and the tile after them too
+    if not nxt.any():
+        return {}
+    a, b = tt[:, :-1][nxt], tt[:, 1:][nxt]  # [n, 8] stamps of tile t and of tile t + 1
+    steps = {"period": b[:, 0] - a[:, 0], "wg0_S": a[:, 1] - a[:, 0], "wg0_softmax_P": a[:, 2] - a[:, 1],
+             "wg0_PV": a[:, 3] - a[:, 2], "wg0_waits_tile": b[:, 0] - a[:, 3],
+             "wg1_waits_P": a[:, 5] - a[:, 4], "wg1_PV": a[:, 6] - a[:, 5], "wg1_copies": a[:, 7] - a[:, 6],
+             "wg1_to_next": b[:, 4] - a[:, 7], "P_handoff": a[:, 5] - a[:, 2]}
+    return {"tiles": int(nxt.sum()), "median_cycles": {k: float(np.median(v)) for k, v in steps.items()}}
+
+
 def trace_case(name: str) -> dict:
     heads, batch, length = int(name.split()[0][1:]), int(name.split()[1][1:]), int(name.split()[2][1:])
     q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
@@ -76,8 +98,11 @@ def trace_case(name: str) -> dict:
     w = BatchMLADecode(spec, max_batch_size=max(256, batch))
     w.plan(indptr, indices, last, page_size=PAGE)
     out = torch.empty_like(q_nope)
-    host, ms = capture(w, lambda: w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:], out=out))
-    res = {"case": name, "kernel": w.kernel.module().name, **summarize(host.reshape(-1, ITEMS, 8).astype(np.int64), ms)}
+    hosts, ms = capture(w, lambda: w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:], out=out),
+                        ("af_trace", "af_tile_trace"))
+    res = {"case": name, "kernel": w.kernel.module().name,
+           **summarize(hosts["af_trace"].reshape(-1, ITEMS, 8).astype(np.int64), ms),
+           "roles_tiles": summarize_tiles(hosts["af_tile_trace"].reshape(-1, TILES, 8).astype(np.int64))}
     print(res, flush=True)
     return res
 

@@ -184,6 +184,8 @@ def test_traced_kernels_compile(tmp_path):
                         f"-I{codegen.include_dir()}", "-o", str(tmp_path / "k.cubin"), str(src)],
                        check=True, capture_output=True)
         assert b"af_trace" in (tmp_path / "k.cubin").read_bytes(), f"{m.name}: the trace buffer was compiled out"
+        if "roles" in m.name:  # the roles schedule's per-tile hand-offs (trace_mla.summarize_tiles)
+            assert b"af_tile_trace" in (tmp_path / "k.cubin").read_bytes()
         assert "af_trace" not in m.source  # the untraced build carries none of it
 
 
@@ -317,3 +319,23 @@ def test_mla_trace_reads_the_stamp_layout(monkeypatch):
     t[1, 0, 5] = 6 | 7 << 32  # the second CTA on an SM of its own
     by = mod.summarize(t, 0.01)["global_ns"]["exit_by_busy_ctas_on_sm"]
     assert by == {"1": [4050.0, 5950.0, 7470.0, 7850.0]}
+
+
+def test_mla_tile_trace_steps(monkeypatch):
+    """benchmarks/trace_mla.summarize_tiles on af_tile_trace stamps as the roles schedule writes them:
+    steps are measured within a tile and to the next one; tiles without a successor are not counted."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_mla")
+    t = np.zeros((2, mod.TILES, 8), dtype=np.int64)
+    for tile in range(3):  # CTA 0: three tiles, 4000 cycles apart
+        base = 10_000 + 4000 * tile
+        t[0, tile] = [base, base + 1200, base + 1900, base + 2600, base + 100, base + 2000, base + 2700, base + 3100]
+    t[1, 0] = [5] * 8  # CTA 1: one tile, no successor
+    r = mod.summarize_tiles(t)
+    assert r["tiles"] == 2
+    assert r["median_cycles"] == {"period": 4000.0, "wg0_S": 1200.0, "wg0_softmax_P": 700.0, "wg0_PV": 700.0,
+                                  "wg0_waits_tile": 1400.0, "wg1_waits_P": 1900.0, "wg1_PV": 700.0,
+                                  "wg1_copies": 400.0, "wg1_to_next": 1000.0, "P_handoff": 100.0}
+    assert mod.summarize_tiles(np.zeros((1, mod.TILES, 8), dtype=np.int64)) == {}  # an mma.sync kernel: none
+
