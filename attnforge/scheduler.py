@@ -203,11 +203,8 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     if n == 0:
         return []
     stride = item_stride(plan, request)
-    s = int(plan.prefix[request]) + kv_head * stride
-    lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n
-    if plan.snap:  # cuts within snap of the item's ends moved there (work_stream.cuh: item_ctas)
-        lo, hi = max(lo, s + plan.snap), min(hi, s + stride - plan.snap)
-    first, last = lo // plan.span, ((hi - 1) // plan.span if hi > lo else 0)  # boundaries k*span in (lo, hi)
+    lo, hi = _cuttable_tokens(plan, int(plan.prefix[request]) + kv_head * stride, stride, n)
+    first, last = int(lo) // plan.span, (int(hi) - 1) // plan.span if hi > lo else 0  # boundaries k*span in (lo, hi)
     return [] if first >= last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
 
 
@@ -216,14 +213,21 @@ def has_split_items(plan: StreamPlan) -> bool:
     its merge kernel only then, outside CUDA graphs)."""
     if plan.batch_size == 0:
         return False
-    n = (plan.kv_end - plan.kv_begin).astype(np.int64)
-    stride = np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads
-    s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride[:, None]  # [B, H]
-    lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n[:, None]
+    n = (plan.kv_end - plan.kv_begin).astype(np.int64)[:, None]
+    stride = (np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads)[:, None]
+    s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride  # [B, H]
+    lo, hi = _cuttable_tokens(plan, s, stride, n)
+    return bool(((n > 0) & (hi > lo) & (lo // plan.span < (hi - 1) // plan.span)).any())
+
+
+def _cuttable_tokens(plan: StreamPlan, s, stride, n):
+    """[lo, hi): the stream positions of the tokens of the item at s (ints or arrays) where a span
+    boundary splits it; with plan.snap, cuts within snap of the item's ends moved there
+    (work_stream.cuh: item_ctas)."""
+    lo, hi = s + CHUNK_FIXED_COST, s + CHUNK_FIXED_COST + n
     if plan.snap:
-        lo, hi = np.maximum(lo, s + plan.snap), np.minimum(hi, s + stride[:, None] - plan.snap)
-    cut = (n[:, None] > 0) & (hi > lo) & (lo // plan.span < (hi - 1) // plan.span)
-    return bool(cut.any())
+        lo, hi = np.maximum(lo, s + plan.snap), np.minimum(hi, s + stride - plan.snap)
+    return lo, hi
 
 
 def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_heads: int, tile_q: int,
