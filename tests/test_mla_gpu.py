@@ -358,6 +358,31 @@ def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
     replay_and_check(w, kv, q_nope, q_pe, replan, 12, q_len, lambda i: i % 4 == 0)
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_cuda_graph_of_one_long_request_merges_over_lanes(heads):
+    """A graph captured for one request: its merge runs over lanes (fixed at capture, as eager runs
+    choose for one long request), and replays of re-planned lengths, long, short and empty, match the
+    reference."""
+    spec = mla_spec(heads, "auto")
+    page_size, pages = 64, 2048
+    rng = np.random.default_rng(heads)
+    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
+    q_nope = torch.randn(1, heads, 512, device="cuda").bfloat16()
+    q_pe = torch.randn(1, heads, 64, device="cuda").bfloat16()
+    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=8, max_num_pages=pages)
+    lengths = iter([100000, 60000, 3, 0, 90000, 129, 70000, 1])
+
+    def replan():
+        n = next(lengths)
+        indices = rng.permutation(pages)[:-(-n // page_size)]
+        w.plan(np.array([0, len(indices)]), indices, np.array([n - (len(indices) - 1) * page_size if n else 0]),
+               page_size=page_size)
+        assert w._plan["merge_lanes"] > 1  # as captured
+        return np.array([n]), np.array([0, len(indices)]), indices
+
+    replay_and_check(w, kv, q_nope, q_pe, replan, 7, 1, lambda i: True)
+
+
 def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, checked):
     """Capture w.run once, then per round re-plan (replan() -> lengths, indptr, indices), refresh the
     queries, poison the output and replay: every output finite, rounds where checked(i) against the

@@ -231,3 +231,25 @@ def test_64_row_kernels_align_spans_within_a_fraction_of_the_even_span():
     pairs = w.num_ctas // w.kernel.side_blocks(w.kernel.row_blocks(1))
     work, rows = plan(64, 128)
     assert work.span == -(-work.total // pairs) and len(rows) > 64
+
+
+def test_graph_merge_lanes_match_eager_on_equal_batches_and_stay_fixed():
+    """A graph's merge lanes are chosen at its first plan as eager runs choose them for equal requests
+    of its batch (one long request: many lanes), and kept for every later plan (the launch shape is
+    captured)."""
+    import numpy as np
+
+    from attnforge.mla import BatchMLADecode, merge_lanes
+    for heads in (16, 128):
+        spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+        for batch, length in ((1, 131072), (4, 32768), (16, 65536), (64, 8192)):
+            w = BatchMLADecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 16)
+            w.use_cuda_graph = True
+            pages = length // 64
+            w.plan(np.arange(batch + 1) * pages, np.arange(batch * pages), np.full(batch, 64), page_size=64)
+            assert w._plan["merge_lanes"] == merge_lanes(w._plan["work"]), (heads, batch)
+            if batch == 1:
+                assert w._plan["merge_lanes"] > 1
+                w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=64)  # now a short request
+                assert w._plan["merge_lanes"] > 1 and merge_lanes(w._plan["work"]) == 1
+
