@@ -77,7 +77,8 @@ TILES = 64  # tile slots per CTA in af_tile_trace (the roles schedule's per-tile
 def summarize_tiles(tt: np.ndarray) -> dict:
     """Median SM cycles of the roles schedule's per-tile steps, from af_tile_trace [CTAs, TILES, 8] as
     the template writes it (warpgroup 0: 0 S issued, 1 S done, 2 P published, 3 its P.V done;
-    warpgroup 1: 4 waiting for P, 5 P ready, 6 its P.V done, 7 the copies of tile t + 2 issued).
+    warpgroup 1: 4 waiting for P, 5 P ready, 6 its P.V done and tile t + 2's first part issued, 7 its
+    second part issued).
     `period` is tile t to t + 1 on warpgroup 0; `wg0_waits_tile` the gap from its P.V(t) to S(t + 1)."""
     full = (tt > 0).all(axis=2)  # tiles both warpgroups stamped
     nxt = full[:, :-1] & full[:, 1:]  # and the tile after them too

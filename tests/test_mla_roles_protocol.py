@@ -1,6 +1,6 @@
 """CPU model of the wgmma MLA "roles" schedule's named-barrier protocol (templates/mla_decode.cu.jinja,
-run_item_roles): warpgroup 0 computes S, the softmax and half of P.V; warpgroup 1 copies the tiles
-and runs the other half. Four named barriers of count 256 (one warpgroup arrives, the other waits).
+run_item_roles): warpgroup 0 computes S, the softmax and P.V for the first kDvW0 dims; warpgroup 1
+copies the tiles, each stage in two parts as their readers finish, and runs P.V for the other dims. Four named barriers of count 256 (one warpgroup arrives, the other waits).
 
 Under many random interleavings the model checks that no schedule deadlocks; that every read sees
 the tile, P and rescale factors of the step it belongs to; that no copy lands in a stage and no P
@@ -14,6 +14,7 @@ import pytest
 from barrier_model import NamedBarrier, arrive, run_schedule, sync
 
 FULL, P, PFREE, STAGE = 1, 2, 3, 4
+LO, HI = 0, 1  # a stage's parts: the rope and warpgroup 0's P.V dims; warpgroup 1's P.V dims
 
 
 def scores_warpgroup(s, items):
@@ -23,20 +24,20 @@ def scores_warpgroup(s, items):
         for t in range(n):
             yield from sync(s, FULL, 0)
             st = t % 2
-            assert s["stage"][st] == ("ready", item, t), f"S({t}) read {s['stage'][st]}"
-            s["readers"][st] += 1  # S(t): Q . K(t)^T
+            assert s["stage"][st] == [("ready", item, t)] * 2, f"S({t}) read {s['stage'][st]}"
+            s["readers"][st][LO] += 1  # S(t): Q . K(t)^T, every column block
+            s["readers"][st][HI] += 1
             yield
-            s["readers"][st] -= 1
+            s["readers"][st][HI] -= 1
             yield  # softmax
             if t > 0:
                 yield from sync(s, PFREE, 0)
             assert s["p_readers"] == 0, "P overwritten while warpgroup 1's P.V reads it"
             s["p"] = (item, t)  # P(t) and the rescale factors
             arrive(s, P, 0)
-            s["readers"][st] += 1  # P.V(t), dims [0, 256)
-            yield
-            assert s["stage"][st] == ("ready", item, t)
-            s["readers"][st] -= 1
+            yield  # P.V(t), dims [0, kDvW0): still reading part LO
+            assert s["stage"][st][LO] == ("ready", item, t)
+            s["readers"][st][LO] -= 1
             arrive(s, STAGE, 0)
         if n > 0:
             yield from sync(s, PFREE, 0)
@@ -44,15 +45,16 @@ def scores_warpgroup(s, items):
 
 
 def copy_warpgroup(s, items):
-    """Warpgroup 1: the copies and P.V for dims [256, 512)."""
+    """Warpgroup 1: the copies (a stage refilled in two parts) and P.V for dims [kDvW0, 512)."""
 
-    def issue(item, t):
+    def issue(item, t, parts=(LO, HI)):
         st = t % 2
-        assert s["readers"][st] == 0, f"tile {t} copied into stage {st} while it is read"
-        s["stage"][st] = ("loading", item, t)
+        for part in parts:
+            assert s["readers"][st][part] == 0, f"tile {t} part {part} copied into stage {st} while it is read"
+            s["stage"][st][part] = ("loading", item, t)
 
     def land(item, t):
-        s["stage"][t % 2] = ("ready", item, t)
+        s["stage"][t % 2] = [("ready", item, t)] * 2
 
     for item, n in enumerate(items):
         yield from s["cta_barrier"](1)
@@ -63,27 +65,32 @@ def copy_warpgroup(s, items):
             land(item, 0)  # cp.async.wait_group (1 if two groups fly, else 0), then the proxy fence
             arrive(s, FULL, 1)
         for t in range(n):
+            st = t % 2
             yield from sync(s, P, 1)
             assert s["p"] == (item, t), f"P.V({t}) read P {s['p']}"
-            assert s["stage"][t % 2] == ("ready", item, t)
-            s["p_readers"] += 1  # P.V(t), dims [256, 512): in flight while the next tile is announced
-            s["readers"][t % 2] += 1
+            assert s["stage"][st][HI] == ("ready", item, t)
+            s["p_readers"] += 1  # P.V(t), dims [kDvW0, 512): in flight while the next tile is announced
+            s["readers"][st][HI] += 1
             yield
             if t + 1 < n:
-                land(item, t + 1)  # the only copy group in flight
+                land(item, t + 1)  # the only copies in flight
                 arrive(s, FULL, 1)
                 yield
-            s["p_readers"] -= 1
-            s["readers"][t % 2] -= 1
-            arrive(s, PFREE, 1)
             yield from sync(s, STAGE, 1)
             if t + 2 < n:
-                issue(item, t + 2)
+                issue(item, t + 2, (LO,))  # under this warpgroup's P.V(t)
+                yield
+            s["p_readers"] -= 1
+            s["readers"][st][HI] -= 1
+            arrive(s, PFREE, 1)
+            if t + 2 < n:
+                issue(item, t + 2, (HI,))
     s["done"][1] = True
 
 
 def run(items, seed, skip=None):
-    s = {"bars": {b: NamedBarrier() for b in (FULL, P, PFREE, STAGE)}, "stage": [None, None], "readers": [0, 0],
+    s = {"bars": {b: NamedBarrier() for b in (FULL, P, PFREE, STAGE)}, "stage": [[None, None], [None, None]],
+         "readers": [[0, 0], [0, 0]],
          "p": None, "p_readers": 0, "done": [False, False], "skip": skip}
     run_schedule(s, [lambda s: scores_warpgroup(s, items), lambda s: copy_warpgroup(s, items)], seed)
 

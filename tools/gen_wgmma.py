@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent.parent / "csrc_include" / "attnforge" / "wgmma_ops.cuh"
-WIDTHS = (8, 16, 32, 64, 128, 256)
+WIDTHS = (8, 16, 32, 64, 128, 192, 256)
 KINDS = ("ss", "ss_tb", "ss_ta", "rs_tb")
 SS_TRANSPOSE = {"ss": "0, 0", "ss_tb": "0, 1", "ss_ta": "1, 0"}  # imm-trans-a, imm-trans-b
 TYPES = {"bf16": "bf16", "fp16": "f16"}
