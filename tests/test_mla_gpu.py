@@ -302,6 +302,13 @@ def test_wgmma_roles_schedule(heads):
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles")
 
 
+@pytest.mark.parametrize("heads,w0_dims", [(64, 192), (128, 256)])
+def test_wgmma_roles_with_the_other_dims_split(heads, w0_dims):
+    # warpgroup 0's P.V over 192 of the 512 dims (the default from 128 heads) or 256 (below), each at a
+    # head count whose default is the other; the copies refill each stage in two parts either way
+    wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", roles_w0_dims=w0_dims)
+
+
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp16"])
 def test_roles_lazy_rescaling_keeps_the_error_near_the_eager_kernels(q_dtype):
     """The roles kernel moves a row's reference max only when a tile passes it by more than 8 (log2),

@@ -106,6 +106,19 @@ def test_default_pipeline_is_transposed_at_8_heads_with_16_bit_kv():
     assert "transposed" not in auto(8).name and "normal" in auto(8, pipeline="normal").name
 
 
+def test_roles_dims_split_defaults_by_heads_and_is_validated():
+    # 192 dims for warpgroup 0 where the tensor work bounds the kernel (128 heads), 256 below
+    for heads, dims in ((32, 256), (64, 256), (128, 192)):
+        k = MLADecodeKernel(spec(heads, "normal"), backend="wgmma")
+        assert k.module().context["roles_w0_dims"] == dims and f"roles{dims}_" in k.module().name
+    k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=256)
+    assert k.module().context["roles_w0_dims"] == 256
+    with pytest.raises(ValueError, match="roles_w0_dims: expected None, 192 or 256, got 128"):
+        MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)
+    with pytest.raises(ValueError, match="applies to the 'roles' schedule only"):
+        MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="symmetric", roles_w0_dims=192)
+
+
 def test_roles_schedule_is_the_wgmma_normal_pipelines():
     k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="roles")
     assert "roles" in k.module().name and k.module().context["schedule"] == "roles"
@@ -137,7 +150,7 @@ def test_wrapper_backend_choice():
     for backend, schedule, tile, stages, want in [(None, None, None, None, default_backend(s128)),
                                                   (None, None, 32, 3, "mma"), (None, None, None, 2, "mma"),
                                                   ("wgmma", "symmetric", None, None, "wgmma"), ("mma", None, 64, 2, "mma")]:
-        w._backend, w._schedule = backend, schedule
+        w._backend, w._schedule, w._roles_w0_dims = backend, schedule, None
         k = w._make_kernel(s128, tile, stages, None)
         assert k.backend == want and (schedule is None or k.schedule == schedule)
 

@@ -56,6 +56,10 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
 # docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +30-64% TFLOP/s); below it the 64-row tiles are
 # mostly padding (h16: -24%).
 WGMMA_MIN_HEADS = 32
+# From this many heads the "roles" kernel is bound by its tensor work (the heads' row blocks share each
+# tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
+# h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
+ROLES_NARROW_W0_MIN_HEADS = 128
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
@@ -86,6 +90,9 @@ class MLADecodeKernel:
     # S and softmax, warpgroup 1: the copies; templates/mla_decode.cu.jinja); None: "roles" there (it
     # won every case measured, +1-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
+    # "roles": the output dims of warpgroup 0's P.V (the rest are warpgroup 1's); None: 192 from
+    # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why)
+    roles_w0_dims: Optional[int] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -107,6 +114,11 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.schedule='roles' is the wgmma normal pipeline's, got backend="
                              f"{self.backend!r}, pipeline={self.spec.pipeline!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or leave schedule=None")
+        if self.roles_w0_dims not in (None, 192, 256):
+            raise ValueError(f"MLADecodeKernel.roles_w0_dims: expected None, 192 or 256, got {self.roles_w0_dims!r}")
+        if self.roles_w0_dims is not None and self.resolved_schedule != "roles":
+            raise ValueError(f"MLADecodeKernel.roles_w0_dims applies to the 'roles' schedule only, got schedule="
+                             f"{self.resolved_schedule!r}; leave roles_w0_dims=None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -120,6 +132,12 @@ class MLADecodeKernel:
         if self.schedule is not None:
             return self.schedule
         return "roles" if (self.backend, self.spec.pipeline) == ("wgmma", "normal") else "symmetric"
+
+    @property
+    def resolved_roles_w0_dims(self) -> int:
+        if self.roles_w0_dims is not None:
+            return self.roles_w0_dims
+        return 192 if self.spec.num_qo_heads >= ROLES_NARROW_W0_MIN_HEADS else 256
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
@@ -177,14 +195,14 @@ class MLADecodeKernel:
         tile, stages = self.tiling
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
-               "schedule": self.resolved_schedule,
+               "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
-                         *(["roles"] if self.resolved_schedule == "roles" else []),
+                         *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
