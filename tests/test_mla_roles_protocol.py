@@ -44,8 +44,9 @@ def scores_warpgroup(s, items):
     s["done"][0] = True
 
 
-def copy_warpgroup(s, items):
-    """Warpgroup 1: the copies (a stage refilled in two parts) and P.V for dims [kDvW0, 512)."""
+def copy_warpgroup(s, items, split_refill):
+    """Warpgroup 1: the copies (a stage refilled in two parts; split_refill: the first under its own
+    P.V) and P.V for dims [kDvW0, 512)."""
 
     def issue(item, t, parts=(LO, HI)):
         st = t % 2
@@ -76,36 +77,41 @@ def copy_warpgroup(s, items):
                 land(item, t + 1)  # the only copies in flight
                 arrive(s, FULL, 1)
                 yield
-            yield from sync(s, STAGE, 1)
-            if t + 2 < n:
+            early = split_refill and t + 2 < n
+            if early:
+                yield from sync(s, STAGE, 1)
                 issue(item, t + 2, (LO,))  # under this warpgroup's P.V(t)
                 yield
             s["p_readers"] -= 1
             s["readers"][st][HI] -= 1
             arrive(s, PFREE, 1)
+            if not early:
+                yield from sync(s, STAGE, 1)
             if t + 2 < n:
-                issue(item, t + 2, (HI,))
+                issue(item, t + 2, (HI,) if early else (LO, HI))
     s["done"][1] = True
 
 
-def run(items, seed, skip=None):
+def run(items, seed, skip=None, split_refill=True):
     s = {"bars": {b: NamedBarrier() for b in (FULL, P, PFREE, STAGE)}, "stage": [[None, None], [None, None]],
          "readers": [[0, 0], [0, 0]],
          "p": None, "p_readers": 0, "done": [False, False], "skip": skip}
-    run_schedule(s, [lambda s: scores_warpgroup(s, items), lambda s: copy_warpgroup(s, items)], seed)
+    run_schedule(s, [lambda s: scores_warpgroup(s, items), lambda s: copy_warpgroup(s, items, split_refill)], seed)
 
 
+@pytest.mark.parametrize("split_refill", [True, False])
 @pytest.mark.parametrize("items", [[1], [2], [3], [7], [0], [0, 3, 1, 0, 5], [2, 2, 2], [9, 1]])
-def test_roles_protocol_never_deadlocks_or_races(items):
+def test_roles_protocol_never_deadlocks_or_races(items, split_refill):
     for seed in range(300):
-        run(items, seed)
+        run(items, seed, split_refill=split_refill)
 
 
+@pytest.mark.parametrize("split_refill", [True, False])
 @pytest.mark.parametrize("skipped", [STAGE, PFREE, P])
-def test_model_catches_a_missing_wait(skipped):
+def test_model_catches_a_missing_wait(skipped, split_refill):
     """The model is not vacuous: if the waiting side of one barrier did not wait (kBarStage: a copy
     lands in a stage warpgroup 0 still reads; kBarPFree: P is rewritten under warpgroup 1's P.V;
     kBarP: warpgroup 1 reads a stale P), some random schedule fails."""
     with pytest.raises(AssertionError):
         for seed in range(300):
-            run([6], seed, skip=skipped)
+            run([6], seed, skip=skipped, split_refill=split_refill)
