@@ -81,7 +81,7 @@ def test_generated_wgmma_header_is_current():
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     committed = (ROOT / "csrc_include" / "attnforge" / "wgmma_ops.cuh").read_text()
     assert out == committed, "run: python tools/gen_wgmma.py"
-    assert committed.count("wgmma.mma_async.sync.aligned") == 56  # {ss, ss_tb, ss_ta, rs_tb} x {8..256, 192} x {bf16, fp16}
+    assert committed.count("wgmma.mma_async.sync.aligned") == 70  # {ss, ss_tb, ss_ta, rs, rs_tb} x {8..256, 192} x {bf16, fp16}
 
 
 def test_kv_tile_override():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent.parent / "csrc_include" / "attnforge" / "wgmma_ops.cuh"
 WIDTHS = (8, 16, 32, 64, 128, 192, 256)
-KINDS = ("ss", "ss_tb", "ss_ta", "rs_tb")
+KINDS = ("ss", "ss_tb", "ss_ta", "rs", "rs_tb")
 SS_TRANSPOSE = {"ss": "0, 0", "ss_tb": "0, 1", "ss_ta": "1, 0"}  # imm-trans-a, imm-trans-b
 TYPES = {"bf16": "bf16", "fp16": "f16"}
 
@@ -30,9 +30,9 @@ def _wrapper(n: int, ctype: str, ptx: str, kind: str) -> str:
     """wgmma_ss (A and B from shared-memory descriptors, both K-major), wgmma_ss_tb / wgmma_ss_ta (the
     same with B / A MN-major: the transpose bits) or wgmma_rs_tb (A from four registers, B MN-major)."""
     acc = n // 2
-    if kind == "rs_tb":
+    if kind in ("rs", "rs_tb"):
         a_param, a_operand = "const uint32_t (&a)[4]", f"{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}"
-        b_operand, pred, imms = f"%{acc + 4}", acc + 5, "1, 1, 1"
+        b_operand, pred, imms = f"%{acc + 4}", acc + 5, "1, 1, 1" if kind == "rs_tb" else "1, 1, 0"
         inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)'
     else:
         a_param, a_operand = "uint64_t a", f"%{acc}"
@@ -53,8 +53,9 @@ def render() -> str:
            "//   wgmma_ss<N, T>:    D (+)= A[64 x 16] (smem desc, K-major) * B[16 x N] (smem desc, K-major)\n"
            "//   wgmma_ss_tb<N, T>: the same with B MN-major (stored [K rows][N contiguous]: V in P.V)\n"
            "//   wgmma_ss_ta<N, T>: the same with A MN-major (stored [K rows][M contiguous]: V^T in O^T = V^T P^T)\n"
-           "//   wgmma_rs_tb<N, T>: D (+)= A (registers, the mma.sync m16k16 A fragment per warp) * B (smem\n"
-           "//                      desc, MN-major: B stored [K rows][N contiguous], e.g. V for P.V)\n"
+           "//   wgmma_rs<N, T>:    D (+)= A (registers, the mma.sync m16k16 A fragment per warp) * B (smem\n"
+           "//                      desc, K-major: B stored [N rows][K contiguous], e.g. K for Q.K^T)\n"
+           "//   wgmma_rs_tb<N, T>: the same with B MN-major (stored [K rows][N contiguous], e.g. V for P.V)\n"
            "// accumulate == 0 overwrites D. Accumulator layout: see attnforge/wgmma.cuh.\n"
            "#pragma once\n#include \"attnforge/common.cuh\"\n\nnamespace attnforge {\n\n"
            "template <int N, class T> AF_DEVICE void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);\n"
@@ -62,6 +63,8 @@ def render() -> str:
            "AF_DEVICE void wgmma_ss_tb(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);\n"
            "template <int N, class T>\n"
            "AF_DEVICE void wgmma_ss_ta(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);\n"
+           "template <int N, class T>\n"
+           "AF_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate);\n"
            "template <int N, class T>\n"
            "AF_DEVICE void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate);\n\n"]
     for ctype, ptx in TYPES.items():

@@ -60,6 +60,9 @@ WGMMA_MIN_HEADS = 32
 # tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
 # h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
 ROLES_NARROW_W0_MIN_HEADS = 128
+# With that split, warpgroup 0 takes the first k-steps of S's 36 from Q in registers (templates/mla/
+# normal_wgmma.cu.jinja, kQRegSteps): fewer shared-memory reads in the loop bound by them.
+ROLES_Q_REG_STEPS = 4
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
@@ -196,6 +199,7 @@ class MLADecodeKernel:
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
+               "roles_q_reg_steps": ROLES_Q_REG_STEPS,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
