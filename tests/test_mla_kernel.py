@@ -2,6 +2,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from attnforge import AttentionSpec
 from attnforge.jit import build_many
@@ -113,6 +114,16 @@ def test_roles_dims_split_defaults_by_heads_and_is_validated():
         assert k.module().context["roles_w0_dims"] == dims and f"roles{dims}_" in k.module().name
     k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=256)
     assert k.module().context["roles_w0_dims"] == 256
+    # Q in registers for plain scores (or a sink) at the narrow split only; soft-cap keeps the narrow split
+    # without them, and a modifier that rewrites or masks scores the even split (each spilled otherwise)
+    import attnforge.mods as mods
+    h128 = spec(128, "normal")
+    for kw, dims, steps in (({}, 192, 4), ({"score_mod": mods.attention_sink(torch.zeros(128))}, 192, 4),
+                            ({"logits_soft_cap": 30.0}, 192, 0), ({"score_mod": mods.alibi(torch.ones(128))}, 256, 0),
+                            ({"score_mod": mods.document_mask(torch.zeros(2, 8, dtype=torch.int32))}, 256, 0)):
+        ctx = MLADecodeKernel(dataclasses.replace(h128, **kw), backend="wgmma").module().context
+        assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"]) == (dims, steps), kw
+    assert MLADecodeKernel(spec(64, "normal"), backend="wgmma").module().context["roles_q_reg_steps"] == 0
     with pytest.raises(ValueError, match="roles_w0_dims: expected None, 192 or 256, got 128"):
         MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)
     with pytest.raises(ValueError, match="applies to the 'roles' schedule only"):

@@ -59,9 +59,12 @@ WGMMA_MIN_HEADS = 32
 # From this many heads the "roles" kernel is bound by its tensor work (the heads' row blocks share each
 # tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
 # h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
+# Not with a modifier that rewrites or masks scores: its hook's registers made it spill (ALiBi 12 bytes,
+# a document mask 28).
 ROLES_NARROW_W0_MIN_HEADS = 128
 # With that split, warpgroup 0 takes the first k-steps of S's 36 from Q in registers (templates/mla/
-# normal_wgmma.cu.jinja, kQRegSteps): fewer shared-memory reads in the loop bound by them.
+# normal_wgmma.cu.jinja, kQRegSteps): 8 KB a tile less through the shared-memory port that bounds S,
+# h128 -2.0..-2.5%. Plain scores only (a sink too): with soft-cap the 16 registers made it spill 24 bytes.
 ROLES_Q_REG_STEPS = 4
 
 
@@ -74,6 +77,13 @@ def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
     hopper = any(a.startswith(WGMMA_ARCH) for a in archs)
     wins = spec.pipeline == "transposed" or spec.num_qo_heads >= WGMMA_MIN_HEADS
     return "wgmma" if hopper and wins and wgmma_applies(spec) is None else "mma"
+
+
+def _hooks_scores(spec: AttentionSpec) -> bool:
+    """Whether the spec's score modifier rewrites or masks scores in the tile loop (ALiBi, biases, document
+    masks), not only adds a sink at the end."""
+    mod = spec.score_mod
+    return mod is not None and (mod.score_root is not None or mod.mask_root is not None)
 
 
 def default_tiling(rows: int) -> tuple[int, int]:
@@ -94,7 +104,8 @@ class MLADecodeKernel:
     # won every case measured, +1-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
     # "roles": the output dims of warpgroup 0's P.V (the rest are warpgroup 1's); None: 192 from
-    # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why)
+    # ROLES_NARROW_W0_MIN_HEADS heads unless a modifier rewrites or masks scores, else 256 (templates/mla/
+    # normal_wgmma.cu.jinja)
     roles_w0_dims: Optional[int] = None
 
     def __post_init__(self):
@@ -140,7 +151,14 @@ class MLADecodeKernel:
     def resolved_roles_w0_dims(self) -> int:
         if self.roles_w0_dims is not None:
             return self.roles_w0_dims
-        return 192 if self.spec.num_qo_heads >= ROLES_NARROW_W0_MIN_HEADS else 256
+        narrow = self.spec.num_qo_heads >= ROLES_NARROW_W0_MIN_HEADS and not _hooks_scores(self.spec)
+        return 192 if narrow else 256
+
+    @property
+    def roles_q_reg_steps(self) -> int:
+        """S's k-steps taken from Q in registers (the "roles" kernel with the 192-dim split, plain scores)."""
+        plain = self.spec.logits_soft_cap == 0 and not _hooks_scores(self.spec)
+        return ROLES_Q_REG_STEPS if plain and self.resolved_roles_w0_dims == 192 else 0
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
@@ -199,7 +217,7 @@ class MLADecodeKernel:
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
-               "roles_q_reg_steps": ROLES_Q_REG_STEPS,
+               "roles_q_reg_steps": self.roles_q_reg_steps,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,

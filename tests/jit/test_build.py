@@ -172,6 +172,22 @@ def _mod_specs():
             AttentionSpec(family="prefill", score_mod=m.attention_sink(torch.zeros(32)))]
 
 
+def _wgmma_mla_kernels(normal):
+    """The sm_90a MLA kernels of the matrix: h16 (64 rows, the even split), h128 with soft-cap (the
+    192-dim split, Q from shared memory), h128 with ALiBi and with a document mask (the even split: the
+    hooks' registers), h128 plain (192 dims, Q partly in registers) and the transposed pipeline."""
+    from attnforge.kernels.mla import MLADecodeKernel
+    import attnforge.mods as m
+    h128 = normal[1]
+    return [MLADecodeKernel(normal[0], backend="wgmma"),
+            MLADecodeKernel(dataclasses.replace(h128, logits_soft_cap=30.0), backend="wgmma"),
+            MLADecodeKernel(dataclasses.replace(h128, score_mod=m.alibi(torch.ones(128))), backend="wgmma"),
+            MLADecodeKernel(dataclasses.replace(h128, score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
+                            backend="wgmma"),
+            MLADecodeKernel(dataclasses.replace(h128, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16"), backend="wgmma"),
+            MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
+
+
 def test_nvcc_compiles_the_variant_matrix():
     mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
     # both prefill kernels: module_for_attention picks wgmma (sm_90a) where it applies
@@ -182,11 +198,8 @@ def test_nvcc_compiles_the_variant_matrix():
     mods.append(PrefillKernel(prefill[0], "wgmma", tma=False).module())  # paged tiles by cp.async only
     mods.append(PrefillKernel(prefill[1], "wgmma", producer=False).module())  # d256: no split ring, one consumer
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
-    from attnforge.kernels.mla import MLADecodeKernel  # and the sm_90a MLA kernels, one with a score modifier
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
-    mods += [MLADecodeKernel(mla[0], backend="wgmma").module(),
-             MLADecodeKernel(dataclasses.replace(mla[1], logits_soft_cap=30.0), backend="wgmma").module(),
-             MLADecodeKernel(dataclasses.replace(mla[0], pipeline="transposed"), backend="wgmma").module()]
+    mods += [k.module() for k in _wgmma_mla_kernels(mla)]
     from attnforge.kernels.decode import DecodeKernel  # S^T in one and in four MMA chains (the default: two)
     mods += [DecodeKernel(AttentionSpec(), qk_chains=1).module(),
              DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), qk_chains=4).module()]
@@ -220,9 +233,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
     normal = [s for s in mla if s.pipeline == "normal"]
     kernels += [MLADecodeKernel(s) for s in mla]  # and the wgmma ones the matrix test builds
-    kernels += [MLADecodeKernel(normal[0], backend="wgmma"),
-                MLADecodeKernel(dataclasses.replace(normal[1], logits_soft_cap=30.0), backend="wgmma"),
-                MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
+    kernels += _wgmma_mla_kernels(normal)
     prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
     kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(s, "mma") for s in prefill]
     paths = build_many([k.module() for k in kernels], ARCHS)
