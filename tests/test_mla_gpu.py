@@ -494,14 +494,16 @@ def test_bad_inputs_raise_before_launch():
 def test_tiles_without_tests_are_bitwise_the_tested_path(heads, pipeline, backend):
     """Plain tiles skip the per-score bounds and causal tests (scores_to_log2); a mask hook that keeps
     every score forces the tested path on every tile, and the outputs must agree bit for bit (odd
-    lengths, q_len 2, a request split across CTAs, so both kinds of tile and the merge are covered)."""
+    lengths, q_len 2, a request split across CTAs, so both kinds of tile and the merge are covered).
+    The roles kernel runs both with the even dims split (a mask hook's default at 128 heads)."""
     plain = mla_spec(heads, pipeline)
+    roles = {"roles_w0_dims": 256} if (backend, pipeline) == ("wgmma", "normal") else {}
     masked = mla_spec(heads, pipeline, score_mod=mods.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= 0))
     outs = []
     for spec in (plain, masked):
         q_nope, q_pe, caches, (indptr, indices, last), _ = make_case(spec, [1, 65, 130, 1000, 40000, 0], 64, q_len=2,
                                                                      seed=5)
-        w = BatchMLADecode(spec, max_q_len=2, backend=backend)
+        w = BatchMLADecode(spec, max_q_len=2, backend=backend, **roles)
         w.plan(indptr, indices, last, page_size=64, q_len=2)
         outs.append(w.run(q_nope, q_pe, *caches, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
