@@ -495,7 +495,7 @@ def test_tiles_without_tests_are_bitwise_the_tested_path(heads, pipeline, backen
     """Plain tiles skip the per-score bounds and causal tests (scores_to_log2); a mask hook that keeps
     every score forces the tested path on every tile, and the outputs must agree bit for bit (odd
     lengths, q_len 2, a request split across CTAs, so both kinds of tile and the merge are covered).
-    The roles kernel runs both with the even dims split (a mask hook's default at 128 heads)."""
+    The roles kernel runs both with the even dims split, so the two kernels differ only in the hook."""
     plain = mla_spec(heads, pipeline)
     roles = {"roles_w0_dims": 256} if (backend, pipeline) == ("wgmma", "normal") else {}
     masked = mla_spec(heads, pipeline, score_mod=mods.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= 0))
