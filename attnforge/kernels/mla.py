@@ -129,7 +129,8 @@ class MLADecodeKernel:
                              f"{self.backend!r}, pipeline={self.spec.pipeline!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or leave schedule=None")
         if self.roles_w0_dims not in (None, 192, 256):
-            raise ValueError(f"MLADecodeKernel.roles_w0_dims: expected None, 192 or 256, got {self.roles_w0_dims!r}")
+            raise ValueError(f"MLADecodeKernel.roles_w0_dims: expected None, 192 or 256, got {self.roles_w0_dims!r}; "
+                             f"leave it None for the measured split (the output dims warpgroup 0's P.V takes)")
         if self.roles_w0_dims is not None and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.roles_w0_dims applies to the 'roles' schedule only, got schedule="
                              f"{self.resolved_schedule!r}; leave roles_w0_dims=None")
