@@ -78,20 +78,20 @@ class BatchMLADecode(BatchDecode):
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
                  tile_kv: Optional[int] = None, backend: Optional[str] = None, schedule: Optional[str] = None,
-                 roles_w0_dims: Optional[int] = None, ctas_per_sm: Optional[int] = None, pdl: bool = True,
+                 kernel_fields: Optional[dict] = None, ctas_per_sm: Optional[int] = None, pdl: bool = True,
                  **spec_kwargs):
         """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
         backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
         up to 32); "mma": mma.sync (any arch, fp8 KV); None: the measured winner for the spec
         (attnforge.kernels.mla.default_backend), or "mma" when tile_kv / num_stages are given.
         schedule: the wgmma normal pipeline's warpgroup schedule (attnforge.kernels.mla.SCHEDULES).
-        roles_w0_dims: the "roles" schedule's split of P.V's dims between its warpgroups (192 or 256;
-        None: the measured choice, attnforge.kernels.mla.MLADecodeKernel.resolved_roles_w0_dims).
+        kernel_fields: attnforge.kernels.mla.MLADecodeKernel fields to set beyond the ones above, for
+        ablations of the measured defaults (e.g. {"roles_w0_dims": 256, "roles_q_steps": 0}); validated there.
         ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas).
         pdl: launch the decode kernel with programmatic dependent launch, as BatchDecode does (its CTAs
         find their first item while the kernel before it finishes, and read queries and cache after it
         completes); False for a plain launch."""
-        self._backend, self._schedule, self._roles_w0_dims = backend, schedule, roles_w0_dims
+        self._backend, self._schedule, self._kernel_fields = backend, schedule, dict(kernel_fields or {})
         self._graph_lanes = None  # the merge's lanes in graph mode, fixed at the first plan
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
@@ -109,10 +109,10 @@ class BatchMLADecode(BatchDecode):
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)
         backend = self._backend or ("mma" if (tile_kv, num_stages) != (None, None) else default_backend(spec))
-        return MLADecodeKernel(spec, num_stages, tile_kv, backend, self._schedule, self._roles_w0_dims)
+        return MLADecodeKernel(spec, num_stages, tile_kv, backend, self._schedule, **self._kernel_fields)
 
     def _host_only_defaults(self) -> None:
-        self._backend, self._schedule, self._roles_w0_dims, self.max_q_len, self._graph_lanes = None, None, None, 1, None
+        self._backend, self._schedule, self._kernel_fields, self.max_q_len, self._graph_lanes = None, None, {}, 1, None
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows

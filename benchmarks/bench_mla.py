@@ -6,6 +6,7 @@ GB/s counts the latent cache read once (576 x 2 bytes per token); TFLOP/s counts
 """
 from __future__ import annotations
 
+import ast
 import os
 
 import numpy as np
@@ -34,6 +35,13 @@ def _all_cases():
     out += [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
     out += [(f"h{h} {name}", h, b, L) for h in more for name, b, L in base]
     return list({c[0]: c for c in out}.values())  # each case once, in order
+
+
+def kernel_twins() -> list[dict]:
+    """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of ','-separated field=value (Python literals)."""
+    sets = filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))
+    return [{k.strip(): ast.literal_eval(v.strip()) for k, v in (item.split("=", 1) for item in filter(None, x.split(",")))}
+            for x in sets]
 
 
 def inputs(heads, batch, length):
@@ -71,6 +79,11 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # requests cut into equal chunks, or several whole a span where they outnumber the CTAs)
     slacks = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ALIGN_SLACK", "").split(","))]
     variants += [(f"attnforge-slack{x}", "auto", None, None, None, None, None) for x in slacks]
+    # ATTNFORGE_BENCH_MLA_KERNEL_TWINS="roles_q_steps=4,roles_pv_rs=False;roles_q_steps=16": the default
+    # kernel with these MLADecodeKernel fields changed, one `attnforge-twin<i>` row each, timed in rotation
+    # beside the default (an A/B of kernel choices in one process)
+    twins = kernel_twins()
+    variants += [(f"attnforge-twin{i}", "auto", None, None, None, None, None) for i in range(len(twins))]
     runs = {}
     for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
@@ -80,7 +93,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             # wrapper's graph mode: fixed buffers, and the merge kernel launched whatever the plan splits)
             w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), tile_kv=tile,
                                num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
-                               pdl=impl != "attnforge-no-pdl", use_cuda_graph=graph)
+                               pdl=impl != "attnforge-no-pdl", use_cuda_graph=graph,
+                               kernel_fields=twins[int(impl[len("attnforge-twin"):])] if "twin" in impl else None)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue

@@ -339,3 +339,20 @@ def test_mla_tile_trace_steps(monkeypatch):
                                   "wg1_copies": 400.0, "wg1_to_next": 1000.0, "P_handoff": 100.0}
     assert mod.summarize_tiles(np.zeros((1, mod.TILES, 8), dtype=np.int64)) == {}  # an mma.sync kernel: none
 
+
+
+def test_mla_kernel_twins_parse_field_sets(monkeypatch):
+    """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: one attnforge-twin<i> row per set of MLADecodeKernel fields, each
+    a kernel of its own (here h128's roles kernel with Q and P from shared memory, and 16 Q steps)."""
+    from attnforge import AttentionSpec
+    from attnforge.kernels.mla import MLADecodeKernel
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_mla")
+    monkeypatch.delenv("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", raising=False)
+    assert mod.kernel_twins() == []
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "roles_q_steps=0, roles_pv_rs=False;roles_q_steps=16")
+    twins = mod.kernel_twins()
+    assert twins == [{"roles_q_steps": 0, "roles_pv_rs": False}, {"roles_q_steps": 16}]
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    sources = {MLADecodeKernel(spec, backend="wgmma", **fields).module().source for fields in [{}] + twins}
+    assert len(sources) == 3

@@ -306,7 +306,15 @@ def test_wgmma_roles_schedule(heads):
 def test_wgmma_roles_with_the_other_dims_split(heads, w0_dims):
     # warpgroup 0's P.V over 192 of the 512 dims (the default from 128 heads) or 256 (below), each at a
     # head count whose default is the other; the copies refill each stage in two parts either way
-    wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", roles_w0_dims=w0_dims)
+    wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", kernel_fields={"roles_w0_dims": w0_dims})
+
+
+@pytest.mark.parametrize("q_steps,pv_rs", [(0, False), (16, False), (4, True)])
+def test_wgmma_roles_register_operands(q_steps, pv_rs):
+    # h128's roles kernel with S's first q_steps k-steps from Q in registers and warpgroup 0's P.V from
+    # P in registers or shared memory, beside the default (test_wgmma_roles_schedule)
+    wgmma_cases(128, "normal", backend="wgmma", schedule="roles",
+                kernel_fields={"roles_q_steps": q_steps, "roles_pv_rs": pv_rs})
 
 
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp16"])
@@ -497,7 +505,7 @@ def test_tiles_without_tests_are_bitwise_the_tested_path(heads, pipeline, backen
     lengths, q_len 2, a request split across CTAs, so both kinds of tile and the merge are covered).
     The roles kernel runs both with the even dims split, so the two kernels differ only in the hook."""
     plain = mla_spec(heads, pipeline)
-    roles = {"roles_w0_dims": 256} if (backend, pipeline) == ("wgmma", "normal") else {}
+    roles = {"kernel_fields": {"roles_w0_dims": 256}} if (backend, pipeline) == ("wgmma", "normal") else {}
     masked = mla_spec(heads, pipeline, score_mod=mods.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= 0))
     outs = []
     for spec in (plain, masked):

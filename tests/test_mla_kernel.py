@@ -1,5 +1,6 @@
 """MLA kernel shapes on the host: rows per CTA, shared memory, row blocks, rendering."""
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -114,16 +115,20 @@ def test_roles_dims_split_defaults_by_heads_and_is_validated():
         assert k.module().context["roles_w0_dims"] == dims and f"roles{dims}_" in k.module().name
     k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=256)
     assert k.module().context["roles_w0_dims"] == 256
-    # Q in registers for plain scores (or a sink) at the narrow split only; soft-cap keeps the narrow split
-    # without them, and a modifier that rewrites or masks scores the even split (each spilled otherwise)
+    # Q in registers and P.V from registers at the narrow split only, whatever the modifier
     import attnforge.mods as mods
+    from attnforge.kernels.mla import ROLES_PV_FROM_REGISTERS, ROLES_Q_REG_STEPS
     h128 = spec(128, "normal")
-    for kw, dims, steps in (({}, 192, 4), ({"score_mod": mods.attention_sink(torch.zeros(128))}, 192, 4),
-                            ({"logits_soft_cap": 30.0}, 192, 0), ({"score_mod": mods.alibi(torch.ones(128))}, 256, 0),
-                            ({"score_mod": mods.document_mask(torch.zeros(2, 8, dtype=torch.int32))}, 256, 0)):
+    for kw in ({}, {"logits_soft_cap": 30.0}, {"score_mod": mods.alibi(torch.ones(128))}):
         ctx = MLADecodeKernel(dataclasses.replace(h128, **kw), backend="wgmma").module().context
-        assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"]) == (dims, steps), kw
-    assert MLADecodeKernel(spec(64, "normal"), backend="wgmma").module().context["roles_q_reg_steps"] == 0
+        assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == \
+            (192, ROLES_Q_REG_STEPS, ROLES_PV_FROM_REGISTERS), kw
+    ctx = MLADecodeKernel(h128, backend="wgmma", roles_q_steps=0, roles_pv_rs=False).module().context
+    assert (ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (0, False)
+    ctx = MLADecodeKernel(spec(64, "normal"), backend="wgmma", roles_q_steps=8, roles_pv_rs=True).module().context
+    assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (256, 0, False)
+    with pytest.raises(ValueError, match="roles_q_steps: expected None or 0..36"):
+        MLADecodeKernel(h128, backend="wgmma", roles_q_steps=37)
     with pytest.raises(ValueError, match="roles_w0_dims: expected None, 192 or 256, got 128"):
         MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)
     with pytest.raises(ValueError, match="applies to the 'roles' schedule only"):
@@ -161,7 +166,7 @@ def test_wrapper_backend_choice():
     for backend, schedule, tile, stages, want in [(None, None, None, None, default_backend(s128)),
                                                   (None, None, 32, 3, "mma"), (None, None, None, 2, "mma"),
                                                   ("wgmma", "symmetric", None, None, "wgmma"), ("mma", None, 64, 2, "mma")]:
-        w._backend, w._schedule, w._roles_w0_dims = backend, schedule, None
+        w._backend, w._schedule, w._kernel_fields = backend, schedule, {}
         k = w._make_kernel(s128, tile, stages, None)
         assert k.backend == want and (schedule is None or k.schedule == schedule)
 
@@ -277,3 +282,26 @@ def test_graph_merge_lanes_match_eager_on_equal_batches_and_stay_fixed():
                 w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=64)  # now a short request
                 assert w._plan["merge_lanes"] > 1 and merge_lanes(w._plan["work"]) == 1
 
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("kw", [{}, {"roles_pv_rs": False}, {"logits_soft_cap": 30.0}])
+def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
+    """h128's roles kernel issues warpgroup 0's P.V and then publishes P while it runs (P from
+    registers): a branch there, or a touched accumulator, would make ptxas serialise every wgmma (info
+    C7514 / C7515, or waits injected, C7517); the kBarPFree wait is one predicated instruction."""
+    import subprocess
+
+    from attnforge import codegen
+    kw = dict(kw)
+    soft_cap = kw.pop("logits_soft_cap", 0.0)
+    m = MLADecodeKernel(dataclasses.replace(spec(128, "normal"), logits_soft_cap=soft_cap), backend="wgmma", **kw).module()
+    (tmp_path / "k.cu").write_text(m.source)
+    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                          f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"),
+                          str(tmp_path / "k.cu")], capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "Compiling entry function 'mla_decode_kernel'" in log
+    for code in ("C7514", "C7515", "C7517"):
+        assert code not in log, f"{m.name}: ptxas {code}:\n" + "\n".join(x for x in log.splitlines() if code in x)
+    assert "0 bytes spill stores" in log.split("Compiling entry function 'mla_decode_kernel'")[1]

@@ -35,7 +35,8 @@ def scores_warpgroup(s, items):
             assert s["p_readers"] == 0, "P overwritten while warpgroup 1's P.V reads it"
             s["p"] = (item, t)  # P(t) and the rescale factors
             arrive(s, P, 0)
-            yield  # P.V(t), dims [0, kDvW0): still reading part LO
+            yield  # P.V(t), dims [0, kDvW0): still reading part LO (with P from registers it is issued
+            # before the kBarPFree wait and P's store: it reads no shared P, only part LO, held since S)
             assert s["stage"][st][LO] == ("ready", item, t)
             s["readers"][st][LO] -= 1
             arrive(s, STAGE, 0)

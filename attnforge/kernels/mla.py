@@ -59,13 +59,15 @@ WGMMA_MIN_HEADS = 32
 # From this many heads the "roles" kernel is bound by its tensor work (the heads' row blocks share each
 # tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
 # h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
-# Not with a modifier that rewrites or masks scores: its hook's registers made it spill (ALiBi 12 bytes,
-# a document mask 28).
 ROLES_NARROW_W0_MIN_HEADS = 128
 # With that split, warpgroup 0 takes the first k-steps of S's 36 from Q in registers (templates/mla/
-# normal_wgmma.cu.jinja, kQRegSteps): 8 KB a tile less through the shared-memory port that bounds S,
-# h128 -2.0..-2.5%. Plain scores only (a sink too): with soft-cap the 16 registers made it spill 24 bytes.
-ROLES_Q_REG_STEPS = 4
+# normal_wgmma.cu.jinja, kQRegSteps): 2 KB a step less through the shared-memory port that bounds S
+# (4 steps: h128 -2.0..-2.5%). 12 compile without spills with every modifier (16 spill with ALiBi and
+# a document mask), now that warpgroup 0's path no longer carries warpgroup 1's accumulators.
+ROLES_Q_REG_STEPS = 12
+# With that split, warpgroup 0's P.V may take P from registers (the A fragment S's accumulators already
+# form): it starts before P is stored for warpgroup 1, and reads 8 KB a tile less shared memory.
+ROLES_PV_FROM_REGISTERS = True
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
@@ -77,13 +79,6 @@ def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
     hopper = any(a.startswith(WGMMA_ARCH) for a in archs)
     wins = spec.pipeline == "transposed" or spec.num_qo_heads >= WGMMA_MIN_HEADS
     return "wgmma" if hopper and wins and wgmma_applies(spec) is None else "mma"
-
-
-def _hooks_scores(spec: AttentionSpec) -> bool:
-    """Whether the spec's score modifier rewrites or masks scores in the tile loop (ALiBi, biases, document
-    masks), not only adds a sink at the end."""
-    mod = spec.score_mod
-    return mod is not None and (mod.score_root is not None or mod.mask_root is not None)
 
 
 def default_tiling(rows: int) -> tuple[int, int]:
@@ -104,9 +99,12 @@ class MLADecodeKernel:
     # won every case measured, +1-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
     # "roles": the output dims of warpgroup 0's P.V (the rest are warpgroup 1's); None: 192 from
-    # ROLES_NARROW_W0_MIN_HEADS heads unless a modifier rewrites or masks scores, else 256 (templates/mla/
-    # normal_wgmma.cu.jinja)
+    # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why)
     roles_w0_dims: Optional[int] = None
+    # "roles" with the 192-dim split: S's k16 steps (of 36) taking Q from registers, and whether warpgroup
+    # 0's P.V takes P from registers; None: ROLES_Q_REG_STEPS / ROLES_PV_FROM_REGISTERS
+    roles_q_steps: Optional[int] = None
+    roles_pv_rs: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -134,6 +132,9 @@ class MLADecodeKernel:
         if self.roles_w0_dims is not None and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.roles_w0_dims applies to the 'roles' schedule only, got schedule="
                              f"{self.resolved_schedule!r}; leave roles_w0_dims=None")
+        if self.roles_q_steps is not None and not 0 <= self.roles_q_steps <= 36:
+            raise ValueError(f"MLADecodeKernel.roles_q_steps: expected None or 0..36 (S's k16 steps), got "
+                             f"{self.roles_q_steps!r}")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -152,14 +153,21 @@ class MLADecodeKernel:
     def resolved_roles_w0_dims(self) -> int:
         if self.roles_w0_dims is not None:
             return self.roles_w0_dims
-        narrow = self.spec.num_qo_heads >= ROLES_NARROW_W0_MIN_HEADS and not _hooks_scores(self.spec)
-        return 192 if narrow else 256
+        return 192 if self.spec.num_qo_heads >= ROLES_NARROW_W0_MIN_HEADS else 256
 
     @property
     def roles_q_reg_steps(self) -> int:
-        """S's k-steps taken from Q in registers (the "roles" kernel with the 192-dim split, plain scores)."""
-        plain = self.spec.logits_soft_cap == 0 and not _hooks_scores(self.spec)
-        return ROLES_Q_REG_STEPS if plain and self.resolved_roles_w0_dims == 192 else 0
+        """S's k-steps taken from Q in registers (the "roles" kernel with the 192-dim split)."""
+        if self.resolved_roles_w0_dims != 192:
+            return 0
+        return ROLES_Q_REG_STEPS if self.roles_q_steps is None else self.roles_q_steps
+
+    @property
+    def roles_pv_from_registers(self) -> bool:
+        """Whether warpgroup 0's P.V takes P from registers (the "roles" kernel with the 192-dim split)."""
+        if self.resolved_roles_w0_dims != 192:
+            return False
+        return ROLES_PV_FROM_REGISTERS if self.roles_pv_rs is None else self.roles_pv_rs
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
@@ -218,7 +226,7 @@ class MLADecodeKernel:
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
-               "roles_q_reg_steps": self.roles_q_reg_steps,
+               "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,

@@ -48,6 +48,12 @@ AF_DEVICE bool mbar_test(uint32_t bar, uint32_t parity) {
 // without waiting. Two warpgroups taking turns at the tensor cores use one each.
 AF_DEVICE void named_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 AF_DEVICE void named_bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// bar.sync when `wait` (warp-uniform), as one predicated instruction: no branch in the code around it
+// (a branch while a wgmma is in flight makes ptxas serialise them, C7514).
+AF_DEVICE void named_bar_sync_if(bool wait, int id, int count) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p bar.sync %1, %2;\n}\n" ::"r"(int(wait)), "r"(id), "r"(count)
+               : "memory");
+}
 
 // Register budgets of warp-specialised kernels (all warps of a warpgroup execute these together).
 template <int N> AF_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }

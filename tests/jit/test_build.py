@@ -173,9 +173,9 @@ def _mod_specs():
 
 
 def _wgmma_mla_kernels(normal):
-    """The sm_90a MLA kernels of the matrix: h16 (64 rows, the even split), h128 with soft-cap (the
-    192-dim split, Q from shared memory), h128 with ALiBi and with a document mask (the even split: the
-    hooks' registers), h128 plain (192 dims, Q partly in registers) and the transposed pipeline."""
+    """The sm_90a MLA kernels of the matrix: h16 (64 rows, the even split), h128 (the 192-dim split, Q
+    partly and P in registers) with soft-cap, ALiBi, a document mask and plain scores, plain scores with
+    P.V from shared memory, and the transposed pipeline."""
     from attnforge.kernels.mla import MLADecodeKernel
     import attnforge.mods as m
     h128 = normal[1]
@@ -185,6 +185,7 @@ def _wgmma_mla_kernels(normal):
             MLADecodeKernel(dataclasses.replace(h128, score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
                             backend="wgmma"),
             MLADecodeKernel(dataclasses.replace(h128, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16"), backend="wgmma"),
+            MLADecodeKernel(h128, backend="wgmma", roles_pv_rs=False),
             MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
 
 
