@@ -285,7 +285,7 @@ def test_graph_merge_lanes_match_eager_on_equal_batches_and_stay_fixed():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("kw", [{}, {"roles_pv_rs": False}, {"logits_soft_cap": 30.0}])
+@pytest.mark.parametrize("kw", [{}, {"roles_pv_rs": True}, {"logits_soft_cap": 30.0}])
 def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
     """h128's roles kernel issues warpgroup 0's P.V and then publishes P while it runs (P from
     registers): a branch there, or a touched accumulator, would make ptxas serialise every wgmma (info

@@ -66,8 +66,9 @@ ROLES_NARROW_W0_MIN_HEADS = 128
 # a document mask), now that warpgroup 0's path no longer carries warpgroup 1's accumulators.
 ROLES_Q_REG_STEPS = 12
 # With that split, warpgroup 0's P.V may take P from registers (the A fragment S's accumulators already
-# form): it starts before P is stored for warpgroup 1, and reads 8 KB a tile less shared memory.
-ROLES_PV_FROM_REGISTERS = True
+# form), issued before P is stored for warpgroup 1. Measured slower: with warpgroup 1's copies by column
+# block, P from shared memory is 2.0-2.7% faster at h128 (twenty-ninth session), so it stays a knob.
+ROLES_PV_FROM_REGISTERS = False
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:

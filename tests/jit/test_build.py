@@ -185,7 +185,7 @@ def _wgmma_mla_kernels(normal):
             MLADecodeKernel(dataclasses.replace(h128, score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
                             backend="wgmma"),
             MLADecodeKernel(dataclasses.replace(h128, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16"), backend="wgmma"),
-            MLADecodeKernel(h128, backend="wgmma", roles_pv_rs=False),
+            MLADecodeKernel(h128, backend="wgmma", roles_pv_rs=True),
             MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
 
 
