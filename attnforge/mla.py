@@ -1,7 +1,7 @@
 """BatchMLADecode: DeepSeek multi-head latent attention decode over a paged latent cache.
 
     w = BatchMLADecode(num_qo_heads=16)                       # pipeline and backend: the measured winner
-                                                              # (mma.sync to 16 heads, wgmma from 32)
+                                                              # (wgmma; mma.sync for fp8 KV or without sm_90a)
     w.plan(kv_indptr, kv_indices, kv_last_page_len, page_size=64, q_len=1)
     out = w.run(q_nope, q_pe, ckv_cache, kpe_cache)            # or run(q_nope, q_pe, kv_cache_576)
 
@@ -62,7 +62,7 @@ def lanes_for_chunks(chunks: int) -> int:
 # 512-byte token-heads). Measured on the H200 (fourteenth session, h16, in rotation): spans 62-63 tokens
 # longer won 2.9% (B64 L8192) and 3.8% (B128 L4096); 124 longer lost 1.5% (B16 L65536, h8 and h16).
 MLA_ALIGN_SLACK = 96
-# The 64-row wgmma kernels (normal pipeline, the default from 32 heads) pay far more for a split item:
+# The 64-row wgmma kernels (normal pipeline, the default from 16 heads) pay far more for a split item:
 # each chunk loads 64 query rows (73 KB), writes a 128 KB partial state and has it merged. There aligned
 # spans may grow by this fraction of the even span. Measured on the H200 (twenty-sixth session, two
 # rounds in rotation): spans 3.1% longer, each holding whole items or one equal chunk of one, won 4-13%

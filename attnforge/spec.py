@@ -32,8 +32,8 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> st
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Groups 9-16 take two n8 head tiles there, which doubles O's registers (d128: 200, so 2
     CTAs per SM where the planner counts 3; d256 spills), while the normal pipeline's one m16 tile
-    wastes at most 7 rows. MLA decode uses the normal pipeline from 16 heads (mma.sync's m16 tiles
-    pad at most 8 heads to 16; from 32 heads the wgmma kernel) and the transposed one at 8 heads with
+    wastes at most 7 rows. MLA decode uses the normal pipeline from 16 heads (its wgmma kernel on
+    sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the transposed one at 8 heads with
     16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses
     there); docs/architecture.md has the table."""
     if family == "decode":

@@ -136,19 +136,19 @@ def check_pdl_chain(spec, lengths, use_cuda_graph, **wrapper_kw):
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):
-    # the mma.sync kernel explicitly (the default is the wgmma one for the normal pipeline from 32
+    # the mma.sync kernel explicitly (the default is the wgmma one for the normal pipeline from 16
     # heads and for the transposed one at every head count), then whatever the default picks
     run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads, backend="mma")
     if heads >= WGMMA_MIN_HEADS or pipeline == "transposed":
         run_case(mla_spec(heads, pipeline), [1, 63, 64, 65, 1000, 0], 64, seed=heads)
 
 
-@pytest.mark.parametrize("heads", [8, 16, 128])  # 8 and 128: wgmma kernels, staged rows; 16: mma.sync
+@pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (16, "mma"), (128, None)])  # wgmma by default
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_out_with_padded_head_rows(heads, pipeline):
+def test_out_with_padded_head_rows(heads, backend, pipeline):
     """out is written at its own strides (heads 520 elements apart here; the wgmma kernels store 16-byte
     row vectors), split and whole items alike; the padding stays as it was."""
-    run_case(mla_spec(heads, pipeline), [3000, 1, 130], 16, out_pad=8)
+    run_case(mla_spec(heads, pipeline), [3000, 1, 130], 16, out_pad=8, **({"backend": backend} if backend else {}))
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 16, 32])
@@ -158,7 +158,7 @@ def test_page_sizes(page_size, pipeline):
              **mma_if_transposed(pipeline))
 
 
-@pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (16, "wgmma"), (128, None), (128, "mma")])
+@pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (16, "mma"), (128, None), (128, "mma")])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_rows_no_request_holds_may_hold_nan(heads, backend, pipeline):
     """NaN in every cache row no request holds (a last page's tail, pages past the table), as in an
@@ -351,11 +351,9 @@ def wgmma_cases(heads, pipeline, **kw):
     run_case(mla_spec(heads, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0}, **kw)
 
 
-@pytest.mark.parametrize("heads,schedule", [(16, None), (128, None), (128, "roles")])  # 128: wgmma by default
+@pytest.mark.parametrize("heads,backend", [(16, None), (16, "mma"), (128, None)])  # None: wgmma (roles)
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
-    if schedule and pipeline != "normal":
-        pytest.skip("the roles schedule is the normal pipeline's")
+def test_cuda_graph_replay_after_replans(heads, backend, pipeline):
     spec = mla_spec(heads, pipeline)
     batch, page_size, pages, q_len = 4, 64, 2048, 2
     rng = np.random.default_rng(0)
@@ -363,7 +361,7 @@ def test_cuda_graph_replay_after_replans(heads, schedule, pipeline):
     q_nope = torch.randn(batch * q_len, heads, 512, device="cuda").bfloat16()
     q_pe = torch.randn(batch * q_len, heads, 64, device="cuda").bfloat16()
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len,
-                       **({"backend": "wgmma", "schedule": schedule} if schedule else {}))
+                       **({"backend": backend} if backend else {}))
 
     def replan():
         lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 3000, (20000, 60000))

@@ -204,12 +204,13 @@ def test_host_only_wrapper_plans_without_a_gpu():
 
 
 def test_equal_requests_plan_aligned_spans():
-    """As decode: B64 L8192 at h16 (one row block a request) cuts each request into CTAs // 64 chunks
-    of equal length, one a span."""
+    """As decode: B64 L8192 at h16 on the mma.sync kernel (fp8 KV; one row block a request) cuts each
+    request into CTAs // 64 chunks of equal length, one a span."""
     import numpy as np
 
     from attnforge.mla import BatchMLADecode
-    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         kv_dtype="fp8_e4m3")
     w = BatchMLADecode.host_only(spec, max_batch_size=64, max_num_pages=64 * 128)
     indptr = np.arange(65) * 128
     w.plan(indptr, np.arange(64 * 128), np.full(64, 64), page_size=64)

@@ -53,9 +53,9 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
 
 
 # From this many heads the wgmma normal pipeline ("roles" schedule) beats mma.sync (H200,
-# docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +30-64% TFLOP/s); below it the 64-row tiles are
-# mostly padding (h16: -24%).
-WGMMA_MIN_HEADS = 32
+# docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +30-64% TFLOP/s; h16 -1..-10% since warpgroup 1
+# refills by column block, twenty-ninth session); at 8 heads the transposed pipeline wins.
+WGMMA_MIN_HEADS = 16
 # From this many heads the "roles" kernel is bound by its tensor work (the heads' row blocks share each
 # tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
 # h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
