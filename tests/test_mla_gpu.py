@@ -232,21 +232,22 @@ def test_equal_requests_on_aligned_spans(pipeline):
 
 
 def test_fewer_ctas_per_sm_than_the_occupancy():
-    """ctas_per_sm=1 (a half-size persistent grid for the 2-CTA h16 kernel): longer spans, the same
-    attention; a value above the occupancy is refused before any launch."""
+    """ctas_per_sm=1 (a half-size persistent grid for h16's 2-CTA mma.sync kernel): longer spans, the
+    same attention; a value above the occupancy is refused before any launch."""
     spec = mla_spec(16, "normal")
-    run_case(spec, [65536, 5, 0, 3000], 64, seed=3, ctas_per_sm=1)
+    run_case(spec, [65536, 5, 0, 3000], 64, seed=3, ctas_per_sm=1, backend="mma")
     with pytest.raises(ValueError, match="ctas_per_sm: expected an int in \\[1, 2\\]"):
-        BatchMLADecode(spec, ctas_per_sm=3)
+        BatchMLADecode(spec, ctas_per_sm=3, backend="mma")
 
 
 @pytest.mark.parametrize("lanes", [2, 4, 16])
 def test_merge_lanes_agree_with_one_lane(lanes):
     """The merge's thread groups (MLA rows cut into many chunks) give the one-group result and the
-    reference's: the same partial states combined in another order, a long request beside an empty one."""
+    reference's: the same partial states combined in another order, a long request beside an empty one
+    (h16's mma.sync kernel: two CTAs an SM cut the long request into enough chunks for every lane)."""
     spec = mla_spec(16, "normal")
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, [65536, 0, 3000], 64, 1, 11, False)
-    w = BatchMLADecode(spec)
+    w = BatchMLADecode(spec, backend="mma")
     w.plan(indptr, indices, last, page_size=64)
     assert w._plan["merge_lanes"] == MAX_MERGE_LANES  # the planner splits this long request's rows
     outs = {}
