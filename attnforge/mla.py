@@ -78,7 +78,7 @@ class BatchMLADecode(BatchDecode):
                  use_cuda_graph: bool = False, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
                  max_q_len: int = 1, device: Union[str, torch.device, None] = None, num_stages: Optional[int] = None,
                  tile_kv: Optional[int] = None, backend: Optional[str] = None, schedule: Optional[str] = None,
-                 kernel_fields: Optional[dict] = None, ctas_per_sm: Optional[int] = None, pdl: bool = True,
+                 kernel_fields: Optional[dict] = None, ctas_per_sm: Optional[int] = None, pdl: Optional[bool] = None,
                  **spec_kwargs):
         """tile_kv / num_stages override the measured defaults (attnforge.kernels.mla.default_tiling).
         backend="wgmma": the sm_90a warpgroup-MMA kernels (16-bit KV; normal: 64 rows per CTA, transposed:
@@ -90,7 +90,8 @@ class BatchMLADecode(BatchDecode):
         ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas).
         pdl: launch the decode kernel with programmatic dependent launch, as BatchDecode does (its CTAs
         find their first item while the kernel before it finishes, and read queries and cache after it
-        completes); False for a plain launch."""
+        completes); False for a plain launch; None: the kernel's measured default
+        (MLADecodeKernel.pdl_by_default: plain for h128's roles kernel)."""
         self._backend, self._schedule, self._kernel_fields = backend, schedule, dict(kernel_fields or {})
         self._graph_lanes = None  # the merge's lanes in graph mode, fixed at the first plan
         if spec is None:
@@ -104,7 +105,9 @@ class BatchMLADecode(BatchDecode):
         self.max_q_len = max_q_len
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                          max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
-                         ctas_per_sm=ctas_per_sm, pdl=pdl, **spec_kwargs)
+                         ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, **spec_kwargs)
+        if pdl is None:
+            self.pdl = self.kernel.pdl_by_default
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)

@@ -60,7 +60,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # (row name, pipeline, backend, schedule, tile, stages, CTAs per SM): "attnforge" is the defaults;
     # -normal and -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
     variants = [("attnforge", "auto", None, None, None, None, None),
-                ("attnforge-no-pdl", "auto", None, None, None, None, None),  # the default in plain launches
+                ("attnforge-pdl", "auto", None, None, None, None, None),  # the default kernel, launched with PDL
+                ("attnforge-no-pdl", "auto", None, None, None, None, None),  # ... and plainly
                 ("attnforge-graph", "auto", None, None, None, None, None),  # use_cuda_graph=True: merge always launched
                 ("attnforge-normal", "normal", "mma", None, None, None, None),
                 ("attnforge-transposed", "transposed", "mma", None, None, None, None),
@@ -93,7 +94,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             # wrapper's graph mode: fixed buffers, and the merge kernel launched whatever the plan splits)
             w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), tile_kv=tile,
                                num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
-                               pdl=impl != "attnforge-no-pdl", use_cuda_graph=graph,
+                               pdl={"attnforge-pdl": True, "attnforge-no-pdl": False}.get(impl), use_cuda_graph=graph,
                                kernel_fields=twins[int(impl[len("attnforge-twin"):])] if "twin" in impl else None)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
@@ -185,8 +186,9 @@ def accuracy(report: Report) -> None:
             report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {pipeline}: RMSE vs float64 {rmse:.3e}")
 
 
-PDL_NOTE = ("mla: attnforge's rows launch with programmatic dependent launch (BatchMLADecode(pdl=True), the "
-            "default; attnforge-no-pdl: the same kernels launched plainly); FlashInfer 0.2.14's MLA wrapper has no "
+PDL_NOTE = ("mla: attnforge's rows launch with programmatic dependent launch where it is the kernel's default "
+            "(BatchMLADecode(pdl=None): every kernel but h128's roles kernel, which launches plainly); attnforge-pdl "
+            "and attnforge-no-pdl are the default kernel launched each way; FlashInfer 0.2.14's MLA wrapper has no "
             "PDL option, so its rows launch plainly")
 
 

@@ -98,7 +98,7 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 @pytest.mark.parametrize("heads,backend", [(8, None), (16, None), (128, None), (16, "mma")])
 def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, heads, backend):
-    """BatchMLADecode (PDL by default) three times in a row, each call's q_nope the previous call's
+    """BatchMLADecode with PDL three times in a row, each call's q_nope the previous call's
     output: a decode must read its queries only after the call before it (decode and merge) completed,
     and must not overwrite the partial states that merge still reads; eagerly and in a CUDA graph."""
     w = check_pdl_chain(mla_spec(heads), [1000, 17, 4000, 1, 0, 300], use_cuda_graph,
@@ -110,6 +110,7 @@ def test_pdl_chain_of_decodes_without_a_merge():
     """Equal requests, one a CTA pair at 128 heads: every item whole, so no merge kernel runs between
     the chained decodes (eagerly), and each decode's prior grid is the decode before it."""
     probe = BatchMLADecode(mla_spec(128))
+    assert not probe.pdl  # h128's roles kernel launches plainly by default (pdl=None)
     side = probe.kernel.side_blocks(probe.kernel.row_blocks(1))
     pairs = probe.num_ctas // side
     w = check_pdl_chain(mla_spec(128), [300] * pairs, False)
@@ -118,8 +119,7 @@ def test_pdl_chain_of_decodes_without_a_merge():
 
 def check_pdl_chain(spec, lengths, use_cuda_graph, **wrapper_kw):
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, 64, seed=spec.num_qo_heads)
-    w = BatchMLADecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths), **wrapper_kw)
-    assert w.pdl
+    w = BatchMLADecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths), pdl=True, **wrapper_kw)
     w.plan(indptr, indices, last, page_size=64)
     outs = chain_on_own_outputs(lambda src, out: w.run(src, q_pe, *caches, out=out), q_nope, use_cuda_graph)
     expect = q_nope

@@ -87,6 +87,15 @@ def test_wgmma_backend_builds_for_sm90a_whatever_the_arch_list():
     assert "/90a/" in path.as_posix() and b"mla_decode_kernel" in path.read_bytes()
 
 
+def test_pdl_by_default_except_for_the_narrow_roles_kernel():
+    from attnforge.kernels.mla import ROLES_NARROW_PDL
+    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").pdl_by_default is ROLES_NARROW_PDL is False
+    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=256).pdl_by_default
+    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="symmetric").pdl_by_default
+    assert MLADecodeKernel(spec(64, "normal"), backend="wgmma").pdl_by_default
+    assert MLADecodeKernel(spec(128, "normal"), backend="mma").pdl_by_default
+
+
 def test_default_backend_is_the_measured_winner():
     from attnforge.kernels.mla import WGMMA_MIN_HEADS, default_backend
     for h in (8, 16, 32, 64, 128):

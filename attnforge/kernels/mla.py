@@ -69,6 +69,10 @@ ROLES_Q_REG_STEPS = 12
 # form), issued before P is stored for warpgroup 1. Measured slower: with warpgroup 1's copies by column
 # block, P from shared memory is 2.0-2.7% faster at h128 (twenty-ninth session), so it stays a knob.
 ROLES_PV_FROM_REGISTERS = False
+# With that split the kernel launches plainly by default, not with PDL: in three records (twenty-eighth
+# and twenty-ninth sessions, in rotation in one process) the plain launch took 0.4-1.6% less time at
+# h128 on every case, where PDL saved 0.1-1.5% at h8-h64. Why is not yet known.
+ROLES_NARROW_PDL = False
 
 
 def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
@@ -169,6 +173,12 @@ class MLADecodeKernel:
         if self.resolved_roles_w0_dims != 192:
             return False
         return ROLES_PV_FROM_REGISTERS if self.roles_pv_rs is None else self.roles_pv_rs
+
+    @property
+    def pdl_by_default(self) -> bool:
+        """Whether BatchMLADecode(pdl=None) launches this kernel with programmatic dependent launch."""
+        narrow_roles = self.resolved_schedule == "roles" and self.resolved_roles_w0_dims == 192
+        return ROLES_NARROW_PDL if narrow_roles else True
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
