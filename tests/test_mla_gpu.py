@@ -306,7 +306,7 @@ def test_wgmma_roles_schedule(heads):
 @pytest.mark.parametrize("heads,w0_dims", [(64, 192), (128, 256)])
 def test_wgmma_roles_with_the_other_dims_split(heads, w0_dims):
     # warpgroup 0's P.V over 192 of the 512 dims (the default from 128 heads) or 256 (below), each at a
-    # head count whose default is the other; the copies refill each stage in two parts either way
+    # head count whose default is the other (the copies follow the split: two parts at 192, whole at 256)
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", kernel_fields={"roles_w0_dims": w0_dims})
 
 
