@@ -33,9 +33,9 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> st
     group 4). Groups 9-16 take two n8 head tiles there, which doubles O's registers (d128: 200, so 2
     CTAs per SM where the planner counts 3; d256 spills), while the normal pipeline's one m16 tile
     wastes at most 7 rows. MLA decode uses the normal pipeline from 16 heads (its wgmma kernel on
-    sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the transposed one at 8 heads with
-    16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses
-    there); docs/architecture.md has the table."""
+    sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
+    transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync
+    only, whose transposed kernel loses there); docs/architecture.md has the table."""
     if family == "decode":
         return "transposed" if group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
     if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":

@@ -40,8 +40,8 @@ def _all_cases():
 def kernel_twins() -> list[dict]:
     """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of ','-separated field=value (Python literals)."""
     sets = filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))
-    return [{k.strip(): ast.literal_eval(v.strip()) for k, v in (item.split("=", 1) for item in filter(None, x.split(",")))}
-            for x in sets]
+    pairs = ((item.split("=", 1) for item in filter(None, x.split(","))) for x in sets)
+    return [{k.strip(): ast.literal_eval(v.strip()) for k, v in twin} for twin in pairs]
 
 
 def inputs(heads, batch, length):

@@ -305,7 +305,8 @@ def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
     from attnforge import codegen
     kw = dict(kw)
     soft_cap = kw.pop("logits_soft_cap", 0.0)
-    m = MLADecodeKernel(dataclasses.replace(spec(128, "normal"), logits_soft_cap=soft_cap), backend="wgmma", **kw).module()
+    h128 = dataclasses.replace(spec(128, "normal"), logits_soft_cap=soft_cap)
+    m = MLADecodeKernel(h128, backend="wgmma", **kw).module()
     (tmp_path / "k.cu").write_text(m.source)
     out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                           f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"),
