@@ -193,3 +193,21 @@ def run_host_program(source: str, directory: Path) -> str:
     subprocess.run(["nvcc", "-std=c++20", f"-I{codegen.include_dir()}", "-o", str(directory / "t"),
                     str(directory / "t.cu")], check=True, capture_output=True)
     return subprocess.run([str(directory / "t")], check=True, capture_output=True, text=True).stdout
+
+
+def ptxas_log_of_async_wgmmas(module, entry: str, directory: Path) -> str:
+    """Compile a kernel module for sm_90a with ptxas's report and check that ptxas kept every wgmma
+    asynchronous: it says so quietly (info C7514 / C7515: serialised; C7517: waits injected) when code
+    between an issue and its wait branches or touches accumulators. Returns the entry's part of the log."""
+    from attnforge import codegen
+    (directory / "k.cu").write_text(module.source)
+    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                          f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(directory / "k.cubin"),
+                          str(directory / "k.cu")], capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    marker = f"Compiling entry function '{entry}'"
+    assert marker in log, log[-2000:]
+    for code in ("C7514", "C7515", "C7517"):
+        lines = "\n".join(x for x in log.splitlines() if code in x)
+        assert code not in log, f"{module.name}: ptxas {code}:\n{lines}"
+    return log.split(marker)[1]

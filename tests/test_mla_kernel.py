@@ -300,19 +300,9 @@ def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
     """h128's roles kernel issues warpgroup 0's P.V and then publishes P while it runs (P from
     registers): a branch there, or a touched accumulator, would make ptxas serialise every wgmma (info
     C7514 / C7515, or waits injected, C7517); the kBarPFree wait is one predicated instruction."""
-    import subprocess
-
-    from attnforge import codegen
+    from helpers import ptxas_log_of_async_wgmmas
     kw = dict(kw)
     soft_cap = kw.pop("logits_soft_cap", 0.0)
     h128 = dataclasses.replace(spec(128, "normal"), logits_soft_cap=soft_cap)
     m = MLADecodeKernel(h128, backend="wgmma", **kw).module()
-    (tmp_path / "k.cu").write_text(m.source)
-    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
-                          f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"),
-                          str(tmp_path / "k.cu")], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
-    assert "Compiling entry function 'mla_decode_kernel'" in log
-    for code in ("C7514", "C7515", "C7517"):
-        assert code not in log, f"{m.name}: ptxas {code}:\n" + "\n".join(x for x in log.splitlines() if code in x)
-    assert "0 bytes spill stores" in log.split("Compiling entry function 'mla_decode_kernel'")[1]
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)

@@ -232,17 +232,10 @@ def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     the next item's S(0), so its stores are predicated, never branched around."""
     import dataclasses
 
-    from attnforge import codegen, mods
+    from attnforge import mods
+    from helpers import ptxas_log_of_async_wgmmas
     kw = dict(kw)
     spec = {"alibi": dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(SPEC.num_qo_heads))),
             "softcap": dataclasses.replace(SPEC, score_mod=mods.softcap(50.0)),
             "spec_softcap": dataclasses.replace(SPEC, logits_soft_cap=50.0)}.get(kw.pop("score_mod", None), SPEC)
-    m = PrefillKernel(spec, "wgmma", **kw).module()
-    (tmp_path / "k.cu").write_text(m.source)
-    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
-                          f"-I{codegen.include_dir()}", "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"),
-                          str(tmp_path / "k.cu")], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
-    assert "Compiling entry function 'batch_prefill_wgmma_kernel'" in log
-    for code in ("C7514", "C7515", "C7517"):
-        assert code not in log, f"{m.name}: ptxas {code}:\n" + "\n".join(x for x in log.splitlines() if code in x)
+    ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma", **kw).module(), "batch_prefill_wgmma_kernel", tmp_path)
