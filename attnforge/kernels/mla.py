@@ -71,7 +71,10 @@ ROLES_Q_REG_STEPS = 12
 ROLES_PV_FROM_REGISTERS = False
 # With that split the kernel launches plainly by default, not with PDL: in three records (twenty-eighth
 # and twenty-ninth sessions, in rotation in one process) the plain launch took 0.4-1.6% less time at
-# h128 on every case, where PDL saved 0.1-1.5% at h8-h64. Why is not yet known.
+# h128 on every case, where PDL saved 0.1-1.5% at h8-h64. Not yet confirmed why; the one difference of
+# h128's grid is its side-by-side row blocks (side_blocks = 2: two CTAs on the same tokens, the second's
+# copies hitting L2): under PDL the CTAs start as the merge before them exits, SM by SM, so a pair may
+# start apart, where a plain launch starts every CTA together.
 ROLES_NARROW_PDL = False
 
 
