@@ -37,11 +37,15 @@ def _all_cases():
     return list({c[0]: c for c in out}.values())  # each case once, in order
 
 
+def kernel_fields(text: str) -> dict:
+    """MLADecodeKernel fields from ','-separated field=value (Python literals), e.g. "tma=True,roles_q_steps=4"."""
+    pairs = (item.split("=", 1) for item in filter(None, (x.strip() for x in text.split(","))))
+    return {k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}
+
+
 def kernel_twins() -> list[dict]:
-    """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of ','-separated field=value (Python literals)."""
-    sets = filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))
-    pairs = ((item.split("=", 1) for item in filter(None, x.split(","))) for x in sets)
-    return [{k.strip(): ast.literal_eval(v.strip()) for k, v in twin} for twin in pairs]
+    """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of kernel_fields."""
+    return [kernel_fields(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))]
 
 
 def inputs(heads, batch, length):

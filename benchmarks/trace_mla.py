@@ -10,7 +10,13 @@ trace found F in the output write (~37 us an item) and the query copy (~12 us), 
 twenty-seventh. What is left at h128 is the tile loop (~3700 cycles a tile against ~2200 of tensor
 work): the per-tile hand-offs say which warpgroup's chain sets the period.
 
-    python benchmarks/trace_mla.py [--json out.json] ["h128 B64 L8192" ...]
+    python benchmarks/trace_mla.py [--json out.json] [--fields tma=True,...] [--pdl | --no-pdl] [--chained]
+                                   ["h128 B64 L8192" ...]
+
+--fields traces a kernel twin (MLADecodeKernel fields, as the bench's twin rows take them); --pdl /
+--no-pdl override BatchMLADecode's launch default; --chained times two calls back to back, so the traced
+call starts after the first one's merge (as in the bench's graphs, where PDL overlaps them), and reports
+how far apart the two CTAs of each side-by-side pair started (`pair_entry_gap_ns`).
 """
 import sys
 from pathlib import Path
@@ -21,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchMLADecode  # noqa: E402
 from attnforge.kernels import mla as kmla  # noqa: E402
-from bench_mla import PAGE, inputs  # noqa: E402
+from bench_mla import PAGE, inputs, kernel_fields  # noqa: E402
 from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
 
 ITEMS = 32  # trace slots per CTA (the template's); slot 31 holds the CTA's entry, wait and exit
@@ -92,17 +98,42 @@ def summarize_tiles(tt: np.ndarray) -> dict:
     return {"tiles": int(nxt.sum()), "median_cycles": {k: float(np.median(v)) for k, v in steps.items()}}
 
 
+def pair_entry_gaps(t: np.ndarray, side_blocks: int) -> dict:
+    """How far apart (%globaltimer ns) the CTAs of each side-by-side group started: CTA c runs side
+    c % side_blocks of virtual CTA c / side_blocks (templates/mla_decode.cu.jinja). {} with one side."""
+    if side_blocks < 2:
+        return {}
+    entry = t[:, ITEMS - 1, 6]
+    n = len(entry) // side_blocks * side_blocks
+    groups = entry[:n].reshape(-1, side_blocks)
+    groups = groups[(groups > 0).all(axis=1)]
+    if not len(groups):
+        return {}
+    gap = groups.max(axis=1) - groups.min(axis=1)
+    return {"groups": int(len(gap)), **{f"p{q}": float(np.percentile(gap, q)) for q in (50, 90, 100)}}
+
+
+def option(flag: str):
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+
+
 def trace_case(name: str) -> dict:
     heads, batch, length = int(name.split()[0][1:]), int(name.split()[1][1:]), int(name.split()[2][1:])
     q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
     spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
-    w = BatchMLADecode(spec, max_batch_size=max(256, batch))
+    pdl = True if "--pdl" in sys.argv else False if "--no-pdl" in sys.argv else None
+    w = BatchMLADecode(spec, max_batch_size=max(256, batch), kernel_fields=kernel_fields(option("--fields") or ""),
+                       pdl=pdl)
     w.plan(indptr, indices, last, page_size=PAGE)
     out = torch.empty_like(q_nope)
-    hosts, ms = capture(w, lambda: w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:], out=out),
-                        ("af_trace", "af_tile_trace"))
-    res = {"case": name, "kernel": w.kernel.module().name,
-           **summarize(hosts["af_trace"].reshape(-1, ITEMS, 8).astype(np.int64), ms),
+
+    def run():
+        w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:], out=out)
+    calls = 2 if "--chained" in sys.argv else 1  # the stamps are the last call's (each overwrites them)
+    hosts, ms = capture(w, lambda: [run() for _ in range(calls)], ("af_trace", "af_tile_trace"))
+    t = hosts["af_trace"].reshape(-1, ITEMS, 8).astype(np.int64)
+    res = {"case": name, "kernel": w.kernel.module().name, "pdl": w.pdl, "calls_timed": calls,
+           **summarize(t, ms), "pair_entry_gap_ns": pair_entry_gaps(t, w.kernel.side_blocks(w.kernel.row_blocks(1))),
            "roles_tiles": summarize_tiles(hosts["af_tile_trace"].reshape(-1, TILES, 8).astype(np.int64))}
     print(res, flush=True)
     return res
@@ -110,5 +141,5 @@ def trace_case(name: str) -> dict:
 
 if __name__ == "__main__":
     build_traced(kmla.MLADecodeKernel)
-    names = [a for a in sys.argv[1:] if a.startswith("h")] or DEFAULT_CASES
+    names = [a for a in sys.argv[1:] if a.startswith("h") and a[1:2].isdigit()] or DEFAULT_CASES
     save_json_if_asked([trace_case(n) for n in names])

@@ -321,6 +321,22 @@ def test_mla_trace_reads_the_stamp_layout(monkeypatch):
     assert by == {"1": [4050.0, 5950.0, 7470.0, 7850.0]}
 
 
+def test_mla_trace_pair_entry_gaps_and_kernel_fields(monkeypatch):
+    """trace_mla.pair_entry_gaps: how far apart the CTAs of each side-by-side group entered (CTA c is
+    side c % S), over groups whose CTAs all ran; bench_mla.kernel_fields parses the twins' syntax."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_mla")
+    t = np.zeros((5, mod.ITEMS, 8), dtype=np.int64)
+    t[:, 31, 6] = [1000, 1300, 2000, 2000, 0]  # pairs (0, 1) and (2, 3); CTA 4 has no partner
+    assert mod.pair_entry_gaps(t, 2) == {"groups": 2, "p50": 150.0, "p90": 270.0, "p100": 300.0}
+    assert mod.pair_entry_gaps(t, 1) == {}
+    t[3, 31, 6] = 0  # a pair with a CTA that never stamped: left out
+    assert mod.pair_entry_gaps(t, 2)["groups"] == 1
+    fields = load_benchmark("bench_mla").kernel_fields
+    assert fields("tma=True, roles_w0_dims=128") == {"tma": True, "roles_w0_dims": 128} and fields("") == {}
+
+
 def test_mla_tile_trace_steps(monkeypatch):
     """benchmarks/trace_mla.summarize_tiles on af_tile_trace stamps as the roles schedule writes them:
     steps are measured within a tile and to the next one; tiles without a successor are not counted."""
