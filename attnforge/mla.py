@@ -11,6 +11,7 @@ q_len sits at position kv_len - q_len + t. Reuses BatchDecode's planner, buffers
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Union
 
@@ -92,7 +93,8 @@ class BatchMLADecode(BatchDecode):
         find their first item while the kernel before it finishes, and read queries and cache after it
         completes); False for a plain launch; None: the kernel's measured default
         (MLADecodeKernel.pdl_by_default: plain for h128's roles kernel)."""
-        self._backend, self._schedule, self._kernel_fields = backend, schedule, dict(kernel_fields or {})
+        self._kernel_fields = self._checked_kernel_fields(kernel_fields)
+        self._backend, self._schedule = backend, schedule
         self._graph_lanes = None  # the merge's lanes in graph mode, fixed at the first plan
         if spec is None:
             spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
@@ -108,6 +110,21 @@ class BatchMLADecode(BatchDecode):
                          ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, **spec_kwargs)
         if pdl is None:
             self.pdl = self.kernel.pdl_by_default
+
+    # MLADecodeKernel's fields that have arguments of their own here
+    _OWN_KERNEL_ARGS = ("spec", "num_stages", "tile_kv", "backend", "schedule")
+
+    @classmethod
+    def _checked_kernel_fields(cls, fields: Optional[dict]) -> dict:
+        known = [f.name for f in dataclasses.fields(MLADecodeKernel) if f.name not in cls._OWN_KERNEL_ARGS]
+        if fields is not None and not isinstance(fields, dict):
+            raise checks.fail("kernel_fields", f"None or a dict of {known}", repr(fields),
+                              "Pass e.g. kernel_fields={'roles_w0_dims': 256}.")
+        unknown = sorted(set(fields or {}) - set(known))
+        if unknown:
+            raise checks.fail("kernel_fields", f"keys among {known}", unknown,
+                              f"Pass {list(cls._OWN_KERNEL_ARGS[1:])} as BatchMLADecode's own arguments.")
+        return dict(fields or {})
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)

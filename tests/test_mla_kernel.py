@@ -87,6 +87,24 @@ def test_wgmma_backend_builds_for_sm90a_whatever_the_arch_list():
     assert "/90a/" in path.as_posix() and b"mla_decode_kernel" in path.read_bytes()
 
 
+def test_kernel_fields_are_validated_before_any_device_work():
+    """BatchMLADecode(kernel_fields=...) and the roles fields it reaches refuse bad values with the
+    expected value, the one received and the fix (constructed here without a GPU: the checks come first)."""
+    from attnforge.mla import BatchMLADecode
+    with pytest.raises(ValueError, match=r"kernel_fields: expected keys among \[.*'roles_w0_dims'.*got \['bogus'\]"):
+        BatchMLADecode(num_qo_heads=128, kernel_fields={"bogus": 1})
+    with pytest.raises(ValueError, match="kernel_fields: expected keys.*got \\['backend'\\]. Pass \\['num_stages'"):
+        BatchMLADecode(num_qo_heads=128, kernel_fields={"backend": "mma"})
+    with pytest.raises(ValueError, match="kernel_fields: expected None or a dict"):
+        BatchMLADecode(num_qo_heads=128, kernel_fields=[("roles_w0_dims", 256)])
+    h128 = spec(128, "normal")
+    for bad in (3.5, True, -1, 37):
+        with pytest.raises(ValueError, match="roles_q_steps: expected None or an int in 0..36"):
+            MLADecodeKernel(h128, backend="wgmma", roles_q_steps=bad)
+    with pytest.raises(ValueError, match="roles_pv_rs: expected None, True or False, got 1"):
+        MLADecodeKernel(h128, backend="wgmma", roles_pv_rs=1)
+
+
 def test_pdl_by_default_except_for_the_narrow_roles_kernel():
     from attnforge.kernels.mla import ROLES_NARROW_PDL
     assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").pdl_by_default is ROLES_NARROW_PDL is False
@@ -136,8 +154,6 @@ def test_roles_dims_split_defaults_by_heads_and_is_validated():
     assert (ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (0, False)
     ctx = MLADecodeKernel(spec(64, "normal"), backend="wgmma", roles_q_steps=8, roles_pv_rs=True).module().context
     assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (256, 0, False)
-    with pytest.raises(ValueError, match="roles_q_steps: expected None or 0..36"):
-        MLADecodeKernel(h128, backend="wgmma", roles_q_steps=37)
     with pytest.raises(ValueError, match="roles_w0_dims: expected None, 192 or 256, got 128"):
         MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)
     with pytest.raises(ValueError, match="applies to the 'roles' schedule only"):

@@ -140,9 +140,13 @@ class MLADecodeKernel:
         if self.roles_w0_dims is not None and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.roles_w0_dims applies to the 'roles' schedule only, got schedule="
                              f"{self.resolved_schedule!r}; leave roles_w0_dims=None")
-        if self.roles_q_steps is not None and not 0 <= self.roles_q_steps <= 36:
-            raise ValueError(f"MLADecodeKernel.roles_q_steps: expected None or 0..36 (S's k16 steps), got "
-                             f"{self.roles_q_steps!r}")
+        q_steps = self.roles_q_steps
+        if q_steps is not None and (type(q_steps) is not int or not 0 <= q_steps <= 36):  # (bool is not an int here)
+            raise ValueError(f"MLADecodeKernel.roles_q_steps: expected None or an int in 0..36 (S's k16 steps), got "
+                             f"{q_steps!r}; leave it None for the measured default")
+        if self.roles_pv_rs is not None and not isinstance(self.roles_pv_rs, bool):
+            raise ValueError(f"MLADecodeKernel.roles_pv_rs: expected None, True or False, got {self.roles_pv_rs!r}; "
+                             f"leave it None for the measured default")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
