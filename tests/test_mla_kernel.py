@@ -97,6 +97,10 @@ def test_kernel_fields_are_validated_before_any_device_work():
         BatchMLADecode(num_qo_heads=128, kernel_fields={"backend": "mma"})
     with pytest.raises(ValueError, match="kernel_fields: expected None or a dict"):
         BatchMLADecode(num_qo_heads=128, kernel_fields=[("roles_w0_dims", 256)])
+    assert BatchMLADecode._checked_kernel_fields(None) == {}  # the valid ones pass through, as a copy
+    fields = {"roles_w0_dims": 256, "roles_q_steps": 0}
+    checked = BatchMLADecode._checked_kernel_fields(fields)
+    assert checked == fields and checked is not fields
     h128 = spec(128, "normal")
     for bad in (3.5, True, -1, 37):
         with pytest.raises(ValueError, match="roles_q_steps: expected None or an int in 0..36"):
@@ -121,6 +125,7 @@ def test_default_backend_is_the_measured_winner():
         assert normal == ("wgmma" if h >= WGMMA_MIN_HEADS else "mma") and transposed == "wgmma"
         assert default_backend(spec(h, "normal"), ("8.0", "8.9")) == "mma"  # no sm_90a being built
         assert default_backend(spec(h, "transposed"), ("8.0", "8.9")) == "mma"
+    assert WGMMA_MIN_HEADS == 16  # measured: wgmma normal won every 16-head case (twenty-ninth session)
     for pipeline in ("normal", "transposed"):  # wgmma reads 16-bit tiles
         assert default_backend(spec(128, pipeline, kv_dtype="fp8_e4m3"), ("9.0a",)) == "mma"
 
