@@ -221,6 +221,11 @@ class BatchMLADecode(BatchDecode):
                 ckv.stride()[:2]
         return ckv.data_ptr(), kpe.data_ptr(), ckv.stride()[:2], kpe.stride()[:2]
 
+    @staticmethod
+    def _latent_views(ckv: torch.Tensor, kpe: Optional[torch.Tensor]):
+        """(latent [P, page, 512], rope [P, page, 64]): the two caches, or views of the one 576-wide cache."""
+        return (ckv, kpe) if kpe is not None else (ckv[..., :MLA_HEAD_DIM_VO], ckv[..., MLA_HEAD_DIM_VO:])
+
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
             kpe_cache: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):
@@ -251,7 +256,8 @@ class BatchMLADecode(BatchDecode):
             kpe_stride_page=kpe_strides[0], kpe_stride_token=kpe_strides[1], page_size=self._plan["page_size"],
             q_len=q_len, num_row_blocks=self.kernel.row_blocks(q_len),
             side_blocks=self.kernel.side_blocks(self.kernel.row_blocks(q_len)), v_scale=self._plan["v_scale"],
-            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
+            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values,
+            **self.kernel.tma_values(*self._latent_views(ckv_cache, kpe_cache), self._plan["page_size"]))
         rows_cap = b * q_len * s.num_qo_heads  # (a graph's plans keep its batch and q_len: plan() checks)
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,

@@ -1,6 +1,7 @@
 """Pieces shared by the CPU models of the wgmma MLA schedules' named-barrier protocols
-(test_mla_roles_protocol.py, test_mla_seesaw_protocol.py): warpgroups are generators that yield
-wherever the other may interleave, and a random scheduler runs them."""
+(test_mla_roles_protocol.py, test_mla_seesaw_protocol.py): warpgroups (and, where one is modelled,
+the copy engine) are generators that yield wherever another may interleave, and a random scheduler
+runs them."""
 from __future__ import annotations
 
 import random
@@ -51,8 +52,9 @@ def run_schedule(s, agents, seed: int) -> None:
             yield
 
     s["cta_barrier"] = cta_barrier
+    s["rng"] = rng
     gens = [agent(s) for agent in agents]
-    live = [0, 1]
+    live = list(range(len(agents)))
     for _ in range(200000):
         if not live:
             break
@@ -61,5 +63,5 @@ def run_schedule(s, agents, seed: int) -> None:
             next(gens[wg])
         except StopIteration:
             live.remove(wg)
-    assert s["done"] == [True, True], f"deadlock: {s}"
+    assert all(s["done"]), f"deadlock: {s}"
     assert all(not b.members for b in s["bars"].values()), "a named barrier phase left half-complete"

@@ -303,11 +303,30 @@ def test_wgmma_roles_schedule(heads):
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles")
 
 
-@pytest.mark.parametrize("heads,w0_dims", [(64, 192), (128, 256)])
+@pytest.mark.parametrize("heads,w0_dims", [(64, 192), (128, 256), (128, 128)])
 def test_wgmma_roles_with_the_other_dims_split(heads, w0_dims):
-    # warpgroup 0's P.V over 192 of the 512 dims (the default from 128 heads) or 256 (below), each at a
-    # head count whose default is the other (the copies follow the split: two parts at 192, whole at 256)
+    # warpgroup 0's P.V over 192 of the 512 dims (the default from 128 heads), 256 (below) or 128 (an
+    # ablation), each at a head count whose default is another (the copies follow the split: two parts
+    # below 256, whole at 256)
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", kernel_fields={"roles_w0_dims": w0_dims})
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_wgmma_roles_tma_refills(heads):
+    """Refills by the copy engine (tma=True: the even split's whole tiles at 16 / 64 heads, the 192
+    split's part 1 at 128, part 0 by cp.async), mixed with cp.async tiles:
+    the prologue's two, edge tiles, chunks that do not start on a box boundary, pages of 7 (none
+    qualify); boxes of a whole page (64), of two pages' worth (32) and four (16 tokens), and 64 rows of
+    a 128-token page."""
+    kw = {"backend": "wgmma", "schedule": "roles", "kernel_fields": {"tma": True}}
+    w = BatchMLADecode(mla_spec(heads, "normal"), **kw)
+    cache = torch.randn(8, 64, 576, device="cuda").bfloat16()
+    assert w.kernel.uses_tma and w.kernel.tma_values(*w._latent_views(cache, None), 64)["tma_rows"] == 64
+    wgmma_cases(heads, "normal", **kw)
+    spec = mla_spec(heads, "normal")
+    run_case(spec, [3000, 320, 1, 0, 2000], 16, seed=heads + 5, **kw)
+    run_case(spec, [3000, 640, 129], 128, seed=heads + 6, unified=True, **kw)
+    run_case(spec, [1000, 63, 20000], 64, seed=heads + 7, nan_unheld=True, **kw)  # boxes never reach past kv_end
 
 
 @pytest.mark.parametrize("q_steps,pv_rs", [(0, False), (16, False), (4, True)])

@@ -109,6 +109,43 @@ def test_kernel_fields_are_validated_before_any_device_work():
         MLADecodeKernel(h128, backend="wgmma", roles_pv_rs=1)
 
 
+def test_tma_refills_are_the_roles_kernels_and_qualify_by_page_size(monkeypatch):
+    """tma=True: the roles kernel's refills by the copy engine (the even split's whole tiles, the narrow
+    splits' part 1); the box's rows from the page size (a page, or 64 rows of a longer one; pages under 8
+    tokens or not tiling the 64-token tile: rows 0, every tile by cp.async), for two caches or one
+    576-wide cache."""
+    from attnforge.jit import tma as tma_maps
+    from attnforge.mla import BatchMLADecode
+    k = MLADecodeKernel(spec(64, "normal"), backend="wgmma", tma=True)
+    m = k.module()
+    assert k.uses_tma and "_tma_" in m.name and m.context["tma"]
+    assert "TensorMap ckv_tmap" in m.source and "tma_load_4d" in m.source and "tma_bar(sm, s)" in m.source
+    plain = MLADecodeKernel(spec(64, "normal"), backend="wgmma")
+    assert not plain.uses_tma and "tma_load_4d" not in plain.module().source
+    assert plain.tma_values(None, None, 64) == {}
+    for w0 in (None, 128, 256):  # part 1 of each refill, or (256) whole tiles
+        narrow = MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=w0, tma=True)
+        assert narrow.uses_tma and "issue_tile_tma<" in narrow.module().source
+    with pytest.raises(ValueError, match="tma: the copy engine refills the 'roles' schedule's.*schedule='symmetric'"):
+        MLADecodeKernel(spec(64, "normal"), backend="mma", tma=True)
+    with pytest.raises(ValueError, match="tma: expected None, True or False"):
+        MLADecodeKernel(spec(64, "normal"), backend="wgmma", tma=1)
+    encoded = []
+    monkeypatch.setattr(tma_maps, "encode", lambda t, box: encoded.append((tuple(t.shape), box)) or bytes(128))
+    for page, rows in ((64, 64), (16, 16), (128, 64), (32, 32), (7, 0), (1, 0)):
+        unified = torch.zeros(4, page, 576, dtype=torch.bfloat16)
+        pair = (torch.zeros(4, page, 512, dtype=torch.bfloat16), torch.zeros(4, page, 64, dtype=torch.bfloat16))
+        for ckv, kpe in (BatchMLADecode._latent_views(unified, None), pair):
+            encoded.clear()
+            values = k.tma_values(ckv, kpe, page)
+            assert values["tma_rows"] == rows, page
+            if rows:  # coordinates (dim, token in page, 0, page): box [rows][64 dims] of each map
+                assert [box.box for _, box in encoded] == [(64, rows, 1, 1)] * 2 and not encoded[0][1].heads_inner
+                assert [shape[2] for shape, _ in encoded] == [512, 64]
+            else:
+                assert values["ckv_tmap"] is None and not encoded
+
+
 def test_pdl_by_default_except_for_the_narrow_roles_kernel():
     from attnforge.kernels.mla import ROLES_NARROW_PDL
     assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").pdl_by_default is ROLES_NARROW_PDL is False
@@ -149,7 +186,7 @@ def test_roles_dims_split_defaults_by_heads_and_is_validated():
     assert k.module().context["roles_w0_dims"] == 256
     # Q in registers and P.V from registers at the narrow split only, whatever the modifier
     import attnforge.mods as mods
-    from attnforge.kernels.mla import ROLES_PV_FROM_REGISTERS, ROLES_Q_REG_STEPS
+    from attnforge.kernels.mla import ROLES_NARROW_PDL, ROLES_PV_FROM_REGISTERS, ROLES_Q_REG_STEPS
     h128 = spec(128, "normal")
     for kw in ({}, {"logits_soft_cap": 30.0}, {"score_mod": mods.alibi(torch.ones(128))}):
         ctx = MLADecodeKernel(dataclasses.replace(h128, **kw), backend="wgmma").module().context
@@ -159,8 +196,12 @@ def test_roles_dims_split_defaults_by_heads_and_is_validated():
     assert (ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (0, False)
     ctx = MLADecodeKernel(spec(64, "normal"), backend="wgmma", roles_q_steps=8, roles_pv_rs=True).module().context
     assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"], ctx["roles_pv_from_registers"]) == (256, 0, False)
-    with pytest.raises(ValueError, match="roles_w0_dims: expected None, 192 or 256, got 128"):
-        MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)
+    with pytest.raises(ValueError, match="roles_w0_dims: expected None, 128, 192 or 256, got 64"):
+        MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=64)
+    k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", roles_w0_dims=128)  # an ablation (not a default)
+    ctx = k.module().context
+    assert (ctx["roles_w0_dims"], ctx["roles_q_reg_steps"]) == (128, ROLES_Q_REG_STEPS)
+    assert k.pdl_by_default == ROLES_NARROW_PDL
     with pytest.raises(ValueError, match="applies to the 'roles' schedule only"):
         MLADecodeKernel(spec(128, "normal"), backend="wgmma", schedule="symmetric", roles_w0_dims=192)
 
@@ -316,7 +357,19 @@ def test_graph_merge_lanes_match_eager_on_equal_batches_and_stay_fixed():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("kw", [{}, {"roles_pv_rs": True}, {"logits_soft_cap": 30.0}])
+@pytest.mark.parametrize("heads,soft_cap,w0", [(64, 0.0, None), (16, 30.0, None), (128, 0.0, None), (128, 0.0, 128)])
+def test_ptxas_builds_the_tma_refills_without_spills(tmp_path, heads, soft_cap, w0):
+    """The copy-engine refills (tma=True): the barrier waits are loops, placed where no wgmma of the
+    waiting warpgroup is in flight; ptxas keeps every wgmma asynchronous and spills nothing. (h128 with
+    soft-cap spills 16 bytes at 12 Q steps: a default would need fewer.)"""
+    from helpers import ptxas_log_of_async_wgmmas
+    s = dataclasses.replace(spec(heads, "normal"), logits_soft_cap=soft_cap)
+    m = MLADecodeKernel(s, backend="wgmma", tma=True, roles_w0_dims=w0).module()
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("kw", [{}, {"roles_pv_rs": True}, {"logits_soft_cap": 30.0}, {"roles_w0_dims": 128}])
 def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
     """h128's roles kernel issues warpgroup 0's P.V and then publishes P while it runs (P from
     registers): a branch there, or a touched accumulator, would make ptxas serialise every wgmma (info

@@ -5,9 +5,12 @@ from dataclasses import dataclass
 from typing import Optional
 from functools import cached_property
 
+import torch
+
 from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch
+from ..jit import tma as tma_maps
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
 from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from .fields import ptrs, scalars
@@ -33,6 +36,15 @@ BASE_FIELDS = (
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
+
+
+# The copy engine's fields (MLADecodeKernel.tma): a map each of the latent and rope parts of the cache,
+# and the rows of one box (0: the cache does not qualify, every tile by cp.async; attnforge/jit/tma.py).
+TMA_FIELDS = (ParamField("ckv_tmap", "TensorMap", "tmap"), ParamField("kpe_tmap", "TensorMap", "tmap"),
+              *scalars("i32", "int32_t", "tma_rows"))
+# Whether the roles kernel's refills go by the copy engine by default: not yet measured
+# (docs/prepared/README.md), so cp.async.
+ROLES_TMA = False
 
 
 def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
@@ -107,12 +119,15 @@ class MLADecodeKernel:
     # won every case measured, +1-18%), "symmetric" (the only one) elsewhere
     schedule: Optional[str] = None
     # "roles": the output dims of warpgroup 0's P.V (the rest are warpgroup 1's); None: 192 from
-    # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why)
+    # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why); 128: an ablation
     roles_w0_dims: Optional[int] = None
-    # "roles" with the 192-dim split: S's k16 steps (of 36) taking Q from registers, and whether warpgroup
+    # "roles" with a narrow split (192 or 128): S's k16 steps (of 36) taking Q from registers, and whether warpgroup
     # 0's P.V takes P from registers; None: ROLES_Q_REG_STEPS / ROLES_PV_FROM_REGISTERS
     roles_q_steps: Optional[int] = None
     roles_pv_rs: Optional[bool] = None
+    # "roles": warpgroup 1 refills by TMA boxes where the cache's pages allow (the even split's whole
+    # tiles, the narrow splits' second part; templates/mla/normal_wgmma.cu.jinja, tile_by_tma); None: ROLES_TMA
+    tma: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -134,8 +149,9 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.schedule='roles' is the wgmma normal pipeline's, got backend="
                              f"{self.backend!r}, pipeline={self.spec.pipeline!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or leave schedule=None")
-        if self.roles_w0_dims not in (None, 192, 256):
-            raise ValueError(f"MLADecodeKernel.roles_w0_dims: expected None, 192 or 256, got {self.roles_w0_dims!r}; "
+        if self.roles_w0_dims not in (None, 128, 192, 256):
+            raise ValueError(f"MLADecodeKernel.roles_w0_dims: expected None, 128, 192 or 256, got "
+                             f"{self.roles_w0_dims!r}; "
                              f"leave it None for the measured split (the output dims warpgroup 0's P.V takes)")
         if self.roles_w0_dims is not None and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.roles_w0_dims applies to the 'roles' schedule only, got schedule="
@@ -147,6 +163,12 @@ class MLADecodeKernel:
         if self.roles_pv_rs is not None and not isinstance(self.roles_pv_rs, bool):
             raise ValueError(f"MLADecodeKernel.roles_pv_rs: expected None, True or False, got {self.roles_pv_rs!r}; "
                              f"leave it None for the measured default")
+        if self.tma is not None and not isinstance(self.tma, bool):
+            raise ValueError(f"MLADecodeKernel.tma: expected None, True or False, got {self.tma!r}")
+        if self.tma and self.resolved_schedule != "roles":
+            raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
+                             f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
+                             f"pipeline='normal', or tma=False")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -170,21 +192,42 @@ class MLADecodeKernel:
     @property
     def roles_q_reg_steps(self) -> int:
         """S's k-steps taken from Q in registers (the "roles" kernel with the 192-dim split)."""
-        if self.resolved_roles_w0_dims != 192:
+        if self.resolved_roles_w0_dims == 256:
             return 0
         return ROLES_Q_REG_STEPS if self.roles_q_steps is None else self.roles_q_steps
 
     @property
     def roles_pv_from_registers(self) -> bool:
         """Whether warpgroup 0's P.V takes P from registers (the "roles" kernel with the 192-dim split)."""
-        if self.resolved_roles_w0_dims != 192:
+        if self.resolved_roles_w0_dims == 256:
             return False
         return ROLES_PV_FROM_REGISTERS if self.roles_pv_rs is None else self.roles_pv_rs
 
     @property
+    def uses_tma(self) -> bool:
+        """Whether warpgroup 1 refills by TMA boxes (the "roles" kernel: the even split's whole tiles, the
+        narrow splits' second part)."""
+        return self.resolved_schedule == "roles" and (ROLES_TMA if self.tma is None else self.tma)
+
+    def tma_values(self, ckv: torch.Tensor, kpe: torch.Tensor, page_size: int) -> dict:
+        """The params' TMA fields for a latent cache ckv [P, page, 512] and rope cache kpe [P, page, 64]
+        (views of one [P, page, 576] cache, or two tensors): maps and the box's rows, or rows 0 where
+        the pages do not tile the 64-token tile (then every tile goes by cp.async)."""
+        if not self.uses_tma:
+            return {}
+        # one "head" per page (its stride the page's): the map's coordinates are (dim, token in page, 0, page)
+        boxes = [tma_maps.paged_kv_box(t.shape[2], 1, page_size, t.shape[0], t.stride(0), t.stride(1), t.stride(0),
+                                       t.element_size(), self.tiling[0])[0] for t in (ckv, kpe)]
+        if any(b is None for b in boxes) or any(t.data_ptr() % 16 for t in (ckv, kpe)):
+            return {"ckv_tmap": None, "kpe_tmap": None, "tma_rows": 0}
+        assert boxes[0].rows & (boxes[0].rows - 1) == 0, boxes  # the kernel tests box boundaries by mask
+        return {"ckv_tmap": tma_maps.encode(ckv, boxes[0]), "kpe_tmap": tma_maps.encode(kpe, boxes[1]),
+                "tma_rows": boxes[0].rows}
+
+    @property
     def pdl_by_default(self) -> bool:
         """Whether BatchMLADecode(pdl=None) launches this kernel with programmatic dependent launch."""
-        narrow_roles = self.resolved_schedule == "roles" and self.resolved_roles_w0_dims == 192
+        narrow_roles = self.resolved_schedule == "roles" and self.resolved_roles_w0_dims < 256
         return ROLES_NARROW_PDL if narrow_roles else True
 
     @property
@@ -232,7 +275,8 @@ class MLADecodeKernel:
 
     @property
     def params(self) -> ParamsLayout:
-        return variants.params_for("MLAParams", BASE_FIELDS, self.spec)
+        return variants.params_for("MLAParams", (*TMA_FIELDS, *BASE_FIELDS) if self.uses_tma else BASE_FIELDS,
+                                   self.spec)
 
     @property
     def ctas_per_sm(self) -> int:  # 256 threads: two CTAs leave 128 registers per thread
@@ -245,6 +289,7 @@ class MLADecodeKernel:
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
+               "tma": self.uses_tma,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
@@ -252,6 +297,7 @@ class MLADecodeKernel:
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
+                         *(["tma"] if self.uses_tma else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
