@@ -42,8 +42,12 @@ BASE_FIELDS = (
 # and the rows of one box (0: the cache does not qualify, every tile by cp.async; attnforge/jit/tma.py).
 TMA_FIELDS = (ParamField("ckv_tmap", "TensorMap", "tmap"), ParamField("kpe_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_rows"))
-# Whether the roles kernel's refills go by the copy engine by default: not yet measured
-# (docs/prepared/README.md), so cp.async.
+# Whether the roles kernel's refills go by the copy engine by default. Measured slower alone (H200,
+# thirtieth session, in one process beside cp.async, B16 L65536): +1.4..+2.4% at h16-h128. The trace shows
+# S faster with no cp.async landing in shared memory (h128: 1733 -> 1503 cycles a tile) but both
+# warpgroups waiting longer for the tiles (warpgroup 0: 140 -> 395), so the period grew (3120 -> 3210).
+# With roles_w0_dims=128 it won only h64 / h16 B16 L65536 (-2.6%, -1.3%) and lost every batched and B1
+# case (+0.2..+5%), so cp.async stays the default and both are kernel fields for ablations.
 ROLES_TMA = False
 
 
@@ -83,10 +87,11 @@ ROLES_Q_REG_STEPS = 12
 ROLES_PV_FROM_REGISTERS = False
 # With that split the kernel launches plainly by default, not with PDL: in three records (twenty-eighth
 # and twenty-ninth sessions, in rotation in one process) the plain launch took 0.4-1.6% less time at
-# h128 on every case, where PDL saved 0.1-1.5% at h8-h64. Not yet confirmed why; the one difference of
-# h128's grid is its side-by-side row blocks (side_blocks = 2: two CTAs on the same tokens, the second's
-# copies hitting L2): under PDL the CTAs start as the merge before them exits, SM by SM, so a pair may
-# start apart, where a plain launch starts every CTA together.
+# h128 on every case, where PDL saved 0.1-1.5% at h8-h64. Why is open. Not the side-by-side row blocks
+# (two CTAs on the same tokens) starting apart: traced after a merge (trace_mla.py --chained, thirtieth
+# session) the pairs started at most 224 ns apart under PDL (32 ns plain) and the tile loops took the
+# same cycles (799.6K against 799.9K a CTA); only the cycles per ns differed (1.69 against 1.73 GHz),
+# within the spread of the clock between runs.
 ROLES_NARROW_PDL = False
 
 
@@ -120,6 +125,7 @@ class MLADecodeKernel:
     schedule: Optional[str] = None
     # "roles": the output dims of warpgroup 0's P.V (the rest are warpgroup 1's); None: 192 from
     # ROLES_NARROW_W0_MIN_HEADS heads, else 256 (templates/mla/normal_wgmma.cu.jinja says why); 128: an ablation
+    # (+0.9..+3.2% against the default at h16-h128, thirtieth session)
     roles_w0_dims: Optional[int] = None
     # "roles" with a narrow split (192 or 128): S's k16 steps (of 36) taking Q from registers, and whether warpgroup
     # 0's P.V takes P from registers; None: ROLES_Q_REG_STEPS / ROLES_PV_FROM_REGISTERS
