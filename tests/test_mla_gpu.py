@@ -329,6 +329,15 @@ def test_wgmma_roles_tma_refills(heads):
     run_case(spec, [1000, 63, 20000], 64, seed=heads + 7, nan_unheld=True, **kw)  # boxes never reach past kv_end
 
 
+@pytest.mark.parametrize("promotion", [0, 256])
+def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
+    # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles
+    for heads in (64, 128):
+        kw = {"backend": "wgmma", "schedule": "roles", "kernel_fields": {"tma": True, "tma_l2_promotion": promotion}}
+        run_case(mla_spec(heads, "normal"), [3000, 320, 1, 0, 2000], 64, seed=heads + promotion, **kw)
+        run_case(mla_spec(heads, "normal"), [1000, 63, 5000], 16, seed=heads + promotion + 1, nan_unheld=True, **kw)
+
+
 @pytest.mark.parametrize("q_steps,pv_rs", [(0, False), (16, False), (4, True)])
 def test_wgmma_roles_register_operands(q_steps, pv_rs):
     # h128's roles kernel with S's first q_steps k-steps from Q in registers and warpgroup 0's P.V from

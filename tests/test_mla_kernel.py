@@ -146,6 +146,28 @@ def test_tma_refills_are_the_roles_kernels_and_qualify_by_page_size(monkeypatch)
                 assert values["ckv_tmap"] is None and not encoded
 
 
+def test_tma_l2_promotion_sets_both_maps_and_leaves_the_source(monkeypatch):
+    """tma_l2_promotion: a host-side map setting (the same cubin), checked before any device work; 128 bytes
+    by default (256, the prefill maps', cost h128 2%)."""
+    from attnforge.jit import tma as tma_maps
+    from attnforge.kernels.mla import ROLES_TMA_L2_PROMOTION
+    encoded = []
+    monkeypatch.setattr(tma_maps, "encode", lambda t, box: encoded.append(box) or bytes(128))
+    ckv, kpe = torch.zeros(4, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    default = MLADecodeKernel(spec(128, "normal"), backend="wgmma", tma=True)
+    default.tma_values(ckv, kpe, 64)
+    assert [b.l2_promotion for b in encoded] == [ROLES_TMA_L2_PROMOTION] * 2 and ROLES_TMA_L2_PROMOTION == 128
+    for size in (0, 64, 256):
+        encoded.clear()
+        k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", tma=True, tma_l2_promotion=size)
+        k.tma_values(ckv, kpe, 64)
+        assert [b.l2_promotion for b in encoded] == [size, size]
+        assert k.module().source == default.module().source
+    for bad, tma in ((96, True), (128, None), (128, False)):
+        with pytest.raises(ValueError, match=r"tma_l2_promotion: expected None, or one of \(0, 64, 128, 256\) with tma=True"):
+            MLADecodeKernel(spec(128, "normal"), backend="wgmma", tma=tma, tma_l2_promotion=bad)
+
+
 def test_pdl_by_default_except_for_the_narrow_roles_kernel():
     from attnforge.kernels.mla import ROLES_NARROW_PDL
     assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").pdl_by_default is ROLES_NARROW_PDL is False

@@ -29,6 +29,9 @@ class KVBox:
     box: tuple[int, int, int, int]
     rows: int  # KV rows per box
     heads_inner: bool  # NHD: the kernel's coordinates are (dim, head, token, page), else (dim, token, head, page)
+    # bytes the L2 fetches around each request of a box row (L2_PROMOTION_SIZES): 256 fetches a 128-byte
+    # box row's neighbour too (the other half of a 128-dim head row in prefill)
+    l2_promotion: int = 256
 
 
 def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, stride_page: int,
@@ -88,13 +91,19 @@ def _kv_box(head_dim, num_heads, tokens, pages, stride_page, stride_token, strid
     return KVBox((head_dim, inner[0], outer[0], pages), strides, box, rows, heads_inner), ""
 
 
+L2_PROMOTION_SIZES = (0, 64, 128, 256)  # KVBox.l2_promotion: none, or the driver's L2_64B / 128B / 256B
+
+
 def encode_args(drv, data_type, address: int, box: KVBox) -> tuple:
     """cuTensorMapEncodeTiled's arguments (cuda-python wants its array elements as cuuint32/64_t)."""
+    if box.l2_promotion not in L2_PROMOTION_SIZES:
+        raise ValueError(f"KVBox.l2_promotion: expected one of {L2_PROMOTION_SIZES} bytes, got {box.l2_promotion!r}")
     u32, u64 = drv.cuuint32_t, drv.cuuint64_t
+    promotion = getattr(drv.CUtensorMapL2promotion, "CU_TENSOR_MAP_L2_PROMOTION_" +
+                        (f"L2_{box.l2_promotion}B" if box.l2_promotion else "NONE"))
     return (data_type, 4, address, [u64(x) for x in box.dims], [u64(x) for x in box.strides],
             [u32(x) for x in box.box], [u32(1)] * 4, drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, promotion,
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
 

@@ -1,6 +1,7 @@
 """The MLA-decode kernel family: template variables, parameter struct and launch shape."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 from functools import cached_property
@@ -43,12 +44,18 @@ BASE_FIELDS = (
 TMA_FIELDS = (ParamField("ckv_tmap", "TensorMap", "tmap"), ParamField("kpe_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_rows"))
 # Whether the roles kernel's refills go by the copy engine by default. Measured slower alone (H200,
-# thirtieth session, in one process beside cp.async, B16 L65536): +1.4..+2.4% at h16-h128. The trace shows
+# thirtieth session, in one process beside cp.async, B16 L65536): +1.4..+2.4% at h16-h128 with the maps'
+# L2 promotion at 256 bytes, +1.7% at h128 with 128 (ROLES_TMA_L2_PROMOTION, below). The trace shows
 # S faster with no cp.async landing in shared memory (h128: 1733 -> 1503 cycles a tile) but both
 # warpgroups waiting longer for the tiles (warpgroup 0: 140 -> 395), so the period grew (3120 -> 3210).
 # With roles_w0_dims=128 it won only h64 / h16 B16 L65536 (-2.6%, -1.3%) and lost every batched and B1
 # case (+0.2..+5%), so cp.async stays the default and both are kernel fields for ablations.
 ROLES_TMA = False
+# With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
+# h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
+# within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
+# too; the traced tile period was the same with none (3211 against 3210 cycles), so where the 2% goes is open.
+ROLES_TMA_L2_PROMOTION = 128
 
 
 def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
@@ -134,6 +141,9 @@ class MLADecodeKernel:
     # "roles": warpgroup 1 refills by TMA boxes where the cache's pages allow (the even split's whole
     # tiles, the narrow splits' second part; templates/mla/normal_wgmma.cu.jinja, tile_by_tma); None: ROLES_TMA
     tma: Optional[bool] = None
+    # with tma: the L2 fetch around each box row's request, in bytes (attnforge.jit.tma.L2_PROMOTION_SIZES);
+    # None: ROLES_TMA_L2_PROMOTION. A host-side map setting: the kernel's source is the same.
+    tma_l2_promotion: Optional[int] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -171,6 +181,9 @@ class MLADecodeKernel:
                              f"leave it None for the measured default")
         if self.tma is not None and not isinstance(self.tma, bool):
             raise ValueError(f"MLADecodeKernel.tma: expected None, True or False, got {self.tma!r}")
+        if self.tma_l2_promotion is not None and (not self.tma or self.tma_l2_promotion not in tma_maps.L2_PROMOTION_SIZES):
+            raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of {tma_maps.L2_PROMOTION_SIZES} "
+                             f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}")
         if self.tma and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
@@ -227,6 +240,8 @@ class MLADecodeKernel:
         if any(b is None for b in boxes) or any(t.data_ptr() % 16 for t in (ckv, kpe)):
             return {"ckv_tmap": None, "kpe_tmap": None, "tma_rows": 0}
         assert boxes[0].rows & (boxes[0].rows - 1) == 0, boxes  # the kernel tests box boundaries by mask
+        promotion = ROLES_TMA_L2_PROMOTION if self.tma_l2_promotion is None else self.tma_l2_promotion
+        boxes = [dataclasses.replace(b, l2_promotion=promotion) for b in boxes]
         return {"ckv_tmap": tma_maps.encode(ckv, boxes[0]), "kpe_tmap": tma_maps.encode(kpe, boxes[1]),
                 "tma_rows": boxes[0].rows}
 

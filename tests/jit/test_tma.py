@@ -89,6 +89,26 @@ def test_encode_arguments_marshal_through_cuda_python():
         assert err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_INITIALIZED), err
 
 
+def test_encode_arguments_name_the_box_l2_promotion():
+    """KVBox.l2_promotion picks the driver's enum member (none, 64, 128 or 256 bytes); other sizes are refused."""
+    import dataclasses
+
+    from attnforge.jit.tma import encode_args
+
+    class Names:
+        cuuint32_t = cuuint64_t = int
+        CUtensorMapInterleave = CUtensorMapSwizzle = CUtensorMapL2promotion = CUtensorMapFloatOOBfill = \
+            type("Enum", (), {"__getattr__": lambda self, name: name})()
+
+    box, _ = paged_kv_box(**nhd(16))
+    assert box.l2_promotion == 256 and encode_args(Names, "bf16", 0, box)[9] == "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"
+    for size, name in ((0, "NONE"), (64, "L2_64B"), (128, "L2_128B")):
+        assert encode_args(Names, "bf16", 0, dataclasses.replace(box, l2_promotion=size))[9] == \
+            "CU_TENSOR_MAP_L2_PROMOTION_" + name
+    with pytest.raises(ValueError, match=r"l2_promotion: expected one of \(0, 64, 128, 256\) bytes, got 32"):
+        encode_args(Names, "bf16", 0, dataclasses.replace(box, l2_promotion=32))
+
+
 def test_encode_refuses_what_the_copy_engine_cannot_take_before_any_driver_call():
     import torch
 
