@@ -97,7 +97,8 @@ L2_PROMOTION_SIZES = (0, 64, 128, 256)  # KVBox.l2_promotion: none, or the drive
 def encode_args(drv, data_type, address: int, box: KVBox) -> tuple:
     """cuTensorMapEncodeTiled's arguments (cuda-python wants its array elements as cuuint32/64_t)."""
     if box.l2_promotion not in L2_PROMOTION_SIZES:
-        raise ValueError(f"KVBox.l2_promotion: expected one of {L2_PROMOTION_SIZES} bytes, got {box.l2_promotion!r}")
+        raise ValueError(f"KVBox.l2_promotion: expected one of {L2_PROMOTION_SIZES} bytes, got {box.l2_promotion!r}; "
+                         f"build the box with dataclasses.replace(box, l2_promotion=128) or another of those")
     u32, u64 = drv.cuuint32_t, drv.cuuint64_t
     promotion = getattr(drv.CUtensorMapL2promotion, "CU_TENSOR_MAP_L2_PROMOTION_" +
                         (f"L2_{box.l2_promotion}B" if box.l2_promotion else "NONE"))

@@ -180,10 +180,12 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.roles_pv_rs: expected None, True or False, got {self.roles_pv_rs!r}; "
                              f"leave it None for the measured default")
         if self.tma is not None and not isinstance(self.tma, bool):
-            raise ValueError(f"MLADecodeKernel.tma: expected None, True or False, got {self.tma!r}")
+            raise ValueError(f"MLADecodeKernel.tma: expected None, True or False, got {self.tma!r}; leave it None "
+                             f"for the measured default (cp.async refills)")
         if self.tma_l2_promotion is not None and (not self.tma or self.tma_l2_promotion not in tma_maps.L2_PROMOTION_SIZES):
             raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of {tma_maps.L2_PROMOTION_SIZES} "
-                             f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}")
+                             f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}; pass tma=True with "
+                             f"one of those sizes, or leave tma_l2_promotion None (ROLES_TMA_L2_PROMOTION)")
         if self.tma and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
