@@ -89,6 +89,9 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # beside the default (an A/B of kernel choices in one process)
     twins = kernel_twins()
     variants += [(f"attnforge-twin{i}", "auto", None, None, None, None, None) for i in range(len(twins))]
+    # ATTNFORGE_BENCH_MLA_ROWS="attnforge,attnforge-twin0": only these rows (an A/B times what it compares)
+    keep = set(filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ROWS", "").split(",")))
+    variants = [v for v in variants if not keep or v[0] in keep]
     runs = {}
     for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
@@ -197,7 +200,8 @@ PDL_NOTE = ("mla: attnforge's rows launch with programmatic dependent launch whe
 
 
 def run(report: Report, peers: bool = True) -> None:
-    accuracy(report)
+    if not os.environ.get("ATTNFORGE_BENCH_MLA_ROWS"):  # (an A/B of a few rows skips the RMSE's 8 kernels)
+        accuracy(report)
     report.note(PDL_NOTE)
     for case, heads, batch, length in cases():
         q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
