@@ -1,0 +1,79 @@
+"""Do two warpgroups' wgmma streams lose rate when they overlap? (benchmarks/micro/wgmma_overlap.cu)
+
+The MLA roles kernel's period grew when a producer warpgroup freed warpgroup 1 to start its P.V sooner
+(perf-notes, thirty-first section), and a seesaw schedule overlaps the two streams by design. This
+times, on every SM at once (one CTA each, as the roles kernel runs), a batch of S-like wgmmas (36 x
+m64n64k16 from shared memory) in warpgroup 0 beside warpgroup 1's S-like or P.V-like batches
+(4 x m64n256k16) or cp.async copies of 72 KB tiles from DRAM: each alone, both overlapped, and
+strictly alternated. Prints median SM cycles a
+batch (a pair of batches where both ran) and writes them as JSON with --json.
+
+    python benchmarks/micro_wgmma_overlap.py [--batches 200] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from attnforge import codegen
+from attnforge.jit import arch, loader
+
+SOURCE = Path(__file__).resolve().parent / "micro" / "wgmma_overlap.cu"
+TILE, RING = 64 * 576 * 2, 64  # one [64 x 576] bf16 operand; tiles in a CTA's copy ring (the .cu's kRing)
+SMEM = 3 * TILE + 1024  # three [64 x 576] bf16 tiles and the 1024-byte alignment slack
+WG0, WG1, ALTERNATE = 1, 2, 4
+
+
+class OverlapParams(ctypes.Structure):
+    _fields_ = [("cycles", ctypes.c_void_p), ("sink", ctypes.c_void_p), ("src", ctypes.c_void_p),
+                ("batches", ctypes.c_int32), ("mode", ctypes.c_int32), ("kind1", ctypes.c_int32)]
+
+
+def build(directory: Path) -> Path:
+    cubin = directory / "wgmma_overlap.cubin"
+    subprocess.run([str(arch.nvcc_path()), "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                    f"-I{codegen.include_dir()}", "-o", str(cubin), str(SOURCE)], check=True)
+    return cubin
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = loader.LoadedLibrary(build(Path(tmp)), ("wgmma_overlap_kernel",), device)
+    kernel = lib["wgmma_overlap_kernel"]
+    ctas = torch.cuda.get_device_properties(device).multi_processor_count
+    cycles = torch.zeros(ctas, 2, dtype=torch.int64, device=device)
+    sink = torch.zeros(256, device=device)
+    src = torch.ones(ctas * RING * TILE // 2, dtype=torch.bfloat16, device=device)  # kind 2's ring, ~10x L2
+    results = []
+    for kind1, label in ((0, "S beside S"), (1, "S beside P.V"), (2, "S beside copy")):
+        for mode, name in ((WG0, "warpgroup 0 alone"), (WG1, "warpgroup 1 alone"), (WG0 | WG1, "overlapped"),
+                           (WG0 | WG1 | ALTERNATE, "alternated")):
+            for _ in range(2):  # the first launch warms clocks and the instruction cache
+                cycles.fill_(-1)
+                params = OverlapParams(cycles.data_ptr(), sink.data_ptr(), src.data_ptr(), args.batches, mode, kind1)
+                kernel.launch((ctas,), (256,), params, smem=SMEM)
+                torch.cuda.synchronize()
+            c = cycles.float() / args.batches
+            row = {"pair": label, "mode": name, "wg0": c[:, 0].median().item(), "wg1": c[:, 1].median().item()}
+            # the pair's time a batch: overlapped, the later warpgroup; alternated, warpgroup 0's loop holds both
+            row["pair_cycles"] = max(row["wg0"], row["wg1"]) if mode & WG0 and mode & WG1 else row["wg0"] or row["wg1"]
+            results.append(row)
+            print(f"{label:13s} {name:18s} wg0 {row['wg0']:8.1f}  wg1 {row['wg1']:8.1f}  cycles a batch "
+                  f"(pair: {row['pair_cycles']:.1f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
