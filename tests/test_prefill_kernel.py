@@ -239,3 +239,24 @@ def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
             "softcap": dataclasses.replace(SPEC, score_mod=mods.softcap(50.0)),
             "spec_softcap": dataclasses.replace(SPEC, logits_soft_cap=50.0)}.get(kw.pop("score_mod", None), SPEC)
     ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma", **kw).module(), "batch_prefill_wgmma_kernel", tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("head_dim,kw", [(64, {}), (128, {}), (256, {}), (128, {"pingpong": True, "persistent": False})])
+def test_setmaxnreg_split_fits_the_registers_the_launch_allocates(tmp_path, head_dim, kw):
+    """setmaxnreg.inc waits until the CTA's pool holds the registers it asks for, so a split over the pool
+    hangs the consumers on the GPU (the MLA producer's first run, thirty-first session); ptxas accepts any
+    split. The pool is ptxas's register count for the kernel times its threads."""
+    import dataclasses
+    import re
+
+    from helpers import ptxas_log_of_async_wgmmas
+    spec = dataclasses.replace(SPEC, head_dim_qk=head_dim, head_dim_vo=head_dim)
+    m = PrefillKernel(spec, "wgmma", **kw).module()
+    launch = int(re.search(r"Used (\d+) registers", ptxas_log_of_async_wgmmas(m, "batch_prefill_wgmma_kernel",
+                                                                              tmp_path)).group(1))
+    consumers = m.context["tile_q"] // 64
+    producer_regs = re.search(r"kProducerRegs = kWarpgroups == 2 \? (\d+) : (\d+);", m.source).groups()
+    producer = int(producer_regs[0] if consumers == 2 else producer_regs[1])
+    (consumer,) = {int(x) for x in re.findall(r"setmaxnreg_inc<(\d+)>", m.source)}
+    assert producer + consumers * consumer <= (consumers + 1) * launch, (launch, producer, consumer)
