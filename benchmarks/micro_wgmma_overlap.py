@@ -4,8 +4,8 @@ The MLA roles kernel's period grew when a producer warpgroup freed warpgroup 1 t
 (perf-notes, thirty-first section), and a seesaw schedule overlaps the two streams by design. This
 times, on every SM at once (one CTA each, as the roles kernel runs), a batch of S-like wgmmas (36 x
 m64n64k16 from shared memory) in warpgroup 0 beside warpgroup 1's S-like or P.V-like batches
-(4 x m64n256k16) or cp.async copies of 72 KB tiles from DRAM: each alone, both overlapped, and
-strictly alternated. Prints median SM cycles a
+(4 x m64n256k16) or copies of 72 KB tiles from DRAM (cp.async along rows, TMA boxes by column block,
+cp.async by column block: "copy*"): each alone, both overlapped, and strictly alternated. Prints median SM cycles a
 batch (a pair of batches where both ran) and writes them as JSON with --json.
 
     python benchmarks/micro_wgmma_overlap.py [--batches 200] [--json out.json]
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import subprocess
 import tempfile
@@ -22,17 +23,19 @@ from pathlib import Path
 import torch
 
 from attnforge import codegen
-from attnforge.jit import arch, loader
+from attnforge.jit import arch, loader, tma
 
 SOURCE = Path(__file__).resolve().parent / "micro" / "wgmma_overlap.cu"
 TILE, RING = 64 * 576 * 2, 64  # one [64 x 576] bf16 operand; tiles in a CTA's copy ring (the .cu's kRing)
-SMEM = 3 * TILE + 1024  # three [64 x 576] bf16 tiles and the 1024-byte alignment slack
+SMEM = 3 * TILE + 1024 + 8  # three [64 x 576] bf16 tiles, the 1024-byte alignment slack, kind 3's mbarrier
+KINDS = ((0, "S beside S"), (1, "S beside P.V"), (2, "S beside copy"), (3, "S beside TMA"), (4, "S beside copy*"))
 WG0, WG1, ALTERNATE = 1, 2, 4
 
 
-class OverlapParams(ctypes.Structure):
-    _fields_ = [("cycles", ctypes.c_void_p), ("sink", ctypes.c_void_p), ("src", ctypes.c_void_p),
-                ("batches", ctypes.c_int32), ("mode", ctypes.c_int32), ("kind1", ctypes.c_int32)]
+class OverlapParams(ctypes.Structure):  # the .cu's struct: a 64-byte aligned tensor map first, 192 bytes in all
+    _fields_ = [("map", ctypes.c_ubyte * 128), ("cycles", ctypes.c_void_p), ("sink", ctypes.c_void_p),
+                ("src", ctypes.c_void_p), ("batches", ctypes.c_int32), ("mode", ctypes.c_int32),
+                ("kind1", ctypes.c_int32), ("pad", ctypes.c_ubyte * 28)]
 
 
 def build(directory: Path) -> Path:
@@ -54,14 +57,19 @@ def main() -> None:
     ctas = torch.cuda.get_device_properties(device).multi_processor_count
     cycles = torch.zeros(ctas, 2, dtype=torch.int64, device=device)
     sink = torch.zeros(256, device=device)
-    src = torch.ones(ctas * RING * TILE // 2, dtype=torch.bfloat16, device=device)  # kind 2's ring, ~10x L2
+    src = torch.ones(ctas * RING * TILE // 2, dtype=torch.bfloat16, device=device)  # the copies' ring, ~10x L2
+    pages = ctas * RING  # kind 3: the ring as a paged cache of 64-token pages, boxes as the MLA kernel's
+    box, why = tma.paged_kv_box(576, 1, 64, pages, 64 * 576, 576, 64 * 576, 2, 64)
+    assert box is not None, why
+    tmap = tma.encode(src.view(pages, 64, 576), dataclasses.replace(box, l2_promotion=128))
     results = []
-    for kind1, label in ((0, "S beside S"), (1, "S beside P.V"), (2, "S beside copy")):
+    for kind1, label in KINDS:
         for mode, name in ((WG0, "warpgroup 0 alone"), (WG1, "warpgroup 1 alone"), (WG0 | WG1, "overlapped"),
                            (WG0 | WG1 | ALTERNATE, "alternated")):
             for _ in range(2):  # the first launch warms clocks and the instruction cache
                 cycles.fill_(-1)
-                params = OverlapParams(cycles.data_ptr(), sink.data_ptr(), src.data_ptr(), args.batches, mode, kind1)
+                params = OverlapParams((ctypes.c_ubyte * 128).from_buffer_copy(tmap), cycles.data_ptr(),
+                                       sink.data_ptr(), src.data_ptr(), args.batches, mode, kind1)
                 kernel.launch((ctas,), (256,), params, smem=SMEM)
                 torch.cuda.synchronize()
             c = cycles.float() / args.batches

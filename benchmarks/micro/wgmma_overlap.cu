@@ -5,10 +5,15 @@
 //   kind 0, S:   36 x m64n64k16, A = Q [64 x 576] and B = K [64 x 576], both K-major  (147 KB read a batch)
 //   kind 1, P.V:  4 x m64n256k16, A = P [64 x 64] K-major, B = V [64 x 256] MN-major  (40 KB read a batch)
 //   kind 2, copies (warpgroup 1 only): one [64 x 576] tile (72 KB) by cp.async from global memory into
-//           K2's place, as the roles kernel's refills land beside S (a ring of tiles larger than L2)
+//           K2's place, as the roles kernel's refills land beside S (a ring of tiles larger than L2), each
+//           warp's requests along the tile's rows (contiguous 512 bytes)
+//   kind 3, the same tile by TMA: nine [64 tokens x 64] column-block boxes (the `tma` field's refills)
+//   kind 4, the same tile by cp.async in the boxes' order: column block by column block (each warp's
+//           requests 128 bytes from each of four rows), to tell the copy engine from the request order
 // Warpgroup 0 reads Q and K; warpgroup 1 reads Q and K2 (S) or P and V (P.V): 216 KB of shared memory.
 #include "attnforge/cp_async.cuh"
 #include "attnforge/mbarrier.cuh"
+#include "attnforge/tma.cuh"
 #include "attnforge/wgmma.cuh"
 
 using namespace attnforge;
@@ -17,6 +22,7 @@ constexpr int kTile = 64 * 576 * 2;                 // one [64 x 576] bf16 opera
 constexpr int kModeWg0 = 1, kModeWg1 = 2, kModeAlternate = 4;
 
 struct OverlapParams {
+  TensorMap map;      // kind 3: the ring as [pages][64 tokens][576] (attnforge/jit/tma.py's paged box)
   long long* cycles;  // [CTAs][2]: each warpgroup's loop, in SM cycles (0: it did not run)
   float* sink;        // keeps the accumulators live
   const char* src;    // kind 2: [CTAs][kRing] tiles to copy from
@@ -45,13 +51,27 @@ AF_DEVICE void pv_batch(uint32_t p, uint32_t v, float (&o)[128]) {
 
 constexpr int kRing = 64;  // tiles a CTA copies from in turn: 132 x 64 x 72 KB, ten times L2
 
-// Warpgroup 1, kind 2: tile b of its ring into shared memory, 36 16-byte copies a thread, landed.
-AF_DEVICE void copy_batch(const char* src, uint32_t dst, int b) {
+// Warpgroup 1, kinds 2 and 4: tile b of its ring into shared memory by 16-byte cp.async (36 a thread),
+// landed; kind 4 walks it column block by column block (chunk c of token t of block k: t * 72 + 8k + c).
+AF_DEVICE void copy_batch(const char* src, uint32_t dst, int b, bool by_block) {
   const char* tile = src + (int64_t(blockIdx.x) * kRing + b % kRing) * kTile;
 #pragma unroll 4
-  for (int i = threadIdx.x % 128; i < kTile / 16; i += 128) cp_async_16_at(dst + 16 * i, tile + 16 * i, true);
+  for (int i = threadIdx.x % 128; i < kTile / 16; i += 128) {
+    const int chunk = by_block ? (i % 512) / 8 * 72 + (i / 512) * 8 + i % 8 : i;
+    cp_async_16_at(dst + 16 * chunk, tile + 16 * chunk, true);
+  }
   cp_async_commit();
   cp_async_wait<0>();
+}
+
+// Warpgroup 1, kind 3: tile b as nine TMA boxes issued by one thread; the warpgroup waits for them.
+AF_DEVICE void tma_batch(const TensorMap* map, uint32_t dst, uint32_t bar, int b) {
+  if (threadIdx.x % 128 == 0) {
+    mbar_expect_tx(bar, kTile);
+    for (int k = 0; k < 9; ++k) tma_load_4d(dst + k * 64 * 128, map, 64 * k, 0, 0, blockIdx.x * kRing + b % kRing, bar);
+    mbar_arrive(bar);
+  }
+  mbar_wait(bar, b & 1);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) wgmma_overlap_kernel(const __grid_constant__ OverlapParams p) {
@@ -59,6 +79,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) wgmma_overlap_kernel(const 
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   // finite, nonzero operands (bf16 1.0 and 0.5 alternating): no NaN or denormal paths
   for (int i = threadIdx.x; i < 3 * kTile / 4; i += 256) reinterpret_cast<uint32_t*>(smem)[i] = 0x3F003F80u;
+  const uint32_t bar = smem_addr(smem + 3 * kTile);  // kind 3's barrier, past the three tiles
+  if (threadIdx.x == 0) mbar_init(bar, 1);
   __syncthreads();
   const int wg = threadIdx.x / 128;
   const bool runs = p.mode & (wg == 0 ? kModeWg0 : kModeWg1), alternate = p.mode & kModeAlternate;
@@ -72,7 +94,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) wgmma_overlap_kernel(const 
       if (alternate && (wg == 1 || b > 0)) named_bar_sync(wg == 0 ? 2 : 1, 256);
       if (wg == 0 || p.kind1 == 0) s_batch(q, wg == 0 ? k : k2, s);
       else if (p.kind1 == 1) pv_batch(q, k2, o);
-      else copy_batch(p.src, k2, b);
+      else if (p.kind1 == 3) tma_batch(&p.map, k2, bar, b);
+      else copy_batch(p.src, k2, b, p.kind1 == 4);
       if (alternate) named_bar_arrive(wg == 0 ? 1 : 2, 256);
     }
     if (alternate && wg == 0) named_bar_sync(2, 256);  // warpgroup 1's last batch: the pair's time
