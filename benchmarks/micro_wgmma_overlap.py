@@ -8,7 +8,7 @@ m64n64k16 from shared memory) in warpgroup 0 beside warpgroup 1's S-like or P.V-
 cp.async by column block: "copy*"): each alone, both overlapped, and strictly alternated. Prints median SM cycles a
 batch (a pair of batches where both ran) and writes them as JSON with --json.
 
-    python benchmarks/micro_wgmma_overlap.py [--batches 200] [--json out.json]
+    python benchmarks/micro_wgmma_overlap.py [--batches 200] [--ctas N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from attnforge import codegen
 from attnforge.jit import arch, loader, tma
 
 SOURCE = Path(__file__).resolve().parent / "micro" / "wgmma_overlap.cu"
-TILE, RING = 64 * 576 * 2, 64  # one [64 x 576] bf16 operand; tiles in a CTA's copy ring (the .cu's kRing)
+TILE = 64 * 576 * 2  # one [64 x 576] bf16 operand
+RING_BYTES = 600 << 20  # the copies' ring, all CTAs together: ~10x the H200's 60 MB L2
 SMEM = 3 * TILE + 1024 + 8  # three [64 x 576] bf16 tiles, the 1024-byte alignment slack, kind 3's mbarrier
 KINDS = ((0, "S beside S"), (1, "S beside P.V"), (2, "S beside copy"), (3, "S beside TMA"), (4, "S beside copy*"))
 WG0, WG1, ALTERNATE = 1, 2, 4
@@ -35,7 +36,7 @@ WG0, WG1, ALTERNATE = 1, 2, 4
 class OverlapParams(ctypes.Structure):  # the .cu's struct: a 64-byte aligned tensor map first, 192 bytes in all
     _fields_ = [("map", ctypes.c_ubyte * 128), ("cycles", ctypes.c_void_p), ("sink", ctypes.c_void_p),
                 ("src", ctypes.c_void_p), ("batches", ctypes.c_int32), ("mode", ctypes.c_int32),
-                ("kind1", ctypes.c_int32), ("pad", ctypes.c_ubyte * 28)]
+                ("kind1", ctypes.c_int32), ("ring", ctypes.c_int32), ("pad", ctypes.c_ubyte * 24)]
 
 
 def build(directory: Path) -> Path:
@@ -48,17 +49,20 @@ def build(directory: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=200)
+    # fewer CTAs than SMs: the copies' latency rather than DRAM's rate (the MLA kernel at h128 reads ~2.4 TB/s)
+    ap.add_argument("--ctas", type=int, default=0, help="CTAs (one an SM); 0: every SM")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         lib = loader.LoadedLibrary(build(Path(tmp)), ("wgmma_overlap_kernel",), device)
     kernel = lib["wgmma_overlap_kernel"]
-    ctas = torch.cuda.get_device_properties(device).multi_processor_count
+    ctas = args.ctas or torch.cuda.get_device_properties(device).multi_processor_count
     cycles = torch.zeros(ctas, 2, dtype=torch.int64, device=device)
     sink = torch.zeros(256, device=device)
-    src = torch.ones(ctas * RING * TILE // 2, dtype=torch.bfloat16, device=device)  # the copies' ring, ~10x L2
-    pages = ctas * RING  # kind 3: the ring as a paged cache of 64-token pages, boxes as the MLA kernel's
+    ring = -(-RING_BYTES // (ctas * TILE))  # tiles a CTA copies from in turn
+    src = torch.ones(ctas * ring * TILE // 2, dtype=torch.bfloat16, device=device)
+    pages = ctas * ring  # kind 3: the ring as a paged cache of 64-token pages, boxes as the MLA kernel's
     box, why = tma.paged_kv_box(576, 1, 64, pages, 64 * 576, 576, 64 * 576, 2, 64)
     assert box is not None, why
     tmap = tma.encode(src.view(pages, 64, 576), dataclasses.replace(box, l2_promotion=128))
@@ -69,7 +73,7 @@ def main() -> None:
             for _ in range(2):  # the first launch warms clocks and the instruction cache
                 cycles.fill_(-1)
                 params = OverlapParams((ctypes.c_ubyte * 128).from_buffer_copy(tmap), cycles.data_ptr(),
-                                       sink.data_ptr(), src.data_ptr(), args.batches, mode, kind1)
+                                       sink.data_ptr(), src.data_ptr(), args.batches, mode, kind1, ring)
                 kernel.launch((ctas,), (256,), params, smem=SMEM)
                 torch.cuda.synchronize()
             c = cycles.float() / args.batches

@@ -25,8 +25,9 @@ struct OverlapParams {
   TensorMap map;      // kind 3: the ring as [pages][64 tokens][576] (attnforge/jit/tma.py's paged box)
   long long* cycles;  // [CTAs][2]: each warpgroup's loop, in SM cycles (0: it did not run)
   float* sink;        // keeps the accumulators live
-  const char* src;    // kind 2: [CTAs][kRing] tiles to copy from
+  const char* src;    // kinds 2-4: [CTAs][ring] tiles to copy from
   int batches, mode, kind1;
+  int ring;           // tiles a CTA copies from in turn: the whole ring is ~10x the L2, whatever the CTAs
 };
 
 AF_DEVICE void s_batch(uint32_t q, uint32_t k, float (&s)[32]) {
@@ -49,12 +50,10 @@ AF_DEVICE void pv_batch(uint32_t p, uint32_t v, float (&o)[128]) {
   fence_accumulators(o);
 }
 
-constexpr int kRing = 64;  // tiles a CTA copies from in turn: 132 x 64 x 72 KB, ten times L2
-
 // Warpgroup 1, kinds 2 and 4: tile b of its ring into shared memory by 16-byte cp.async (36 a thread),
 // landed; kind 4 walks it column block by column block (chunk c of token t of block k: t * 72 + 8k + c).
-AF_DEVICE void copy_batch(const char* src, uint32_t dst, int b, bool by_block) {
-  const char* tile = src + (int64_t(blockIdx.x) * kRing + b % kRing) * kTile;
+AF_DEVICE void copy_batch(const char* src, int ring, uint32_t dst, int b, bool by_block) {
+  const char* tile = src + (int64_t(blockIdx.x) * ring + b % ring) * kTile;
 #pragma unroll 4
   for (int i = threadIdx.x % 128; i < kTile / 16; i += 128) {
     const int chunk = by_block ? (i % 512) / 8 * 72 + (i / 512) * 8 + i % 8 : i;
@@ -65,10 +64,10 @@ AF_DEVICE void copy_batch(const char* src, uint32_t dst, int b, bool by_block) {
 }
 
 // Warpgroup 1, kind 3: tile b as nine TMA boxes issued by one thread; the warpgroup waits for them.
-AF_DEVICE void tma_batch(const TensorMap* map, uint32_t dst, uint32_t bar, int b) {
+AF_DEVICE void tma_batch(const TensorMap* map, int ring, uint32_t dst, uint32_t bar, int b) {
   if (threadIdx.x % 128 == 0) {
     mbar_expect_tx(bar, kTile);
-    for (int k = 0; k < 9; ++k) tma_load_4d(dst + k * 64 * 128, map, 64 * k, 0, 0, blockIdx.x * kRing + b % kRing, bar);
+    for (int k = 0; k < 9; ++k) tma_load_4d(dst + k * 64 * 128, map, 64 * k, 0, 0, blockIdx.x * ring + b % ring, bar);
     mbar_arrive(bar);
   }
   mbar_wait(bar, b & 1);
@@ -94,8 +93,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) wgmma_overlap_kernel(const 
       if (alternate && (wg == 1 || b > 0)) named_bar_sync(wg == 0 ? 2 : 1, 256);
       if (wg == 0 || p.kind1 == 0) s_batch(q, wg == 0 ? k : k2, s);
       else if (p.kind1 == 1) pv_batch(q, k2, o);
-      else if (p.kind1 == 3) tma_batch(&p.map, k2, bar, b);
-      else copy_batch(p.src, k2, b, p.kind1 == 4);
+      else if (p.kind1 == 3) tma_batch(&p.map, p.ring, k2, bar, b);
+      else copy_batch(p.src, p.ring, k2, b, p.kind1 == 4);
       if (alternate) named_bar_arrive(wg == 0 ? 1 : 2, 256);
     }
     if (alternate && wg == 0) named_bar_sync(2, 256);  // warpgroup 1's last batch: the pair's time
