@@ -1,6 +1,7 @@
 // Two warpgroups' wgmma streams on one SM: overlapped, alternated, or one alone (benchmarks/micro_wgmma_overlap.py).
-// Why: beside a producer warpgroup the MLA roles kernel's two consumer streams overlapped more and the
-// tile's period grew (perf-notes, thirty-first section); a seesaw schedule overlaps them by design.
+// Why: what slows the MLA roles kernel's S (1739 cycles a tile against 1152 of tensor work), the other
+// warpgroup's wgmmas or the tiles landing, and whether TMA boxes land as fast as cp.async (perf-notes,
+// thirty-first section: overlap costs nothing, cp.async landing costs S ~20%, TMA ~1%).
 // Each warpgroup runs `batches` batches of one kind, as in the roles kernel (operands in sw128 shared tiles):
 //   kind 0, S:   36 x m64n64k16, A = Q [64 x 576] and B = K [64 x 576], both K-major  (147 KB read a batch)
 //   kind 1, P.V:  4 x m64n256k16, A = P [64 x 64] K-major, B = V [64 x 256] MN-major  (40 KB read a batch)
