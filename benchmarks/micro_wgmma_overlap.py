@@ -1,12 +1,12 @@
-"""Do two warpgroups' wgmma streams lose rate when they overlap? (benchmarks/micro/wgmma_overlap.cu)
+"""What slows a warpgroup's wgmmas on an SM: the other warpgroup's, or tiles landing? (micro/wgmma_overlap.cu)
 
-The MLA roles kernel's period grew when a producer warpgroup freed warpgroup 1 to start its P.V sooner
-(perf-notes, thirty-first section), and a seesaw schedule overlaps the two streams by design. This
-times, on every SM at once (one CTA each, as the roles kernel runs), a batch of S-like wgmmas (36 x
-m64n64k16 from shared memory) in warpgroup 0 beside warpgroup 1's S-like or P.V-like batches
-(4 x m64n256k16) or copies of 72 KB tiles from DRAM (cp.async along rows, TMA boxes by column block,
-cp.async by column block: "copy*"): each alone, both overlapped, and strictly alternated. Prints median SM cycles a
-batch (a pair of batches where both ran) and writes them as JSON with --json.
+The MLA roles kernel's S takes 1739 cycles a tile against 1152 of tensor work, and its period grew when
+a producer warpgroup let the two consumers' streams overlap more (perf-notes, thirty-first section).
+This times, on every SM at once (one CTA each, as the roles kernel runs; --ctas for fewer), a batch of
+S-like wgmmas (36 x m64n64k16 from shared memory) in warpgroup 0 beside warpgroup 1's S-like or P.V-like
+batches (4 x m64n256k16) or copies of 72 KB tiles from DRAM (cp.async along rows, TMA boxes by column
+block, cp.async by column block: "copy*"): each alone, both overlapped, and strictly alternated. Prints
+median SM cycles a batch (a pair of batches where both ran) and writes them as JSON with --json.
 
     python benchmarks/micro_wgmma_overlap.py [--batches 200] [--ctas N] [--json out.json]
 """
