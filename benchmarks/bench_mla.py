@@ -48,6 +48,13 @@ def kernel_twins() -> list[dict]:
     return [kernel_fields(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))]
 
 
+def selected_rows(variants: list) -> list:
+    """ATTNFORGE_BENCH_MLA_ROWS="attnforge,attnforge-twin0": only the variants (row name first) named there,
+    so an A/B times only what it compares; unset, all of them."""
+    keep = set(filter(None, (x.strip() for x in os.environ.get("ATTNFORGE_BENCH_MLA_ROWS", "").split(","))))
+    return [v for v in variants if not keep or v[0] in keep]
+
+
 def inputs(heads, batch, length):
     pages = -(-length // PAGE)
     indptr = (np.arange(batch + 1) * pages).astype(np.int32)
@@ -89,9 +96,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # beside the default (an A/B of kernel choices in one process)
     twins = kernel_twins()
     variants += [(f"attnforge-twin{i}", "auto", None, None, None, None, None) for i in range(len(twins))]
-    # ATTNFORGE_BENCH_MLA_ROWS="attnforge,attnforge-twin0": only these rows (an A/B times what it compares)
-    keep = set(filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ROWS", "").split(",")))
-    variants = [v for v in variants if not keep or v[0] in keep]
+    variants = selected_rows(variants)
     runs = {}
     for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
         spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,

@@ -372,3 +372,14 @@ def test_mla_kernel_twins_parse_field_sets(monkeypatch):
     spec = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     sources = {MLADecodeKernel(spec, backend="wgmma", **fields).module().source for fields in [{}] + twins}
     assert len(sources) == 3
+
+
+def test_mla_rows_env_keeps_only_the_named_rows(monkeypatch):
+    """ATTNFORGE_BENCH_MLA_ROWS: an A/B round times only the rows it names (and, set, skips the RMSE kernels)."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_mla")
+    rows = [("attnforge", 1), ("attnforge-pdl", 2), ("attnforge-twin0", 3)]
+    monkeypatch.delenv("ATTNFORGE_BENCH_MLA_ROWS", raising=False)
+    assert mod.selected_rows(rows) == rows
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_ROWS", "attnforge, attnforge-twin0")
+    assert mod.selected_rows(rows) == [("attnforge", 1), ("attnforge-twin0", 3)]
