@@ -1,6 +1,6 @@
 """Decode launch shapes beside the default, timed in rotation per case: fewer persistent CTAs per SM
 (longer spans: fewer chunk fills, partial states and merges, but fewer bytes in flight), head splits
-for MQA-sized groups, the other pipeline than the shape's default, wider KV tiles ("grid"); and spans aligned to equal items ("align":
+for MQA-sized groups and for groups of 8-16 (smaller items: shorter merges, each tile read by more items), the other pipeline than the shape's default, wider KV tiles ("grid"); and spans aligned to equal items ("align":
 scheduler.plan_stream(align_equal_items=True), one chunk a span). The thirteenth session's span sweep
 showed every case slowing as chunks multiply (MQA 32/1 most: +26% at twice the chunks); this asks
 the converse. Prints one line per case and writes the rows as JSON to the path given.
@@ -27,11 +27,13 @@ GRIDS = [{"ctas_per_sm": 2}, {"ctas_per_sm": 1}]
 # name: (lengths, (Hq, Hkv), kv dtype, [BatchDecode overrides beside the default])
 CASES = {
     "h32/8 B16 L8192": (L16, (32, 8), "bf16", GRIDS),
-    "h32/4 B16 L8192": (L16, (32, 4), "bf16", GRIDS + [{"pipeline": "normal"}]),
-    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS + [{"pipeline": "transposed"}]),
+    "h32/4 B16 L8192": (L16, (32, 4), "bf16", GRIDS + [{"pipeline": "normal"}, {"head_splits": 2}]),
+    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS + [{"pipeline": "transposed"}, {"head_splits": 2},
+                                                       {"head_splits": 4}]),
     "h32/1 B16 L8192": (L16, (32, 1), "bf16", GRIDS + [{"head_splits": 1}, {"head_splits": 2, "ctas_per_sm": 2},
-                                                       {"tile_kv": 32, "num_warps": 2}]),
-    "h64/1 B16 L8192": (L16, (64, 1), "bf16", GRIDS + [{"head_splits": 1}]),
+                                                       {"tile_kv": 32, "num_warps": 2}, {"head_splits": 4},
+                                                       {"head_splits": 8}]),
+    "h64/1 B16 L8192": (L16, (64, 1), "bf16", GRIDS + [{"head_splits": 1}, {"head_splits": 8}]),
     "fp8 h32/8 B16 L8192": (L16, (32, 8), "fp8_e4m3", [{"ctas_per_sm": 3}, {"ctas_per_sm": 2}]),
     "skew 1x65536+127x512": ([65536] + [512] * 127, (32, 8), "bf16", GRIDS),
     "B256 L1024": ([1024] * 256, (32, 8), "bf16", GRIDS),

@@ -205,10 +205,13 @@ def test_merge_with_fewer_vectors_a_thread_in_small_stages(kv_dtype):
 
 
 # MQA-sized groups run as items of 16 query heads (head_splits per KV head, kernels.decode): item h
-# holds query heads 16h.., reads KV head h / splits; page 7 and a request split across many CTAs
-@pytest.mark.parametrize("hq,hkv,splits", [(32, 1, None), (48, 2, None), (64, 1, None), (64, 1, 2), (32, 1, 1)])
-def test_head_splits(hq, hkv, splits):
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, pipeline="normal")
+# holds query heads 16h.., reads KV head h / splits; page 7 and a request split across many CTAs.
+# Splits below 16 heads an item (8 or 4: a head tile partly empty), on both pipelines.
+@pytest.mark.parametrize("hq,hkv,splits,pipeline", [
+    (32, 1, None, "normal"), (48, 2, None, "normal"), (64, 1, None, "normal"), (64, 1, 2, "normal"),
+    (32, 1, 1, "normal"), (32, 1, 4, "normal"), (32, 2, 2, "normal"), (32, 4, 2, "transposed")])
+def test_head_splits(hq, hkv, splits, pipeline):
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, pipeline=pipeline)
     w, _ = run_case(spec, [1, 300, 17, 20000], 7, seed=hq + hkv, head_splits=splits)
     assert w.kernel.head_splits == (splits or hq // hkv // 16)
 
