@@ -329,6 +329,22 @@ def test_wgmma_roles_tma_refills(heads):
     run_case(spec, [1000, 63, 20000], 64, seed=heads + 7, nan_unheld=True, **kw)  # boxes never reach past kv_end
 
 
+@pytest.mark.parametrize("heads", [8, 16, 64])
+def test_wgmma_transposed_producer_warpgroup(heads):
+    """A second warpgroup issues the transposed kernel's copies (producer): every case of wgmma_cases, NaN
+    in the cache rows no request holds, and bit for bit the one-warpgroup kernel (the same products in
+    the same order)."""
+    kw = {"backend": "wgmma", "kernel_fields": {"producer": True}}
+    w = BatchMLADecode(mla_spec(heads, "transposed"), **kw)
+    assert w.kernel.producer and w.kernel.threads == 256
+    wgmma_cases(heads, "transposed", **kw)
+    spec = mla_spec(heads, "transposed")
+    for lengths, page, q_len in (([1000, 63, 20000, 0, 129], 64, 1), ([2, 700, 1, 64], 1, 2)):
+        two, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **kw)
+        one, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend="wgmma")
+        assert torch.equal(two, one)
+
+
 @pytest.mark.parametrize("promotion", [0, 256])
 def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
     # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles

@@ -402,3 +402,28 @@ def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
     h128 = dataclasses.replace(spec(128, "normal"), logits_soft_cap=soft_cap)
     m = MLADecodeKernel(h128, backend="wgmma", **kw).module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
+
+
+def test_producer_is_the_transposed_wgmma_kernels():
+    """producer: a second warpgroup (256 threads) copies for the transposed wgmma kernel, whose computing
+    warps then synchronise among themselves (named barrier 1), not with __syncthreads."""
+    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=True)
+    assert k.threads == 256 and k.module().name.endswith("_wgmma_pw_r16t64s2")
+    src = k.module().source
+    assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
+    one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
+    assert one.threads == 128 and "constexpr bool kProducer = false;" in one.module().source
+    for bad in ({"backend": "mma"}, {"backend": "wgmma", "pipeline": "normal"}):
+        kw = dict(bad)
+        with pytest.raises(ValueError, match="producer: the wgmma transposed kernel's"):
+            MLADecodeKernel(spec(16, kw.pop("pipeline", "transposed")), producer=True, **kw)
+    with pytest.raises(ValueError, match="producer: expected True or False"):
+        MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("heads", [8, 16, 64])
+def test_ptxas_builds_the_producer_warpgroup_without_spills(tmp_path, heads):
+    from helpers import ptxas_log_of_async_wgmmas
+    m = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma", producer=True).module()
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)

@@ -144,6 +144,9 @@ class MLADecodeKernel:
     # with tma: the L2 fetch around each box row's request, in bytes (attnforge.jit.tma.L2_PROMOTION_SIZES);
     # None: ROLES_TMA_L2_PROMOTION. A host-side map setting: the kernel's source is the same.
     tma_l2_promotion: Optional[int] = None
+    # wgmma transposed pipeline: a second warpgroup issues every copy (named barriers hand the stages over),
+    # so the computing warpgroup's chain is S^T, the softmax and P.V alone
+    producer: bool = False
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -190,6 +193,12 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or tma=False")
+        if type(self.producer) is not bool:
+            raise ValueError(f"MLADecodeKernel.producer: expected True or False, got {self.producer!r}")
+        if self.producer and (self.backend != "wgmma" or self.spec.pipeline != "transposed"):
+            raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
+                             f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
+                             f"producer=False")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -254,8 +263,9 @@ class MLADecodeKernel:
         return ROLES_NARROW_PDL if narrow_roles else True
 
     @property
-    def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup
-        return 128 if (self.backend == "wgmma" and self.spec.pipeline == "transposed") else THREADS
+    def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup (and its producer's)
+        return (256 if self.producer else 128) if (self.backend == "wgmma" and self.spec.pipeline == "transposed") \
+            else THREADS
 
     @property
     def rows(self) -> int:
@@ -312,7 +322,7 @@ class MLADecodeKernel:
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
-               "tma": self.uses_tma,
+               "tma": self.uses_tma, "producer": self.producer,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
@@ -321,6 +331,7 @@ class MLADecodeKernel:
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
                          *(["tma"] if self.uses_tma else []),
+                         *(["pw"] if self.producer else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
