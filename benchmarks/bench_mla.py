@@ -79,8 +79,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
                 ("attnforge-wgmma", "normal", "wgmma", None, None, None, None),
                 ("attnforge-wgmma-roles", "normal", "wgmma", "roles", None, None, None),
                 ("attnforge-wgmma-transposed", "transposed", "wgmma", None, None, None, None),
-                # ... with a second warpgroup that issues the copies (MLADecodeKernel.producer)
-                ("attnforge-wgmma-transposed-pw", "transposed", "wgmma", None, None, None, None)]
+                # ... with one warpgroup that also copies (MLADecodeKernel.producer=False; the default has two)
+                ("attnforge-wgmma-transposed-1wg", "transposed", "wgmma", None, None, None, None)]
     # ATTNFORGE_BENCH_ABLATION="32:3,64:2": other (tile, stages) of the normal pipeline, for docs/perf-notes.md
     for item in filter(None, os.environ.get("ATTNFORGE_BENCH_ABLATION", "").split(",")):
         tile, stages = (int(x) for x in item.split(":"))
@@ -110,7 +110,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
                                num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
                                pdl={"attnforge-pdl": True, "attnforge-no-pdl": False}.get(impl), use_cuda_graph=graph,
                                kernel_fields=twins[int(impl[len("attnforge-twin"):])] if "twin" in impl else
-                               {"producer": True} if impl.endswith("-pw") else None)
+                               {"producer": False} if impl.endswith("-1wg") else None)
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue

@@ -331,17 +331,17 @@ def test_wgmma_roles_tma_refills(heads):
 
 @pytest.mark.parametrize("heads", [8, 16, 64])
 def test_wgmma_transposed_producer_warpgroup(heads):
-    """A second warpgroup issues the transposed kernel's copies (producer): every case of wgmma_cases, NaN
-    in the cache rows no request holds, and bit for bit the one-warpgroup kernel (the same products in
-    the same order)."""
-    kw = {"backend": "wgmma", "kernel_fields": {"producer": True}}
-    w = BatchMLADecode(mla_spec(heads, "transposed"), **kw)
-    assert w.kernel.producer and w.kernel.threads == 256
-    wgmma_cases(heads, "transposed", **kw)
+    """A second warpgroup issues the transposed kernel's copies (producer, the default): bit for bit the
+    one-warpgroup kernel (the same products in the same order), with NaN in the cache rows no request
+    holds, and that kernel (producer=False) through every case of wgmma_cases."""
+    w = BatchMLADecode(mla_spec(heads, "transposed"), backend="wgmma")
+    assert w.kernel.uses_producer and w.kernel.threads == 256
+    one_kw = {"backend": "wgmma", "kernel_fields": {"producer": False}}
+    wgmma_cases(heads, "transposed", **one_kw)
     spec = mla_spec(heads, "transposed")
     for lengths, page, q_len in (([1000, 63, 20000, 0, 129], 64, 1), ([2, 700, 1, 64], 1, 2)):
-        two, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **kw)
-        one, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend="wgmma")
+        two, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend="wgmma")
+        one, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **one_kw)
         assert torch.equal(two, one)
 
 

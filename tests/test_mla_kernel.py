@@ -63,10 +63,11 @@ def test_wgmma_backend_shape_and_refusals():
     mod = k.module()
     assert mod.archs == ("9.0a",) and "_wgmma_" in mod.name and "constexpr bool kWgmma = true;" in mod.source
     assert "wgmma_ss_tb<256, TMma>" in mod.source
-    # transposed (ETAP): one warpgroup, rows = heads (8..32), O^T [512 x rows] in registers
+    # transposed (ETAP): one computing warpgroup (and one that copies), rows = heads (8..32), O^T [512 x
+    # rows] in registers
     for h, rows in ((8, 8), (16, 16), (32, 32), (128, 32)):
         t = MLADecodeKernel(spec(h, "transposed"), backend="wgmma")
-        assert (t.rows, t.tiling, t.threads) == (rows, (64, 2), 128)
+        assert (t.rows, t.tiling, t.threads) == (rows, (64, 2), 256)
         assert t.smem_bytes == rows * 576 * 2 + 2 * 64 * 576 * 2 + rows * 64 * 2 + 11 * rows * 4 + 1024
         assert "wgmma_ss_ta<kRows, TMma>" in t.module().source and "kWarps = 4" in t.module().source
     assert MLADecodeKernel(spec(128, "transposed"), backend="wgmma").row_blocks(1) == 4
@@ -405,19 +406,21 @@ def test_ptxas_keeps_the_roles_wgmmas_asynchronous(tmp_path, kw):
 
 
 def test_producer_is_the_transposed_wgmma_kernels():
-    """producer: a second warpgroup (256 threads) copies for the transposed wgmma kernel, whose computing
-    warps then synchronise among themselves (named barrier 1), not with __syncthreads."""
-    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=True)
-    assert k.threads == 256 and k.module().name.endswith("_wgmma_pw_r16t64s2")
+    """producer (the default there): a second warpgroup (256 threads) copies for the transposed wgmma
+    kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
+    __syncthreads; producer=False keeps the one-warpgroup kernel."""
+    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
-    one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
+    one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)
     assert one.threads == 128 and "constexpr bool kProducer = false;" in one.module().source
+    assert not MLADecodeKernel(spec(16, "transposed"), backend="mma").uses_producer
     for bad in ({"backend": "mma"}, {"backend": "wgmma", "pipeline": "normal"}):
         kw = dict(bad)
         with pytest.raises(ValueError, match="producer: the wgmma transposed kernel's"):
             MLADecodeKernel(spec(16, kw.pop("pipeline", "transposed")), producer=True, **kw)
-    with pytest.raises(ValueError, match="producer: expected True or False"):
+    with pytest.raises(ValueError, match="producer: expected None, True or False"):
         MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=1)
 
 
@@ -425,5 +428,5 @@ def test_producer_is_the_transposed_wgmma_kernels():
 @pytest.mark.parametrize("heads", [8, 16, 64])
 def test_ptxas_builds_the_producer_warpgroup_without_spills(tmp_path, heads):
     from helpers import ptxas_log_of_async_wgmmas
-    m = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma", producer=True).module()
+    m = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma").module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)

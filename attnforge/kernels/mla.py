@@ -51,6 +51,10 @@ TMA_FIELDS = (ParamField("ckv_tmap", "TensorMap", "tmap"), ParamField("kpe_tmap"
 # With roles_w0_dims=128 it won only h64 / h16 B16 L65536 (-2.6%, -1.3%) and lost every batched and B1
 # case (+0.2..+5%), so cp.async stays the default and both are kernel fields for ablations.
 ROLES_TMA = False
+# The wgmma transposed kernel with a second warpgroup that issues its copies (MLADecodeKernel.producer).
+# Measured on the H200 (thirty-second session, three rounds in rotation against one warpgroup): h8 B16
+# L65536 -4.4%, B64 L8192 -2.8%, B1 L131072 -2.1%; h16 -6..-9% (B1 -3.2%); h32 B16 -2.3%; h64 +0.2%.
+TRANSPOSED_PRODUCER = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -145,8 +149,8 @@ class MLADecodeKernel:
     # None: ROLES_TMA_L2_PROMOTION. A host-side map setting: the kernel's source is the same.
     tma_l2_promotion: Optional[int] = None
     # wgmma transposed pipeline: a second warpgroup issues every copy (named barriers hand the stages over),
-    # so the computing warpgroup's chain is S^T, the softmax and P.V alone
-    producer: bool = False
+    # so the computing warpgroup's chain is S^T, the softmax and P.V alone; None: TRANSPOSED_PRODUCER there
+    producer: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -193,12 +197,12 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or tma=False")
-        if type(self.producer) is not bool:
-            raise ValueError(f"MLADecodeKernel.producer: expected True or False, got {self.producer!r}")
+        if self.producer is not None and type(self.producer) is not bool:
+            raise ValueError(f"MLADecodeKernel.producer: expected None, True or False, got {self.producer!r}")
         if self.producer and (self.backend != "wgmma" or self.spec.pipeline != "transposed"):
             raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
                              f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
-                             f"producer=False")
+                             f"producer=None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -264,8 +268,14 @@ class MLADecodeKernel:
 
     @property
     def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup (and its producer's)
-        return (256 if self.producer else 128) if (self.backend == "wgmma" and self.spec.pipeline == "transposed") \
+        return (256 if self.uses_producer else 128) if (self.backend == "wgmma" and self.spec.pipeline == "transposed") \
             else THREADS
+
+    @property
+    def uses_producer(self) -> bool:
+        """Whether a second warpgroup issues the wgmma transposed kernel's copies."""
+        transposed_wgmma = self.backend == "wgmma" and self.spec.pipeline == "transposed"
+        return transposed_wgmma and (TRANSPOSED_PRODUCER if self.producer is None else self.producer)
 
     @property
     def rows(self) -> int:
@@ -322,7 +332,7 @@ class MLADecodeKernel:
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
-               "tma": self.uses_tma, "producer": self.producer,
+               "tma": self.uses_tma, "producer": self.uses_producer,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
@@ -331,7 +341,7 @@ class MLADecodeKernel:
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
                          *(["tma"] if self.uses_tma else []),
-                         *(["pw"] if self.producer else []),
+                         *(["pw"] if self.uses_producer else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])
