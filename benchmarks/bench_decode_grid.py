@@ -1,7 +1,8 @@
 """Decode launch shapes beside the default, timed in rotation per case: fewer persistent CTAs per SM
 (longer spans: fewer chunk fills, partial states and merges, but fewer bytes in flight), head splits
-for MQA-sized groups and for groups of 8-16 (smaller items: shorter merges, each tile read by more items), the other pipeline than the shape's default, wider KV tiles ("grid"); and spans aligned to equal items ("align":
-scheduler.plan_stream(align_equal_items=True), one chunk a span). The thirteenth session's span sweep
+for MQA-sized groups and for groups of 8-16 (smaller items: shorter merges, each tile read by more
+items), the other pipeline than the shape's default, wider KV tiles ("grid"); and spans aligned to
+equal items ("align": scheduler.plan_stream(align_equal_items=True), one chunk a span). The thirteenth session's span sweep
 showed every case slowing as chunks multiply (MQA 32/1 most: +26% at twice the chunks); this asks
 the converse. Prints one line per case and writes the rows as JSON to the path given.
 

@@ -427,6 +427,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads", [8, 16, 64])
 def test_ptxas_builds_the_producer_warpgroup_without_spills(tmp_path, heads):
+    """The computing warpgroup's wgmmas stay asynchronous beside the copying one (no C7514 / C7515 / C7517)."""
     from helpers import ptxas_log_of_async_wgmmas
     m = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma").module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
