@@ -199,7 +199,7 @@ class MLADecodeKernel:
                              f"pipeline='normal', or tma=False")
         if self.producer is not None and type(self.producer) is not bool:
             raise ValueError(f"MLADecodeKernel.producer: expected None, True or False, got {self.producer!r}")
-        if self.producer and (self.backend != "wgmma" or self.spec.pipeline != "transposed"):
+        if self.producer and not self._transposed_wgmma:
             raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
                              f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
                              f"producer=None")
@@ -267,15 +267,19 @@ class MLADecodeKernel:
         return ROLES_NARROW_PDL if narrow_roles else True
 
     @property
-    def threads(self) -> int:  # the wgmma transposed kernel is one warpgroup (and its producer's)
-        return (256 if self.uses_producer else 128) if (self.backend == "wgmma" and self.spec.pipeline == "transposed") \
-            else THREADS
+    def threads(self) -> int:  # the wgmma transposed kernel: one computing warpgroup (and its producer)
+        if not self._transposed_wgmma:
+            return THREADS
+        return 256 if self.uses_producer else 128
+
+    @property
+    def _transposed_wgmma(self) -> bool:
+        return self.backend == "wgmma" and self.spec.pipeline == "transposed"
 
     @property
     def uses_producer(self) -> bool:
         """Whether a second warpgroup issues the wgmma transposed kernel's copies."""
-        transposed_wgmma = self.backend == "wgmma" and self.spec.pipeline == "transposed"
-        return transposed_wgmma and (TRANSPOSED_PRODUCER if self.producer is None else self.producer)
+        return self._transposed_wgmma and (TRANSPOSED_PRODUCER if self.producer is None else self.producer)
 
     @property
     def rows(self) -> int:
