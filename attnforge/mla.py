@@ -70,6 +70,12 @@ MLA_ALIGN_SLACK = 96
 # (h128 B64 L8192 -13%, B128 L4096 -7%, B16 L65536 -4%; h32 / h64 B16 L65536 -7 / -9%); 3.1% was the
 # most measured. The 64-row mma.sync kernel (fp8 KV) keeps MLA_ALIGN_SLACK: not measured.
 MLA_WIDE_ALIGN_FRACTION = 0.04
+# One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
+# default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s
+# (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
+# against 55.5-56.3 us (thirty-third session, three rounds). Batches keep the normal kernel, which leads
+# B64 L8192 by 2% and B128 L4096 by 10% (B16 L65536: level).
+LONG_REQUEST_TRANSPOSED = True
 
 
 class BatchMLADecode(BatchDecode):
@@ -110,6 +116,7 @@ class BatchMLADecode(BatchDecode):
                          ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, **spec_kwargs)
         if pdl is None:
             self.pdl = self.kernel.pdl_by_default
+        self._default_kernel = self._long_kernel = None  # filled at the first plan (_pick_kernel)
 
     # MLADecodeKernel's fields that have arguments of their own here
     _OWN_KERNEL_ARGS = ("spec", "num_stages", "tile_kv", "backend", "schedule")
@@ -133,6 +140,29 @@ class BatchMLADecode(BatchDecode):
 
     def _host_only_defaults(self) -> None:
         self._backend, self._schedule, self._kernel_fields, self.max_q_len, self._graph_lanes = None, None, {}, 1, None
+        self._default_kernel = self._long_kernel = None  # (host_only sets the kernel after: filled at plan())
+
+    def _make_long_request_kernel(self) -> Optional[MLADecodeKernel]:
+        """The kernel plan() runs one request on instead of the default (LONG_REQUEST_TRANSPOSED): the
+        transposed wgmma kernel where the default is the 64-row normal one at 16 heads, on the same grid,
+        unless the kernel was chosen explicitly (backend, schedule, kernel_fields; the wgmma kernels have
+        one tiling, 64 tokens in 2 stages)."""
+        k = self._default_kernel
+        if not LONG_REQUEST_TRANSPOSED or self.spec.num_qo_heads != 16 or (k.backend, k.spec.pipeline) != ("wgmma", "normal"):
+            return None
+        if self._backend is not None or self._schedule is not None or self._kernel_fields:
+            return None
+        t = MLADecodeKernel(dataclasses.replace(self.spec, pipeline="transposed"), backend="wgmma")
+        return t if t.ctas_per_sm == k.ctas_per_sm and t.rows <= k.rows else None
+
+    def _pick_kernel(self, batch: int) -> None:
+        """The kernel for a plan of `batch` requests: the long-request kernel for one, else the default.
+        (Under CUDA graphs every plan has the captured batch size, so the captured kernel stays.) Both
+        fit the workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row block."""
+        if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
+            self._default_kernel = self.kernel
+            self._long_kernel = self._make_long_request_kernel()
+        self.kernel = self._long_kernel if batch == 1 and self._long_kernel is not None else self._default_kernel
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows
@@ -175,7 +205,13 @@ class BatchMLADecode(BatchDecode):
             raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", q_len,
                               "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
-        self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
+        previous = self.kernel
+        self._pick_kernel(table.batch_size)
+        try:
+            self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
+        except Exception:
+            self.kernel = previous  # a refused plan (a graph's batch size changed) keeps the last plan's kernel
+            raise
         if self.use_cuda_graph:  # the launch shape is captured: chosen at the first plan (its batch is fixed)
             if self._graph_lanes is None:
                 side = self.kernel.side_blocks(self.kernel.row_blocks(q_len))

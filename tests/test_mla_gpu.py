@@ -345,6 +345,22 @@ def test_wgmma_transposed_producer_warpgroup(heads):
         assert torch.equal(two, one)
 
 
+def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
+    """LONG_REQUEST_TRANSPOSED: a plan of one request at 16 heads runs the transposed wgmma kernel, a batch
+    the default normal one, plan by plan in one wrapper; one request against the reference, long, split
+    over every CTA, short, draft tokens, NaN past it, a soft-cap (under a CUDA graph:
+    test_cuda_graph_of_one_long_request_merges_over_lanes)."""
+    spec = mla_spec(16, "auto")
+    w = BatchMLADecode(spec)
+    for batch, pipeline in ((1, "transposed"), (2, "normal"), (1, "transposed")):
+        w.plan(np.arange(batch + 1) * 512, np.arange(512 * batch), np.full(batch, 64), page_size=64)
+        assert w.planned_kernel[0].spec.pipeline == pipeline
+    run_case(spec, [131072], 64, seed=5)
+    run_case(spec, [20000], 7, q_len=3, seed=6, nan_unheld=True)
+    run_case(spec, [1], 64, seed=7)
+    run_case(mla_spec(16, "auto", logits_soft_cap=30.0), [5000], 64, ref_kw={"logits_soft_cap": 30.0})
+
+
 @pytest.mark.parametrize("promotion", [0, 256])
 def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
     # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles

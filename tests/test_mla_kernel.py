@@ -431,3 +431,44 @@ def test_ptxas_builds_the_producer_warpgroup_without_spills(tmp_path, heads):
     from helpers import ptxas_log_of_async_wgmmas
     m = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma").module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
+
+
+def test_one_request_at_16_heads_plans_the_transposed_kernel():
+    """LONG_REQUEST_TRANSPOSED: a plan of one request at 16 heads runs the transposed wgmma kernel (its
+    producer warpgroup copying), a batch the default normal one, plan by plan; other head counts, and
+    kernels chosen explicitly, keep theirs."""
+    import numpy as np
+
+    from attnforge import scheduler
+    from attnforge.kernels.mla import default_backend
+    from attnforge.mla import BatchMLADecode
+    h16 = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    if default_backend(h16) != "wgmma":
+        pytest.skip("the arch list builds no sm_90a: the mma.sync kernels have no such choice")
+    w = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4096)
+    one = (np.array([0, 2048]), np.arange(2048), np.array([64]))
+    two = (np.array([0, 4, 6]), np.arange(6), np.array([64, 10]))
+    for table, pipeline in ((one, "transposed"), (two, "normal"), (one, "transposed")):
+        w.plan(*table, page_size=64)
+        k = w.planned_kernel[0]
+        assert (k.backend, k.spec.pipeline, w.kernel) == ("wgmma", pipeline, k)
+    assert k.uses_producer and k.rows == 16
+    work = w._plan["work"]  # one 16-row block holds all 16 heads: one item, over every CTA
+    assert (w.kernel.row_blocks(1), work.num_kv_heads, int(work.kv_end[0])) == (1, 1, 2048 * 64)
+    assert work.total >= 2048 * 64 + scheduler.CHUNK_FIXED_COST and work.num_ctas == w.num_ctas
+    for heads in (8, 32, 128):
+        other = BatchMLADecode.host_only(dataclasses.replace(h16, num_qo_heads=heads, pipeline="auto"), max_batch_size=4,
+                                         max_num_pages=4096)
+        other.plan(*one, page_size=64)
+        assert other.planned_kernel[0] is other._default_kernel
+    # a refused plan keeps the last plan's kernel: under CUDA graphs (the batch size is captured) a plan of
+    # one request after a batch of two raises, and run() must still launch the captured normal kernel
+    w.plan(*two, page_size=64)
+    w.use_cuda_graph = True
+    with pytest.raises(ValueError, match="batch size in CUDA-graph mode"):
+        w.plan(*one, page_size=64)
+    assert w.kernel is w.planned_kernel[0] and w.kernel.spec.pipeline == "normal"
+    explicit = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4096)
+    explicit._kernel_fields = {"roles_w0_dims": 256}  # as BatchMLADecode(kernel_fields=...) sets it: no switch
+    explicit.plan(*one, page_size=64)
+    assert explicit.planned_kernel[0].spec.pipeline == "normal"
