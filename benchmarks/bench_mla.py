@@ -6,7 +6,6 @@ GB/s counts the latent cache read once (576 x 2 bytes per token); TFLOP/s counts
 """
 from __future__ import annotations
 
-import ast
 import os
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from attnforge import AttentionSpec, BatchMLADecode
 from attnforge.jit import registry
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import Report, prepare, time_interleaved, time_us
+from harness import Report, kernel_fields, prepare, time_interleaved, time_us
 
 PAGE = 64
 
@@ -35,12 +34,6 @@ def _all_cases():
     out += [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
     out += [(f"h{h} {name}", h, b, L) for h in more for name, b, L in base]
     return list({c[0]: c for c in out}.values())  # each case once, in order
-
-
-def kernel_fields(text: str) -> dict:
-    """MLADecodeKernel fields from ','-separated field=value (Python literals), e.g. "tma=True,roles_q_steps=4"."""
-    pairs = (item.split("=", 1) for item in filter(None, (x.strip() for x in text.split(","))))
-    return {k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}
 
 
 def kernel_twins() -> list[dict]:

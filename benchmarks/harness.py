@@ -9,6 +9,7 @@ Output: one JSON format for all suites:
 """
 from __future__ import annotations
 
+import ast
 import datetime
 import json
 import statistics
@@ -73,6 +74,13 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
             name = names[(r + i) % len(names)]
             times[name].append(timer(runs[name]))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def kernel_fields(text: str) -> dict:
+    """Kernel fields from ','-separated field=value (Python literals), e.g. "tma=True,roles_q_steps=4": the
+    suites' twin rows (the default kernel with these fields changed, timed in rotation beside it)."""
+    pairs = (item.split("=", 1) for item in filter(None, (x.strip() for x in text.split(","))))
+    return {k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}
 
 
 def time_sdpa_peers(report: "Report", suite: str, case: str, q, k, v, causal: bool, backends: dict,

@@ -234,10 +234,11 @@ def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("page_size", [None, 7])
-def test_persistent_ctas_walk_many_items(page_size):
+@pytest.mark.parametrize("page_size,options", [(None, {}), (7, {}), (None, {"pingpong": True}),
+                                               (7, {"pingpong": True, "num_stages": 2})])
+def test_persistent_ctas_walk_many_items(page_size, options):
     # more items than SMs, an empty one among them (kv_len 0) and lengths off the tiles: the ring's
-    # phases and the q_empty handshake run on across the items of one CTA
+    # phases, the q_empty handshake and (ping-pong) the warpgroups' turns run on across the items of one CTA
     spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
     qo_lens = [300, 1, 2048, 77, 5, 640, 129, 1000]
     kv_lens = [300, 0, 2048, 1000, 5, 640, 129, 1500]
@@ -250,7 +251,7 @@ def test_persistent_ctas_walk_many_items(page_size):
         kv_args, per, plan_kw = table, [(k_.bfloat16(), v_.bfloat16()) for k_, v_ in per], {"page_size": page_size}
         q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
         qo = np.concatenate([[0], np.cumsum(qo_lens)])
-    w = BatchPrefill(spec, persistent=True)
+    w = BatchPrefill(spec, persistent=True, **options)
     w.plan(qo, *kv_args, **plan_kw)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert w._plan["num_work"] > w._plan["grid"] == sms, "each CTA walks several items"
@@ -261,7 +262,7 @@ def test_persistent_ctas_walk_many_items(page_size):
     for b in keep:
         sl = slice(qo[b], qo[b + 1])
         check_against_reference(spec, q[sl], out[sl], lse[sl], [per[b]], np.array([0, qo_lens[b]]))
-    whole = BatchPrefill(spec, persistent=False)  # the same items, one CTA each
+    whole = BatchPrefill(spec, persistent=False, **options)  # the same items, one CTA each
     whole.plan(qo, *kv_args, **plan_kw)
     assert torch.equal(whole.run(q, cache), out), "persistence changes who computes an item, not what"
 

@@ -131,8 +131,8 @@ def test_persistent_shape_and_refusals():
     assert not PrefillKernel(SPEC, "wgmma", pingpong=True).persistent and not PrefillKernel(SPEC, "mma").persistent
     with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
         PrefillKernel(SPEC, "wgmma", producer=False, persistent=True)
-    with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
-        PrefillKernel(SPEC, "wgmma", pingpong=True, persistent=True)
+    both = PrefillKernel(SPEC, "wgmma", pingpong=True, persistent=True)  # turns taken within each item
+    assert both.module().name.endswith("_ws_pp_pers_tma_s3") and "constexpr bool kPingPong = true;" in both.module().source
     with pytest.raises(ValueError, match="persistent: needs the producer warpgroup"):
         PrefillKernel(SPEC, "mma", persistent=True)
 

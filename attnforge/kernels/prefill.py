@@ -138,9 +138,9 @@ class PrefillKernel:
         if self.producer and self.backend != "wgmma":
             raise ValueError(f"PrefillKernel.producer: only the wgmma backend has a producer warpgroup, got backend "
                              f"{self.backend!r}; pass producer=None (or False), or backend='wgmma'")
-        if self.persistent and (not self.producer or self.pingpong):
-            raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup and no ping-pong, got "
-                             f"producer={self.producer}, pingpong={self.pingpong}; pass producer=True, pingpong=False")
+        if self.persistent and not self.producer:
+            raise ValueError(f"PrefillKernel.persistent: needs the producer warpgroup, got producer={self.producer}; "
+                             f"pass producer=True (the wgmma default)")
         if self.tma not in (None, True, False):
             raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
                              "pass one of those")
