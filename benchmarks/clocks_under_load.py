@@ -7,28 +7,30 @@ GPU over a long prefill can look faster there than under a server's steady load.
 median SM clock and power over its windows (the first 0.3 s of each, the ramp, dropped).
 
     python benchmarks/clocks_under_load.py [--cases "B1 S32768,ragged 16 random 128-8192"]
-        [--seconds 2] [--rounds 2] [--out clocks.json]
+        [--seconds 2] [--rounds 2] [--out clocks.json]   (--out: the suites' results format, suite
+        `prefill_sustained`, for `python benchmarks/report.py merge clocks.json`)
 
 Needs nvidia-smi on PATH; FlashInfer's fa3 joins where it imports (PYTHONPATH=.anchors/flashinfer).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 import bench_prefill as bp
 from attnforge import AttentionSpec, BatchPrefill
-from harness import prepare
+from harness import Report, prepare, versions
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers' name first
 RAMP_S = 0.3  # samples this soon after an impl starts belong to the switch, not to it
+SUITE = "prefill_sustained"
 
 
 class Sampler:
@@ -59,13 +61,15 @@ class Sampler:
         self.proc.terminate()
 
 
-def impls(case: str, lengths: list[int]) -> dict:
-    """{name: fn} for one case: attnforge's default, and fa3 where FlashInfer imports."""
+def impls(case: str, lengths: list[int], only: str = "") -> dict:
+    """{name: fn} for one case: attnforge's default, and fa3 where FlashInfer imports (only: that one)."""
     q, k, v, indptr = bp.ragged(lengths)
     spec = AttentionSpec(family="prefill", num_qo_heads=bp.HQ, num_kv_heads=bp.HKV, head_dim_qk=bp.D, causal=True)
     w = BatchPrefill(spec)
     w.plan(indptr, indptr)
     out = {"attnforge": lambda: w.run(q, (k, v))}
+    if only == "attnforge":
+        return out
     try:
         import flashinfer
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -132,9 +136,20 @@ def main() -> None:
                   f"n={row['samples']} reasons={row['event_reasons']}", flush=True)
     sampler.stop()
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "seconds": a.seconds, "rounds": a.rounds, "rows": rows},
-                      f, indent=1)
+        write_record(rows, a.out, a.seconds, a.rounds)
+
+
+def write_record(rows: list[dict], path: str, seconds: float, rounds: int) -> None:
+    """The results format of every suite (harness.Report), suite `prefill_sustained`; each row's clock,
+    power and temperature become a note (the table keeps time and TFLOP/s)."""
+    report = Report()
+    for r in rows:
+        report.add(SUITE, r["case"], r["impl"], r["us"], None, r["tflops"] * r["us"] * 1e6)
+        report.note(f"{r['case']} {r['impl']}: {r['sm_mhz']:.0f} MHz, {r['watts']:.0f} W, {r['temp_c']:.0f} C "
+                    f"(medians of {r['samples']} samples; clock event reasons {', '.join(r['event_reasons'])})")
+    report.note(f"each impl ran {seconds:g} s at a time, {rounds} rounds in rotation; the first {RAMP_S:g} s of each "
+                f"window dropped; us is the mean over the windows' calls, median over rounds")
+    report.write(Path(path), versions())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from clocks_under_load import impls  # noqa: E402
 
 case, impl = sys.argv[1], sys.argv[2]
 lengths = dict(cases())[case]
-fn = impls(case, lengths)[impl]
+fn = impls(case, lengths, only=impl)[impl]
 for _ in range(4):
     fn()
 torch.cuda.synchronize()

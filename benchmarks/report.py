@@ -114,6 +114,7 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         lines += ["Notes from the run:", ""] + [f"- {n}" for n in data["notes"]] + [""]
     titles = {"decode": "Batch decode (suite `decode`)", "merge": "merge_states (suite `merge`)",
               "prefill": "Prefill (suite `prefill`)",
+              "prefill_sustained": "Prefill under sustained load (`benchmarks/clocks_under_load.py`)",
               "prefill_copies": "K/V tile copies in prefill (suite `prefill_copies`)", "mods": "Score modifiers (suite `mods`)",
               "mla": "MLA decode (suite `mla`)", "quest": "Quest sparse decode (suite `quest`)",
               "cascade": "Shared-prefix cascade (suite `cascade`)", "vmm": "VirtualKVCache decode (suite `vmm`)",
