@@ -4,6 +4,9 @@ and this script prints per-case medians of each phase, the interior and last til
 between consecutive items on one SM (launch and drain of the CTA before).
 
     python benchmarks/trace_prefill.py [--json out.json]
+    python benchmarks/trace_prefill.py --tiles [--fields pingpong=True,persistent=True] [--json out.json]
+        (one interior tile's phases per consumer warpgroup: softmax, P.V wait and pack, tile wait,
+        ping-pong turn, issue and S wait)
 """
 import json
 import sys
@@ -57,7 +60,42 @@ def trace_case(name, lengths, **kw):
     return out
 
 
-if __name__ == "__main__":
+TILE_PHASES = {"softmax": (0, 1), "pv_wait_and_pack": (1, 2), "tile_wait": (2, 3), "turn_wait": (3, 4),
+               "issue_and_s_wait": (4, 5), "whole": (0, 5)}
+
+
+def trace_tiles(name, lengths, **kw):
+    """One interior tile of every long enough item (af_tile_trace), per consumer warpgroup: median
+    cycles of each phase, and how far warpgroup 1's tile starts after warpgroup 0's."""
+    q, k, v, indptr = ragged(lengths)
+    w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True),
+                     **kw)
+    w.plan(indptr, indptr)
+    hosts, ms = capture(w, lambda: w.run(q, (k, v)), symbols=("af_trace", "af_tile_trace"))
+    n = w._plan["num_work"]
+    st = hosts["af_tile_trace"][:16 * n].reshape(n, 2, 8).astype(np.int64)
+    out = {"case": name, "kw": {k_: str(v_) for k_, v_ in kw.items()}, "kernel_ms": ms}
+    for wg in (0, 1):
+        e = st[:, wg]
+        e = e[np.all(e[:, :6] > 0, axis=1)]
+        out[f"wg{wg}"] = {"tiles": int(len(e)), **{p: float(np.median(e[:, b] - e[:, a])) for p, (a, b) in TILE_PHASES.items()}}
+    both = np.all(st[:, :, :6] > 0, axis=(1, 2))
+    out["wg1_start_after_wg0"] = float(np.median(st[both, 1, 0] - st[both, 0, 0])) if both.any() else None
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def kw_option() -> dict:
+    """`--fields pingpong=True,persistent=True`: BatchPrefill arguments (harness.kernel_fields)."""
+    from harness import kernel_fields
+    return kernel_fields(sys.argv[sys.argv.index("--fields") + 1]) if "--fields" in sys.argv else {}
+
+
+if __name__ == "__main__" and "--tiles" in sys.argv:
+    # python benchmarks/trace_prefill.py --tiles [--fields pingpong=True,persistent=True] [--json out.json]
+    save_json_if_asked([trace_tiles(c, lens, **kw_option()) for c, lens in (("B1 S8192", [8192]), ("B1 S32768", [32768]),
+                                                                            ("B16 S2048", [2048] * 16))])
+elif __name__ == "__main__":
     # the default kernel is persistent; "cta-per-item" is one CTA per work item
     results = [trace_case("B16 S2048", [2048] * 16), trace_case("B16 S2048 cta-per-item", [2048] * 16, persistent=False),
                trace_case("B1 S8192", [8192]), trace_case("B1 S8192 cta-per-item", [8192], persistent=False),

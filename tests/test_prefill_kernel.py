@@ -1,4 +1,5 @@
 """The prefill family's two kernels: which one runs, what each refuses, and the sm_90a-only build."""
+import re
 import shutil
 import subprocess
 import sys
@@ -215,12 +216,16 @@ def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
 
 
 def test_trace_stamps_only_when_asked():
-    """The debug trace (benchmarks/trace_prefill.py) renders its per-item stamps only with trace=True."""
+    """The debug trace (benchmarks/trace_prefill.py) renders its per-item and per-tile stamps only with
+    trace=True: one interior tile's six phase stamps per consumer warpgroup (--tiles)."""
     import dataclasses
     m = PrefillKernel(SPEC, "wgmma", persistent=True).module()
     assert "af_trace" not in m.source and "#define AF_STAMP_ITEM(it, k) do { } while (0)" in m.source
+    assert "af_tile_trace" not in m.source and "#define AF_TILE_STAMP(t, k) do { } while (0)" in m.source
     traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
     assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP") >= 9
+    assert "__device__ unsigned long long af_tile_trace" in traced
+    assert sorted(int(k) for k in re.findall(r"AF_TILE_STAMP\(t, (\d)\)", traced)) == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
