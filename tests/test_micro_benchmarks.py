@@ -12,4 +12,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 def test_wgmma_overlap_builds(tmp_path):
     import micro_wgmma_overlap
     cubin = micro_wgmma_overlap.build(tmp_path)
-    assert b"wgmma_overlap_kernel" in cubin.read_bytes()
+    assert b"wgmma_overlap_kernel" in cubin.read_bytes() and b"wgmma_overlap_prefill_kernel" in cubin.read_bytes()
