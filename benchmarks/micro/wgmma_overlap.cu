@@ -36,43 +36,45 @@ struct OverlapParams {
   int kind0;          // warpgroup 0's kind: 0 (MLA S; wgmma_overlap_kernel) or 5 (prefill S; the _prefill_ kernel)
 };
 
-AF_DEVICE void s_batch(uint32_t q, uint32_t k, float (&s)[32]) {
+// One batch: the issues `issue_all` makes, committed and waited for, with the accumulators fenced after.
+template <int N, class Issue>
+AF_DEVICE void wgmma_batch(float (&acc)[N], Issue issue_all) {
   wgmma_fence();
-#pragma unroll
-  for (int kb = 0; kb < 36; ++kb)
-    wgmma_ss<64, bf16>(s, sw128_kmajor_desc(q, 64, kb), sw128_kmajor_desc(k, 64, kb), kb > 0);
+  issue_all();
   wgmma_commit();
   wgmma_wait<0>();
-  fence_accumulators(s);
+  fence_accumulators(acc);
+}
+
+AF_DEVICE void s_batch(uint32_t q, uint32_t k, float (&s)[32]) {
+  wgmma_batch(s, [&] {
+#pragma unroll
+    for (int kb = 0; kb < 36; ++kb)
+      wgmma_ss<64, bf16>(s, sw128_kmajor_desc(q, 64, kb), sw128_kmajor_desc(k, 64, kb), kb > 0);
+  });
 }
 
 AF_DEVICE void pv_batch(uint32_t p, uint32_t v, float (&o)[128]) {
-  wgmma_fence();
+  wgmma_batch(o, [&] {
 #pragma unroll
-  for (int kb = 0; kb < 4; ++kb)
-    wgmma_ss_tb<256, bf16>(o, sw128_kmajor_desc(p, 64, kb), sw128_mnmajor_desc(v, 64, kb), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(o);
+    for (int kb = 0; kb < 4; ++kb)
+      wgmma_ss_tb<256, bf16>(o, sw128_kmajor_desc(p, 64, kb), sw128_mnmajor_desc(v, 64, kb), 1);
+  });
 }
 
 AF_DEVICE void prefill_s_batch(uint32_t q, uint32_t k, float (&s)[64]) {  // S [64 x 128] = Q . K^T
-  wgmma_fence();
+  wgmma_batch(s, [&] {
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb)
-    wgmma_ss<128, bf16>(s, sw128_kmajor_desc(q, 64, kb), sw128_kmajor_desc(k, 128, kb), kb > 0);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(s);
+    for (int kb = 0; kb < 8; ++kb)
+      wgmma_ss<128, bf16>(s, sw128_kmajor_desc(q, 64, kb), sw128_kmajor_desc(k, 128, kb), kb > 0);
+  });
 }
 
 AF_DEVICE void prefill_pv_batch(const uint32_t (&pa)[8][4], uint32_t v, float (&o)[64]) {  // O [64 x 128] += P . V
-  wgmma_fence();
+  wgmma_batch(o, [&] {
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) wgmma_rs_tb<128, bf16>(o, pa[kb], sw128_mnmajor_desc(v, 128, kb), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_accumulators(o);
+    for (int kb = 0; kb < 8; ++kb) wgmma_rs_tb<128, bf16>(o, pa[kb], sw128_mnmajor_desc(v, 128, kb), 1);
+  });
 }
 
 // Warpgroup 1, kinds 2 and 4: tile b of its ring into shared memory by 16-byte cp.async (36 a thread),
