@@ -21,8 +21,6 @@ from attnforge.kernels import prefill as kprefill  # noqa: E402
 from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
 from bench_prefill import HKV, HQ, D, ragged  # noqa: E402
 
-build_traced(kprefill.PrefillKernel)
-
 
 def trace_case(name, lengths, **kw):
     q, k, v, indptr = ragged(lengths)
@@ -73,15 +71,23 @@ def trace_tiles(name, lengths, **kw):
     w.plan(indptr, indptr)
     hosts, ms = capture(w, lambda: w.run(q, (k, v)), symbols=("af_trace", "af_tile_trace"))
     n = w._plan["num_work"]
-    st = hosts["af_tile_trace"][:16 * n].reshape(n, 2, 8).astype(np.int64)
-    out = {"case": name, "kw": {k_: str(v_) for k_, v_ in kw.items()}, "kernel_ms": ms}
+    out = {"case": name, "kw": {k_: str(v_) for k_, v_ in kw.items()}, "kernel_ms": ms,
+           **summarize_tile_stamps(hosts["af_tile_trace"][:16 * n].reshape(n, 2, 8).astype(np.int64))}
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def summarize_tile_stamps(st: np.ndarray) -> dict:
+    """st [items, 2 warpgroups, 8 stamps]: per warpgroup, the sampled tiles (all six stamps written) and
+    each phase's median; and the median of warpgroup 1's tile start minus warpgroup 0's on the same item."""
+    out = {}
     for wg in (0, 1):
         e = st[:, wg]
         e = e[np.all(e[:, :6] > 0, axis=1)]
-        out[f"wg{wg}"] = {"tiles": int(len(e)), **{p: float(np.median(e[:, b] - e[:, a])) for p, (a, b) in TILE_PHASES.items()}}
+        out[f"wg{wg}"] = {"tiles": int(len(e)),
+                          **{p: float(np.median(e[:, b] - e[:, a])) if len(e) else None for p, (a, b) in TILE_PHASES.items()}}
     both = np.all(st[:, :, :6] > 0, axis=(1, 2))
     out["wg1_start_after_wg0"] = float(np.median(st[both, 1, 0] - st[both, 0, 0])) if both.any() else None
-    print(json.dumps(out, indent=1))
     return out
 
 
@@ -91,6 +97,8 @@ def kw_option() -> dict:
     return kernel_fields(sys.argv[sys.argv.index("--fields") + 1]) if "--fields" in sys.argv else {}
 
 
+if __name__ == "__main__":
+    build_traced(kprefill.PrefillKernel)  # every prefill module this process builds: traced (not on import)
 if __name__ == "__main__" and "--tiles" in sys.argv:
     # python benchmarks/trace_prefill.py --tiles [--fields pingpong=True,persistent=True] [--json out.json]
     save_json_if_asked([trace_tiles(c, lens, **kw_option()) for c, lens in (("B1 S8192", [8192]), ("B1 S32768", [32768]),

@@ -333,8 +333,49 @@ def test_mla_trace_pair_entry_gaps_and_kernel_fields(monkeypatch):
     assert mod.pair_entry_gaps(t, 1) == {}
     t[3, 31, 6] = 0  # a pair with a CTA that never stamped: left out
     assert mod.pair_entry_gaps(t, 2)["groups"] == 1
-    fields = load_benchmark("bench_mla").kernel_fields
+    fields = load_benchmark("harness").kernel_fields  # (the suites' twin rows: bench_mla's, bench_prefill's)
     assert fields("tma=True, roles_w0_dims=128") == {"tma": True, "roles_w0_dims": 128} and fields("") == {}
+    assert load_benchmark("bench_mla").kernel_fields is not None
+
+
+def test_prefill_tile_trace_phases(monkeypatch):
+    """trace_prefill.summarize_tile_stamps: per consumer warpgroup, each phase of the sampled tile from
+    its six stamps (items whose tile was not sampled, all zeros, left out), and warpgroup 1's offset."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_prefill")
+    from attnforge import AttentionSpec
+    from attnforge.kernels.prefill import PrefillKernel
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+    assert "af_trace" not in PrefillKernel(spec, "wgmma").module().source, "importing it traced every kernel"
+    st = np.zeros((3, 2, 8), dtype=np.int64)
+    st[0, 0, :6] = [100, 1100, 1300, 1500, 1550, 2500]  # softmax 1000, pack 200, tile 200, turn 50, S 950
+    st[0, 1, :6] = [-1000 + x for x in (1100, 2800, 2950, 3100, 3150, 4000)]  # 1000 cycles before wg 0
+    st[1, 0, :6] = [10, 1010, 1210, 1410, 1460, 2410]
+    got = mod.summarize_tile_stamps(st)
+    assert got["wg0"] == {"tiles": 2, "softmax": 1000.0, "pv_wait_and_pack": 200.0, "tile_wait": 200.0,
+                          "turn_wait": 50.0, "issue_and_s_wait": 950.0, "whole": 2400.0}
+    assert got["wg1"]["tiles"] == 1 and got["wg1"]["softmax"] == 1700.0 and got["wg1"]["whole"] == 2900.0
+    assert got["wg1_start_after_wg0"] == 0.0  # item 0 only: 100 against 100
+    st[0, 1, 0] = 50
+    assert mod.summarize_tile_stamps(st)["wg1_start_after_wg0"] == -50.0
+
+
+def test_sustained_prefill_rows_become_a_record(monkeypatch, tmp_path):
+    """clocks_under_load.write_record: the suites' results format (suite prefill_sustained, time and
+    TFLOP/s as measured), each row's clock, power and temperature as a note, and the method's note."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("clocks_under_load")
+    monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda *a: "H200")
+    monkeypatch.setattr(mod, "versions", lambda: {"torch": "t"})
+    rows = [{"case": "B1 S8192", "impl": "attnforge", "us": 941.66, "tflops": 583.9, "sm_mhz": 1740.0, "watts": 688.9,
+             "temp_c": 47.0, "samples": 96, "event_reasons": ["0x4"]}]
+    mod.write_record(rows, str(tmp_path / "r.json"), 1.5, 2)
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["rows"] == [{"suite": "prefill_sustained", "case": "B1 S8192", "impl": "attnforge", "us": 941.66,
+                            "gbps": None, "tflops": 583.9}]
+    assert got["notes"][0].startswith("B1 S8192 attnforge: 1740 MHz, 689 W, 47 C") and "1.5 s" in got["notes"][1]
+    assert got["gpu"] == "H200" and got["versions"] == {"torch": "t"}
 
 
 def test_mla_tile_trace_steps(monkeypatch):

@@ -253,7 +253,6 @@ def test_setmaxnreg_split_fits_the_registers_the_launch_allocates(tmp_path, head
     hangs the consumers on the GPU (the MLA producer's first run, thirty-first session); ptxas accepts any
     split. The pool is ptxas's register count for the kernel times its threads."""
     import dataclasses
-    import re
 
     from helpers import ptxas_log_of_async_wgmmas
     spec = dataclasses.replace(SPEC, head_dim_qk=head_dim, head_dim_vo=head_dim)

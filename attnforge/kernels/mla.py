@@ -198,7 +198,8 @@ class MLADecodeKernel:
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or tma=False")
         if self.producer is not None and type(self.producer) is not bool:
-            raise ValueError(f"MLADecodeKernel.producer: expected None, True or False, got {self.producer!r}")
+            raise ValueError(f"MLADecodeKernel.producer: expected None, True or False, got {self.producer!r}; leave "
+                             f"it None for the measured default (TRANSPOSED_PRODUCER)")
         if self.producer and not self._transposed_wgmma:
             raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
                              f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
