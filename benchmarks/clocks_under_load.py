@@ -11,10 +11,13 @@ median SM clock and power over its windows (the first 0.3 s of each, the ramp, d
         `prefill_sustained`, for `python benchmarks/report.py merge clocks.json`)
 
 Needs nvidia-smi on PATH; FlashInfer's fa3 joins where it imports (PYTHONPATH=.anchors/flashinfer).
+ATTNFORGE_BENCH_PREFILL_TWINS (as in bench_prefill: "tma_warps=1;pingpong=True") adds an
+`attnforge-twin<i>` row per kernel choice to the rotation, so a change is judged under the power cap too.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import threading
@@ -25,7 +28,7 @@ import torch
 
 import bench_prefill as bp
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, prepare, versions
+from harness import Report, kernel_fields, prepare, versions
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers' name first
@@ -68,6 +71,10 @@ def impls(case: str, lengths: list[int], only: str = "") -> dict:
     w = BatchPrefill(spec)
     w.plan(indptr, indptr)
     out = {"attnforge": lambda: w.run(q, (k, v))}
+    for i, text in enumerate(filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_TWINS", "").split(";"))):
+        twin = BatchPrefill(spec, **kernel_fields(text))
+        twin.plan(indptr, indptr)
+        out[f"attnforge-twin{i}"] = lambda twin=twin: twin.run(q, (k, v))
     if only == "attnforge":
         return out
     try:

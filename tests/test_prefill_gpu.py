@@ -387,14 +387,17 @@ def test_soft_cap_folded_and_not(form, dtype):
 
 
 @pytest.mark.parametrize("pattern", ["low", "high"])
-@pytest.mark.parametrize("form,dtype", [("const", "bf16"), ("spec", "bf16"), ("const", "fp16"), ("sigmoid", "bf16")])
+@pytest.mark.parametrize("form,dtype", [("const", "bf16"), ("spec", "bf16"), ("const", "fp16"), ("sigmoid", "bf16"),
+                                        ("falling", "bf16")])
 def test_scaled_cores_at_their_flat_ends(form, dtype, pattern):
-    """Soft-cap 50 (and 10 sigmoid(s / 2)) with every score near -100 or near +100: the cores' flat
-    ends, so each row's logits sit within a hair of -cap or +cap and its weights are nearly uniform
-    (the row max, not the score scale, must set the exponents), causal, with rows that see no key."""
+    """Soft-cap 50 (and 10 sigmoid(s / 2), and the falling core 50 tanh(-s / 50)) with every score
+    near -100 or near +100: the cores' flat ends, so each row's logits sit within a hair of -cap or +cap
+    and its weights are nearly uniform (the row max, not the score scale, must set the exponents),
+    causal, with rows that see no key."""
     cap = 50.0 if form != "sigmoid" else 10.0
     mod = {"const": lambda: m.softcap(cap), "spec": lambda: None,
-           "sigmoid": lambda: m.compile_mod(score_mod=lambda s, b, h, q, kv: cap * torch.sigmoid(s * 0.5))}[form]()
+           "sigmoid": lambda: m.compile_mod(score_mod=lambda s, b, h, q, kv: cap * torch.sigmoid(s * 0.5)),
+           "falling": lambda: m.compile_mod(score_mod=lambda s, b, h, q, kv: cap * torch.tanh(s * -0.02))}[form]()
     kw = {"logits_soft_cap": cap} if form == "spec" else {"score_mod": mod}
     spec = AttentionSpec(family="prefill", causal=True, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype, **kw)
     q, k, v, qo, kv = ragged_case(spec, [300, 1, 129], [200, 1000, 700], seed=21)
