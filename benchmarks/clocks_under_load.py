@@ -11,7 +11,7 @@ median SM clock and power over its windows (the first 0.3 s of each, the ramp, d
         `prefill_sustained`, for `python benchmarks/report.py merge clocks.json`)
 
 Needs nvidia-smi on PATH; FlashInfer's fa3 joins where it imports (PYTHONPATH=.anchors/flashinfer).
-ATTNFORGE_BENCH_PREFILL_TWINS (as in bench_prefill: "tma_warps=1;pingpong=True") adds an
+ATTNFORGE_BENCH_PREFILL_TWINS (as in bench_prefill: "pingpong=True;num_stages=2") adds an
 `attnforge-twin<i>` row per kernel choice to the rotation, so a change is judged under the power cap too.
 """
 from __future__ import annotations

@@ -378,6 +378,33 @@ def test_sustained_prefill_rows_become_a_record(monkeypatch, tmp_path):
     assert got["gpu"] == "H200" and got["versions"] == {"torch": "t"}
 
 
+def test_sustained_prefill_rotation_takes_kernel_twins(monkeypatch):
+    """clocks_under_load.impls: each ATTNFORGE_BENCH_PREFILL_TWINS entry becomes BatchPrefill arguments
+    (harness.kernel_fields) and an `attnforge-twin<i>` row in the rotation, planned like the default."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("clocks_under_load")
+    made = []
+
+    class Wrapper:  # records what the rotation built; nothing is compiled or launched
+        def __init__(self, spec, **kw):
+            self.kw, self.planned = kw, None
+            made.append(self)
+
+        def plan(self, qo, kv):
+            self.planned = (list(qo), list(kv))
+
+        def run(self, q, kv):
+            return self.kw
+
+    monkeypatch.setattr(mod, "BatchPrefill", Wrapper)
+    monkeypatch.setattr(mod.bp, "ragged", lambda lengths: ("q", "k", "v", [0, *lengths]))
+    monkeypatch.setenv("ATTNFORGE_BENCH_PREFILL_TWINS", "pingpong=True,persistent=True;num_stages=2")
+    fns = mod.impls("B1 S8192", [8192], only="attnforge")
+    assert list(fns) == ["attnforge", "attnforge-twin0", "attnforge-twin1"]
+    assert [f() for f in fns.values()] == [{}, {"pingpong": True, "persistent": True}, {"num_stages": 2}]
+    assert all(w.planned == ([0, 8192], [0, 8192]) for w in made)
+
+
 def test_mla_tile_trace_steps(monkeypatch):
     """benchmarks/trace_mla.summarize_tiles on af_tile_trace stamps as the roles schedule writes them:
     steps are measured within a tile and to the next one; tiles without a successor are not counted."""
