@@ -14,7 +14,8 @@ import torch
 from attnforge import AttentionSpec, BatchMLADecode
 from attnforge.jit import registry
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import Report, kernel_fields, prepare, time_interleaved, time_us
+from harness import Report, prepare, time_interleaved, time_us
+from harness import kernel_twins as env_kernel_twins
 
 PAGE = 64
 
@@ -38,7 +39,7 @@ def _all_cases():
 
 def kernel_twins() -> list[dict]:
     """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of kernel_fields."""
-    return [kernel_fields(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_KERNEL_TWINS", "").split(";"))]
+    return env_kernel_twins("ATTNFORGE_BENCH_MLA_KERNEL_TWINS")
 
 
 def selected_rows(variants: list) -> list:

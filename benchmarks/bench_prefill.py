@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, kernel_fields, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from harness import Report, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -93,9 +93,8 @@ def time_schedules(report, case, spec, plan_args, plan_kw, run, flops, extra=Non
     wrappers = {"attnforge": BatchPrefill(spec)}
     # ATTNFORGE_BENCH_PREFILL_TWINS="pingpong=True,persistent=True;num_stages=2": BatchPrefill arguments,
     # one `attnforge-twin<i>` row each, in the same rotation (an A/B of kernel choices on every case)
-    twins = filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_TWINS", "").split(";"))
-    for i, text in enumerate(twins):
-        wrappers[f"attnforge-twin{i}"] = BatchPrefill(spec, **kernel_fields(text))
+    for i, fields in enumerate(kernel_twins("ATTNFORGE_BENCH_PREFILL_TWINS")):
+        wrappers[f"attnforge-twin{i}"] = BatchPrefill(spec, **fields)
     for name, kw in SCHEDULE_VARIANTS:
         wrappers[name] = BatchPrefill(spec, **kw)
     for wv in wrappers.values():

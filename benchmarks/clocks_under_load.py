@@ -17,7 +17,6 @@ ATTNFORGE_BENCH_PREFILL_TWINS (as in bench_prefill: "pingpong=True;num_stages=2"
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import threading
@@ -28,7 +27,7 @@ import torch
 
 import bench_prefill as bp
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, kernel_fields, prepare, versions
+from harness import Report, kernel_twins, prepare, versions
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers' name first
@@ -71,8 +70,8 @@ def impls(case: str, lengths: list[int], only: str = "") -> dict:
     w = BatchPrefill(spec)
     w.plan(indptr, indptr)
     out = {"attnforge": lambda: w.run(q, (k, v))}
-    for i, text in enumerate(filter(None, os.environ.get("ATTNFORGE_BENCH_PREFILL_TWINS", "").split(";"))):
-        twin = BatchPrefill(spec, **kernel_fields(text))
+    for i, fields in enumerate(kernel_twins("ATTNFORGE_BENCH_PREFILL_TWINS")):
+        twin = BatchPrefill(spec, **fields)
         twin.plan(indptr, indptr)
         out[f"attnforge-twin{i}"] = lambda twin=twin: twin.run(q, (k, v))
     if only == "attnforge":

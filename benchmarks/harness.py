@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import datetime
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Callable, Optional
@@ -81,6 +82,13 @@ def kernel_fields(text: str) -> dict:
     suites' twin rows (the default kernel with these fields changed, timed in rotation beside it)."""
     pairs = (item.split("=", 1) for item in filter(None, (x.strip() for x in text.split(","))))
     return {k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}
+
+
+def kernel_twins(env_var: str) -> list[dict]:
+    """The twin rows an environment variable asks for: ';'-separated sets of kernel_fields, e.g.
+    ATTNFORGE_BENCH_PREFILL_TWINS="pingpong=True,persistent=True;num_stages=2" (row attnforge-twin<i> is
+    set i); unset or empty, none."""
+    return [kernel_fields(x) for x in filter(None, os.environ.get(env_var, "").split(";"))]
 
 
 def time_sdpa_peers(report: "Report", suite: str, case: str, q, k, v, causal: bool, backends: dict,

@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchMLADecode  # noqa: E402
 from attnforge.kernels import mla as kmla  # noqa: E402
-from bench_mla import PAGE, inputs, kernel_fields  # noqa: E402
+from bench_mla import PAGE, inputs  # noqa: E402
+from harness import kernel_fields  # noqa: E402
 from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
 
 ITEMS = 32  # trace slots per CTA (the template's); slot 31 holds the CTA's entry, wait and exit

@@ -323,7 +323,7 @@ def test_mla_trace_reads_the_stamp_layout(monkeypatch):
 
 def test_mla_trace_pair_entry_gaps_and_kernel_fields(monkeypatch):
     """trace_mla.pair_entry_gaps: how far apart the CTAs of each side-by-side group entered (CTA c is
-    side c % S), over groups whose CTAs all ran; bench_mla.kernel_fields parses the twins' syntax."""
+    side c % S), over groups whose CTAs all ran; harness.kernel_fields parses the twins' syntax."""
     import numpy as np
     monkeypatch.syspath_prepend(str(REPORT.parent))
     mod = load_benchmark("trace_mla")
@@ -333,9 +333,13 @@ def test_mla_trace_pair_entry_gaps_and_kernel_fields(monkeypatch):
     assert mod.pair_entry_gaps(t, 1) == {}
     t[3, 31, 6] = 0  # a pair with a CTA that never stamped: left out
     assert mod.pair_entry_gaps(t, 2)["groups"] == 1
-    fields = load_benchmark("harness").kernel_fields  # (the suites' twin rows: bench_mla's, bench_prefill's)
+    harness = load_benchmark("harness")  # (the suites' twin rows: bench_mla's, bench_prefill's, clocks_under_load's)
+    fields = harness.kernel_fields
     assert fields("tma=True, roles_w0_dims=128") == {"tma": True, "roles_w0_dims": 128} and fields("") == {}
-    assert load_benchmark("bench_mla").kernel_fields is not None
+    monkeypatch.setenv("ATTNFORGE_TEST_TWINS", "pingpong=True, persistent=True;;num_stages=2")
+    assert harness.kernel_twins("ATTNFORGE_TEST_TWINS") == [{"pingpong": True, "persistent": True}, {"num_stages": 2}]
+    assert harness.kernel_twins("ATTNFORGE_TEST_TWINS_UNSET") == []
+    assert mod.kernel_fields("producer=False") == {"producer": False}  # trace_mla --fields: the same syntax
 
 
 def test_prefill_tile_trace_phases(monkeypatch):
