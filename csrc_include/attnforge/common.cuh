@@ -21,6 +21,13 @@ using bf16 = __nv_bfloat16;
 using fp16 = __half;
 using fp8e4m3 = __nv_fp8_e4m3;
 
+// A value every lane of the warp holds, broadcast from lane 0 so ptxas knows it is warp-uniform: what
+// derives from it (wgmma descriptors, shared-memory addresses) can live in uniform registers instead of
+// passing through R2UR at each use. Values loaded from memory (tile counts, work items) look divergent
+// to ptxas even where every lane loaded the same word.
+AF_DEVICE uint32_t warp_uniform(uint32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
+AF_DEVICE int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // 2^x through the SFU; 2^-inf == +0, which is what masked logits need.
 AF_DEVICE float ex2(float x) {
   float y;
