@@ -3,6 +3,7 @@ JSON (default docs/benchmarks/h200.json). No plotting library needed: the SVG is
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,23 @@ def svg_bars(rows, suite, metric, title, path):
     path.write_text("\n".join(parts))
 
 
+def _stale_note(base: dict, new: dict):
+    """A predicate for the record's notes that a newer run replaces: the older edition of a note the run
+    writes again (the same text but for its numbers, e.g. an accuracy RMSE or a kernel's clock) about
+    suites the run re-measured whole. Hand-written notes, and notes about cases it did not measure, stay."""
+    def shape(text: str) -> str:
+        return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+    measured = {(r["suite"], r["case"]) for r in new["rows"]}
+    whole = {s for s in {r["suite"] for r in new["rows"]}
+             if all((r["suite"], r["case"]) in measured for r in base["rows"] if r["suite"] == s)}
+    rewritten = {shape(n) for n in new.get("notes", [])}
+
+    def stale(note: str) -> bool:
+        m = re.fullmatch(r"\[([^\]]+)\] (.*)", note, re.S)
+        return bool(m) and set(m.group(1).split(", ")) <= whole and shape(m.group(2)) in rewritten
+    return stale
+
+
 def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
     """Replace the record's rows of every (suite, case) a newer results file measured (all of that
     case's implementations: peers are only compared within one run); keep the rest. Each source's
@@ -71,8 +89,10 @@ def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
         new = json.loads(Path(src).read_text())
         suites = sorted({r["suite"] for r in new["rows"]})
         cases = {(r["suite"], r["case"]) for r in new["rows"]}
+        stale = _stale_note(base, new)
         base["rows"] = [r for r in base["rows"] if (r["suite"], r["case"]) not in cases] + new["rows"]
-        base["notes"] = base.get("notes", []) + [f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
+        base["notes"] = [n for n in base.get("notes", []) if not stale(n)] + [
+            f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
         # a run without the peers reports them "missing": that does not unmeasure the rows kept
         base["versions"].update({k: v for k, v in new["versions"].items()
                                  if v != "missing" or k not in base["versions"]})

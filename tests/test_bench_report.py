@@ -51,6 +51,23 @@ def test_merge_replaces_measured_cases_and_keeps_the_rest(tmp_path):
     assert got["versions"] == {"torch": "b", "flashinfer": "x", "triton": "missing"}
 
 
+def test_merge_drops_the_older_edition_of_a_note_a_run_writes_again(tmp_path):
+    record = {"gpu": "H200", "date": "2026-11-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 9.0),
+              row("mods", "x", "attnforge", 1.0)],
+              "notes": ["[mla] accuracy h16 bf16: RMSE 1.698e-04", "[mla] legend written by hand",
+                        "[mods] clock 1740 MHz", "[mla, mods] clock 1700 MHz", "global 1.5 s"]}
+    new = {"gpu": "H200", "date": "2026-12-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 8.0)],
+           "notes": ["accuracy h16 bf16: RMSE 2.1e-05", "clock 1695 MHz", "global 2 s"]}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
+    got = json.loads((tmp_path / "record.json").read_text())["notes"]
+    # mla was re-measured whole: its rewritten notes replace the old ones; mods was not (its note stays,
+    # and so does one that also speaks of mods); unprefixed and hand-written notes stay
+    assert got == ["[mla] legend written by hand", "[mods] clock 1740 MHz", "[mla, mods] clock 1700 MHz",
+                   "global 1.5 s", "[mla] accuracy h16 bf16: RMSE 2.1e-05", "[mla] clock 1695 MHz", "[mla] global 2 s"]
+
+
 def test_table_shows_bandwidth_and_flops():
     r = {**row("mla", "h128", "attnforge", 100.0), "gbps": 600.0, "tflops": 150.0}
     text = load_report().table([r], "mla")
