@@ -345,6 +345,24 @@ def test_wgmma_transposed_producer_warpgroup(heads):
         assert torch.equal(two, one)
 
 
+@pytest.mark.parametrize("heads", [8, 16, 64])
+def test_wgmma_transposed_early_scores(heads):
+    """early_scores: S^T(t + 1) issued before P.V(t) completes, the refilled stages handed over by
+    mbarriers. The same products in the same order as the kernel without it, so bit for bit its outputs:
+    items of one and two tiles (no refill), of many (each stage refilled many times, several items a
+    CTA), pages of 1 and 64, draft tokens, an empty request, NaN in the rows no request holds; then every
+    case of wgmma_cases against the reference."""
+    spec = mla_spec(heads, "transposed")
+    early = {"backend": "wgmma", "kernel_fields": {"early_scores": True}}
+    plain = {"backend": "wgmma", "kernel_fields": {"early_scores": False}}
+    assert BatchMLADecode(spec, **early).kernel.uses_early_scores
+    for lengths, page, q_len in (([1000, 63, 20000, 0, 129, 64, 128], 64, 1), ([2, 700, 1, 64, 3000], 1, 2)):
+        a, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **early)
+        b, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **plain)
+        assert torch.equal(a, b)
+    wgmma_cases(heads, "transposed", **early)
+
+
 def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     """LONG_REQUEST_TRANSPOSED: a plan of one request at 16 heads runs the transposed wgmma kernel, a batch
     the default normal one, plan by plan in one wrapper; one request against the reference, long, split

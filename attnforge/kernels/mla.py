@@ -55,6 +55,11 @@ ROLES_TMA = False
 # Measured on the H200 (thirty-second session, three rounds in rotation against one warpgroup): h8 B16
 # L65536 -4.4%, B64 L8192 -2.8%, B1 L131072 -2.1%; h16 -6..-9% (B1 -3.2%); h32 B16 -2.3%; h64 +0.2%.
 TRANSPOSED_PRODUCER = True
+# With the producer: S^T(t + 1) issued as soon as tile t + 1 has landed, before P.V(t) completes, so the
+# tensor cores run the two back to back and S^T's issue hides under P.V (MLADecodeKernel.early_scores;
+# the stages' hand-over then goes by mbarriers, which do not order tile t's release after tile t + 1's
+# arrival). Not yet measured: off.
+TRANSPOSED_EARLY_SCORES = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -151,6 +156,8 @@ class MLADecodeKernel:
     # wgmma transposed pipeline: a second warpgroup issues every copy (named barriers hand the stages over),
     # so the computing warpgroup's chain is S^T, the softmax and P.V alone; None: TRANSPOSED_PRODUCER there
     producer: Optional[bool] = None
+    # with the producer: S^T(t + 1) issued before P.V(t) has completed; None: TRANSPOSED_EARLY_SCORES
+    early_scores: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -204,6 +211,14 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
                              f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
                              f"producer=None")
+        if self.early_scores is not None and type(self.early_scores) is not bool:
+            raise ValueError(f"MLADecodeKernel.early_scores: expected None, True or False, got {self.early_scores!r}; "
+                             f"leave it None for the measured default (TRANSPOSED_EARLY_SCORES)")
+        if self.early_scores and not self.uses_producer:
+            raise ValueError("MLADecodeKernel.early_scores: the wgmma transposed kernel with its producer warpgroup "
+                             f"issues S^T early, got backend={self.backend!r}, pipeline={self.spec.pipeline!r}, "
+                             f"producer={self.producer!r}; pass backend='wgmma', pipeline='transposed' and "
+                             f"producer=None (or True), or early_scores=None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -283,6 +298,11 @@ class MLADecodeKernel:
         return self._transposed_wgmma and (TRANSPOSED_PRODUCER if self.producer is None else self.producer)
 
     @property
+    def uses_early_scores(self) -> bool:
+        """Whether the wgmma transposed kernel's producer path issues S^T(t + 1) before P.V(t) completes."""
+        return self.uses_producer and (TRANSPOSED_EARLY_SCORES if self.early_scores is None else self.early_scores)
+
+    @property
     def rows(self) -> int:
         return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline, self.backend)
 
@@ -337,7 +357,7 @@ class MLADecodeKernel:
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
-               "tma": self.uses_tma, "producer": self.uses_producer,
+               "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
@@ -346,7 +366,7 @@ class MLADecodeKernel:
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
                          *(["tma"] if self.uses_tma else []),
-                         *(["pw"] if self.uses_producer else []),
+                         *(["pw"] if self.uses_producer else []), *(["es"] if self.uses_early_scores else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          f"r{self.rows}t{tile}s{stages}"])

@@ -24,6 +24,21 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// The same wait, for a whole warp that may have wgmmas in flight: the loop branches on a warp vote, which
+// ptxas knows is warp-uniform. (mbar_wait's per-thread branch is a divergent path to ptxas, and a
+// divergent path with a wgmma in flight makes it serialise every wgmma of the kernel: C7518.)
+AF_DEVICE void mbar_wait_warp(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!__all_sync(0xffffffffu, done));
+}
 
 // An arrival that fires once every cp.async this thread issued so far has landed (counted among the
 // barrier's expected arrivals: .noinc), so the thread itself never waits for its copies.
