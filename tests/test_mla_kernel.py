@@ -431,7 +431,7 @@ def test_early_scores_is_the_producer_kernels():
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
     assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_r16t64s2")
     src = k.module().source
-    assert "constexpr bool kEarlyScores = true;" in src and "mbar_wait_warp(slack_bar(sm" in src
+    assert "constexpr bool kEarlyScores = true;" in src and "named_bar_sync_and(kBarCompute" in src
     off = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=False)
     assert not off.uses_early_scores and "constexpr bool kEarlyScores = false;" in off.module().source
     for bad in ({"backend": "wgmma", "producer": False}, {"backend": "mma"}, {"backend": "wgmma", "pipeline": "normal"}):
@@ -445,10 +445,10 @@ def test_early_scores_is_the_producer_kernels():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,soft_cap", [(8, 0.0), (16, 0.0), (32, 30.0)])
 def test_ptxas_keeps_early_scores_asynchronous(tmp_path, heads, soft_cap):
-    """S^T(t + 1) flies through the branch to the next tile, the warp-voted mbarrier wait and the loop's
-    back edge: ptxas keeps every wgmma asynchronous (a branch on threadIdx or on a loaded count serialised
-    them, C7518; without the loop's closing wait it injected one after each P.V, C7517) and spills
-    nothing; the P.V wait before S^T(t + 1)'s is the only one in the loop besides S^T's own."""
+    """S^T(t + 1) flies through the branches on whether it was issued early and the loop's back edge:
+    ptxas keeps every wgmma asynchronous (a branch on threadIdx, on a loaded count or on the barrier's
+    AND not broadcast from a lane serialised them, C7518; without the loop's closing wait it injected one
+    after each P.V, C7517) and spills nothing."""
     from helpers import ptxas_log_of_async_wgmmas
     s = dataclasses.replace(spec(heads, "transposed"), logits_soft_cap=soft_cap)
     m = MLADecodeKernel(s, backend="wgmma", early_scores=True).module()

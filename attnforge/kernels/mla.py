@@ -55,10 +55,10 @@ ROLES_TMA = False
 # Measured on the H200 (thirty-second session, three rounds in rotation against one warpgroup): h8 B16
 # L65536 -4.4%, B64 L8192 -2.8%, B1 L131072 -2.1%; h16 -6..-9% (B1 -3.2%); h32 B16 -2.3%; h64 +0.2%.
 TRANSPOSED_PRODUCER = True
-# With the producer: S^T(t + 1) issued as soon as tile t + 1 has landed, before P.V(t) completes, so the
-# tensor cores run the two back to back and S^T's issue hides under P.V (MLADecodeKernel.early_scores;
-# the stages' hand-over then goes by mbarriers, which do not order tile t's release after tile t + 1's
-# arrival). Not yet measured: off.
+# With the producer: S^T(t + 1) issued behind P.V(t), before it completes, where tile t + 1 has landed by
+# then, so the tensor cores run the two back to back and S^T's issue hides under P.V; where it has not,
+# tile t's stage is released first (MLADecodeKernel.early_scores; the refills' hand-over goes by mbarriers).
+# Not yet measured in this form: off.
 TRANSPOSED_EARLY_SCORES = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same

@@ -24,22 +24,6 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// The same wait, for a whole warp that may have wgmmas in flight: the loop branches on a warp vote, which
-// ptxas knows is warp-uniform. (mbar_wait's per-thread branch is a divergent path to ptxas, and a
-// divergent path with a wgmma in flight makes it serialise every wgmma of the kernel: C7518.)
-AF_DEVICE void mbar_wait_warp(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!__all_sync(0xffffffffu, done));
-}
-
 // An arrival that fires once every cp.async this thread issued so far has landed (counted among the
 // barrier's expected arrivals: .noinc), so the thread itself never waits for its copies.
 AF_DEVICE void cp_async_mbar_arrive_noinc(uint32_t bar) {
@@ -62,6 +46,19 @@ AF_DEVICE bool mbar_test(uint32_t bar, uint32_t parity) {
 // Named CTA barriers (ids 1..15; 0 is __syncthreads): `count` threads in all, some arriving
 // without waiting. Two warpgroups taking turns at the tensor cores use one each.
 AF_DEVICE void named_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// A named barrier that also ANDs a predicate over its `count` threads: every one gets the same answer.
+AF_DEVICE bool named_bar_sync_and(int id, int count, bool pred) {
+  uint32_t all;
+  asm volatile(
+      "{\n.reg .pred p, q;\n"
+      "setp.ne.u32 q, %1, 0;\n"
+      "bar.red.and.pred p, %2, %3, q;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(all)
+      : "r"(uint32_t(pred)), "r"(id), "r"(count)
+      : "memory");
+  return all != 0;
+}
 AF_DEVICE void named_bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 // bar.sync when `wait` (warp-uniform), as one predicated instruction: no branch in the code around it
 // (a branch while a wgmma is in flight makes ptxas serialise them, C7514).
