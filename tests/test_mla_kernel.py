@@ -410,7 +410,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
     kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
     __syncthreads; producer=False keeps the one-warpgroup kernel."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
-    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_r16t64s2")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
     one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)

@@ -58,8 +58,10 @@ TRANSPOSED_PRODUCER = True
 # With the producer: S^T(t + 1) issued behind P.V(t), before it completes, where tile t + 1 has landed by
 # then, so the tensor cores run the two back to back and S^T's issue hides under P.V; where it has not,
 # tile t's stage is released first (MLADecodeKernel.early_scores; the refills' hand-over goes by mbarriers).
-# Not yet measured in this form: off.
-TRANSPOSED_EARLY_SCORES = False
+# Measured on the H200 (thirty-fifth session, three rounds each): h16 B1 L131072 -2.9% (the default there),
+# h16 B16 L65536 -4.0%, B64 -3.3%, B128 -4.4%, h32 B16 -8.5%; h8 B16 L65536 a tie (+0.2%, in one process).
+# Issued early whatever the next tile's landing, h8 lost 2.7%: tile t's release then waited for it.
+TRANSPOSED_EARLY_SCORES = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
