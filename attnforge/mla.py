@@ -73,8 +73,9 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
 # default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s
 # (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
-# against 55.5-56.3 us (thirty-third session, three rounds). Batches keep the normal kernel, which leads
-# B64 L8192 by 2% and B128 L4096 by 10% (B16 L65536: level).
+# against 55.5-56.3 us (thirty-third session, three rounds). Batches keep the normal kernel. With the
+# transposed kernel's early S^T (thirty-fifth session, record) it leads B16 L65536 by 2.6% (292.5 against
+# 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: a rule by request length is the open step.
 LONG_REQUEST_TRANSPOSED = True
 
 
