@@ -348,10 +348,10 @@ def test_wgmma_transposed_producer_warpgroup(heads):
 @pytest.mark.parametrize("heads", [8, 16, 64])
 def test_wgmma_transposed_early_scores(heads):
     """early_scores: S^T(t + 1) issued behind P.V(t) where tile t + 1 has landed (else after tile t's
-    release), the refilled stages handed over by mbarriers. The same products in the same order as the kernel without it, so bit for bit its outputs:
-    items of one and two tiles (no refill), of many (each stage refilled many times, several items a
-    CTA), pages of 1 and 64, draft tokens, an empty request, NaN in the rows no request holds; then every
-    case of wgmma_cases against the reference."""
+    release), the refilled stages handed over by mbarriers. The same products in the same order as the
+    kernel without it, so bit for bit its outputs: items of one and two tiles (no refill), of many (each
+    stage refilled many times, several items a CTA), pages of 1 and 64, draft tokens, an empty request,
+    NaN in the rows no request holds; then every case of wgmma_cases against the reference."""
     spec = mla_spec(heads, "transposed")
     early = {"backend": "wgmma", "kernel_fields": {"early_scores": True}}
     plain = {"backend": "wgmma", "kernel_fields": {"early_scores": False}}

@@ -425,9 +425,9 @@ def test_producer_is_the_transposed_wgmma_kernels():
 
 
 def test_early_scores_is_the_producer_kernels():
-    """early_scores: the transposed wgmma kernel with its producer warpgroup issues S^T(t + 1) before P.V(t)
-    completes and hands the refilled stages over by mbarriers; anywhere else it is an error that says
-    what to pass."""
+    """early_scores (the default there): the transposed wgmma kernel with its producer warpgroup issues
+    S^T(t + 1) behind P.V(t) where tile t + 1 has landed, and hands the refilled stages over by mbarriers;
+    anywhere else it is an error that says what to pass."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
     assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_r16t64s2")
     src = k.module().source
@@ -445,10 +445,10 @@ def test_early_scores_is_the_producer_kernels():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,soft_cap", [(8, 0.0), (16, 0.0), (32, 30.0)])
 def test_ptxas_keeps_early_scores_asynchronous(tmp_path, heads, soft_cap):
-    """S^T(t + 1) flies through the branches on whether it was issued early and the loop's back edge:
-    ptxas keeps every wgmma asynchronous (a branch on threadIdx, on a loaded count or on the barrier's
-    AND not broadcast from a lane serialised them, C7518; without the loop's closing wait it injected one
-    after each P.V, C7517) and spills nothing."""
+    """S^T(t + 1) flies through the branch on whether it was issued early and the loop's back edge, each
+    on a lane broadcast (warp_uniform): ptxas keeps every wgmma asynchronous (a branch on threadIdx or on
+    a loaded tile count serialised them, C7518; without the loop's closing wait it injected a wait after
+    each P.V, C7517) and spills nothing."""
     from helpers import ptxas_log_of_async_wgmmas
     s = dataclasses.replace(spec(heads, "transposed"), logits_soft_cap=soft_cap)
     m = MLADecodeKernel(s, backend="wgmma", early_scores=True).module()

@@ -158,7 +158,7 @@ class MLADecodeKernel:
     # wgmma transposed pipeline: a second warpgroup issues every copy (named barriers hand the stages over),
     # so the computing warpgroup's chain is S^T, the softmax and P.V alone; None: TRANSPOSED_PRODUCER there
     producer: Optional[bool] = None
-    # with the producer: S^T(t + 1) issued before P.V(t) has completed; None: TRANSPOSED_EARLY_SCORES
+    # with the producer: S^T(t + 1) issued behind P.V(t) where tile t + 1 has landed; None: TRANSPOSED_EARLY_SCORES
     early_scores: Optional[bool] = None
 
     def __post_init__(self):
@@ -301,7 +301,7 @@ class MLADecodeKernel:
 
     @property
     def uses_early_scores(self) -> bool:
-        """Whether the wgmma transposed kernel's producer path issues S^T(t + 1) before P.V(t) completes."""
+        """Whether the wgmma transposed kernel's producer path issues S^T(t + 1) behind P.V(t) (early_scores)."""
         return self.uses_producer and (TRANSPOSED_EARLY_SCORES if self.early_scores is None else self.early_scores)
 
     @property

@@ -24,6 +24,7 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+
 // An arrival that fires once every cp.async this thread issued so far has landed (counted among the
 // barrier's expected arrivals: .noinc), so the thread itself never waits for its copies.
 AF_DEVICE void cp_async_mbar_arrive_noinc(uint32_t bar) {
