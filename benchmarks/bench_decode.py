@@ -5,7 +5,6 @@ FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashI
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import gc
 import os
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import Report, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from harness import Report, kernel_fields, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -58,8 +57,7 @@ def kv_bytes(lengths, kv_dtype):
 def kernel_twin_changes() -> dict:
     """ATTNFORGE_BENCH_DECODE_KERNEL_TWIN="warp_rows=False,qk_chains=1": DecodeKernel fields to change in
     an `attnforge-twin` row, timed in rotation beside the default (an A/B of one kernel choice in one process)."""
-    items = filter(None, os.environ.get("ATTNFORGE_BENCH_DECODE_KERNEL_TWIN", "").split(","))
-    return {k.strip(): ast.literal_eval(v.strip()) for k, v in (item.split("=", 1) for item in items)}
+    return kernel_fields(os.environ.get("ATTNFORGE_BENCH_DECODE_KERNEL_TWIN", ""))
 
 
 def kernel_twin(changes: dict) -> type:

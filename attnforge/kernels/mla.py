@@ -192,12 +192,13 @@ class MLADecodeKernel:
         if q_steps is not None and (type(q_steps) is not int or not 0 <= q_steps <= 36):  # (bool is not an int here)
             raise ValueError(f"MLADecodeKernel.roles_q_steps: expected None or an int in 0..36 (S's k16 steps), got "
                              f"{q_steps!r}; leave it None for the measured default")
-        if self.roles_pv_rs is not None and not isinstance(self.roles_pv_rs, bool):
-            raise ValueError(f"MLADecodeKernel.roles_pv_rs: expected None, True or False, got {self.roles_pv_rs!r}; "
-                             f"leave it None for the measured default")
-        if self.tma is not None and not isinstance(self.tma, bool):
-            raise ValueError(f"MLADecodeKernel.tma: expected None, True or False, got {self.tma!r}; leave it None "
-                             f"for the measured default (cp.async refills)")
+        # the switches that default to a measured choice: None or a bool
+        for name, default in (("roles_pv_rs", "ROLES_PV_FROM_REGISTERS"), ("tma", "ROLES_TMA: cp.async refills"),
+                              ("producer", "TRANSPOSED_PRODUCER"), ("early_scores", "TRANSPOSED_EARLY_SCORES")):
+            value = getattr(self, name)
+            if value is not None and type(value) is not bool:
+                raise ValueError(f"MLADecodeKernel.{name}: expected None, True or False, got {value!r}; leave it None "
+                                 f"for the measured default ({default})")
         if self.tma_l2_promotion is not None and (not self.tma or self.tma_l2_promotion not in tma_maps.L2_PROMOTION_SIZES):
             raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of {tma_maps.L2_PROMOTION_SIZES} "
                              f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}; pass tma=True with "
@@ -206,16 +207,10 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
                              f"pipeline='normal', or tma=False")
-        if self.producer is not None and type(self.producer) is not bool:
-            raise ValueError(f"MLADecodeKernel.producer: expected None, True or False, got {self.producer!r}; leave "
-                             f"it None for the measured default (TRANSPOSED_PRODUCER)")
         if self.producer and not self._transposed_wgmma:
             raise ValueError(f"MLADecodeKernel.producer: the wgmma transposed kernel's, got backend={self.backend!r}, "
                              f"pipeline={self.spec.pipeline!r}; pass backend='wgmma' and pipeline='transposed', or "
                              f"producer=None")
-        if self.early_scores is not None and type(self.early_scores) is not bool:
-            raise ValueError(f"MLADecodeKernel.early_scores: expected None, True or False, got {self.early_scores!r}; "
-                             f"leave it None for the measured default (TRANSPOSED_EARLY_SCORES)")
         if self.early_scores and not self.uses_producer:
             raise ValueError("MLADecodeKernel.early_scores: the wgmma transposed kernel with its producer warpgroup "
                              f"issues S^T early, got backend={self.backend!r}, pipeline={self.spec.pipeline!r}, "
