@@ -1,6 +1,7 @@
 """MLA kernel shapes on the host: rows per CTA, shared memory, row blocks, rendering."""
 import dataclasses
 import shutil
+import types
 
 import pytest
 import torch
@@ -445,14 +446,18 @@ def test_early_scores_is_the_producer_kernels():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,soft_cap", [(8, 0.0), (16, 0.0), (32, 30.0)])
 def test_ptxas_keeps_early_scores_asynchronous(tmp_path, heads, soft_cap):
-    """S^T(t + 1) flies through the branch on whether it was issued early and the loop's back edge, each
-    on a lane broadcast (warp_uniform): ptxas keeps every wgmma asynchronous (a branch on threadIdx or on
-    a loaded tile count serialised them, C7518; without the loop's closing wait it injected a wait after
-    each P.V, C7517) and spills nothing."""
+    """S^T(t + 1) flies through the branch on whether it was issued early and the loop's back edge: ptxas
+    keeps every wgmma asynchronous and spills nothing. Without the loop's closing wait, where nothing flies,
+    ptxas cannot tell, and waits after every P.V (C7517): the check catches that build."""
     from helpers import ptxas_log_of_async_wgmmas
     s = dataclasses.replace(spec(heads, "transposed"), logits_soft_cap=soft_cap)
     m = MLADecodeKernel(s, backend="wgmma", early_scores=True).module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
+    closing_wait = "      wgmma_wait<0>();  // nothing flies here;"
+    assert m.source.count(closing_wait) == 1
+    without = types.SimpleNamespace(name=m.name, source=m.source.replace(closing_wait, "      //"))
+    with pytest.raises(AssertionError, match="C7517"):
+        ptxas_log_of_async_wgmmas(without, "mla_decode_kernel", tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
