@@ -77,6 +77,11 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # transposed kernel's early S^T (thirty-fifth session, record) it leads B16 L65536 by 2.6% (292.5 against
 # 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: a rule by request length is the open step.
 LONG_REQUEST_TRANSPOSED = True
+# Outside CUDA graphs, a plan at 16 heads whose requests average at least this many tokens runs that kernel
+# too (a graph keeps the kernel of the batch it captured). Between the two record cases: the transposed
+# kernel leads B16 L65536 by 2.6% and ties B64 L8192 (thirty-fifth session); prepared, not yet measured
+# between them (B8 L32768, B32 L16384: `ATTNFORGE_BENCH_MLA_SHAPES`).
+LONG_BATCH_TRANSPOSED_MIN_TOKENS = 32768
 
 
 class BatchMLADecode(BatchDecode):
@@ -156,14 +161,17 @@ class BatchMLADecode(BatchDecode):
         t = MLADecodeKernel(dataclasses.replace(self.spec, pipeline="transposed"), backend="wgmma")
         return t if t.ctas_per_sm == k.ctas_per_sm and t.rows <= k.rows else None
 
-    def _pick_kernel(self, batch: int) -> None:
-        """The kernel for a plan of `batch` requests: the long-request kernel for one, else the default.
-        (Under CUDA graphs every plan has the captured batch size, so the captured kernel stays.) Both
-        fit the workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row block."""
+    def _pick_kernel(self, batch: int, mean_tokens: float) -> None:
+        """The kernel for a plan of `batch` requests averaging `mean_tokens`: the long-request kernel for
+        one, or (outside CUDA graphs) for requests of LONG_BATCH_TRANSPOSED_MIN_TOKENS or more on average,
+        else the default. (Under CUDA graphs every plan has the captured batch size, so the captured kernel
+        stays.) Both fit the workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row
+        block."""
         if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
             self._default_kernel = self.kernel
             self._long_kernel = self._make_long_request_kernel()
-        self.kernel = self._long_kernel if batch == 1 and self._long_kernel is not None else self._default_kernel
+        long = batch == 1 or (not self.use_cuda_graph and mean_tokens >= LONG_BATCH_TRANSPOSED_MIN_TOKENS)
+        self.kernel = self._long_kernel if long and self._long_kernel is not None else self._default_kernel
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows
@@ -207,7 +215,7 @@ class BatchMLADecode(BatchDecode):
                               "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         previous = self.kernel
-        self._pick_kernel(table.batch_size)
+        self._pick_kernel(table.batch_size, float(table.kv_len.mean()) if table.batch_size else 0.0)
         try:
             self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
         except Exception:

@@ -34,6 +34,10 @@ def _all_cases():
     out = [(f"h{h} {name}", h, b, L) for h in (16, 128) for name, b, L in base]
     out += [(f"h{h} B16 L65536", h, 16, 65536) for h in (8, 32, 64)]
     out += [(f"h{h} {name}", h, b, L) for h in more for name, b, L in base]
+    # ATTNFORGE_BENCH_MLA_SHAPES="B8 L32768,B32 L16384": these batch shapes at 16 heads too (a crossover check)
+    for name in filter(None, (x.strip() for x in os.environ.get("ATTNFORGE_BENCH_MLA_SHAPES", "").split(","))):
+        b, L = (int(part[1:]) for part in name.split())
+        out.append((f"h16 {name}", 16, b, L))
     return list({c[0]: c for c in out}.values())  # each case once, in order
 
 

@@ -472,3 +472,17 @@ def test_mla_rows_env_keeps_only_the_named_rows(monkeypatch):
     assert mod.selected_rows(rows) == rows
     monkeypatch.setenv("ATTNFORGE_BENCH_MLA_ROWS", "attnforge, attnforge-twin0")
     assert mod.selected_rows(rows) == [("attnforge", 1), ("attnforge-twin0", 3)]
+
+
+def test_mla_shapes_env_adds_batch_shapes_at_16_heads(monkeypatch):
+    """ATTNFORGE_BENCH_MLA_SHAPES: batch shapes at 16 heads beside the suite's (the crossover of the
+    transposed kernel on long batches), selectable by ATTNFORGE_BENCH_MLA_CASES like any other."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_mla")
+    monkeypatch.delenv("ATTNFORGE_BENCH_MLA_SHAPES", raising=False)
+    monkeypatch.delenv("ATTNFORGE_BENCH_MLA_CASES", raising=False)
+    plain = mod.cases()
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_SHAPES", "B8 L32768, B32 L16384")
+    assert mod.cases() == plain + [("h16 B8 L32768", 16, 8, 32768), ("h16 B32 L16384", 16, 32, 16384)]
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_CASES", "h16 B32 L16384")
+    assert mod.cases() == [("h16 B32 L16384", 16, 32, 16384)]

@@ -379,6 +379,22 @@ def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     run_case(mla_spec(16, "auto", logits_soft_cap=30.0), [5000], 64, ref_kw={"logits_soft_cap": 30.0})
 
 
+def test_long_batches_at_16_heads_run_the_transposed_kernel():
+    """LONG_BATCH_TRANSPOSED_MIN_TOKENS: a batch of long requests at 16 heads runs the transposed wgmma kernel
+    (a short one the normal kernel, in the same wrapper), against the reference: split and whole items,
+    pages of 7 with draft tokens and NaN past the requests, an empty request."""
+    from attnforge.mla import LONG_BATCH_TRANSPOSED_MIN_TOKENS as least
+    spec = mla_spec(16, "auto")
+    w = BatchMLADecode(spec)
+    for lengths, pipeline in (([least, least + 64], "transposed"), ([least, 64], "normal")):
+        pages = [-(-n // 64) for n in lengths]
+        w.plan(np.concatenate([[0], np.cumsum(pages)]), np.arange(sum(pages)), np.array([64] * len(lengths)),
+               page_size=64)
+        assert w.planned_kernel[0].spec.pipeline == pipeline
+    run_case(spec, [40000, least, 30000, 0, 70000], 64, seed=8)
+    run_case(spec, [least + 3, least - 1], 7, q_len=2, seed=9, nan_unheld=True)
+
+
 @pytest.mark.parametrize("promotion", [0, 256])
 def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
     # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles

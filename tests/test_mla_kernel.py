@@ -508,3 +508,29 @@ def test_one_request_at_16_heads_plans_the_transposed_kernel():
     explicit._kernel_fields = {"roles_w0_dims": 256}  # as BatchMLADecode(kernel_fields=...) sets it: no switch
     explicit.plan(*one, page_size=64)
     assert explicit.planned_kernel[0].spec.pipeline == "normal"
+
+
+def test_long_batches_at_16_heads_plan_the_transposed_kernel():
+    """LONG_BATCH_TRANSPOSED_MIN_TOKENS: outside CUDA graphs a plan at 16 heads whose requests average that
+    many tokens runs the transposed wgmma kernel, one just below it the default normal one, plan by plan;
+    a graph-mode wrapper keeps the kernel of the batch it captured."""
+    import numpy as np
+
+    from attnforge.kernels.mla import default_backend
+    from attnforge.mla import LONG_BATCH_TRANSPOSED_MIN_TOKENS, BatchMLADecode
+    h16 = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    if default_backend(h16) != "wgmma":
+        pytest.skip("the arch list builds no sm_90a: the mma.sync kernels have no such choice")
+    pages = LONG_BATCH_TRANSPOSED_MIN_TOKENS // 64
+
+    def table(last_of_second):  # two requests of `pages` pages, the second's last page `last_of_second` long
+        return np.array([0, pages, 2 * pages]), np.arange(2 * pages), np.array([64, last_of_second])
+
+    w = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4 * pages)
+    for t, pipeline in ((table(64), "transposed"), (table(62), "normal"), (table(64), "transposed")):
+        w.plan(*t, page_size=64)  # 62: the mean falls one token short
+        assert w.planned_kernel[0].spec.pipeline == pipeline
+    w.plan(*table(62), page_size=64)
+    w.use_cuda_graph = True  # as if captured on that plan: the same batch size, now long, keeps its kernel
+    w.plan(*table(64), page_size=64)
+    assert w.planned_kernel[0].spec.pipeline == "normal"
