@@ -370,8 +370,9 @@ def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     test_cuda_graph_of_one_long_request_merges_over_lanes)."""
     spec = mla_spec(16, "auto")
     w = BatchMLADecode(spec)
+    # (two requests of 8192 tokens: short of LONG_BATCH_TRANSPOSED_MIN_TOKENS)
     for batch, pipeline in ((1, "transposed"), (2, "normal"), (1, "transposed")):
-        w.plan(np.arange(batch + 1) * 512, np.arange(512 * batch), np.full(batch, 64), page_size=64)
+        w.plan(np.arange(batch + 1) * 128, np.arange(128 * batch), np.full(batch, 64), page_size=64)
         assert w.planned_kernel[0].spec.pipeline == pipeline
     run_case(spec, [131072], 64, seed=5)
     run_case(spec, [20000], 7, q_len=3, seed=6, nan_unheld=True)
