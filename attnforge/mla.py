@@ -75,13 +75,14 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
 # against 55.5-56.3 us (thirty-third session, three rounds). Batches keep the normal kernel. With the
 # transposed kernel's early S^T (thirty-fifth session, record) it leads B16 L65536 by 2.6% (292.5 against
-# 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: a rule by request length is the open step.
+# 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: batches of long requests take it by the rule below.
 LONG_REQUEST_TRANSPOSED = True
 # Outside CUDA graphs, a plan at 16 heads whose requests average at least this many tokens runs that kernel
-# too (a graph keeps the kernel of the batch it captured). Between the two record cases: the transposed
-# kernel leads B16 L65536 by 2.6% and ties B64 L8192 (thirty-fifth session); prepared, not yet measured
-# between them (B8 L32768, B32 L16384: `ATTNFORGE_BENCH_MLA_SHAPES`).
-LONG_BATCH_TRANSPOSED_MIN_TOKENS = 32768
+# too (a graph keeps the kernel of the batch it captured). Measured on the H200 (thirty-sixth session, three
+# rounds in rotation, transposed against normal): B16 L16384 -3.7%, B8 L32768 -3.2%, B4 L65536 -3.4%,
+# B8 L65536 -1.2%, B16 L65536 -2.1%, B32 L16384 -0.5%, B16 L32768 a tie; below it B64 L8192 +1.0%,
+# B128 L4096 +9%.
+LONG_BATCH_TRANSPOSED_MIN_TOKENS = 16384
 
 
 class BatchMLADecode(BatchDecode):
