@@ -77,12 +77,13 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # transposed kernel's early S^T (thirty-fifth session, record) it leads B16 L65536 by 2.6% (292.5 against
 # 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: batches of long requests take it by the rule below.
 LONG_REQUEST_TRANSPOSED = True
-# Outside CUDA graphs, a plan at 16 heads whose requests average at least this many tokens runs that kernel
-# too (a graph keeps the kernel of the batch it captured). Measured on the H200 (thirty-sixth session, three
-# rounds in rotation, transposed against normal): B16 L16384 -3.7%, B8 L32768 -3.2%, B4 L65536 -3.4%,
-# B8 L65536 -1.2%, B16 L65536 -2.1%, B32 L16384 -0.5%, B16 L32768 a tie; below it B64 L8192 +1.0%,
-# B128 L4096 +9%.
-LONG_BATCH_TRANSPOSED_MIN_TOKENS = 16384
+# Batches at 16 heads of one query token a request run that kernel too, eager and in CUDA graphs (a graph's
+# batch size and q_len are fixed at capture, so is the choice). Measured on the H200 (thirty-sixth session,
+# three rounds in rotation, transposed against normal, both on spans aligned within MLA_WIDE_ALIGN_FRACTION):
+# -2.7..-6.8% on every batch measured, B4..B128 x L2048..L65536 (B64 L8192 -3.0%, B128 L4096 -2.9%,
+# B16 L65536 -2.8%, B16 L4096 -6.0%). Several query tokens a request (16 rows each) are not measured: a
+# batch of them keeps the normal kernel, whose 64-row blocks hold four.
+BATCHES_TRANSPOSED = True
 
 
 class BatchMLADecode(BatchDecode):
@@ -162,16 +163,15 @@ class BatchMLADecode(BatchDecode):
         t = MLADecodeKernel(dataclasses.replace(self.spec, pipeline="transposed"), backend="wgmma")
         return t if t.ctas_per_sm == k.ctas_per_sm and t.rows <= k.rows else None
 
-    def _pick_kernel(self, batch: int, mean_tokens: float) -> None:
-        """The kernel for a plan of `batch` requests averaging `mean_tokens`: the long-request kernel for
-        one, or (outside CUDA graphs) for requests of LONG_BATCH_TRANSPOSED_MIN_TOKENS or more on average,
-        else the default. (Under CUDA graphs every plan has the captured batch size, so the captured kernel
-        stays.) Both fit the workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row
-        block."""
+    def _pick_kernel(self, batch: int, q_len: int) -> None:
+        """The kernel for a plan of `batch` requests of `q_len` query tokens: the long-request kernel for
+        one request, or for a batch of one token each (BATCHES_TRANSPOSED), else the default. (Under CUDA
+        graphs every plan has the captured batch size and q_len, so the captured kernel stays.) Both fit the
+        workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row block."""
         if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
             self._default_kernel = self.kernel
             self._long_kernel = self._make_long_request_kernel()
-        long = batch == 1 or (not self.use_cuda_graph and mean_tokens >= LONG_BATCH_TRANSPOSED_MIN_TOKENS)
+        long = batch == 1 or (BATCHES_TRANSPOSED and q_len == 1)
         self.kernel = self._long_kernel if long and self._long_kernel is not None else self._default_kernel
 
     def _rows_per_slot(self) -> int:
@@ -199,8 +199,12 @@ class BatchMLADecode(BatchDecode):
         to a span where they outnumber the CTAs, if that lengthens a span by less than MLA_ALIGN_SLACK
         (64-row kernels: MLA_WIDE_ALIGN_FRACTION of it)."""
         side = self.kernel.side_blocks(row_blocks)
-        # the 64-row wgmma kernels: MLA_WIDE_ALIGN_FRACTION of the span (measured there only)
-        wide = self.align_slack is None and self.kernel.backend == "wgmma" and self.kernel.rows >= 64
+        # the wgmma kernels: MLA_WIDE_ALIGN_FRACTION of the span, for the 64-row blocks and the transposed
+        # kernel from 16 heads (h16 B128 L4096 -10%, B64 L8192 -3%; at 8 heads B16 L65536 lost 0.9%: its
+        # 128 equal chunks left 4 SMs idle; thirty-sixth session)
+        k = self.kernel
+        wide = self.align_slack is None and k.backend == "wgmma" and (
+            k.rows >= 64 or (k.spec.pipeline == "transposed" and k.spec.num_qo_heads >= 16))
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
                                      align_equal_items=True, whole_items_per_span=True,
                                      align_slack=MLA_ALIGN_SLACK if self.align_slack is None else self.align_slack,
@@ -216,7 +220,7 @@ class BatchMLADecode(BatchDecode):
                               "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         previous = self.kernel
-        self._pick_kernel(table.batch_size, float(table.kv_len.mean()) if table.batch_size else 0.0)
+        self._pick_kernel(table.batch_size, q_len)
         try:
             self._commit_plan(table, page_size, self.kernel.row_blocks(q_len), q_len, sm_scale, k_scale, v_scale)
         except Exception:

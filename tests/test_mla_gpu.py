@@ -369,10 +369,10 @@ def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     over every CTA, short, draft tokens, NaN past it, a soft-cap (under a CUDA graph:
     test_cuda_graph_of_one_long_request_merges_over_lanes)."""
     spec = mla_spec(16, "auto")
-    w = BatchMLADecode(spec)
-    # (two requests of 8192 tokens: short of LONG_BATCH_TRANSPOSED_MIN_TOKENS)
-    for batch, pipeline in ((1, "transposed"), (2, "normal"), (1, "transposed")):
-        w.plan(np.arange(batch + 1) * 128, np.arange(128 * batch), np.full(batch, 64), page_size=64)
+    w = BatchMLADecode(spec, max_q_len=2)
+    # (two requests of two query tokens keep the default: BATCHES_TRANSPOSED)
+    for batch, q_len, pipeline in ((1, 1, "transposed"), (2, 2, "normal"), (1, 1, "transposed")):
+        w.plan(np.arange(batch + 1) * 128, np.arange(128 * batch), np.full(batch, 64), page_size=64, q_len=q_len)
         assert w.planned_kernel[0].spec.pipeline == pipeline
     run_case(spec, [131072], 64, seed=5)
     run_case(spec, [20000], 7, q_len=3, seed=6, nan_unheld=True)
@@ -380,20 +380,20 @@ def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     run_case(mla_spec(16, "auto", logits_soft_cap=30.0), [5000], 64, ref_kw={"logits_soft_cap": 30.0})
 
 
-def test_long_batches_at_16_heads_run_the_transposed_kernel():
-    """LONG_BATCH_TRANSPOSED_MIN_TOKENS: a batch of long requests at 16 heads runs the transposed wgmma kernel
-    (a short one the normal kernel, in the same wrapper), against the reference: split and whole items,
-    pages of 7 with draft tokens and NaN past the requests, an empty request."""
-    from attnforge.mla import LONG_BATCH_TRANSPOSED_MIN_TOKENS as least
+def test_batches_at_16_heads_run_the_transposed_kernel():
+    """BATCHES_TRANSPOSED: a batch at 16 heads of one query token a request runs the transposed wgmma kernel
+    (two query tokens the normal one, in the same wrapper), against the reference: split and whole items,
+    equal requests on aligned spans (whole ones a span, and equal chunks), pages of 7 with NaN past the
+    requests, an empty request, short requests."""
     spec = mla_spec(16, "auto")
-    w = BatchMLADecode(spec)
-    for lengths, pipeline in (([least, least + 64], "transposed"), ([least, 64], "normal")):
-        pages = [-(-n // 64) for n in lengths]
-        w.plan(np.concatenate([[0], np.cumsum(pages)]), np.arange(sum(pages)), np.array([64] * len(lengths)),
-               page_size=64)
+    w = BatchMLADecode(spec, max_q_len=2)
+    for q_len, pipeline in ((1, "transposed"), (2, "normal")):
+        w.plan(np.array([0, 3, 5]), np.arange(5), np.array([64, 9]), page_size=64, q_len=q_len)
         assert w.planned_kernel[0].spec.pipeline == pipeline
-    run_case(spec, [40000, least, 30000, 0, 70000], 64, seed=8)
-    run_case(spec, [least + 3, least - 1], 7, q_len=2, seed=9, nan_unheld=True)
+    run_case(spec, [40000, 16384, 30000, 0, 70000], 64, seed=8)
+    run_case(spec, [16387, 1, 3000, 129], 7, seed=9, nan_unheld=True)
+    run_case(spec, [2048] * 140, 64, seed=10)  # (more requests than CTAs: whole ones a span)
+    run_case(spec, [8192] * 40, 64, seed=11)  # (equal chunks a span)
 
 
 @pytest.mark.parametrize("promotion", [0, 256])

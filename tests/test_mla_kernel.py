@@ -482,10 +482,11 @@ def test_one_request_at_16_heads_plans_the_transposed_kernel():
     if default_backend(h16) != "wgmma":
         pytest.skip("the arch list builds no sm_90a: the mma.sync kernels have no such choice")
     w = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4096)
+    w.max_q_len = 2  # (a batch of two query tokens a request keeps the default: BATCHES_TRANSPOSED)
     one = (np.array([0, 2048]), np.arange(2048), np.array([64]))
     two = (np.array([0, 4, 6]), np.arange(6), np.array([64, 10]))
-    for table, pipeline in ((one, "transposed"), (two, "normal"), (one, "transposed")):
-        w.plan(*table, page_size=64)
+    for table, q_len, pipeline in ((one, 1, "transposed"), (two, 2, "normal"), (one, 1, "transposed")):
+        w.plan(*table, page_size=64, q_len=q_len)
         k = w.planned_kernel[0]
         assert (k.backend, k.spec.pipeline, w.kernel) == ("wgmma", pipeline, k)
     assert k.uses_producer and k.rows == 16
@@ -499,10 +500,10 @@ def test_one_request_at_16_heads_plans_the_transposed_kernel():
         assert other.planned_kernel[0] is other._default_kernel
     # a refused plan keeps the last plan's kernel: under CUDA graphs (the batch size is captured) a plan of
     # one request after a batch of two raises, and run() must still launch the captured normal kernel
-    w.plan(*two, page_size=64)
+    w.plan(*two, page_size=64, q_len=2)
     w.use_cuda_graph = True
     with pytest.raises(ValueError, match="batch size in CUDA-graph mode"):
-        w.plan(*one, page_size=64)
+        w.plan(*one, page_size=64, q_len=2)
     assert w.kernel is w.planned_kernel[0] and w.kernel.spec.pipeline == "normal"
     explicit = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4096)
     explicit._kernel_fields = {"roles_w0_dims": 256}  # as BatchMLADecode(kernel_fields=...) sets it: no switch
@@ -510,27 +511,63 @@ def test_one_request_at_16_heads_plans_the_transposed_kernel():
     assert explicit.planned_kernel[0].spec.pipeline == "normal"
 
 
-def test_long_batches_at_16_heads_plan_the_transposed_kernel():
-    """LONG_BATCH_TRANSPOSED_MIN_TOKENS: outside CUDA graphs a plan at 16 heads whose requests average that
-    many tokens runs the transposed wgmma kernel, one just below it the default normal one, plan by plan;
-    a graph-mode wrapper keeps the kernel of the batch it captured."""
+def test_batches_at_16_heads_plan_the_transposed_kernel(monkeypatch):
+    """BATCHES_TRANSPOSED: a batch at 16 heads of one query token a request runs the transposed wgmma kernel,
+    long or short, eager or in graph mode; of two query tokens the default normal one, plan by plan."""
     import numpy as np
 
+    from attnforge import mla
     from attnforge.kernels.mla import default_backend
-    from attnforge.mla import LONG_BATCH_TRANSPOSED_MIN_TOKENS, BatchMLADecode
     h16 = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     if default_backend(h16) != "wgmma":
         pytest.skip("the arch list builds no sm_90a: the mma.sync kernels have no such choice")
-    pages = LONG_BATCH_TRANSPOSED_MIN_TOKENS // 64
+    short = (np.array([0, 4, 6]), np.arange(6), np.array([64, 10]))
+    long = (np.array([0, 1024, 2048]), np.arange(2048), np.array([64, 1]))
 
-    def table(last_of_second):  # two requests of `pages` pages, the second's last page `last_of_second` long
-        return np.array([0, pages, 2 * pages]), np.arange(2 * pages), np.array([64, last_of_second])
+    def picked(w, table, q_len=1):
+        w.plan(*table, page_size=64, q_len=q_len)
+        return w.planned_kernel[0].spec.pipeline
 
-    w = BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4 * pages)
-    for t, pipeline in ((table(64), "transposed"), (table(62), "normal"), (table(64), "transposed")):
-        w.plan(*t, page_size=64)  # 62: the mean falls one token short
-        assert w.planned_kernel[0].spec.pipeline == pipeline
-    w.plan(*table(62), page_size=64)
-    w.use_cuda_graph = True  # as if captured on that plan: the same batch size, now long, keeps its kernel
-    w.plan(*table(64), page_size=64)
-    assert w.planned_kernel[0].spec.pipeline == "normal"
+    def wrapper(graph=False):
+        w = mla.BatchMLADecode.host_only(h16, max_batch_size=4, max_num_pages=4096)
+        w.max_q_len, w.use_cuda_graph = 2, graph  # (host_only plans one query token unless told)
+        return w
+
+    w = wrapper()
+    assert [picked(w, short), picked(w, long, 2), picked(w, long), picked(w, short, 2)] == \
+        ["transposed", "normal", "transposed", "normal"]
+    assert picked(wrapper(graph=True), short) == "transposed" and picked(wrapper(graph=True), long, 2) == "normal"
+    monkeypatch.setattr(mla, "BATCHES_TRANSPOSED", False)
+    assert picked(wrapper(), long) == "normal" and picked(wrapper(), long[:2] + (np.array([64, 1]),)) == "normal"
+
+
+def test_transposed_wgmma_kernel_aligns_spans_within_a_fraction_of_the_even_span():
+    """From 16 heads the transposed wgmma kernel aligns equal requests to spans within MLA_WIDE_ALIGN_FRACTION
+    too: B64 L8192 one equal chunk a span, B128 L4096 one whole request a span, none merged (with the
+    96-token bound both were cut over two spans, and h16 B128 L4096 ran 10% slower: thirty-sixth session).
+    At 8 heads the 96-token bound stays (there B16 L65536 lost 0.9% aligned): B128 L4096 splits."""
+    import numpy as np
+
+    from attnforge import scheduler
+    from attnforge.kernels.mla import default_backend
+    from attnforge.mla import MLA_WIDE_ALIGN_FRACTION, BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    if default_backend(dataclasses.replace(spec, pipeline="transposed")) != "wgmma":
+        pytest.skip("the arch list builds no sm_90a")
+
+    def plan(w, batch, pages):
+        w.plan(np.arange(batch + 1) * pages, np.arange(batch * pages), np.full(batch, 64), page_size=64)
+        assert (w.planned_kernel[0].backend, w.planned_kernel[0].spec.pipeline) == ("wgmma", "transposed")
+        return w._plan["work"], scheduler.expand(w._plan["work"]), -(-w._plan["work"].total // w.num_ctas)
+
+    w = BatchMLADecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
+    work, rows, even = plan(w, 128, 64)
+    assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even
+    assert len(rows) == 128 and (rows[:, 5] < 0).all() and not w._plan["merge"]
+    work, rows, even = plan(w, 64, 128)  # two equal chunks an item, each a span of its own
+    assert 0 < work.span - even < MLA_WIDE_ALIGN_FRACTION * even and len(rows) == 128
+    assert len(set(rows[:, 0].tolist())) == 128 and np.bincount(rows[:, 1]).tolist() == [2] * 64  # a CTA each
+    h8 = BatchMLADecode.host_only(dataclasses.replace(spec, num_qo_heads=8, pipeline="auto"), max_batch_size=256,
+                                  max_num_pages=1 << 14)
+    work, rows, even = plan(h8, 128, 64)
+    assert work.span == even and len(rows) > 128
