@@ -53,18 +53,31 @@ def selected_rows(variants: list) -> list:
     return [v for v in variants if not keep or v[0] in keep]
 
 
-def inputs(heads, batch, length):
+def query_tokens() -> int:
+    """ATTNFORGE_BENCH_MLA_Q_LEN="2": every case with that many query tokens a request (speculative decoding,
+    causal within the request as FlashInfer's causal plan), its rows named "<case> q2"; 1 unset."""
+    q = int(os.environ.get("ATTNFORGE_BENCH_MLA_Q_LEN", "1"))
+    if not 1 <= q <= 4:
+        raise ValueError(f"ATTNFORGE_BENCH_MLA_Q_LEN: expected 1..4 query tokens a request, got {q}")
+    return q
+
+
+def case_name(case: str, q: int) -> str:
+    return case if q == 1 else f"{case} q{q}"
+
+
+def inputs(heads, batch, length, q=1):
     pages = -(-length // PAGE)
     indptr = (np.arange(batch + 1) * pages).astype(np.int32)
     indices = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(1)).numpy().astype(np.int32)
     last = np.full(batch, length - (pages - 1) * PAGE, dtype=np.int32)
     kv = torch.empty(batch * pages, PAGE, 576, device="cuda", dtype=torch.bfloat16).normal_()
-    q_nope = torch.randn(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
-    q_pe = torch.randn(batch, heads, 64, device="cuda", dtype=torch.bfloat16)
+    q_nope = torch.randn(batch * q, heads, 512, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch * q, heads, 64, device="cuda", dtype=torch.bfloat16)
     return q_nope, q_pe, kv, indptr, indices, last
 
 
-def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
+def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q=1):
     ckv, kpe = kv[..., :512], kv[..., 512:]
     # (row name, pipeline, backend, schedule, tile, stages, CTAs per SM): "attnforge" is the defaults;
     # -normal and -transposed the mma.sync kernels; -wgmma* the sm_90a warpgroup kernels
@@ -104,8 +117,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
         try:
             graph = impl == "attnforge-graph"  # (the harness captures every row in a graph; this is the
             # wrapper's graph mode: fixed buffers, and the merge kernel launched whatever the plan splits)
-            w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), tile_kv=tile,
-                               num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
+            w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), max_q_len=q,
+                               tile_kv=tile, num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
                                pdl={"attnforge-pdl": True, "attnforge-no-pdl": False}.get(impl), use_cuda_graph=graph,
                                kernel_fields=twins[int(impl[len("attnforge-twin"):])] if "twin" in impl else
                                {"producer": False} if impl.endswith("-1wg") else None)
@@ -114,7 +127,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             continue
         if impl.startswith("attnforge-slack"):
             w.align_slack = int(impl[len("attnforge-slack"):])
-        w.plan(indptr, indices, last, page_size=PAGE)
+        w.plan(indptr, indices, last, page_size=PAGE, q_len=q)
         runs[impl] = lambda w=w, out=torch.empty_like(q_nope): w.run(q_nope, q_pe, ckv, kpe, out=out)
         if impl == "attnforge" and len(last) == 1:  # one long request: what its chunks' merge costs
             no_merge = (lambda f=runs[impl]: f())  # its own function object: the marker below is its alone
@@ -145,7 +158,7 @@ def prepare_without_merge(fn, calls, use_graph):
         lib.kernels["mla_merge_kernel"] = merge
 
 
-def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops):
+def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q=1):
     import flashinfer
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     b = len(last)
@@ -155,7 +168,7 @@ def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, las
     for backend in ("fa2", "fa3"):
         try:
             w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-            w.plan(dev(np.arange(b + 1)), dev(indptr), dev(indices), kv_len, heads, 512, 64, PAGE, False,
+            w.plan(dev(np.arange(b + 1) * q), dev(indptr), dev(indices), kv_len, heads, 512, 64, PAGE, q > 1,
                    DEEPSEEK_SM_SCALE, torch.bfloat16, torch.bfloat16)
             report.add("mla", case, f"flashinfer-{backend}", time_us(lambda: w.run(q_nope, q_pe, ckv, kpe), reps=10),
                        nbytes, flops)
@@ -209,14 +222,15 @@ def run(report: Report, peers: bool = True) -> None:
     if not os.environ.get("ATTNFORGE_BENCH_MLA_ROWS"):  # (an A/B of a few rows skips the RMSE's 8 kernels)
         accuracy(report)
     report.note(PDL_NOTE)
+    q = query_tokens()
     for case, heads, batch, length in cases():
-        q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length)
-        tokens = batch * length
-        nbytes, flops = tokens * 576 * 2, 2 * (576 + 512) * heads * tokens
-        bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops)
+        q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length, q)
+        tokens, case = batch * length, case_name(case, q)
+        nbytes, flops = tokens * 576 * 2, 2 * (576 + 512) * heads * tokens * q  # (each query token: every key)
+        bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q)
         if peers:
-            bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops)
-            if batch * heads * length * 4 <= 2**31:  # the fp32 score matrix must fit comfortably
+            bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q)
+            if q == 1 and batch * heads * length * 4 <= 2**31:  # (one query token a request: no causal mask)
                 bench_torch(report, case, q_nope, q_pe, kv, batch, length, nbytes, flops)
         del q_nope, q_pe, kv
         torch.cuda.empty_cache()

@@ -486,3 +486,17 @@ def test_mla_shapes_env_adds_batch_shapes_at_16_heads(monkeypatch):
     assert mod.cases() == plain + [("h16 B8 L32768", 16, 8, 32768), ("h16 B32 L16384", 16, 32, 16384)]
     monkeypatch.setenv("ATTNFORGE_BENCH_MLA_CASES", "h16 B32 L16384")
     assert mod.cases() == [("h16 B32 L16384", 16, 32, 16384)]
+
+
+def test_mla_q_len_env_names_the_cases_and_checks_its_range(monkeypatch):
+    """ATTNFORGE_BENCH_MLA_Q_LEN: every case with that many query tokens a request, named "<case> q<n>"
+    (one token keeps the record's names); outside 1..4 it fails before any GPU work."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_mla")
+    monkeypatch.delenv("ATTNFORGE_BENCH_MLA_Q_LEN", raising=False)
+    assert mod.query_tokens() == 1 and mod.case_name("h16 B64 L8192", 1) == "h16 B64 L8192"
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", "2")
+    assert mod.query_tokens() == 2 and mod.case_name("h16 B64 L8192", 2) == "h16 B64 L8192 q2"
+    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", "5")
+    with pytest.raises(ValueError, match="1..4"):
+        mod.query_tokens()
