@@ -55,3 +55,23 @@ def test_poison_reaches_exactly_the_slots_no_request_holds(dtype, layout):
     expected[2] = True  # no request lists page 2
     assert torch.equal(nan, expected)
     assert torch.equal(cache[:, 1].float().isnan(), cache[:, 0].float().isnan())  # V as K
+
+
+@pytest.mark.parametrize("code", ["C7514", "C7515", "C7517", "C7518"])
+def test_async_wgmma_check_fails_on_each_serialising_info_line(monkeypatch, tmp_path, code):
+    """helpers.ptxas_log_of_async_wgmmas, on ptxas logs given to it: each of the four info lines that say
+    wgmmas were serialised or waited on fails the check (only C7517 is also produced by a real build in
+    the suite: test_ptxas_keeps_early_scores_asynchronous; C7518 came once, from a kernel since rewritten),
+    and a clean log returns the entry's part."""
+    import subprocess
+    import types
+
+    import helpers
+    entry = "Compiling entry function 'k'"
+    clean = f"ptxas info    : {entry} for 'sm_90a'\nptxas info    : Used 90 registers, 0 bytes spill stores\n"
+    logs = iter([clean, clean + f"ptxas info    : ({code}) Potential Performance Loss: wgmma serialized\n"])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=next(logs), stderr=""))
+    module = types.SimpleNamespace(name="probe", source="// a stand-in: nvcc is not run")
+    assert "0 bytes spill stores" in helpers.ptxas_log_of_async_wgmmas(module, "k", tmp_path)
+    with pytest.raises(AssertionError, match=f"probe: ptxas {code}"):
+        helpers.ptxas_log_of_async_wgmmas(module, "k", tmp_path)
