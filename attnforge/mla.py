@@ -151,12 +151,14 @@ class BatchMLADecode(BatchDecode):
         self._default_kernel = self._long_kernel = None  # (host_only sets the kernel after: filled at plan())
 
     def _make_long_request_kernel(self) -> Optional[MLADecodeKernel]:
-        """The kernel plan() runs one request on instead of the default (LONG_REQUEST_TRANSPOSED): the
-        transposed wgmma kernel where the default is the 64-row normal one at 16 heads, on the same grid,
-        unless the kernel was chosen explicitly (backend, schedule, kernel_fields; the wgmma kernels have
-        one tiling, 64 tokens in 2 stages)."""
+        """The kernel plan() runs one request (LONG_REQUEST_TRANSPOSED), or a batch of one query token each
+        (BATCHES_TRANSPOSED), on instead of the default: the transposed wgmma kernel where the default is
+        the 64-row normal one at 16 heads, on the same grid, unless the kernel was chosen explicitly
+        (backend, schedule, kernel_fields; the wgmma kernels have one tiling, 64 tokens in 2 stages)."""
         k = self._default_kernel
-        if not LONG_REQUEST_TRANSPOSED or self.spec.num_qo_heads != 16 or (k.backend, k.spec.pipeline) != ("wgmma", "normal"):
+        if not (LONG_REQUEST_TRANSPOSED or BATCHES_TRANSPOSED) or self.spec.num_qo_heads != 16:
+            return None
+        if (k.backend, k.spec.pipeline) != ("wgmma", "normal"):
             return None
         if self._backend is not None or self._schedule is not None or self._kernel_fields:
             return None
@@ -171,7 +173,7 @@ class BatchMLADecode(BatchDecode):
         if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
             self._default_kernel = self.kernel
             self._long_kernel = self._make_long_request_kernel()
-        long = batch == 1 or (BATCHES_TRANSPOSED and q_len == 1)
+        long = (LONG_REQUEST_TRANSPOSED and batch == 1) or (BATCHES_TRANSPOSED and q_len == 1)
         self.kernel = self._long_kernel if long and self._long_kernel is not None else self._default_kernel
 
     def _rows_per_slot(self) -> int:

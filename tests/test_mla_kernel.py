@@ -537,8 +537,12 @@ def test_batches_at_16_heads_plan_the_transposed_kernel(monkeypatch):
     assert [picked(w, short), picked(w, long, 2), picked(w, long), picked(w, short, 2)] == \
         ["transposed", "normal", "transposed", "normal"]
     assert picked(wrapper(graph=True), short) == "transposed" and picked(wrapper(graph=True), long, 2) == "normal"
-    monkeypatch.setattr(mla, "BATCHES_TRANSPOSED", False)
-    assert picked(wrapper(), long) == "normal" and picked(wrapper(), long[:2] + (np.array([64, 1]),)) == "normal"
+    monkeypatch.setattr(mla, "BATCHES_TRANSPOSED", False)  # one request still switches, a batch no longer
+    one = (np.array([0, 1024]), np.arange(1024), np.array([64]))
+    assert picked(wrapper(), long) == "normal" and picked(wrapper(), one) == "transposed"
+    monkeypatch.setattr(mla, "BATCHES_TRANSPOSED", True)
+    monkeypatch.setattr(mla, "LONG_REQUEST_TRANSPOSED", False)  # each switch alone
+    assert picked(wrapper(), long) == "transposed" and picked(wrapper(), one, 2) == "normal"
 
 
 def test_transposed_wgmma_kernel_aligns_spans_within_a_fraction_of_the_even_span():
