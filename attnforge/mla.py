@@ -73,9 +73,8 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
 # default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s
 # (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
-# against 55.5-56.3 us (thirty-third session, three rounds). Batches keep the normal kernel. With the
-# transposed kernel's early S^T (thirty-fifth session, record) it leads B16 L65536 by 2.6% (292.5 against
-# 300.3 us), ties B64 L8192 and trails B128 L4096 by 9%: batches of long requests take it by the rule below.
+# against 55.5-56.3 us (thirty-third session, three rounds). With the transposed kernel's early S^T
+# (thirty-fifth session) it led batches too where its spans aligned as the normal kernel's: below.
 LONG_REQUEST_TRANSPOSED = True
 # Batches at 16 heads of one query token a request run that kernel too, eager and in CUDA graphs (a graph's
 # batch size and q_len are fixed at capture, so is the choice). Measured on the H200 (thirty-sixth session,
@@ -199,7 +198,7 @@ class BatchMLADecode(BatchDecode):
         (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time. Equal
         requests plan spans on item boundaries, as decode does: cut into equal chunks, or several whole
         to a span where they outnumber the CTAs, if that lengthens a span by less than MLA_ALIGN_SLACK
-        (64-row kernels: MLA_WIDE_ALIGN_FRACTION of it)."""
+        (the 64-row wgmma kernels and the transposed one from 16 heads: MLA_WIDE_ALIGN_FRACTION of it)."""
         side = self.kernel.side_blocks(row_blocks)
         # the wgmma kernels: MLA_WIDE_ALIGN_FRACTION of the span, for the 64-row blocks and the transposed
         # kernel from 16 heads (h16 B128 L4096 -10%, B64 L8192 -3%; at 8 heads B16 L65536 lost 0.9%: its

@@ -226,7 +226,7 @@ def run(report: Report, peers: bool = True) -> None:
     for case, heads, batch, length in cases():
         q_nope, q_pe, kv, indptr, indices, last = inputs(heads, batch, length, q)
         tokens, case = batch * length, case_name(case, q)
-        nbytes, flops = tokens * 576 * 2, 2 * (576 + 512) * heads * tokens * q  # (each query token: every key)
+        nbytes, flops = tokens * 576 * 2, 2 * (576 + 512) * heads * tokens * q  # (each query token: about every key)
         bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q)
         if peers:
             bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q)
