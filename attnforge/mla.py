@@ -79,7 +79,7 @@ LONG_REQUEST_TRANSPOSED = True
 # Batches at 16 heads of one query token a request run that kernel too, eager and in CUDA graphs (a graph's
 # batch size and q_len are fixed at capture, so is the choice). Measured on the H200 (thirty-sixth session,
 # three rounds in rotation, transposed against normal, both on spans aligned within MLA_WIDE_ALIGN_FRACTION):
-# -2.7..-6.8% on every batch measured, B4..B128 x L2048..L65536 (B64 L8192 -3.0%, B128 L4096 -2.9%,
+# -2.7..-6.8% on the nine batches of call 5, B16..B128 x L2048..L65536 (B64 L8192 -3.0%, B128 L4096 -2.9%,
 # B16 L65536 -2.8%, B16 L4096 -6.0%; before the alignment, B2 L16384 -12% and B4 L4096 -25%). Several
 # query tokens a request (16 rows each) are not measured: a batch of them keeps the normal kernel, whose
 # 64-row blocks hold four.
