@@ -546,6 +546,38 @@ def test_cuda_graph_replays_whole_items_per_span_and_plain_plans():
     replay_and_check(w, kv, q_nope, q_pe, replan, 7, 1, lambda i: i < 4)
 
 
+def test_cuda_graph_replays_h16_batches_on_the_transposed_kernel():
+    """BATCHES_TRANSPOSED under one captured graph: a batch at 16 heads of one query token a request runs the
+    transposed wgmma kernel, capture and replays alike. Re-plans alternate equal requests, two whole a span
+    (none split, nothing merged), with unequal batches, one long request split over CTAs and merged; two
+    replays of each checked."""
+    from attnforge import scheduler
+    spec = mla_spec(16, "auto")
+    batch, page_size, pages = 2 * BatchMLADecode(spec).num_ctas, 64, 8192
+    rng = np.random.default_rng(6)
+    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
+    q_nope = torch.randn(batch, 16, 512, device="cuda").bfloat16()
+    q_pe = torch.randn(batch, 16, 64, device="cuda").bfloat16()
+    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
+    equal = iter([True, False] * 4)
+
+    def replan():
+        if next(equal):
+            lengths = np.full(batch, 300)  # 5 pages, the last with 44 tokens
+            indptr = np.arange(batch + 1) * 5
+            indices, last = rng.permutation(pages)[:indptr[-1]], np.full(batch, 44)
+        else:
+            lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 1200, (20000, 40000))
+        w.plan(indptr, indices, last, page_size=page_size)
+        assert (w.kernel.backend, w.kernel.spec.pipeline) == ("wgmma", "transposed")
+        rows = scheduler.expand(w._plan["work"])
+        whole = len(rows) == int((lengths > 0).sum()) and (rows[:, 5] < 0).all()
+        assert whole == bool((lengths == 300).all()), "equal requests go whole to spans, the others are split"
+        return lengths, indptr, indices
+
+    replay_and_check(w, kv, q_nope, q_pe, replan, 7, 1, lambda i: i < 4)
+
+
 def test_rmse_of_each_pipeline():
     """The issue asks for each pipeline's RMSE in fp16 and bf16; both must sit at the dtype's rounding level."""
     for q_dtype, bound in (("fp16", 2e-4), ("bf16", 1.5e-3)):
