@@ -513,51 +513,22 @@ def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, check
             assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
 
 
-def test_cuda_graph_replays_whole_items_per_span_and_plain_plans():
-    """h128 (the 64-row wgmma kernel, row blocks side by side) under one captured graph: equal requests,
-    two for each CTA pair, planned two whole a span (none split, nothing merged), alternating with
-    unequal batches on the plain stream (items split and merged); two replays of each checked."""
+@pytest.mark.parametrize("heads,seed,short,long,kernel", [(128, 5, 700, (3000, 9000), "normal"),
+                                                         (16, 6, 1200, (20000, 40000), "transposed")])
+def test_cuda_graph_replays_whole_items_per_span_and_plain_plans(heads, seed, short, long, kernel):
+    """One captured graph, its kernel fixed at capture: h128 the 64-row wgmma kernel (row blocks side by
+    side), h16 the transposed wgmma kernel (BATCHES_TRANSPOSED). Re-plans alternate equal requests, two for
+    each CTA (or CTA pair), planned two whole a span (none split, nothing merged), with unequal batches on
+    the plain stream, one long request among them (items split and merged); two replays of each checked."""
     from attnforge import scheduler
-    spec = mla_spec(128, "auto")
+    spec = mla_spec(heads, "auto")
     probe = BatchMLADecode(spec)
     pairs = probe.num_ctas // probe.kernel.side_blocks(probe.kernel.row_blocks(1))
     batch, page_size, pages = 2 * pairs, 64, 8192
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    q_nope = torch.randn(batch, 128, 512, device="cuda").bfloat16()
-    q_pe = torch.randn(batch, 128, 64, device="cuda").bfloat16()
-    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
-    equal = iter([True, False] * 4)
-
-    def replan():
-        if next(equal):
-            lengths = np.full(batch, 300)  # 5 pages, the last with 44 tokens
-            n = np.full(batch, 5)
-            indptr = np.concatenate([[0], np.cumsum(n)])
-            indices, last = rng.permutation(pages)[:indptr[-1]], np.full(batch, 44)
-        else:
-            lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 700, (3000, 9000))
-        w.plan(indptr, indices, last, page_size=page_size)
-        rows = scheduler.expand(w._plan["work"])
-        whole = len(rows) == int((lengths > 0).sum()) and (rows[:, 5] < 0).all()
-        assert whole == bool((lengths == 300).all()), "equal requests go whole to spans, the others are split"
-        return lengths, indptr, indices
-
-    replay_and_check(w, kv, q_nope, q_pe, replan, 7, 1, lambda i: i < 4)
-
-
-def test_cuda_graph_replays_h16_batches_on_the_transposed_kernel():
-    """BATCHES_TRANSPOSED under one captured graph: a batch at 16 heads of one query token a request runs the
-    transposed wgmma kernel, capture and replays alike. Re-plans alternate equal requests, two whole a span
-    (none split, nothing merged), with unequal batches, one long request split over CTAs and merged; two
-    replays of each checked."""
-    from attnforge import scheduler
-    spec = mla_spec(16, "auto")
-    batch, page_size, pages = 2 * BatchMLADecode(spec).num_ctas, 64, 8192
-    rng = np.random.default_rng(6)
-    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    q_nope = torch.randn(batch, 16, 512, device="cuda").bfloat16()
-    q_pe = torch.randn(batch, 16, 64, device="cuda").bfloat16()
+    q_nope = torch.randn(batch, heads, 512, device="cuda").bfloat16()
+    q_pe = torch.randn(batch, heads, 64, device="cuda").bfloat16()
     w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages)
     equal = iter([True, False] * 4)
 
@@ -567,9 +538,9 @@ def test_cuda_graph_replays_h16_batches_on_the_transposed_kernel():
             indptr = np.arange(batch + 1) * 5
             indices, last = rng.permutation(pages)[:indptr[-1]], np.full(batch, 44)
         else:
-            lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 1200, (20000, 40000))
+            lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, short, long)
         w.plan(indptr, indices, last, page_size=page_size)
-        assert (w.kernel.backend, w.kernel.spec.pipeline) == ("wgmma", "transposed")
+        assert (w.kernel.backend, w.kernel.spec.pipeline) == ("wgmma", kernel)
         rows = scheduler.expand(w._plan["work"])
         whole = len(rows) == int((lengths > 0).sum()) and (rows[:, 5] < 0).all()
         assert whole == bool((lengths == 300).all()), "equal requests go whole to spans, the others are split"
