@@ -102,6 +102,9 @@ class BatchMLADecode(BatchDecode):
         schedule: the wgmma normal pipeline's warpgroup schedule (attnforge.kernels.mla.SCHEDULES).
         kernel_fields: attnforge.kernels.mla.MLADecodeKernel fields to set beyond the ones above, for
         ablations of the measured defaults (e.g. {"roles_w0_dims": 256, "roles_q_steps": 0}); validated there.
+        Any explicit choice (backend, schedule, kernel_fields) pins the kernel: at 16 heads the plan-by-plan
+        switch to the transposed kernel (LONG_REQUEST_TRANSPOSED, BATCHES_TRANSPOSED) is then off; pass
+        pipeline="transposed" with backend="wgmma" to set that kernel's fields.
         ctas_per_sm: fewer persistent CTAs than the kernel's occupancy (attnforge.decode.grid_ctas).
         pdl: launch the decode kernel with programmatic dependent launch, as BatchDecode does (its CTAs
         find their first item while the kernel before it finishes, and read queries and cache after it
