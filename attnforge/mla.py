@@ -127,7 +127,7 @@ class BatchMLADecode(BatchDecode):
                          ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, **spec_kwargs)
         if pdl is None:
             self.pdl = self.kernel.pdl_by_default
-        self._default_kernel = self._long_kernel = None  # filled at the first plan (_pick_kernel)
+        self._default_kernel = self._transposed_kernel = None  # filled at the first plan (_pick_kernel)
 
     # MLADecodeKernel's fields that have arguments of their own here
     _OWN_KERNEL_ARGS = ("spec", "num_stages", "tile_kv", "backend", "schedule")
@@ -151,9 +151,9 @@ class BatchMLADecode(BatchDecode):
 
     def _host_only_defaults(self) -> None:
         self._backend, self._schedule, self._kernel_fields, self.max_q_len, self._graph_lanes = None, None, {}, 1, None
-        self._default_kernel = self._long_kernel = None  # (host_only sets the kernel after: filled at plan())
+        self._default_kernel = self._transposed_kernel = None  # (host_only sets the kernel after: filled at plan())
 
-    def _make_long_request_kernel(self) -> Optional[MLADecodeKernel]:
+    def _make_transposed_kernel(self) -> Optional[MLADecodeKernel]:
         """The kernel plan() runs one request (LONG_REQUEST_TRANSPOSED), or a batch of one query token each
         (BATCHES_TRANSPOSED), on instead of the default: the transposed wgmma kernel where the default is
         the 64-row normal one at 16 heads, on the same grid, unless the kernel was chosen explicitly
@@ -169,15 +169,16 @@ class BatchMLADecode(BatchDecode):
         return t if t.ctas_per_sm == k.ctas_per_sm and t.rows <= k.rows else None
 
     def _pick_kernel(self, batch: int, q_len: int) -> None:
-        """The kernel for a plan of `batch` requests of `q_len` query tokens: the long-request kernel for
+        """The kernel for a plan of `batch` requests of `q_len` query tokens: the transposed kernel for
         one request, or for a batch of one token each (BATCHES_TRANSPOSED), else the default. (Under CUDA
         graphs every plan has the captured batch size and q_len, so the captured kernel stays.) Both fit the
         workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row block."""
         if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
             self._default_kernel = self.kernel
-            self._long_kernel = self._make_long_request_kernel()
-        long = (LONG_REQUEST_TRANSPOSED and batch == 1) or (BATCHES_TRANSPOSED and q_len == 1)
-        self.kernel = self._long_kernel if long and self._long_kernel is not None else self._default_kernel
+            self._transposed_kernel = self._make_transposed_kernel()
+        transposed = (LONG_REQUEST_TRANSPOSED and batch == 1) or (BATCHES_TRANSPOSED and q_len == 1)
+        self.kernel = self._transposed_kernel if transposed and self._transposed_kernel is not None else \
+            self._default_kernel
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows

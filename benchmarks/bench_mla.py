@@ -56,10 +56,11 @@ def selected_rows(variants: list) -> list:
 def query_tokens() -> int:
     """ATTNFORGE_BENCH_MLA_Q_LEN="2": every case with that many query tokens a request (speculative decoding,
     causal within the request as FlashInfer's causal plan), its rows named "<case> q2"; 1 unset."""
-    q = int(os.environ.get("ATTNFORGE_BENCH_MLA_Q_LEN", "1"))
-    if not 1 <= q <= 4:
-        raise ValueError(f"ATTNFORGE_BENCH_MLA_Q_LEN: expected 1..4 query tokens a request, got {q}")
-    return q
+    raw = os.environ.get("ATTNFORGE_BENCH_MLA_Q_LEN", "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= 4:
+        raise ValueError(f"ATTNFORGE_BENCH_MLA_Q_LEN: expected 1..4 query tokens a request, got {raw!r}; "
+                         f"set it to 1, 2, 3 or 4, or unset it")
+    return int(raw)
 
 
 def case_name(case: str, q: int) -> str:

@@ -497,6 +497,7 @@ def test_mla_q_len_env_names_the_cases_and_checks_its_range(monkeypatch):
     assert mod.query_tokens() == 1 and mod.case_name("h16 B64 L8192", 1) == "h16 B64 L8192"
     monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", "2")
     assert mod.query_tokens() == 2 and mod.case_name("h16 B64 L8192", 2) == "h16 B64 L8192 q2"
-    monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", "5")
-    with pytest.raises(ValueError, match="1..4"):
-        mod.query_tokens()
+    for bad in ("5", "0", "two"):
+        monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", bad)
+        with pytest.raises(ValueError, match=f"expected 1..4 query tokens a request, got '{bad}'; set it"):
+            mod.query_tokens()
