@@ -70,6 +70,13 @@ MLA_ALIGN_SLACK = 96
 # (h128 B64 L8192 -13%, B128 L4096 -7%, B16 L65536 -4%; h32 / h64 B16 L65536 -7 / -9%); 3.1% was the
 # most measured. The 64-row mma.sync kernel (fp8 KV) keeps MLA_ALIGN_SLACK: not measured.
 MLA_WIDE_ALIGN_FRACTION = 0.04
+# The transposed wgmma kernel aligns within this many tokens (from 16 heads: or MLA_WIDE_ALIGN_FRACTION of
+# the span where that is more, as it is on every h16 shape of the suite). At 8 heads (its default) 128 lets
+# B128 L4096 take one whole request a span and B64 L8192 one equal half of one, while B16 L65536 (which would
+# grow 249) keeps its even split. Measured on the H200 (thirty-seventh session, three rounds in rotation
+# against MLA_ALIGN_SLACK): h8 B128 L4096 -6.2%, B64 L8192 -1.8%, B16 L65536 and B1 L131072 ties. The
+# fraction is not used at 8 heads: at 4% B16 L65536 took 128 equal chunks on 132 SMs and lost 0.9%.
+MLA_TRANSPOSED_ALIGN_SLACK = 128
 # One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
 # default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s
 # (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
@@ -80,9 +87,10 @@ LONG_REQUEST_TRANSPOSED = True
 # batch size and q_len are fixed at capture, so is the choice). Measured on the H200 (thirty-sixth session,
 # three rounds in rotation, transposed against normal, both on spans aligned within MLA_WIDE_ALIGN_FRACTION):
 # -2.7..-6.8% on the nine batches of call 5, B16..B128 x L2048..L65536 (B64 L8192 -3.0%, B128 L4096 -2.9%,
-# B16 L65536 -2.8%, B16 L4096 -6.0%; before the alignment, B2 L16384 -12% and B4 L4096 -25%). Several
-# query tokens a request (16 rows each) are not measured: a batch of them keeps the normal kernel, whose
-# 64-row blocks hold four.
+# B16 L65536 -2.8%, B16 L4096 -6.0%; before the alignment, B2 L16384 -12% and B4 L4096 -25%). A batch of
+# several query tokens a request keeps the normal kernel, whose 64-row blocks hold four: at two tokens the
+# transposed kernel (a 16-row block a token, each rereading the request's KV) ran 60-77% slower
+# (thirty-seventh session, three rounds: B16 L65536 q2 541 against 309 us, B64 L8192 272 against 170).
 BATCHES_TRANSPOSED = True
 
 
@@ -203,17 +211,20 @@ class BatchMLADecode(BatchDecode):
         (templates/mla_decode.cu.jinja), so those row blocks read the same tokens at the same time. Equal
         requests plan spans on item boundaries, as decode does: cut into equal chunks, or several whole
         to a span where they outnumber the CTAs, if that lengthens a span by less than MLA_ALIGN_SLACK
-        (the 64-row wgmma kernels and the transposed one from 16 heads: MLA_WIDE_ALIGN_FRACTION of it)."""
+        (the transposed wgmma kernel: MLA_TRANSPOSED_ALIGN_SLACK; the 64-row wgmma kernels and the
+        transposed one from 16 heads: MLA_WIDE_ALIGN_FRACTION of the span)."""
         side = self.kernel.side_blocks(row_blocks)
         # the wgmma kernels: MLA_WIDE_ALIGN_FRACTION of the span, for the 64-row blocks and the transposed
         # kernel from 16 heads (h16 B128 L4096 -10%, B64 L8192 -3%; at 8 heads B16 L65536 lost 0.9%: its
         # 128 equal chunks left 4 SMs idle; thirty-sixth session)
         k = self.kernel
+        transposed_wgmma = k.backend == "wgmma" and k.spec.pipeline == "transposed"
         wide = self.align_slack is None and k.backend == "wgmma" and (
-            k.rows >= 64 or (k.spec.pipeline == "transposed" and k.spec.num_qo_heads >= 16))
+            k.rows >= 64 or (transposed_wgmma and k.spec.num_qo_heads >= 16))
+        slack = self.align_slack if self.align_slack is not None else (
+            MLA_TRANSPOSED_ALIGN_SLACK if transposed_wgmma else MLA_ALIGN_SLACK)
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
-                                     align_equal_items=True, whole_items_per_span=True,
-                                     align_slack=MLA_ALIGN_SLACK if self.align_slack is None else self.align_slack,
+                                     align_equal_items=True, whole_items_per_span=True, align_slack=slack,
                                      align_fraction=MLA_WIDE_ALIGN_FRACTION if wide else 0.0)
 
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,

@@ -195,6 +195,7 @@ def test_equal_requests_outnumbering_the_ctas_go_whole_to_spans(heads, monkeypat
     import attnforge.mla
     from attnforge import scheduler
     monkeypatch.setattr(attnforge.mla, "MLA_ALIGN_SLACK", 1 << 30)
+    monkeypatch.setattr(attnforge.mla, "MLA_TRANSPOSED_ALIGN_SLACK", 1 << 30)  # (h16: the transposed kernel)
     spec = mla_spec(heads, "auto")
     probe = BatchMLADecode(spec, max_batch_size=512)
     blocks = probe.kernel.row_blocks(1)
@@ -394,6 +395,25 @@ def test_batches_at_16_heads_run_the_transposed_kernel():
     run_case(spec, [16387, 1, 3000, 129], 7, seed=9, nan_unheld=True)
     run_case(spec, [2048] * 140, 64, seed=10)  # (more requests than CTAs: whole ones a span)
     run_case(spec, [8192] * 40, 64, seed=11)  # (equal chunks a span)
+
+
+def test_8_heads_align_equal_requests_within_the_transposed_slack():
+    """MLA_TRANSPOSED_ALIGN_SLACK at 8 heads: equal requests one whole a span (no merge) and one equal half
+    a span (each merged from two CTAs), against the reference, pages of 7 with NaN past the requests."""
+    from attnforge import scheduler
+    spec = mla_spec(8, "auto")
+    probe = BatchMLADecode(spec)
+    if probe.kernel.backend != "wgmma":
+        pytest.skip("the 8-head default is the transposed wgmma kernel on sm_90a only")
+    # (H200, 132 CTAs: lengths no multiple of a tile whose spans grow 96-128 tokens when aligned, so
+    # MLA_ALIGN_SLACK would split them)
+    for requests, halves, length in ((128, 1, 64 * 60 + 13), (64, 2, 64 * 120 + 13)):
+        _, _, _, (indptr, indices, last), _ = make_case(spec, [length] * requests, 64)
+        probe.plan(indptr, indices, last, page_size=64)
+        rows = scheduler.expand(probe._plan["work"])
+        if probe.num_ctas == 132:  # (other GPUs plan other spans; the attention must hold anyway)
+            assert len(rows) == requests * halves and bool(probe._plan["merge"]) == (halves > 1)
+        run_case(spec, [length] * requests, 7, seed=20 + halves, nan_unheld=True)
 
 
 @pytest.mark.parametrize("promotion", [0, 256])
