@@ -12,6 +12,7 @@ from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch
 from ..jit import tma as tma_maps
+from .decode import L2_PREFETCH_SIZES
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
 from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from .fields import ptrs, scalars
@@ -160,6 +161,11 @@ class MLADecodeKernel:
     producer: Optional[bool] = None
     # with the producer: S^T(t + 1) issued behind P.V(t) where tile t + 1 has landed; None: TRANSPOSED_EARLY_SCORES
     early_scores: Optional[bool] = None
+    # the L2 prefetch size of every cp.async (bytes L2 fetches around a requested sector: 0 no hint, 64, 128,
+    # 256; csrc_include/attnforge/cp_async.cuh). 128 is the default; the others are A/B knobs. H200, in one
+    # process, three rounds (thirty-seventh session): 256 lost on every decode case (+0.7..+6.1%) and MLA
+    # h8 / h16 (+3.5..+5.9%); no hint lost at MLA h16 (+3.0..+5.4%) and tied at h8-h128
+    l2_prefetch: int = 128
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -216,6 +222,9 @@ class MLADecodeKernel:
                              f"issues S^T early, got backend={self.backend!r}, pipeline={self.spec.pipeline!r}, "
                              f"producer={self.producer!r}; pass backend='wgmma', pipeline='transposed' and "
                              f"producer=None (or True), or early_scores=None")
+        if type(self.l2_prefetch) is not int or self.l2_prefetch not in L2_PREFETCH_SIZES:
+            raise ValueError(f"MLADecodeKernel.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got "
+                             f"{self.l2_prefetch!r}; leave it 128 (the default)")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -355,7 +364,7 @@ class MLADecodeKernel:
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
-               "tile_kv": tile,
+               "l2_prefetch": self.l2_prefetch, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -366,6 +375,7 @@ class MLADecodeKernel:
                          *(["pw"] if self.uses_producer else []), *(["es"] if self.uses_early_scores else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
+                         *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)

@@ -6,18 +6,34 @@ namespace attnforge {
 
 AF_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// The L2 prefetch size each copy asks for (bytes around the requested sector that L2 fetches from DRAM):
+// 128 by default (streaming KV); a kernel may define AF_CP_ASYNC_L2_PREFETCH as 0 (no hint), 64 or 256
+// before including this header (DecodeKernel / MLADecodeKernel.l2_prefetch).
+#ifndef AF_CP_ASYNC_L2_PREFETCH
+#define AF_CP_ASYNC_L2_PREFETCH 128
+#endif
+#if AF_CP_ASYNC_L2_PREFETCH == 0
+#define AF_CP_ASYNC_16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#elif AF_CP_ASYNC_L2_PREFETCH == 64
+#define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n"
+#elif AF_CP_ASYNC_L2_PREFETCH == 128
+#define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+#elif AF_CP_ASYNC_L2_PREFETCH == 256
+#define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+#else
+#error "AF_CP_ASYNC_L2_PREFETCH: expected 0, 64, 128 or 256"
+#endif
+
 // Copies 16 bytes, or writes 16 zero bytes when !valid (rows past the end of a chunk), so the
-// tile never holds stale data from an earlier stage. L2::128B prefetch suits streaming KV.
+// tile never holds stale data from an earlier stage.
 AF_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-               "l"(gmem), "r"(src_bytes));
+  asm volatile(AF_CP_ASYNC_16 ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
 }
 // The same, to a shared-memory address already in the 32-bit shared window (offsets fold into the
 // instruction's immediate when the caller adds constants).
 AF_DEVICE void cp_async_16_at(uint32_t smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
-               "r"(valid ? 16 : 0));
+  asm volatile(AF_CP_ASYNC_16 ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 AF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
