@@ -12,9 +12,8 @@ from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch
 from ..jit import tma as tma_maps
-from .decode import L2_PREFETCH_SIZES
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
-from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from .decode import L2_PREFETCH_SIZES, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from .fields import ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
