@@ -7,6 +7,7 @@ GB/s counts the latent cache read once (576 x 2 bytes per token); TFLOP/s counts
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -44,6 +45,15 @@ def _all_cases():
 def kernel_twins() -> list[dict]:
     """ATTNFORGE_BENCH_MLA_KERNEL_TWINS: ';'-separated sets of kernel_fields."""
     return env_kernel_twins("ATTNFORGE_BENCH_MLA_KERNEL_TWINS")
+
+
+def twin_fields(impl: str, twins: list, transposed_twins: list) -> Optional[dict]:
+    """The MLADecodeKernel fields of a row: a twin's set, the one-warpgroup kernel's, else None."""
+    if impl.startswith("attnforge-wgmma-transposed-twin"):
+        return transposed_twins[int(impl[len("attnforge-wgmma-transposed-twin"):])]
+    if impl.startswith("attnforge-twin"):
+        return twins[int(impl[len("attnforge-twin"):])]
+    return {"producer": False} if impl.endswith("-1wg") else None
 
 
 def selected_rows(variants: list) -> list:
@@ -110,6 +120,12 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # beside the default (an A/B of kernel choices in one process)
     twins = kernel_twins()
     variants += [(f"attnforge-twin{i}", "auto", None, None, None, None, None) for i in range(len(twins))]
+    # ATTNFORGE_BENCH_MLA_TRANSPOSED_TWINS="kpe_batched=True;l2_prefetch=0": the wgmma transposed kernel (the
+    # attnforge-wgmma-transposed row) with these fields, one `attnforge-wgmma-transposed-twin<i>` row each: its
+    # A/B at every head count (a wrapper given kernel_fields keeps the default kernel, normal from 16 heads)
+    t_twins = env_kernel_twins("ATTNFORGE_BENCH_MLA_TRANSPOSED_TWINS")
+    variants += [(f"attnforge-wgmma-transposed-twin{i}", "transposed", "wgmma", None, None, None, None)
+                 for i in range(len(t_twins))]
     variants = selected_rows(variants)
     runs = {}
     for impl, pipeline, backend, schedule, tile, stages, per_sm in variants:
@@ -121,8 +137,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             w = BatchMLADecode(spec, max_batch_size=len(last) if graph else max(256, len(last)), max_q_len=q,
                                tile_kv=tile, num_stages=stages, backend=backend, schedule=schedule, ctas_per_sm=per_sm,
                                pdl={"attnforge-pdl": True, "attnforge-no-pdl": False}.get(impl), use_cuda_graph=graph,
-                               kernel_fields=twins[int(impl[len("attnforge-twin"):])] if "twin" in impl else
-                               {"producer": False} if impl.endswith("-1wg") else None)
+                               kernel_fields=twin_fields(impl, twins, t_twins))
         except ValueError as e:  # an ablation that does not fit this head count
             report.note(f"mla {case} {impl}: {e}")
             continue

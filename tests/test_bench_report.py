@@ -501,3 +501,16 @@ def test_mla_q_len_env_names_the_cases_and_checks_its_range(monkeypatch):
         monkeypatch.setenv("ATTNFORGE_BENCH_MLA_Q_LEN", bad)
         with pytest.raises(ValueError, match=f"expected 1..4 query tokens a request, got '{bad}'; set it"):
             mod.query_tokens()
+
+
+def test_mla_twin_rows_take_their_field_sets(monkeypatch):
+    """bench_mla.twin_fields: each twin row's MLADecodeKernel fields (the default kernel's twins, the wgmma
+    transposed kernel's twins, the one-warpgroup row); the rest take none."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_mla")
+    twins, t_twins = [{"tma": True}, {"roles_q_steps": 4}], [{"kpe_batched": True}]
+    assert mod.twin_fields("attnforge-twin1", twins, t_twins) == {"roles_q_steps": 4}
+    assert mod.twin_fields("attnforge-wgmma-transposed-twin0", twins, t_twins) == {"kpe_batched": True}
+    assert mod.twin_fields("attnforge-wgmma-transposed-1wg", twins, t_twins) == {"producer": False}
+    assert mod.twin_fields("attnforge-wgmma-transposed", twins, t_twins) is None
+    assert mod.twin_fields("attnforge", twins, t_twins) is None

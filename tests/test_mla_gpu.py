@@ -416,6 +416,20 @@ def test_8_heads_align_equal_requests_within_the_transposed_slack():
         run_case(spec, [length] * requests, 7, seed=20 + halves, nan_unheld=True)
 
 
+@pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (128, "normal")])
+def test_kpe_batched_copies_match_bitwise(heads, pipeline):
+    """kpe_batched (the transposed kernel's default): the same bytes land in the same places, so the outputs
+    equal the row copies' bit for bit: pages of 64, 7 (rows of one copy on two pages) and 1, lengths off
+    the tiles, NaN past the requests."""
+    spec = mla_spec(heads, pipeline)
+    for lengths, page in (([1000, 63, 20000, 0, 129], 64), ([2, 700, 1, 3001], 7), ([300, 65], 1)):
+        a, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend="wgmma",
+                        kernel_fields={"kpe_batched": True})
+        b, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend="wgmma",
+                        kernel_fields={"kpe_batched": False})
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("promotion", [0, 256])
 def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
     # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles

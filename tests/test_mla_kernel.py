@@ -411,7 +411,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
     kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
     __syncthreads; producer=False keeps the one-warpgroup kernel."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
-    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_r16t64s2")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_kb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
     one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)
@@ -430,7 +430,7 @@ def test_early_scores_is_the_producer_kernels():
     S^T(t + 1) behind P.V(t) where tile t + 1 has landed, and hands the refilled stages over by mbarriers;
     anywhere else it is an error that says what to pass."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
-    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_r16t64s2")
+    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_kb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kEarlyScores = true;" in src and "named_bar_sync_and(kBarCompute" in src
     off = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=False)
@@ -591,3 +591,22 @@ def test_l2_prefetch_is_a_named_kernel_field():
     assert "AF_CP_ASYNC_L2_PREFETCH" not in MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module().source
     with pytest.raises(ValueError, match="l2_prefetch: expected one of"):
         MLADecodeKernel(spec(16, "transposed"), backend="wgmma", l2_prefetch=100)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
+def test_kpe_batched_copies_compile_without_spills(tmp_path, heads, pipeline):
+    """kpe_batched (wgmma kernels): the rope chunks of 4 rows a copy, the transposed kernel's default
+    (TRANSPOSED_KPE_BATCHED), the roles kernel's where asked; named, refused on mma.sync, and ptxas keeps the
+    wgmmas asynchronous without spills (the transposed kernel and the roles kernel's prologue)."""
+    from helpers import ptxas_log_of_async_wgmmas
+    k = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=True)
+    assert "_kb_" in k.module().name and "constexpr bool kKpeBatched = true;" in k.module().source
+    default = MLADecodeKernel(spec(heads, pipeline), backend="wgmma")
+    assert default.uses_kpe_batched == (pipeline == "transposed")
+    row_copies = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=False).module()
+    assert "constexpr bool kKpeBatched = false;" in row_copies.source and "_kb_" not in row_copies.name
+    with pytest.raises(ValueError, match="kpe_batched: expected None, True"):
+        MLADecodeKernel(spec(heads, pipeline), backend="mma", kpe_batched=True)
+    assert not MLADecodeKernel(spec(heads, pipeline), backend="mma").uses_kpe_batched
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)

@@ -62,6 +62,13 @@ TRANSPOSED_PRODUCER = True
 # h16 B16 L65536 -4.0%, B64 -3.3%, B128 -4.4%, h32 B16 -8.5%; h8 B16 L65536 a tie (+0.2%, in one process).
 # Issued early whatever the next tile's landing, h8 lost 2.7%: tile t's release then waited for it.
 TRANSPOSED_EARLY_SCORES = True
+# The transposed wgmma kernel's copier issues the rope's 8 chunks of 4 rows a copy instruction (all 32 lanes)
+# instead of one row's 8 lanes (MLADecodeKernel.kpe_batched; the same bytes in the same places, so the same
+# outputs bit for bit). ncu at h16 B16 L65536 had its copies loading L1/TEX at 52% against decode's 21%.
+# Measured on the H200 (thirty-seventh session, three rounds in one process): h16 B16 L65536 -1.5%, B128
+# L4096 -1.1%, B64 L8192 -0.9%, B1 L131072 and h8 B16 L65536 ties. The roles kernel (its prologue's tiles
+# only) keeps the row copies: not measured.
+TRANSPOSED_KPE_BATCHED = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -165,6 +172,9 @@ class MLADecodeKernel:
     # process, three rounds (thirty-seventh session): 256 lost on every decode case (+0.7..+6.1%) and MLA
     # h8 / h16 (+3.5..+5.9%); no hint lost at MLA h16 (+3.0..+5.4%) and tied at h8-h128
     l2_prefetch: int = 128
+    # wgmma kernels' issue_tile: the rope's 8 chunks of 4 rows a copy instruction (all 32 lanes), not one row's
+    # 8 lanes an instruction; None: TRANSPOSED_KPE_BATCHED for the transposed wgmma kernel, else False
+    kpe_batched: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -224,6 +234,10 @@ class MLADecodeKernel:
         if type(self.l2_prefetch) is not int or self.l2_prefetch not in L2_PREFETCH_SIZES:
             raise ValueError(f"MLADecodeKernel.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got "
                              f"{self.l2_prefetch!r}; leave it 128 (the default)")
+        kb = self.kpe_batched
+        if (kb is not None and type(kb) is not bool) or (kb and self.backend != "wgmma"):
+            raise ValueError(f"MLADecodeKernel.kpe_batched: expected None, True (backend='wgmma') or False, got "
+                             f"{kb!r} with backend={self.backend!r}; leave it None for the measured default")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -308,6 +322,13 @@ class MLADecodeKernel:
         return self.uses_producer and (TRANSPOSED_EARLY_SCORES if self.early_scores is None else self.early_scores)
 
     @property
+    def uses_kpe_batched(self) -> bool:
+        """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched)."""
+        if self.kpe_batched is not None:
+            return self.kpe_batched
+        return TRANSPOSED_KPE_BATCHED and self._transposed_wgmma
+
+    @property
     def rows(self) -> int:
         return rows_per_cta(self.spec.num_qo_heads, self.spec.pipeline, self.backend)
 
@@ -363,7 +384,7 @@ class MLADecodeKernel:
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
-               "l2_prefetch": self.l2_prefetch, "tile_kv": tile,
+               "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -375,6 +396,7 @@ class MLADecodeKernel:
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
                          *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
+                         *(["kb"] if self.uses_kpe_batched else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
