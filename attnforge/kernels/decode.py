@@ -95,6 +95,13 @@ def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
 L2_PREFETCH_SIZES = (0, 64, 128, 256)  # cp.async's L2 prefetch hints (bytes; 0: none)
 
 
+def check_l2_prefetch(kernel: str, value) -> None:
+    """A kernel's l2_prefetch field (DecodeKernel, MLADecodeKernel): one of L2_PREFETCH_SIZES."""
+    if type(value) is not int or value not in L2_PREFETCH_SIZES:
+        raise ValueError(f"{kernel}.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got {value!r}; "
+                         f"leave it 128 (the default)")
+
+
 @dataclass(frozen=True)
 class DecodeKernel:
     """Launch shape of one decode spec. tile_kv / num_stages override the measured defaults."""
@@ -144,9 +151,7 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
         if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
             raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
-        if type(self.l2_prefetch) is not int or self.l2_prefetch not in L2_PREFETCH_SIZES:
-            raise ValueError(f"DecodeKernel.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got "
-                             f"{self.l2_prefetch!r}; leave it 128 (the default)")
+        check_l2_prefetch("DecodeKernel", self.l2_prefetch)
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:

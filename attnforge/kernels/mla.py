@@ -13,7 +13,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch
 from ..jit import tma as tma_maps
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
-from .decode import L2_PREFETCH_SIZES, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, check_l2_prefetch
 from .fields import ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
@@ -167,10 +167,7 @@ class MLADecodeKernel:
     producer: Optional[bool] = None
     # with the producer: S^T(t + 1) issued behind P.V(t) where tile t + 1 has landed; None: TRANSPOSED_EARLY_SCORES
     early_scores: Optional[bool] = None
-    # the L2 prefetch size of every cp.async (bytes L2 fetches around a requested sector: 0 no hint, 64, 128,
-    # 256; csrc_include/attnforge/cp_async.cuh). 128 is the default; the others are A/B knobs. H200, in one
-    # process, three rounds (thirty-seventh session): 256 lost on every decode case (+0.7..+6.1%) and MLA
-    # h8 / h16 (+3.5..+5.9%); no hint lost at MLA h16 (+3.0..+5.4%) and tied at h8-h128
+    # every cp.async's L2 prefetch size, as DecodeKernel.l2_prefetch (128; the others lost or tied here)
     l2_prefetch: int = 128
     # wgmma kernels' issue_tile: the rope's 8 chunks of 4 rows a copy instruction (all 32 lanes), not one row's
     # 8 lanes an instruction; None: TRANSPOSED_KPE_BATCHED for the transposed wgmma kernel, else False
@@ -231,9 +228,7 @@ class MLADecodeKernel:
                              f"issues S^T early, got backend={self.backend!r}, pipeline={self.spec.pipeline!r}, "
                              f"producer={self.producer!r}; pass backend='wgmma', pipeline='transposed' and "
                              f"producer=None (or True), or early_scores=None")
-        if type(self.l2_prefetch) is not int or self.l2_prefetch not in L2_PREFETCH_SIZES:
-            raise ValueError(f"MLADecodeKernel.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got "
-                             f"{self.l2_prefetch!r}; leave it 128 (the default)")
+        check_l2_prefetch("MLADecodeKernel", self.l2_prefetch)
         kb = self.kpe_batched
         if (kb is not None and type(kb) is not bool) or (kb and self.backend != "wgmma"):
             raise ValueError(f"MLADecodeKernel.kpe_batched: expected None, True (backend='wgmma') or False, got "
