@@ -418,16 +418,32 @@ def test_8_heads_align_equal_requests_within_the_transposed_slack():
 
 @pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (128, "normal")])
 def test_kpe_batched_copies_match_bitwise(heads, pipeline):
-    """kpe_batched (the transposed kernel's default): the same bytes land in the same places, so the outputs
-    equal the row copies' bit for bit: pages of 64, 7 (rows of one copy on two pages) and 1, lengths off
-    the tiles, NaN past the requests."""
+    """kpe_batched (the transposed kernel's default where it copies by row): the same bytes land in the same
+    places, so the outputs equal the row copies' bit for bit: pages of 64, 7 (rows of one copy on two pages)
+    and 1, lengths off the tiles, NaN past the requests."""
     spec = mla_spec(heads, pipeline)
+    by_row = {"copies_by_block": False} if pipeline == "transposed" else {}
     for lengths, page in (([1000, 63, 20000, 0, 129], 64), ([2, 700, 1, 3001], 7), ([300, 65], 1)):
         a, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend="wgmma",
-                        kernel_fields={"kpe_batched": True})
+                        kernel_fields={"kpe_batched": True, **by_row})
         b, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend="wgmma",
-                        kernel_fields={"kpe_batched": False})
+                        kernel_fields={"kpe_batched": False, **by_row})
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads", [8, 16])
+def test_copies_by_block_match_the_row_copies_bitwise(heads):
+    """copies_by_block (the default there): the transposed kernel's tiles land by column block in the same places as by row, so
+    the outputs are the row copies' bit for bit: pages of 64, 7 and 1, lengths off the tiles, draft tokens,
+    an empty request, NaN past the requests; then every case of wgmma_cases."""
+    spec = mla_spec(heads, "transposed")
+    by_block = {"backend": "wgmma", "kernel_fields": {"copies_by_block": True}}
+    for lengths, page, q_len in (([1000, 63, 20000, 0, 129], 64, 1), ([2, 700, 1, 3001], 7, 2), ([300, 65], 1, 1)):
+        a, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **by_block)
+        b, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend="wgmma",
+                        kernel_fields={"copies_by_block": False})
+        assert torch.equal(a, b)
+    wgmma_cases(heads, "transposed", **by_block)
 
 
 @pytest.mark.parametrize("promotion", [0, 256])

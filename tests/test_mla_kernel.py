@@ -411,7 +411,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
     kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
     __syncthreads; producer=False keeps the one-warpgroup kernel."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
-    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_kb_r16t64s2")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
     one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)
@@ -430,7 +430,7 @@ def test_early_scores_is_the_producer_kernels():
     S^T(t + 1) behind P.V(t) where tile t + 1 has landed, and hands the refilled stages over by mbarriers;
     anywhere else it is an error that says what to pass."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
-    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_kb_r16t64s2")
+    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kEarlyScores = true;" in src and "named_bar_sync_and(kBarCompute" in src
     off = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=False)
@@ -597,16 +597,42 @@ def test_l2_prefetch_is_a_named_kernel_field():
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
 def test_kpe_batched_copies_compile_without_spills(tmp_path, heads, pipeline):
     """kpe_batched (wgmma kernels): the rope chunks of 4 rows a copy, the transposed kernel's default
-    (TRANSPOSED_KPE_BATCHED), the roles kernel's where asked; named, refused on mma.sync, and ptxas keeps the
-    wgmmas asynchronous without spills (the transposed kernel and the roles kernel's prologue)."""
+    (TRANSPOSED_KPE_BATCHED) where it copies by row, the roles kernel's where asked; named, refused on
+    mma.sync and beside copies by column block, and ptxas keeps the wgmmas asynchronous without spills (the
+    transposed kernel and the roles kernel's prologue)."""
     from helpers import ptxas_log_of_async_wgmmas
-    k = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=True)
+    by_row = {"copies_by_block": False} if pipeline == "transposed" else {}
+    k = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=True, **by_row)
     assert "_kb_" in k.module().name and "constexpr bool kKpeBatched = true;" in k.module().source
-    default = MLADecodeKernel(spec(heads, pipeline), backend="wgmma")
+    default = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", **by_row)
     assert default.uses_kpe_batched == (pipeline == "transposed")
-    row_copies = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=False).module()
+    # by column block (the transposed kernel's default) issue_tile is not called: kpe_batched resolves off
+    assert not MLADecodeKernel(spec(heads, pipeline), backend="wgmma").uses_kpe_batched
+    if pipeline == "transposed":
+        with pytest.raises(ValueError, match="kpe_batched=True shapes the row copies.*copies_by_block=False"):
+            MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=True)
+    row_copies = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=False, **by_row).module()
     assert "constexpr bool kKpeBatched = false;" in row_copies.source and "_kb_" not in row_copies.name
     with pytest.raises(ValueError, match="kpe_batched: expected None, True"):
         MLADecodeKernel(spec(heads, pipeline), backend="mma", kpe_batched=True)
     assert not MLADecodeKernel(spec(heads, pipeline), backend="mma").uses_kpe_batched
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("heads", [8, 16])
+def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
+    """copies_by_block (the default there): the early-scores transposed kernel's copier copies its tiles as the
+    roles kernel does (issue_blocks); named, refused elsewhere, and ptxas keeps the wgmmas asynchronous
+    without spills."""
+    from helpers import ptxas_log_of_async_wgmmas
+    k = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma")
+    assert k.uses_copies_by_block and "_cbb_" in k.module().name and "_kb_" not in k.module().name
+    assert "issue_blocks<0, 8, true>(p, rows" in k.module().source
+    by_row = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma", copies_by_block=False)
+    assert not by_row.uses_copies_by_block and "issue_blocks<0, 8, true>" not in by_row.module().source
+    assert "_cbb_" not in by_row.module().name and by_row.uses_kpe_batched
+    for kw in ({"backend": "mma"}, {"backend": "wgmma", "early_scores": False}):
+        with pytest.raises(ValueError, match="copies_by_block: expected None, or True"):
+            MLADecodeKernel(spec(heads, "transposed"), copies_by_block=True, **kw)
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)

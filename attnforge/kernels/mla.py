@@ -69,6 +69,13 @@ TRANSPOSED_EARLY_SCORES = True
 # L4096 -1.1%, B64 L8192 -0.9%, B1 L131072 and h8 B16 L65536 ties. The roles kernel (its prologue's tiles
 # only) keeps the row copies: not measured.
 TRANSPOSED_KPE_BATCHED = True
+# With early_scores, the copier's tiles by column block (MLADecodeKernel.copies_by_block), as the roles
+# kernel copies since the twenty-ninth session (h32 -4.5%, h64 -5.4% there): per 4 rows, 9 copies and one
+# pointer shuffle (two 32-bit halves) for the latent and one for the rope, against 8 copies, 8 offset
+# shuffles and the rope's copy by rows (296 fewer static instructions at h16). Thirty-eighth session, three
+# rounds in one process: h16 B16 L65536 -0.8% (287.5 -> 285.2 us), B64 L8192 / B128 L4096 / B1 L131072
+# -0.5%, h8 B16 L65536 -0.2%; outputs bit for bit the row copies'. kpe_batched is moot under it.
+TRANSPOSED_COPIES_BY_BLOCK = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -172,6 +179,10 @@ class MLADecodeKernel:
     # wgmma kernels' issue_tile: the rope's 8 chunks of 4 rows a copy instruction (all 32 lanes), not one row's
     # 8 lanes an instruction; None: TRANSPOSED_KPE_BATCHED for the transposed wgmma kernel, else False
     kpe_batched: Optional[bool] = None
+    # with early_scores: the copier's tiles by column block (4 rows x 128 bytes a copy, one pointer shuffle a
+    # group of 4 rows, as the roles kernel copies), not by row (two copies and an offset shuffle a row);
+    # None: TRANSPOSED_COPIES_BY_BLOCK
+    copies_by_block: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -233,6 +244,15 @@ class MLADecodeKernel:
         if (kb is not None and type(kb) is not bool) or (kb and self.backend != "wgmma"):
             raise ValueError(f"MLADecodeKernel.kpe_batched: expected None, True (backend='wgmma') or False, got "
                              f"{kb!r} with backend={self.backend!r}; leave it None for the measured default")
+        cb = self.copies_by_block
+        if (cb is not None and type(cb) is not bool) or (cb and not self.uses_early_scores):
+            raise ValueError(f"MLADecodeKernel.copies_by_block: expected None, or True (the early-scores transposed "
+                             f"wgmma kernel) or False, got {cb!r} with backend={self.backend!r}, pipeline="
+                             f"{self.spec.pipeline!r}; pass backend='wgmma', pipeline='transposed', or leave it None")
+        if kb and self.uses_copies_by_block:  # issue_tile, which kpe_batched shapes, is not called there
+            raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
+                             "block (copies_by_block, the early-scores transposed kernel's default); pass "
+                             "copies_by_block=False with it, or leave kpe_batched None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -317,11 +337,19 @@ class MLADecodeKernel:
         return self.uses_producer and (TRANSPOSED_EARLY_SCORES if self.early_scores is None else self.early_scores)
 
     @property
+    def uses_copies_by_block(self) -> bool:
+        """Whether the early-scores transposed kernel's copier copies by column block (copies_by_block)."""
+        if not self.uses_early_scores:
+            return False
+        return TRANSPOSED_COPIES_BY_BLOCK if self.copies_by_block is None else self.copies_by_block
+
+    @property
     def uses_kpe_batched(self) -> bool:
-        """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched)."""
+        """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
+        copier copies by column block (issue_tile is not called there)."""
         if self.kpe_batched is not None:
             return self.kpe_batched
-        return TRANSPOSED_KPE_BATCHED and self._transposed_wgmma
+        return TRANSPOSED_KPE_BATCHED and self._transposed_wgmma and not self.uses_copies_by_block
 
     @property
     def rows(self) -> int:
@@ -379,7 +407,8 @@ class MLADecodeKernel:
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
-               "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched, "tile_kv": tile,
+               "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched,
+               "copies_by_block": self.uses_copies_by_block, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -392,6 +421,7 @@ class MLADecodeKernel:
                          *(["mod"] if s.score_mod is not None else []),
                          *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          *(["kb"] if self.uses_kpe_batched else []),
+                         *(["cbb"] if self.uses_copies_by_block else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
