@@ -69,7 +69,7 @@ class StreamPlan:
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
                 snap_where_it_pays: bool = True, whole_items_per_span: bool = False,
-                align_fraction: float = 0.0) -> StreamPlan:
+                align_fraction: float = 0.0, align_tile: int = 0) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
     costliest) and there are at most num_ctas of them, cut each
@@ -81,6 +81,10 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     fixed cost, an aligned one leaves num_ctas % items CTAs idle (B16 L65536: +662 tokens a span, +0.9%).
     align_slack: that bound in the kernel's tokens (MLA's tokens weigh more than decode's);
     align_fraction: or this fraction of the even span, where that is more (kernels whose chunks cost more).
+    align_tile: with aligned chunks, the aligned span rounded up to a multiple of this (the kernel's KV tile,
+    which must divide CHUNK_FIXED_COST) where that still fits the slack: every cut then falls on a tile
+    boundary of its item, so no chunk ends in a partial tile that its neighbour also reads. Two chunks of
+    B64 L8192 (MLA) were 4064 + 4128 tokens, 64 + 65 tiles of 64; rounded, 4096 + 4096.
     snap: span boundaries within this many positions of an item's start or end move there (span_cuts);
     0 for none, else at least CHUNK_FIXED_COST, and capped below span / 2 (aligned plans need none).
     snap_where_it_pays: apply it only to batches of unequal items that each fit a span (snap_pays).
@@ -88,6 +92,9 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     num_ctas) whole to a span (each padded to the costliest) where that lengthens the span by less than
     align_slack: no item is split, so none is merged (MLA's 64-row blocks, whose chunks cost most).
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
+    if align_tile and (not isinstance(align_tile, int) or align_tile < 0 or CHUNK_FIXED_COST % align_tile):
+        raise ValueError(f"plan_stream(align_tile=...): expected 0 or a positive divisor of CHUNK_FIXED_COST="
+                         f"{CHUNK_FIXED_COST} (the kernel's KV tile), got {align_tile!r}; pass 0 to leave cuts unrounded")
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
                          f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")
@@ -103,6 +110,9 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     if align_equal_items and 0 < items <= num_ctas and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE:
         chunks = num_ctas // items
         aligned = max(-(-int(item_cost.max()) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
+        rounded = -(-aligned // align_tile) * align_tile if align_tile > 0 else aligned
+        if aligned < int(item_cost.max()) and rounded - span < align_slack:  # (items cut in chunks)
+            aligned = rounded  # cut k at token k * aligned - CHUNK_FIXED_COST: a multiple of the tile
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
             return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))

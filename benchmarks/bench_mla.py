@@ -115,6 +115,10 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # requests cut into equal chunks, or several whole a span where they outnumber the CTAs)
     slacks = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ALIGN_SLACK", "").split(","))]
     variants += [(f"attnforge-slack{x}", "auto", None, None, None, None, None) for x in slacks]
+    # ATTNFORGE_BENCH_MLA_ALIGN_TILE="0": the default kernel with aligned chunks' cuts rounded to that many
+    # tokens (0: unrounded; BatchMLADecode.align_tile), to compare with the default's tile-rounded cuts
+    tiles = [int(x) for x in filter(None, os.environ.get("ATTNFORGE_BENCH_MLA_ALIGN_TILE", "").split(","))]
+    variants += [(f"attnforge-tile{x}", "auto", None, None, None, None, None) for x in tiles]
     # ATTNFORGE_BENCH_MLA_KERNEL_TWINS="roles_q_steps=4,roles_pv_rs=False;roles_q_steps=16": the default
     # kernel with these MLADecodeKernel fields changed, one `attnforge-twin<i>` row each, timed in rotation
     # beside the default (an A/B of kernel choices in one process)
@@ -143,6 +147,8 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
             continue
         if impl.startswith("attnforge-slack"):
             w.align_slack = int(impl[len("attnforge-slack"):])
+        if impl.startswith("attnforge-tile"):
+            w.align_tile = int(impl[len("attnforge-tile"):])
         w.plan(indptr, indices, last, page_size=PAGE, q_len=q)
         runs[impl] = lambda w=w, out=torch.empty_like(q_nope): w.run(q_nope, q_pe, ckv, kpe, out=out)
         if impl == "attnforge" and len(last) == 1:  # one long request: what its chunks' merge costs

@@ -310,8 +310,8 @@ def test_equal_requests_plan_aligned_spans():
     indptr = np.arange(65) * 128
     w.plan(indptr, np.arange(64 * 128), np.full(64, 64), page_size=64)
     work = w._plan["work"]
-    per = w.num_ctas // 64
-    assert work.span == -(-(8192 + 64) // per) and work.total % work.span == 0
+    per, tile = w.num_ctas // 64, w.kernel.tiling[0]  # the span rounded to the tile: cuts on tile boundaries
+    assert work.span == -(-(-(-(8192 + 64) // per)) // tile) * tile and work.total % work.span == 0
     # B16 L65536: aligning would lengthen every span by 124 tokens (past MLA_ALIGN_SLACK): the even split stays
     indptr = np.arange(17) * 1024
     w.plan(indptr, np.arange(16 * 1024), np.full(16, 64), page_size=64)
@@ -687,3 +687,23 @@ def scheduler_chunks(w) -> int:
     from attnforge import scheduler
     work = w._plan["work"]
     return next(k for k in range(1, 4 * w.num_ctas) if not scheduler.has_split_items(work, k))
+
+
+def test_aligned_chunks_cut_on_the_kernel_tiles():
+    """ALIGN_CUTS_TO_TILES: B64 L8192 at 16 heads (the transposed wgmma kernel, two chunks a request) is cut
+    at token 4096, 64 tiles each, not 4064 + 4128 (64 + 65 tiles); align_tile = 0 on the wrapper restores
+    the unrounded cut."""
+    import numpy as np
+
+    from attnforge import scheduler
+    from attnforge.mla import BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    sizes = {}
+    for tile in (None, 0):
+        w = BatchMLADecode.host_only(spec, max_batch_size=64, max_num_pages=64 * 128)
+        w.align_tile = tile
+        w.plan(np.arange(65) * 128, np.arange(64 * 128), np.full(64, 64), page_size=64)
+        assert w.kernel.spec.pipeline == "transposed" and w.kernel.tiling[0] == 64
+        chunks = scheduler.expand(w._plan["work"])
+        sizes[tile] = sorted({int(hi - lo) for _, _, _, lo, hi, _ in chunks.tolist()})
+    assert sizes == {None: [4096], 0: [4064, 4128]}

@@ -430,3 +430,40 @@ def test_align_fraction_bounds_aligned_spans_by_a_share_of_the_even_span():
     for fraction, aligned in ((0.02, False), (0.04, True)):
         p = plan_stream(np.zeros_like(end), end, 1, 66, align_equal_items=True, align_fraction=fraction)
         assert p.span == (8192 + CHUNK_FIXED_COST if aligned else even.span)
+
+
+@pytest.mark.parametrize("lengths,ctas,tile", [([8192] * 64, 132, 64), ([65536] * 16, 132, 64), ([4000] * 30, 132, 32),
+                                                ([8191, 8192, 8190] * 5, 66, 64), ([100] * 40, 132, 64)])
+def test_aligned_cuts_fall_on_tile_boundaries(lengths, ctas, tile):
+    """align_tile: equal items cut into aligned chunks are cut only at multiples of the tile within the item,
+    every token is still covered once, no chunk needs more tiles than without the rounding, and the span
+    grows by less than a tile; plans that are not aligned chunks (too unequal, or whole items) are unchanged."""
+    end = np.asarray(lengths, dtype=np.int64)
+    kw = dict(align_equal_items=True, align_fraction=0.04, align_slack=128)
+    plain, rounded = (plan_stream(np.zeros_like(end), end, 1, ctas, align_tile=t, **kw) for t in (0, tile))
+    assert plain.span <= rounded.span < plain.span + tile
+    aligned = (np.diff(rounded.prefix) % rounded.span == 0).all()
+    cut = aligned and any(len(parts) > 1 for parts in groups(expand(rounded)).values())
+    assert cut == (lengths[0] in (8192, 65536, 4000)), "which of these plans cut items into aligned chunks"
+    if not aligned:
+        assert rounded.span == plain.span and np.array_equal(rounded.prefix, plain.prefix)
+    tiles = {}
+    for p in (plain, rounded):
+        chunks = expand(p)
+        for (r, _), parts in groups(chunks).items():
+            spans = sorted((lo, hi) for lo, hi, _, _ in parts)
+            assert spans[0][0] == 0 and spans[-1][1] == end[r]
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            if p is rounded and cut:
+                assert all(lo % tile == 0 for lo, _ in spans), (r, spans)
+        tiles[p is rounded] = max(-(-(hi - lo) // tile) for _, _, _, lo, hi, _ in chunks.tolist())
+    assert tiles[True] <= tiles[False]
+    if lengths == [8192] * 64:  # two chunks a request: 4064 + 4128 tokens (65 tiles), now 4096 + 4096 (64)
+        assert (tiles[False], tiles[True]) == (65, 64)
+
+
+def test_align_tile_must_divide_the_fixed_cost():
+    end = np.full(4, 1000)
+    for bad in (48, -64, 128):
+        with pytest.raises(ValueError, match="align_tile=...\\): expected 0 or a positive divisor"):
+            plan_stream(np.zeros_like(end), end, 1, 8, align_equal_items=True, align_tile=bad)
