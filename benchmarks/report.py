@@ -82,7 +82,8 @@ def _stale_note(base: dict, new: dict):
 def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
     """Replace the record's rows of every (suite, case) a newer results file measured (all of that
     case's implementations: peers are only compared within one run); keep the rest. Each source's
-    notes are kept, prefixed with the suites it measured; its versions update the record's, except
+    notes are kept, prefixed with the suites it measured (once: not again where the record holds the
+    same note); its versions update the record's, except
     a peer it reports missing (a run without peers) over one the record knows."""
     base = json.loads(Path(into).read_text())
     for src in sources:
@@ -91,8 +92,10 @@ def merge(*sources: str, into: str = str(DOCS / "h200.json")) -> int:
         cases = {(r["suite"], r["case"]) for r in new["rows"]}
         stale = _stale_note(base, new)
         base["rows"] = [r for r in base["rows"] if (r["suite"], r["case"]) not in cases] + new["rows"]
-        base["notes"] = [n for n in base.get("notes", []) if not stale(n)] + [
-            f"[{', '.join(suites)}] {n}" for n in new.get("notes", [])]
+        kept = [n for n in base.get("notes", []) if not stale(n)]
+        # (a run of some cases writes the suite's notes again: an identical note is kept once)
+        base["notes"] = kept + [n for n in (f"[{', '.join(suites)}] {n}" for n in new.get("notes", []))
+                                if n not in kept]
         # a run without the peers reports them "missing": that does not unmeasure the rows kept
         base["versions"].update({k: v for k, v in new["versions"].items()
                                  if v != "missing" or k not in base["versions"]})

@@ -68,6 +68,20 @@ def test_merge_drops_the_older_edition_of_a_note_a_run_writes_again(tmp_path):
                    "global 1.5 s", "[mla] accuracy h16 bf16: RMSE 2.1e-05", "[mla] clock 1695 MHz", "[mla] global 2 s"]
 
 
+def test_merge_of_some_cases_keeps_a_note_written_again_once(tmp_path):
+    """A run of some of a suite's cases writes the suite's notes again (the accuracy RMSEs, the legend): the
+    record keeps one of each; a note with other numbers is a new note beside the old one."""
+    record = {"gpu": "H200", "date": "2026-11-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 9.0),
+              row("mla", "h128", "attnforge", 3.0)], "notes": ["[mla] legend", "[mla] accuracy RMSE 1.7e-04"]}
+    new = {"gpu": "H200", "date": "2026-12-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 8.0)],
+           "notes": ["legend", "accuracy RMSE 1.7e-04", "accuracy RMSE 2.0e-04"]}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
+    got = json.loads((tmp_path / "record.json").read_text())["notes"]
+    assert got == ["[mla] legend", "[mla] accuracy RMSE 1.7e-04", "[mla] accuracy RMSE 2.0e-04"]
+
+
 def test_table_shows_bandwidth_and_flops():
     r = {**row("mla", "h128", "attnforge", 100.0), "gbps": 600.0, "tflops": 150.0}
     text = load_report().table([r], "mla")
