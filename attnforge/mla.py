@@ -96,14 +96,16 @@ BATCHES_TRANSPOSED = True
 # into 4064 + 4128 tokens, so half its CTAs ran 65 tiles where B128 L4096's ran 64 (thirty-eighth session's
 # trace: 64.5 tiles an item, against 64.0). Measured on the H200 (the same session, three rounds in one
 # process against the unrounded cuts): B64 L8192 -1.1% (156.3 -> 154.5 us), B16 L65536 -0.2%, B128 L4096
-# (whole requests: the same plan) +0.3%. None on a wrapper (align_tile): the kernel's tile; 0: unrounded.
+# (whole requests: the same plan) +0.3%. The transposed wgmma kernel's plans only (h8, h16): the other
+# kernels' (h32-h128 B16 L65536, h128 B1 L131072 would change) are not measured. None on a wrapper
+# (align_tile): the kernel's tile there, else 0; 0: unrounded.
 ALIGN_CUTS_TO_TILES = True
 
 
 class BatchMLADecode(BatchDecode):
     FAMILY = "mla_decode"
-    # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: the kernel's KV tile
-    # where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
+    # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: the transposed wgmma
+    # kernel's KV tile where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
     align_tile: Optional[int] = None
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
@@ -232,7 +234,7 @@ class BatchMLADecode(BatchDecode):
             k.rows >= 64 or (transposed_wgmma and k.spec.num_qo_heads >= 16))
         slack = self.align_slack if self.align_slack is not None else (
             MLA_TRANSPOSED_ALIGN_SLACK if transposed_wgmma else MLA_ALIGN_SLACK)
-        tile = self.kernel.tiling[0] if ALIGN_CUTS_TO_TILES else 0
+        tile = k.tiling[0] if ALIGN_CUTS_TO_TILES and transposed_wgmma else 0
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
                                      align_equal_items=True, whole_items_per_span=True, align_slack=slack,
                                      align_fraction=MLA_WIDE_ALIGN_FRACTION if wide else 0.0,
