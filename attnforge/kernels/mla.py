@@ -86,7 +86,7 @@ TRANSPOSED_COPIES_BY_BLOCK = True
 # 8-9 partial states on the tail is slower than the merge kernel spread over the SMs. The merge was not
 # B64's gap to B128 (the fused merge took ~1 of its ~7 us). Off.
 TRANSPOSED_FUSED_MERGE_CHUNKS = 0
-MAX_FUSED_MERGE_CHUNKS = 32  # one lse a chunk in registers of the row's thread, the weights in the stages
+MAX_FUSED_MERGE_CHUNKS = 32  # the chunks' weights of every row are staged in the stage area (the template checks)
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
