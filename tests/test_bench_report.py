@@ -28,16 +28,21 @@ def row(suite, case, impl, us):
     return {"suite": suite, "case": case, "impl": impl, "us": us, "gbps": None, "tflops": None}
 
 
+def merged(tmp_path, record: dict, new: dict) -> dict:
+    """The record after report.merge of a newer results file (both written to tmp_path)."""
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
+    return json.loads((tmp_path / "record.json").read_text())
+
+
 def test_merge_replaces_measured_cases_and_keeps_the_rest(tmp_path):
     record = {"gpu": "H200", "date": "2026-11-01", "versions": {"torch": "a"}, "notes": ["old"],
               "rows": [row("decode", "B1", "attnforge", 1.0), row("mla", "h16", "attnforge", 9.0),
                        row("mla", "h16", "flashinfer-fa3", 7.0), row("mla", "h128", "attnforge", 3.0)]}
     new = {"gpu": "H200", "date": "2026-11-29", "versions": {"torch": "b", "flashinfer": "x"}, "notes": ["rmse"],
            "rows": [row("mla", "h16", "attnforge", 5.0), row("quest", "h32", "attnforge", 2.0)]}
-    (tmp_path / "record.json").write_text(json.dumps(record))
-    (tmp_path / "new.json").write_text(json.dumps(new))
-    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
-    got = json.loads((tmp_path / "record.json").read_text())
+    got = merged(tmp_path, record, new)
     # h16 is replaced whole (its fa3 row from the older run goes too); h128, not re-measured, stays
     assert sorted((r["suite"], r["case"], r["us"]) for r in got["rows"]) == [
         ("decode", "B1", 1.0), ("mla", "h128", 3.0), ("mla", "h16", 5.0), ("quest", "h32", 2.0)]
@@ -58,10 +63,7 @@ def test_merge_drops_the_older_edition_of_a_note_a_run_writes_again(tmp_path):
                         "[mods] clock 1740 MHz", "[mla, mods] clock 1700 MHz", "global 1.5 s"]}
     new = {"gpu": "H200", "date": "2026-12-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 8.0)],
            "notes": ["accuracy h16 bf16: RMSE 2.1e-05", "clock 1695 MHz", "global 2 s"]}
-    (tmp_path / "record.json").write_text(json.dumps(record))
-    (tmp_path / "new.json").write_text(json.dumps(new))
-    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
-    got = json.loads((tmp_path / "record.json").read_text())["notes"]
+    got = merged(tmp_path, record, new)["notes"]
     # mla was re-measured whole: its rewritten notes replace the old ones; mods was not (its note stays,
     # and so does one that also speaks of mods); unprefixed and hand-written notes stay
     assert got == ["[mla] legend written by hand", "[mods] clock 1740 MHz", "[mla, mods] clock 1700 MHz",
@@ -75,10 +77,7 @@ def test_merge_of_some_cases_keeps_a_note_written_again_once(tmp_path):
               row("mla", "h128", "attnforge", 3.0)], "notes": ["[mla] legend", "[mla] accuracy RMSE 1.7e-04"]}
     new = {"gpu": "H200", "date": "2026-12-01", "versions": {}, "rows": [row("mla", "h16", "attnforge", 8.0)],
            "notes": ["legend", "accuracy RMSE 1.7e-04", "accuracy RMSE 2.0e-04"]}
-    (tmp_path / "record.json").write_text(json.dumps(record))
-    (tmp_path / "new.json").write_text(json.dumps(new))
-    load_report().merge(str(tmp_path / "new.json"), into=str(tmp_path / "record.json"))
-    got = json.loads((tmp_path / "record.json").read_text())["notes"]
+    got = merged(tmp_path, record, new)["notes"]
     assert got == ["[mla] legend", "[mla] accuracy RMSE 1.7e-04", "[mla] accuracy RMSE 2.0e-04"]
 
 
