@@ -93,8 +93,9 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     align_slack: no item is split, so none is merged (MLA's 64-row blocks, whose chunks cost most).
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
     if align_tile and (not isinstance(align_tile, int) or align_tile < 0 or CHUNK_FIXED_COST % align_tile):
-        raise ValueError(f"plan_stream(align_tile=...): expected 0 or a positive divisor of CHUNK_FIXED_COST="
-                         f"{CHUNK_FIXED_COST} (the kernel's KV tile), got {align_tile!r}; pass 0 to leave cuts unrounded")
+        raise ValueError(f"plan_stream(align_tile=...) (BatchMLADecode.align_tile): expected 0 or a positive divisor "
+                         f"of CHUNK_FIXED_COST={CHUNK_FIXED_COST} (the kernel's KV tile), got {align_tile!r}; set it "
+                         f"to None for the kernel's tile, or 0 to leave cuts unrounded")
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
                          f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")

@@ -707,3 +707,6 @@ def test_aligned_chunks_cut_on_the_kernel_tiles():
         chunks = scheduler.expand(w._plan["work"])
         sizes[tile] = sorted({int(hi - lo) for _, _, _, lo, hi, _ in chunks.tolist()})
     assert sizes == {None: [4096], 0: [4064, 4128]}
+    w.align_tile = 48  # a bad wrapper setting: refused at plan(), before anything runs
+    with pytest.raises(ValueError, match=r"BatchMLADecode.align_tile\): expected 0 or a positive divisor"):
+        w.plan(np.arange(65) * 128, np.arange(64 * 128), np.full(64, 64), page_size=64)

@@ -465,5 +465,5 @@ def test_aligned_cuts_fall_on_tile_boundaries(lengths, ctas, tile):
 def test_align_tile_must_divide_the_fixed_cost():
     end = np.full(4, 1000)
     for bad in (48, -64, 128):
-        with pytest.raises(ValueError, match="align_tile=...\\): expected 0 or a positive divisor"):
+        with pytest.raises(ValueError, match="align_tile=...\\) \\(BatchMLADecode.align_tile\\): expected 0 or a positive divisor"):
             plan_stream(np.zeros_like(end), end, 1, 8, align_equal_items=True, align_tile=bad)
