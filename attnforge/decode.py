@@ -119,7 +119,7 @@ class BatchDecode:
         self._partial_o = ws[: self.num_slots * g * d]
         self._partial_lse = ws[self.num_slots * g * d:]
         # chunks finished per split (request, work item): the last one merges and resets it to 0
-        self._merge_count = torch.zeros(self._merge_counters(max_batch_size), dtype=torch.int32, device=self.device)
+        self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
 
@@ -140,10 +140,6 @@ class BatchDecode:
     def _stream_items(self) -> int:
         """Work items per request in the split-KV stream: KV heads x head splits (kernels.decode)."""
         return self.spec.num_kv_heads * self.kernel.head_splits
-
-    def _merge_counters(self, max_batch_size: int) -> int:
-        """Counters of chunks finished per split work item (the in-kernel merges'), one per item of a request."""
-        return max_batch_size * self._stream_items()
 
     def _any_split(self, work) -> bool:
         """StreamMeta.any_split: decode's kernels merge in-kernel and never read it; True spares plan()

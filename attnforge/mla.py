@@ -268,15 +268,8 @@ class BatchMLADecode(BatchDecode):
         # several whole ones a span); a captured graph keeps one launch sequence for every plan.
         self._plan["merge"] = self.use_cuda_graph or self._plan["any_split"]
 
-    def _merge_counters(self, max_batch_size: int) -> int:
-        # one per row block of a request, for the kernels that merge in-kernel (fused_merge_chunks): at most
-        # max_q_len x heads rows in blocks of at least 8 (rows_per_cta), whichever kernel a plan picks
-        return max_batch_size * -(-self.max_q_len * self.spec.num_qo_heads // 8)
-
-    def _any_split(self, work) -> bool:
-        """StreamMeta.any_split, the merge kernel's early exit: some item is split over more chunks than the
-        decode kernel merges itself (MLADecodeKernel.fused_merge_chunks; 0: any split item)."""
-        return scheduler.has_split_items(work, max(1, self.kernel.merge_chunks_in_kernel))
+    def _any_split(self, work) -> bool:  # the merge kernel's early exit (StreamMeta.any_split)
+        return scheduler.has_split_items(work)
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, name: str, t: torch.Tensor, dim: int) -> None:
@@ -334,8 +327,7 @@ class BatchMLADecode(BatchDecode):
         params = self.kernel.params.pack(
             q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), ckv_cache=ckv_ptr, kpe_cache=kpe_ptr,
             out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), merge_count=self._merge_count.data_ptr(),
-            kv_indptr=self._dev_ptr("kv_indptr"),
+            partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
             kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
             kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
             meta=self._dev_ptr("meta"), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),

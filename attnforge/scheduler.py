@@ -219,18 +219,16 @@ def split_slots(plan: StreamPlan, request: int, kv_head: int) -> list[int]:
     return [] if first >= last else [2 * c + (1 if c == first else 0) for c in range(first, last + 1)]
 
 
-def has_split_items(plan: StreamPlan, more_than: int = 1) -> bool:
-    """Whether any item is cut over more than `more_than` CTAs (1: split at all): split_slots for every
-    item at once. MLA launches its merge kernel only then, outside CUDA graphs; with an in-kernel merge of
-    items of up to K chunks (MLADecodeKernel.fused_merge_chunks), only for items of more than K."""
+def has_split_items(plan: StreamPlan) -> bool:
+    """Whether any item is cut over more than one CTA: split_slots for every item at once (MLA launches
+    its merge kernel only then, outside CUDA graphs)."""
     if plan.batch_size == 0:
         return False
     n = (plan.kv_end - plan.kv_begin).astype(np.int64)[:, None]
     stride = (np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads)[:, None]
     s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride  # [B, H]
     lo, hi = _cuttable_tokens(plan, s, stride, n)
-    chunks = np.where((n > 0) & (hi > lo), (hi - 1) // plan.span - lo // plan.span + 1, 1)
-    return bool((chunks > more_than).any())
+    return bool(((n > 0) & (hi > lo) & (lo // plan.span < (hi - 1) // plan.span)).any())
 
 
 def _cuttable_tokens(plan: StreamPlan, s, stride, n):

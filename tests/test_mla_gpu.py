@@ -448,47 +448,6 @@ def test_copies_by_block_match_the_row_copies_bitwise(heads):
     wgmma_cases(heads, "transposed", **by_block)
 
 
-@pytest.mark.parametrize("heads", [8, 16])
-def test_fused_merge_against_the_merge_kernel(heads):
-    """fused_merge_chunks: items of up to K chunks are merged by the decode kernel's last CTA, the longer ones
-    by the merge kernel, in one plan (a 20000-token request over ~120 CTAs beside requests of a few chunks):
-    both match the reference and the merge kernel's outputs within an output rounding; pages of 64, 7 and 1,
-    two draft tokens, an empty request, NaN past the requests; then a sink (applied after the merge) and
-    every case of wgmma_cases."""
-    spec = mla_spec(heads, "transposed")
-    fused = {"backend": "wgmma", "kernel_fields": {"fused_merge_chunks": 8}}
-    for lengths, page, q_len in (([1000, 63, 20000, 0, 129], 64, 1), ([2, 700, 1, 3001], 7, 2), ([300, 65], 1, 1)):
-        a, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **fused)
-        b, _ = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend="wgmma",
-                        kernel_fields={"fused_merge_chunks": 0})
-        torch.testing.assert_close(a.float(), b.float(), atol=4e-3, rtol=1e-2)
-    sink = torch.randn(heads).cuda()
-    run_case(mla_spec(heads, "transposed", score_mod=mods.attention_sink(sink)), [900, 3, 0, 4000], 64,
-             ref_kw={"sink": sink.double().cpu()}, **fused)
-    wgmma_cases(heads, "transposed", **fused)
-
-
-def test_fused_merge_counts_reset_across_graph_replays():
-    """The in-kernel merge's counters return to zero after every launch: a graph captured once, replayed
-    after re-plans whose requests split into 1 to ~40 chunks (the fused merge and the merge kernel both at
-    work), matches the reference on every replay."""
-    spec = mla_spec(16, "transposed")
-    batch, page_size, pages, q_len = 6, 64, 2048, 1
-    rng = np.random.default_rng(7)
-    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    q_nope = torch.randn(batch * q_len, 16, 512, device="cuda").bfloat16()
-    q_pe = torch.randn(batch * q_len, 16, 64, device="cuda").bfloat16()
-    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, max_q_len=q_len,
-                       backend="wgmma", kernel_fields={"fused_merge_chunks": 16})
-
-    def replan():
-        lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 6000, (8000, 30000))
-        w.plan(indptr, indices, last, page_size=page_size, q_len=q_len)
-        return lengths, indptr, indices
-
-    replay_and_check(w, kv, q_nope, q_pe, replan, 10, q_len, lambda i: True)
-
-
 @pytest.mark.parametrize("promotion", [0, 256])
 def test_wgmma_roles_tma_refills_with_other_l2_promotions(promotion):
     # tma_l2_promotion only changes the maps (the same cubin): h128's part-1 boxes and h64's whole tiles

@@ -638,57 +638,6 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("heads,chunks", [(8, 8), (16, 16)])
-def test_fused_merge_on_the_transposed_kernel(tmp_path, heads, chunks):
-    """fused_merge_chunks: the transposed wgmma kernel merges split items of up to K chunks itself (counted
-    in per row block), the merge kernel the rest; named, refused elsewhere or out of range, and ptxas keeps
-    the wgmmas asynchronous without spills."""
-    from helpers import ptxas_log_of_async_wgmmas
-    k = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma", fused_merge_chunks=chunks)
-    src = k.module().source
-    assert k.merge_chunks_in_kernel == chunks and f"_fm{chunks}_" in k.module().name
-    assert f"constexpr int kFusedMergeChunks = {chunks};" in src and "count_in_and_merge(p, var, it, sm);" in src
-    off = MLADecodeKernel(spec(heads, "transposed"), backend="wgmma", fused_merge_chunks=0).module()
-    assert "constexpr int kFusedMergeChunks = 0;" in off.source and "count_in_and_merge" not in off.source
-    assert "_fm" not in off.name
-    for bad, kw in ((1, {"backend": "wgmma"}), (33, {"backend": "wgmma"}), (True, {"backend": "wgmma"}),
-                    (4, {"backend": "mma"})):
-        with pytest.raises(ValueError, match="fused_merge_chunks: expected None, 0"):
-            MLADecodeKernel(spec(heads, "transposed"), fused_merge_chunks=bad, **kw)
-    with pytest.raises(ValueError, match="fused_merge_chunks: expected None, 0"):
-        MLADecodeKernel(spec(128, "normal"), backend="wgmma", fused_merge_chunks=4)
-    assert MLADecodeKernel(spec(128, "normal"), backend="wgmma").merge_chunks_in_kernel == 0
-    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
-
-
-def test_fused_merge_leaves_the_merge_kernel_only_longer_items():
-    """With fused_merge_chunks = K, plan() launches the merge kernel (outside graphs) only where some item
-    is cut into more than K chunks: equal requests of two chunks each merge in the decode kernel alone, one
-    long request over every CTA still needs the merge kernel."""
-    import numpy as np
-
-    from attnforge.mla import BatchMLADecode
-    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
-                         pipeline="transposed")
-    for fused, want_batch in ((0, True), (4, False)):
-        w = BatchMLADecode.host_only(spec, max_batch_size=64, max_num_pages=64 * 128)
-        w._backend, w._kernel_fields = "wgmma", {"fused_merge_chunks": fused}
-        w.kernel = w._make_kernel(spec, None, None, None)
-        w.plan(np.arange(65) * 128, np.arange(64 * 128), np.full(64, 64), page_size=64)  # B64 L8192
-        assert scheduler_chunks(w) == 2  # each request in two chunks
-        assert w._plan["merge"] == w._plan["any_split"] == want_batch, fused  # (any_split: the merge kernel's)
-        w.plan(np.array([0, 2048]), np.arange(2048), np.array([64]), page_size=64)  # B1 L131072
-        assert w._plan["merge"] and w._plan["any_split"] and scheduler_chunks(w) > 4
-
-
-def scheduler_chunks(w) -> int:
-    """The most chunks any item of w's plan is cut into."""
-    from attnforge import scheduler
-    work = w._plan["work"]
-    return next(k for k in range(1, 4 * w.num_ctas) if not scheduler.has_split_items(work, k))
-
-
 def test_aligned_chunks_cut_on_the_kernel_tiles():
     """ALIGN_CUTS_TO_TILES: B64 L8192 at 16 heads (the transposed wgmma kernel, two chunks a request) is cut
     at token 4096, 64 tiles each, not 4064 + 4128 (64 + 65 tiles); align_tile = 0 on the wrapper restores

@@ -27,7 +27,7 @@ WGMMA_ARCH = "9.0a"
 BASE_FIELDS = (
     *ptrs("q_nope", "q_pe", "ckv_cache", "kpe_cache", cpp="const void*"), ParamField("out", "void*", "ptr"),
     ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
-    ParamField("partial_lse", "float*", "ptr"), ParamField("merge_count", "int*", "ptr"),
+    ParamField("partial_lse", "float*", "ptr"),
     *ptrs("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix"),
     ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
     *scalars("i64", "int64_t", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
@@ -76,17 +76,6 @@ TRANSPOSED_KPE_BATCHED = True
 # rounds in one process: h16 B16 L65536 -0.8% (287.5 -> 285.2 us), B64 L8192 / B128 L4096 / B1 L131072
 # -0.5%, h8 B16 L65536 -0.2%; outputs bit for bit the row copies'. kpe_batched is moot under it.
 TRANSPOSED_COPIES_BY_BLOCK = True
-# Split items of up to this many chunks merged in the decode kernel by the CTA that finishes an item's last
-# chunk (MLADecodeKernel.fused_merge_chunks), as batch decode merges; the merge kernel keeps the items of
-# more (one long request over every SM: one CTA reading hundreds of 32 KB partial states would hold the
-# tail). Aimed at h16 B64 L8192 (two chunks a request: 155.8 us, where B128 L4096, the same bytes on the
-# same 128 CTAs with nothing split, took 148.2). Measured on the H200 (thirty-eighth session, three rounds
-# in one process): K = 4: B64 L8192 -0.7%, B16 L65536 and B128 L4096 ties, B1 L131072 +0.7%, h8 B16 L65536
-# +0.3%; K = 16: B64 -0.5%, but B16 L65536 (8 chunks a request) +0.6% and h8 (9) +1.3%: one CTA merging
-# 8-9 partial states on the tail is slower than the merge kernel spread over the SMs. The merge was not
-# B64's gap to B128 (the fused merge took ~1 of its ~7 us). Off.
-TRANSPOSED_FUSED_MERGE_CHUNKS = 0
-MAX_FUSED_MERGE_CHUNKS = 32  # the chunks' weights of every row are staged in the stage area (the template checks)
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -194,10 +183,6 @@ class MLADecodeKernel:
     # group of 4 rows, as the roles kernel copies), not by row (two copies and an offset shuffle a row);
     # None: TRANSPOSED_COPIES_BY_BLOCK
     copies_by_block: Optional[bool] = None
-    # the transposed wgmma kernel: split items of 2..K chunks merged in this kernel by the CTA that finishes
-    # the last (a per-row-block counter), the rest by mla_merge_kernel; 0: every split item by
-    # mla_merge_kernel; None: TRANSPOSED_FUSED_MERGE_CHUNKS there, else 0
-    fused_merge_chunks: Optional[int] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -268,14 +253,6 @@ class MLADecodeKernel:
             raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
-        fm = self.fused_merge_chunks
-        if fm is not None and (type(fm) is not int or fm == 1 or not 0 <= fm <= MAX_FUSED_MERGE_CHUNKS
-                               or (fm and not self._transposed_wgmma)):
-            raise ValueError(f"MLADecodeKernel.fused_merge_chunks: expected None, 0 (every split item merged by "
-                             f"mla_merge_kernel) or, on the transposed wgmma kernel (backend='wgmma', "
-                             f"pipeline='transposed'), an int in [2, {MAX_FUSED_MERGE_CHUNKS}] (items of up to that "
-                             f"many chunks merged in the decode kernel), got {fm!r} with backend={self.backend!r}, "
-                             f"pipeline={self.spec.pipeline!r}; the 256-thread 64-row kernels would spill its registers")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -367,13 +344,6 @@ class MLADecodeKernel:
         return TRANSPOSED_COPIES_BY_BLOCK if self.copies_by_block is None else self.copies_by_block
 
     @property
-    def merge_chunks_in_kernel(self) -> int:
-        """The most chunks of a split item this kernel merges itself (0: none; fused_merge_chunks)."""
-        if self.fused_merge_chunks is not None:
-            return self.fused_merge_chunks
-        return TRANSPOSED_FUSED_MERGE_CHUNKS if self._transposed_wgmma else 0
-
-    @property
     def uses_kpe_batched(self) -> bool:
         """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
         copier copies by column block (issue_tile is not called there)."""
@@ -438,8 +408,7 @@ class MLADecodeKernel:
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched,
-               "copies_by_block": self.uses_copies_by_block, "fused_merge_chunks": self.merge_chunks_in_kernel,
-               "tile_kv": tile,
+               "copies_by_block": self.uses_copies_by_block, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -453,7 +422,6 @@ class MLADecodeKernel:
                          *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
-                         *([f"fm{self.merge_chunks_in_kernel}"] if self.merge_chunks_in_kernel else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
