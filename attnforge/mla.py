@@ -92,20 +92,22 @@ LONG_REQUEST_TRANSPOSED = True
 # transposed kernel (a 16-row block a token, each rereading the request's KV) ran 60-77% slower
 # (thirty-seventh session, three rounds: B16 L65536 q2 541 against 309 us, B64 L8192 272 against 170).
 BATCHES_TRANSPOSED = True
-# Aligned chunks' cuts on the kernel's KV tiles (scheduler.plan_stream(align_tile=...)): h16 B64 L8192 was cut
-# into 4064 + 4128 tokens, so half its CTAs ran 65 tiles where B128 L4096's ran 64 (thirty-eighth session's
-# trace: 64.5 tiles an item, against 64.0). Measured on the H200 (the same session, three rounds in one
-# process against the unrounded cuts): B64 L8192 -1.1% (156.3 -> 154.5 us), B16 L65536 -0.2%, B128 L4096
-# (whole requests: the same plan) +0.3%. The transposed wgmma kernel's plans only (h8, h16): the other
-# kernels' (h32-h128 B16 L65536, h128 B1 L131072 would change) are not measured. None on a wrapper
-# (align_tile): the kernel's tile there, else 0; 0: unrounded.
+# Aligned chunks' cuts on the kernel's KV tiles (scheduler.plan_stream(align_tile=...)), on the wgmma kernels:
+# h16 B64 L8192 was cut into 4064 + 4128 tokens, so half its CTAs ran 65 tiles where B128 L4096's ran 64
+# (thirty-eighth session's trace: 64.5 tiles an item, against 64.0). Measured on the H200 against the
+# unrounded cuts, three rounds in one process: the transposed kernel (thirty-eighth session) B64 L8192 -1.1%
+# (156.3 -> 154.5 us), B16 L65536 -0.2%, B128 L4096 (whole requests: the same plan) +0.3%; the roles kernel
+# (thirty-ninth) h64 B64 L8192 -1.3%, h32 B64 L8192 -0.6..-2.6%, h64 B1 L131072 -1.0%, h32 / h64 B16 L65536
+# -0.2..-0.6%, h128 B16 L65536 and B1 L131072 0..-1%, no round a loss past +0.1%. The mma.sync kernels
+# (fp8 KV) keep unrounded cuts: not measured. None on a wrapper (align_tile): the kernel's tile there,
+# else 0; 0: unrounded.
 ALIGN_CUTS_TO_TILES = True
 
 
 class BatchMLADecode(BatchDecode):
     FAMILY = "mla_decode"
-    # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: the transposed wgmma
-    # kernel's KV tile where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
+    # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: a wgmma kernel's KV
+    # tile where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
     align_tile: Optional[int] = None
 
     def __init__(self, spec: Optional[AttentionSpec] = None, workspace: Optional[torch.Tensor] = None, *,
@@ -234,7 +236,7 @@ class BatchMLADecode(BatchDecode):
             k.rows >= 64 or (transposed_wgmma and k.spec.num_qo_heads >= 16))
         slack = self.align_slack if self.align_slack is not None else (
             MLA_TRANSPOSED_ALIGN_SLACK if transposed_wgmma else MLA_ALIGN_SLACK)
-        tile = k.tiling[0] if ALIGN_CUTS_TO_TILES and transposed_wgmma else 0
+        tile = k.tiling[0] if ALIGN_CUTS_TO_TILES and k.backend == "wgmma" else 0
         return scheduler.plan_stream(kv_begin, kv_end, row_blocks // side, self.num_ctas // side,
                                      align_equal_items=True, whole_items_per_span=True, align_slack=slack,
                                      align_fraction=MLA_WIDE_ALIGN_FRACTION if wide else 0.0,

@@ -228,8 +228,8 @@ def test_equal_requests_on_aligned_spans(pipeline):
     probe.plan(indptr, indices, last, page_size=64)
     work = probe._plan["work"]
     plain = scheduler.plan_stream(work.kv_begin, work.kv_end, work.num_kv_heads, ctas)
-    k = probe.kernel  # the transposed wgmma kernel rounds the aligned span up to its tile (ALIGN_CUTS_TO_TILES)
-    tile = k.tiling[0] if (k.backend, k.spec.pipeline) == ("wgmma", "transposed") else 1
+    k = probe.kernel  # the wgmma kernels round the aligned span up to their tile (ALIGN_CUTS_TO_TILES)
+    tile = k.tiling[0] if k.backend == "wgmma" else 1
     assert plain.span < 700 and work.span == -(-700 // tile) * tile and work.num_spans == items * per_item
     run_case(spec, [length] * requests, 64, seed=11)
 
@@ -416,6 +416,28 @@ def test_8_heads_align_equal_requests_within_the_transposed_slack():
         if probe.num_ctas == 132:  # (other GPUs plan other spans; the attention must hold anyway)
             assert len(rows) == requests * halves and bool(probe._plan["merge"]) == (halves > 1)
         run_case(spec, [length] * requests, 7, seed=20 + halves, nan_unheld=True)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+def test_equal_requests_cut_on_the_kernel_tiles(heads):
+    """ALIGN_CUTS_TO_TILES on the transposed (16 heads) and roles (64) wgmma kernels: equal requests of a
+    length off the tiles, two chunks each, are cut at a multiple of 64 tokens; against the reference with
+    pages of 64, and of 7 with NaN past the requests (a cut inside a page)."""
+    from attnforge import scheduler
+    spec = mla_spec(heads, "auto")
+    probe = BatchMLADecode(spec)
+    if probe.kernel.backend != "wgmma":
+        pytest.skip("the tile-aligned cuts are the wgmma kernels' (sm_90a)")
+    tile = probe.kernel.tiling[0]
+    requests = probe.num_ctas // probe.kernel.side_blocks(probe.kernel.row_blocks(1)) // 2
+    length = tile * 120 + 13
+    _, _, _, (indptr, indices, last), _ = make_case(spec, [length] * requests, 64)
+    probe.plan(indptr, indices, last, page_size=64)
+    rows = scheduler.expand(probe._plan["work"])
+    cuts = rows[(rows[:, 3] > 0), 3]
+    assert len(cuts) > 0 and (cuts % tile == 0).all(), "every chunk after a request's first starts on a tile"
+    run_case(spec, [length] * requests, 64, seed=30 + heads)
+    run_case(spec, [length] * requests, 7, seed=31 + heads, nan_unheld=True)
 
 
 @pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (128, "normal")])

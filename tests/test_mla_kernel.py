@@ -638,21 +638,23 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
 
 
-def test_aligned_chunks_cut_on_the_kernel_tiles():
-    """ALIGN_CUTS_TO_TILES: B64 L8192 at 16 heads (the transposed wgmma kernel, two chunks a request) is cut
-    at token 4096, 64 tiles each, not 4064 + 4128 (64 + 65 tiles); align_tile = 0 on the wrapper restores
-    the unrounded cut."""
+@pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])
+def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
+    """ALIGN_CUTS_TO_TILES: B64 L8192 (two chunks a request) on the wgmma kernels, transposed at 16 heads and
+    roles at 64, is cut at token 4096, 64 tiles each, not 4064 + 4128 (64 + 65 tiles); align_tile = 0 on the
+    wrapper restores the unrounded cut."""
     import numpy as np
 
     from attnforge import scheduler
     from attnforge.mla import BatchMLADecode
-    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     sizes = {}
     for tile in (None, 0):
         w = BatchMLADecode.host_only(spec, max_batch_size=64, max_num_pages=64 * 128)
         w.align_tile = tile
         w.plan(np.arange(65) * 128, np.arange(64 * 128), np.full(64, 64), page_size=64)
-        assert w.kernel.spec.pipeline == "transposed" and w.kernel.tiling[0] == 64
+        k = w.kernel
+        assert (k.backend, k.spec.pipeline, k.tiling[0]) == ("wgmma", pipeline, 64)
         chunks = scheduler.expand(w._plan["work"])
         sizes[tile] = sorted({int(hi - lo) for _, _, _, lo, hi, _ in chunks.tolist()})
     assert sizes == {None: [4096], 0: [4064, 4128]}
