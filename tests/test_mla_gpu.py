@@ -440,6 +440,25 @@ def test_equal_requests_cut_on_the_kernel_tiles(heads):
     run_case(spec, [length] * requests, 7, seed=31 + heads, nan_unheld=True)
 
 
+@pytest.mark.parametrize("heads,pipeline,backend,dtype", [(16, "transposed", "wgmma", "bfloat16"),
+                                                           (128, "normal", "wgmma", "bfloat16"),
+                                                           (8, "transposed", "wgmma", "float16"),
+                                                           (16, "normal", "mma", "bfloat16")])
+def test_partials_in_the_output_type(heads, pipeline, backend, dtype):
+    """partial_16bit: split items' partial outputs stored in bf16 / fp16 and merged from them: against the
+    reference (split and whole items, one request over every CTA, pages of 7 with NaN past the requests,
+    two draft tokens, an empty request), and an RMSE at most twice the fp32 partials' on the same inputs
+    (one rounding more)."""
+    spec = mla_spec(heads, pipeline, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype)
+    for lengths, page, q_len in (([20000, 63, 1000, 0, 129], 64, 1), ([50000], 64, 1), ([2, 7000, 1, 3001], 7, 2)):
+        rmse = {}
+        for p16 in (True, False):
+            out, ref = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend=backend,
+                                kernel_fields={"partial_16bit": p16})
+            rmse[p16] = (out.double() - ref.to(out.device)).pow(2).mean().sqrt().item()
+        assert rmse[True] <= 2 * rmse[False], (lengths, rmse)
+
+
 @pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (128, "normal")])
 def test_kpe_batched_copies_match_bitwise(heads, pipeline):
     """kpe_batched (the transposed kernel's default where it copies by row): the same bytes land in the same

@@ -638,6 +638,23 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_partial_16bit_is_a_named_kernel_field(tmp_path):
+    """MLADecodeKernel.partial_16bit: split items' partial outputs in the output type (TPartial), named in the
+    kernel; off by default (PARTIALS_16BIT); a non-bool refused; the transposed wgmma kernel keeps its wgmmas
+    asynchronous without spills."""
+    from helpers import ptxas_log_of_async_wgmmas
+
+    from attnforge.kernels.mla import PARTIALS_16BIT
+    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=True).module()
+    assert "_p16_" in k.name and "using TPartial = TOut;" in k.source
+    default = MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module()
+    assert not PARTIALS_16BIT and "_p16_" not in default.name and "using TPartial = float;" in default.source
+    with pytest.raises(ValueError, match="partial_16bit: expected None, True or False"):
+        MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=1)
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
+
+
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])
 def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
     """ALIGN_CUTS_TO_TILES: B64 L8192 (two chunks a request) on the wgmma kernels, transposed at 16 heads and

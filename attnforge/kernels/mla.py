@@ -26,7 +26,7 @@ WGMMA_ARCH = "9.0a"
 
 BASE_FIELDS = (
     *ptrs("q_nope", "q_pe", "ckv_cache", "kpe_cache", cpp="const void*"), ParamField("out", "void*", "ptr"),
-    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "float*", "ptr"),
+    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "void*", "ptr"),  # float, or TOut (partial_16bit)
     ParamField("partial_lse", "float*", "ptr"),
     *ptrs("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix"),
     ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
@@ -76,6 +76,10 @@ TRANSPOSED_KPE_BATCHED = True
 # rounds in one process: h16 B16 L65536 -0.8% (287.5 -> 285.2 us), B64 L8192 / B128 L4096 / B1 L131072
 # -0.5%, h8 B16 L65536 -0.2%; outputs bit for bit the row copies'. kpe_batched is moot under it.
 TRANSPOSED_COPIES_BY_BLOCK = True
+# Split items' partial outputs in the output type (MLADecodeKernel.partial_16bit), as FlashInfer keeps its
+# split-KV partials: h128 B1 L131072 writes 17 MB of fp32 partial states at ~3 TB/s (a 9.8K-cycle write an
+# item, thirty-first session's trace) and its merge reads them back. Not measured yet: off.
+PARTIALS_16BIT = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -183,6 +187,9 @@ class MLADecodeKernel:
     # group of 4 rows, as the roles kernel copies), not by row (two copies and an offset shuffle a row);
     # None: TRANSPOSED_COPIES_BY_BLOCK
     copies_by_block: Optional[bool] = None
+    # split items' partial outputs stored in the output type (bf16 / fp16: half the bytes the chunks write
+    # and the merge reads, one rounding more) instead of fp32; None: PARTIALS_16BIT
+    partial_16bit: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -253,6 +260,8 @@ class MLADecodeKernel:
             raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
+        if self.partial_16bit is not None and type(self.partial_16bit) is not bool:
+            raise ValueError(f"MLADecodeKernel.partial_16bit: expected None, True or False, got {self.partial_16bit!r}")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -344,6 +353,11 @@ class MLADecodeKernel:
         return TRANSPOSED_COPIES_BY_BLOCK if self.copies_by_block is None else self.copies_by_block
 
     @property
+    def uses_partial_16bit(self) -> bool:
+        """Whether split items' partial outputs are stored in the output type (partial_16bit)."""
+        return PARTIALS_16BIT if self.partial_16bit is None else self.partial_16bit
+
+    @property
     def uses_kpe_batched(self) -> bool:
         """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
         copier copies by column block (issue_tile is not called there)."""
@@ -408,7 +422,8 @@ class MLADecodeKernel:
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched,
-               "copies_by_block": self.uses_copies_by_block, "tile_kv": tile,
+               "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
+               "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -422,6 +437,7 @@ class MLADecodeKernel:
                          *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
+                         *(["p16"] if self.uses_partial_16bit else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
