@@ -77,9 +77,14 @@ TRANSPOSED_KPE_BATCHED = True
 # -0.5%, h8 B16 L65536 -0.2%; outputs bit for bit the row copies'. kpe_batched is moot under it.
 TRANSPOSED_COPIES_BY_BLOCK = True
 # Split items' partial outputs in the output type (MLADecodeKernel.partial_16bit), as FlashInfer keeps its
-# split-KV partials: h128 B1 L131072 writes 17 MB of fp32 partial states at ~3 TB/s (a 9.8K-cycle write an
-# item, thirty-first session's trace) and its merge reads them back. Not measured yet: off.
-PARTIALS_16BIT = False
+# split-KV partials: half the bytes the chunks write and the merge reads (h128 B1 L131072 wrote 17 MB of fp32
+# partial states at ~3 TB/s, a 9.8K-cycle write an item: thirty-first session's trace), for one rounding to
+# the output type more. Measured on the H200 (thirty-ninth session, three rounds in one process, against fp32
+# partials, every round the same sign): h64 B1 L131072 -5.1..-5.9%, h128 B1 -3.1..-3.5%, h32 B1 -2.6..-3.3%,
+# h16 B1 -1.4..-2.1%, h64 B64 L8192 -0.6..-1.0%, h16 / h128 B16 L65536 -0.4..-0.6%, h8 -0.4%. The GPU tests
+# bound its RMSE against float64 by twice the fp32 partials' (tests/test_mla_gpu.py); partial_16bit=False
+# (kernel_fields) keeps fp32.
+PARTIALS_16BIT = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
