@@ -411,7 +411,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
     kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
     __syncthreads; producer=False keeps the one-warpgroup kernel."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
-    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_cbb_p16_r16t64s2")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
     one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)
@@ -430,7 +430,7 @@ def test_early_scores_is_the_producer_kernels():
     S^T(t + 1) behind P.V(t) where tile t + 1 has landed, and hands the refilled stages over by mbarriers;
     anywhere else it is an error that says what to pass."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
-    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_cbb_p16_r16t64s2")
+    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
     src = k.module().source
     assert "constexpr bool kEarlyScores = true;" in src and "named_bar_sync_and(kBarCompute" in src
     off = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=False)
@@ -641,15 +641,15 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_partial_16bit_is_a_named_kernel_field(tmp_path):
     """MLADecodeKernel.partial_16bit: split items' partial outputs in the output type (TPartial), named in the
-    kernel, the default (PARTIALS_16BIT); False keeps fp32; a non-bool refused; the transposed wgmma kernel
+    kernel; off by default (PARTIALS_16BIT: fp32 partials); a non-bool refused; the transposed wgmma kernel
     keeps its wgmmas asynchronous without spills."""
     from helpers import ptxas_log_of_async_wgmmas
 
     from attnforge.kernels.mla import PARTIALS_16BIT
-    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module()
-    assert PARTIALS_16BIT and "_p16_" in k.name and "using TPartial = TOut;" in k.source
-    fp32 = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=False).module()
-    assert "_p16_" not in fp32.name and "using TPartial = float;" in fp32.source
+    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=True).module()
+    assert "_p16_" in k.name and "using TPartial = TOut;" in k.source
+    default = MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module()
+    assert not PARTIALS_16BIT and "_p16_" not in default.name and "using TPartial = float;" in default.source
     with pytest.raises(ValueError, match="partial_16bit: expected None, True or False"):
         MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=1)
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
