@@ -270,6 +270,11 @@ class BatchMLADecode(BatchDecode):
         # several whole ones a span); a captured graph keeps one launch sequence for every plan.
         self._plan["merge"] = self.use_cuda_graph or self._plan["any_split"]
 
+    def _partial_scale_ptr(self) -> int:
+        """Row scales of 16-bit partial states (MLADecodeKernel.partial_16bit), one float per partial row as
+        the LSEs: in the upper half of the partial outputs' region, which fp16 rows leave free."""
+        return self._partial_o.data_ptr() + self._partial_o.numel() * 2
+
     def _any_split(self, work) -> bool:  # the merge kernel's early exit (StreamMeta.any_split)
         return scheduler.has_split_items(work)
 
@@ -329,7 +334,8 @@ class BatchMLADecode(BatchDecode):
         params = self.kernel.params.pack(
             q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), ckv_cache=ckv_ptr, kpe_cache=kpe_ptr,
             out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
+            partial_lse=self._partial_lse.data_ptr(), partial_scale=self._partial_scale_ptr(),
+            kv_indptr=self._dev_ptr("kv_indptr"),
             kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
             kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
             meta=self._dev_ptr("meta"), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),

@@ -440,23 +440,29 @@ def test_equal_requests_cut_on_the_kernel_tiles(heads):
     run_case(spec, [length] * requests, 7, seed=31 + heads, nan_unheld=True)
 
 
-@pytest.mark.parametrize("heads,pipeline,backend,dtype", [(16, "transposed", "wgmma", "bfloat16"),
-                                                           (128, "normal", "wgmma", "bfloat16"),
-                                                           (8, "transposed", "wgmma", "float16"),
-                                                           (16, "normal", "mma", "bfloat16")])
-def test_partials_in_the_output_type(heads, pipeline, backend, dtype):
-    """partial_16bit: split items' partial outputs stored in bf16 / fp16 and merged from them: against the
-    reference (split and whole items, one request over every CTA, pages of 7 with NaN past the requests,
-    two draft tokens, an empty request), and an RMSE at most twice the fp32 partials' on the same inputs
-    (one rounding more)."""
+@pytest.mark.parametrize("heads,pipeline,dtype", [(16, "transposed", "bfloat16"), (128, "normal", "bfloat16"),
+                                                  (64, "normal", "bfloat16"), (8, "transposed", "float16")])
+def test_16bit_partial_states(heads, pipeline, dtype):
+    """partial_16bit: split items' partial outputs stored as fp16 over a power-of-two scale per row and merged
+    from them: against the reference (split and whole items, one request over every CTA, pages of 7 with NaN
+    past the requests, two draft tokens, an empty request; outputs scaled through v_scale by 1e5 and 1e-30 in
+    bf16, past fp16's range either way, and by 1e3 and 1e-3 in fp16, whose outputs end near there), with an RMSE
+    at most 1.25x the fp32 partials' in bf16 (the partial's rounding is 8x finer than the output's) and 2x in
+    fp16 (as fine) on the same inputs."""
     spec = mla_spec(heads, pipeline, q_dtype=dtype, kv_dtype=dtype, out_dtype=dtype)
-    for lengths, page, q_len in (([20000, 63, 1000, 0, 129], 64, 1), ([50000], 64, 1), ([2, 7000, 1, 3001], 7, 2)):
+    bound, big, small = (1.25, 1e5, 1e-30) if dtype == "bfloat16" else (2.0, 1e3, 1e-3)
+    cases = (([20000, 63, 1000, 0, 129], 64, 1, 1.0), ([50000], 64, 1, 1.0), ([2, 7000, 1, 3001], 7, 2, 1.0),
+             ([9000, 300], 64, 1, big), ([9000, 300], 64, 1, small))
+    for lengths, page, q_len, v_scale in cases:
         rmse = {}
         for p16 in (True, False):
-            out, ref = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, backend=backend,
-                                kernel_fields={"partial_16bit": p16})
+            out, ref = run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, v_scale=v_scale,
+                                backend="wgmma", kernel_fields={"partial_16bit": p16})
             rmse[p16] = (out.double() - ref.to(out.device)).pow(2).mean().sqrt().item()
-        assert rmse[True] <= 2 * rmse[False], (lengths, rmse)
+        assert rmse[True] <= bound * rmse[False], (lengths, v_scale, rmse)
+    if heads == 128:  # the case on which bf16 partials broke the accuracy rule (1.02e-2 against 9.8e-3)
+        run_case(spec, [3000, 640, 129], 128, seed=134, unified=True, backend="wgmma", schedule="roles",
+                 kernel_fields={"tma": True, "partial_16bit": True})
 
 
 @pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (128, "normal")])

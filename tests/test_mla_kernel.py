@@ -639,19 +639,22 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-def test_partial_16bit_is_a_named_kernel_field(tmp_path):
-    """MLADecodeKernel.partial_16bit: split items' partial outputs in the output type (TPartial), named in the
-    kernel; off by default (PARTIALS_16BIT: fp32 partials); a non-bool refused; the transposed wgmma kernel
-    keeps its wgmmas asynchronous without spills."""
+@pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
+def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
+    """MLADecodeKernel.partial_16bit: split items' partial outputs as fp16 over a row scale (TPartial), named in
+    the kernel; off by default (PARTIALS_16BIT: fp32 partials); refused on the mma.sync kernels (no staged output
+    tile to scale) and as a non-bool; the wgmma kernels keep their wgmmas asynchronous without spills."""
     from helpers import ptxas_log_of_async_wgmmas
 
     from attnforge.kernels.mla import PARTIALS_16BIT
-    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=True).module()
-    assert "_p16_" in k.name and "using TPartial = TOut;" in k.source
-    default = MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module()
-    assert not PARTIALS_16BIT and "_p16_" not in default.name and "using TPartial = float;" in default.source
-    with pytest.raises(ValueError, match="partial_16bit: expected None, True or False"):
-        MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=1)
+    k = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", partial_16bit=True).module()
+    assert "_p16_" in k.name and "constexpr bool kPartial16 = true;" in k.source
+    default = MLADecodeKernel(spec(heads, pipeline), backend="wgmma").module()
+    assert not PARTIALS_16BIT and "_p16_" not in default.name and "constexpr bool kPartial16 = false;" in default.source
+    for bad, backend in ((1, "wgmma"), (True, "mma")):
+        with pytest.raises(ValueError, match="partial_16bit: expected None, False, or True on a wgmma kernel"):
+            MLADecodeKernel(spec(heads, pipeline), backend=backend, partial_16bit=bad)
+    assert not MLADecodeKernel(spec(heads, pipeline), backend="mma").uses_partial_16bit
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
 
 

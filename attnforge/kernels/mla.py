@@ -26,8 +26,8 @@ WGMMA_ARCH = "9.0a"
 
 BASE_FIELDS = (
     *ptrs("q_nope", "q_pe", "ckv_cache", "kpe_cache", cpp="const void*"), ParamField("out", "void*", "ptr"),
-    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "void*", "ptr"),  # float, or TOut (partial_16bit)
-    ParamField("partial_lse", "float*", "ptr"),
+    ParamField("lse", "float*", "ptr"), ParamField("partial_o", "void*", "ptr"),  # float, or fp16 (partial_16bit)
+    ParamField("partial_lse", "float*", "ptr"), ParamField("partial_scale", "float*", "ptr"),  # (partial_16bit)
     *ptrs("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix"),
     ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
     *scalars("i64", "int64_t", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
@@ -76,16 +76,15 @@ TRANSPOSED_KPE_BATCHED = True
 # rounds in one process: h16 B16 L65536 -0.8% (287.5 -> 285.2 us), B64 L8192 / B128 L4096 / B1 L131072
 # -0.5%, h8 B16 L65536 -0.2%; outputs bit for bit the row copies'. kpe_batched is moot under it.
 TRANSPOSED_COPIES_BY_BLOCK = True
-# Split items' partial outputs in the output type (MLADecodeKernel.partial_16bit), as FlashInfer keeps its
-# split-KV partials: half the bytes the chunks write and the merge reads (h128 B1 L131072 wrote 17 MB of fp32
-# partial states at ~3 TB/s, a 9.8K-cycle write an item: thirty-first session's trace), for one rounding to
-# the output type more. Measured on the H200 (thirty-ninth session, three rounds in one process, against fp32
-# partials, every round the same sign): h64 B1 L131072 -5.1..-5.9%, h128 B1 -3.1..-3.5%, h32 B1 -2.6..-3.3%,
-# h16 B1 -1.4..-2.1%, h64 B64 L8192 -0.6..-1.0%, h16 / h128 B16 L65536 -0.4..-0.6%, h8 -0.4%. Off: as the
-# default it broke the library's accuracy rule (max error at most twice torch's low-precision error plus
-# 2e-3) on one case of the GPU suite, h128 on 128-token pages (1.02e-2 against a bound of 9.8e-3): the
-# second rounding costs up to about a bf16 ulp. An opt-in for engines that take FlashInfer's trade
-# (kernel_fields={"partial_16bit": True}); its GPU test bounds the RMSE by twice the fp32 partials'.
+# Split items' partial outputs in 16 bits (MLADecodeKernel.partial_16bit, the wgmma kernels): half the bytes
+# the chunks write and the merge reads (h128 B1 L131072 wrote 17 MB of fp32 partial states at ~3 TB/s, a
+# 9.8K-cycle write an item: thirty-first session's trace). As FlashInfer keeps them, in the output type, it
+# measured (thirty-ninth session, three rounds in one process against fp32, every round the same sign): h64
+# B1 L131072 -5.1..-5.9%, h128 B1 -3.1..-3.5%, h32 B1 -2.6..-3.3%, h16 B1 -1.4..-2.1%, h64 B64 L8192
+# -0.6..-1.0%, h16 / h128 B16 L65536 -0.4..-0.6%, h8 -0.4%; but bf16's second rounding broke the accuracy
+# rule (max error at most twice torch's low-precision error plus 2e-3) on an h128 case (1.02e-2 against
+# 9.8e-3) and raised the RMSE 20%. So they are fp16 over a power-of-two scale per row (templates/
+# mla_decode.cu.jinja, scale_partial_rows): 11 significant bits at any range.
 PARTIALS_16BIT = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
@@ -194,8 +193,8 @@ class MLADecodeKernel:
     # group of 4 rows, as the roles kernel copies), not by row (two copies and an offset shuffle a row);
     # None: TRANSPOSED_COPIES_BY_BLOCK
     copies_by_block: Optional[bool] = None
-    # split items' partial outputs stored in the output type (bf16 / fp16: half the bytes the chunks write
-    # and the merge reads, one rounding more) instead of fp32; None: PARTIALS_16BIT
+    # the wgmma kernels: split items' partial outputs stored as fp16 over a power-of-two scale per row (half
+    # the bytes the chunks write and the merge reads) instead of fp32; None: PARTIALS_16BIT there
     partial_16bit: Optional[bool] = None
 
     def __post_init__(self):
@@ -267,8 +266,11 @@ class MLADecodeKernel:
             raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
-        if self.partial_16bit is not None and type(self.partial_16bit) is not bool:
-            raise ValueError(f"MLADecodeKernel.partial_16bit: expected None, True or False, got {self.partial_16bit!r}")
+        if self.partial_16bit is not None and (type(self.partial_16bit) is not bool
+                                               or (self.partial_16bit and self.backend != "wgmma")):
+            raise ValueError(f"MLADecodeKernel.partial_16bit: expected None, False, or True on a wgmma kernel (its rows "
+                             f"are scaled over the staged output tile), got {self.partial_16bit!r} with backend="
+                             f"{self.backend!r}; pass backend='wgmma' or leave it None")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -361,8 +363,10 @@ class MLADecodeKernel:
 
     @property
     def uses_partial_16bit(self) -> bool:
-        """Whether split items' partial outputs are stored in the output type (partial_16bit)."""
-        return PARTIALS_16BIT if self.partial_16bit is None else self.partial_16bit
+        """Whether split items' partial outputs are stored as scaled fp16 (partial_16bit; wgmma kernels only)."""
+        if self.partial_16bit is not None:
+            return self.partial_16bit
+        return PARTIALS_16BIT and self.backend == "wgmma"
 
     @property
     def uses_kpe_batched(self) -> bool:
