@@ -223,22 +223,19 @@ def accuracy(report: Report) -> None:
                 for b in range(4)]
         ref = torch.cat([reference.mla_attention(q_nope[b:b + 1].double(), q_pe[b:b + 1].double(), r[:, :512],
                                                  r[:, 512:], sm_scale=DEEPSEEK_SM_SCALE)[0] for b, r in enumerate(rows)])
-        for pipeline in ("normal", "transposed", "wgmma", "wgmma-transposed"):
+        # (name, pipeline, backend, kernel_fields): the four kernels, and the transposed wgmma kernel with its
+        # split items' partial states in scaled fp16 (MLADecodeKernel.partial_16bit, off by default)
+        kernels = [("normal", "normal", "mma", None), ("transposed", "transposed", "mma", None),
+                   ("wgmma", "normal", "wgmma", None), ("wgmma-transposed", "transposed", "wgmma", None),
+                   ("wgmma-transposed scaled-fp16 partials", "transposed", "wgmma", {"partial_16bit": True})]
+        for name, pipeline, backend, fields in kernels:
             spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
-                                 head_dim_vo=512, q_dtype=str(dtype).split(".")[1],
-                                 pipeline="transposed" if pipeline.endswith("transposed") else "normal")
-            w = BatchMLADecode(spec, backend="wgmma" if pipeline.startswith("wgmma") else "mma")
+                                 head_dim_vo=512, q_dtype=str(dtype).split(".")[1], pipeline=pipeline)
+            w = BatchMLADecode(spec, backend=backend, kernel_fields=fields)
             w.plan(indptr, indices, last, page_size=PAGE)
             out = w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:])
             rmse = (out.double() - ref).pow(2).mean().sqrt().item()
-            report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {pipeline}: RMSE vs float64 {rmse:.3e}")
-            if pipeline == "wgmma-transposed":  # the same kernel with 16-bit partial states (partial_16bit)
-                w = BatchMLADecode(spec, backend="wgmma", kernel_fields={"partial_16bit": True})
-                w.plan(indptr, indices, last, page_size=PAGE)
-                out = w.run(q_nope, q_pe, kv[..., :512], kv[..., 512:])
-                rmse = (out.double() - ref).pow(2).mean().sqrt().item()
-                report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {pipeline} 16-bit partials: RMSE vs "
-                            f"float64 {rmse:.3e}")
+            report.note(f"mla accuracy h16 B4 L4096 {spec.q_dtype} {name}: RMSE vs float64 {rmse:.3e}")
 
 
 PDL_NOTE = ("mla: attnforge's rows launch with programmatic dependent launch where it is the kernel's default "
