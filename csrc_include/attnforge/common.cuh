@@ -219,7 +219,7 @@ AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
   const uint4 t = load_after_wait(p);
   v[0] = __uint_as_float(t.x); v[1] = __uint_as_float(t.y); v[2] = __uint_as_float(t.z); v[3] = __uint_as_float(t.w);
 }
-// ... or 4 16-bit values (8 bytes), widened (MLA's partial states in the output type)
+// ... or 4 16-bit values (8 bytes), widened (MLA's 16-bit partial states, MLADecodeKernel.partial_16bit)
 template <class T>
 AF_DEVICE void load_floats(const T* p, float (&v)[4]) {
   static_assert(sizeof(T) == 2, "4 floats, or 4 bf16 / fp16 values");
