@@ -613,7 +613,7 @@ def test_kpe_batched_copies_compile_without_spills(tmp_path, heads, pipeline):
             MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=True)
     row_copies = MLADecodeKernel(spec(heads, pipeline), backend="wgmma", kpe_batched=False, **by_row).module()
     assert "constexpr bool kKpeBatched = false;" in row_copies.source and "_kb_" not in row_copies.name
-    with pytest.raises(ValueError, match="kpe_batched: expected None, True"):
+    with pytest.raises(ValueError, match="kpe_batched: expected None, False, or True on a wgmma kernel"):
         MLADecodeKernel(spec(heads, pipeline), backend="mma", kpe_batched=True)
     assert not MLADecodeKernel(spec(heads, pipeline), backend="mma").uses_kpe_batched
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
@@ -633,9 +633,19 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
     assert not by_row.uses_copies_by_block and "issue_blocks<0, 8, true>" not in by_row.module().source
     assert "_cbb_" not in by_row.module().name and by_row.uses_kpe_batched
     for kw in ({"backend": "mma"}, {"backend": "wgmma", "early_scores": False}):
-        with pytest.raises(ValueError, match="copies_by_block: expected None, or True"):
+        with pytest.raises(ValueError, match="copies_by_block: expected None, False, or True on the early-scores"):
             MLADecodeKernel(spec(heads, "transposed"), copies_by_block=True, **kw)
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["kpe_batched", "copies_by_block", "partial_16bit"])
+def test_optional_flags_refuse_what_is_not_a_bool(name):
+    """MLADecodeKernel's optional bool fields: 1, "yes" and 0 are refused before any build, naming the field,
+    what it takes and how to leave it (None: the measured default)."""
+    for bad in (1, "yes", 0):
+        with pytest.raises(ValueError, match=rf"MLADecodeKernel.{name}: expected None, False, or True on .*got "
+                                             rf"{bad!r}.*leave it None"):
+            MLADecodeKernel(spec(16, "transposed"), backend="wgmma", **{name: bad})
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")

@@ -257,24 +257,13 @@ class MLADecodeKernel:
                              f"producer={self.producer!r}; pass backend='wgmma', pipeline='transposed' and "
                              f"producer=None (or True), or early_scores=None")
         check_l2_prefetch("MLADecodeKernel", self.l2_prefetch)
-        kb = self.kpe_batched
-        if (kb is not None and type(kb) is not bool) or (kb and self.backend != "wgmma"):
-            raise ValueError(f"MLADecodeKernel.kpe_batched: expected None, True (backend='wgmma') or False, got "
-                             f"{kb!r} with backend={self.backend!r}; leave it None for the measured default")
-        cb = self.copies_by_block
-        if (cb is not None and type(cb) is not bool) or (cb and not self.uses_early_scores):
-            raise ValueError(f"MLADecodeKernel.copies_by_block: expected None, or True (the early-scores transposed "
-                             f"wgmma kernel) or False, got {cb!r} with backend={self.backend!r}, pipeline="
-                             f"{self.spec.pipeline!r}; pass backend='wgmma', pipeline='transposed', or leave it None")
-        if kb and self.uses_copies_by_block:  # issue_tile, which kpe_batched shapes, is not called there
+        self._check_flag("kpe_batched", self.backend == "wgmma", "a wgmma kernel")
+        self._check_flag("copies_by_block", self.uses_early_scores, "the early-scores transposed wgmma kernel")
+        if self.kpe_batched and self.uses_copies_by_block:  # issue_tile, which kpe_batched shapes, is not called
             raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
-        if self.partial_16bit is not None and (type(self.partial_16bit) is not bool
-                                               or (self.partial_16bit and self.backend != "wgmma")):
-            raise ValueError(f"MLADecodeKernel.partial_16bit: expected None, False, or True on a wgmma kernel (its rows "
-                             f"are scaled over the staged output tile), got {self.partial_16bit!r} with backend="
-                             f"{self.backend!r}; pass backend='wgmma' or leave it None")
+        self._check_flag("partial_16bit", self.backend == "wgmma", "a wgmma kernel (rows scaled over its staged output)")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -357,6 +346,14 @@ class MLADecodeKernel:
     def uses_early_scores(self) -> bool:
         """Whether the wgmma transposed kernel's producer path issues S^T(t + 1) behind P.V(t) (early_scores)."""
         return self.uses_producer and (TRANSPOSED_EARLY_SCORES if self.early_scores is None else self.early_scores)
+
+    def _check_flag(self, name: str, applies: bool, where: str) -> None:
+        """An optional bool field (None: the measured default) that only `where` can turn on."""
+        value = getattr(self, name)
+        if (value is not None and type(value) is not bool) or (value and not applies):
+            raise ValueError(f"MLADecodeKernel.{name}: expected None, False, or True on {where}, got {value!r} with "
+                             f"backend={self.backend!r}, pipeline={self.spec.pipeline!r}; leave it None for the "
+                             f"measured default")
 
     @property
     def uses_copies_by_block(self) -> bool:
