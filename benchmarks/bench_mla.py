@@ -124,7 +124,7 @@ def bench_attnforge(report, case, heads, q_nope, q_pe, kv, indptr, indices, last
     # beside the default (an A/B of kernel choices in one process)
     twins = kernel_twins()
     variants += [(f"attnforge-twin{i}", "auto", None, None, None, None, None) for i in range(len(twins))]
-    # ATTNFORGE_BENCH_MLA_TRANSPOSED_TWINS="copies_by_block=False;l2_prefetch=0": the wgmma transposed kernel (the
+    # ATTNFORGE_BENCH_MLA_TRANSPOSED_TWINS="copies_by_block=False;early_scores=False": the wgmma transposed kernel (the
     # attnforge-wgmma-transposed row) with these fields, one `attnforge-wgmma-transposed-twin<i>` row each: its
     # A/B at every head count (a wrapper given kernel_fields keeps the default kernel, normal from 16 heads)
     t_twins = env_kernel_twins("ATTNFORGE_BENCH_MLA_TRANSPOSED_TWINS")

@@ -162,33 +162,3 @@ def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
     assert "constexpr bool kWarpRows = false" in off.source and off.name.endswith("_xb_t64s2w4")
     with pytest.raises(ValueError, match="warp_rows: expected True or False"):
         DecodeKernel(fp8, warp_rows=1)
-
-
-def test_l2_prefetch_sets_every_copys_hint():
-    """DecodeKernel.l2_prefetch: the L2 prefetch size of each cp.async (an A/B knob; 128, the default, adds
-    nothing to the name or the source); others are named, and defined before the copies' header; any other
-    size is refused before a build. PTX of the 256-byte kernel carries the hint (nvcc, where present)."""
-    import re
-    import shutil
-    import subprocess
-
-    from attnforge import codegen
-    s = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, pipeline="transposed")
-    default, wide = DecodeKernel(s).module(), DecodeKernel(s, l2_prefetch=256).module()
-    assert "l2p" not in default.name and "AF_CP_ASYNC_L2_PREFETCH" not in default.source
-    assert "_l2p256_" in wide.name and "#define AF_CP_ASYNC_L2_PREFETCH 256" in wide.source
-    for bad in (32, 512, "128", 128.0):
-        with pytest.raises(ValueError, match="l2_prefetch: expected one of"):
-            DecodeKernel(s, l2_prefetch=bad)
-    if shutil.which("nvcc") is None:
-        return
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        for module, hint in ((wide, "L2::256B"), (DecodeKernel(s, l2_prefetch=0).module(), None)):
-            (Path(d) / "k.cu").write_text(module.source)
-            subprocess.run(["nvcc", "-arch=sm_90a", "-ptx", "-std=c++20", "--expt-relaxed-constexpr",
-                            f"-I{codegen.include_dir()}", "-o", str(Path(d) / "k.ptx"), str(Path(d) / "k.cu")],
-                           check=True, capture_output=True)
-            copies = set(re.findall(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)?", (Path(d) / "k.ptx").read_text()))
-            assert copies == {f".{hint}" if hint else ""}, (module.name, copies)

@@ -583,16 +583,6 @@ def test_transposed_wgmma_kernel_aligns_spans_within_a_fraction_of_the_even_span
     assert work.span == even and len(rows) > 128
 
 
-def test_l2_prefetch_is_a_named_kernel_field():
-    """MLADecodeKernel.l2_prefetch: as DecodeKernel's (tests/test_decode_kernel.py compiles it), named and
-    defined where it is not the default 128, refused at other sizes."""
-    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", l2_prefetch=0).module()
-    assert "_l2p0_" in k.name and "#define AF_CP_ASYNC_L2_PREFETCH 0" in k.source
-    assert "AF_CP_ASYNC_L2_PREFETCH" not in MLADecodeKernel(spec(16, "transposed"), backend="wgmma").module().source
-    with pytest.raises(ValueError, match="l2_prefetch: expected one of"):
-        MLADecodeKernel(spec(16, "transposed"), backend="wgmma", l2_prefetch=100)
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
 def test_kpe_batched_copies_compile_without_spills(tmp_path, heads, pipeline):

@@ -92,16 +92,6 @@ def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
     return DecodeKernel(spec, *tiling) if tiling else None
 
 
-L2_PREFETCH_SIZES = (0, 64, 128, 256)  # cp.async's L2 prefetch hints (bytes; 0: none)
-
-
-def check_l2_prefetch(kernel: str, value) -> None:
-    """A kernel's l2_prefetch field (DecodeKernel, MLADecodeKernel): one of L2_PREFETCH_SIZES."""
-    if type(value) is not int or value not in L2_PREFETCH_SIZES:
-        raise ValueError(f"{kernel}.l2_prefetch: expected one of {L2_PREFETCH_SIZES} bytes, got {value!r}; "
-                         f"leave it 128 (the default)")
-
-
 @dataclass(frozen=True)
 class DecodeKernel:
     """Launch shape of one decode spec. tile_kv / num_stages override the measured defaults."""
@@ -118,11 +108,6 @@ class DecodeKernel:
     # tile and waits for it with __syncwarp instead of a CTA barrier (False: every thread copies across
     # the tile and the loop waits at __syncthreads, the kernel before the twenty-fifth session)
     warp_rows: bool = True
-    # the L2 prefetch size of every cp.async (bytes L2 fetches around a requested sector: 0 no hint, 64, 128,
-    # 256; csrc_include/attnforge/cp_async.cuh). 128 is the default; the others are A/B knobs. H200, in one
-    # process, three rounds (thirty-seventh session): 256 lost on every decode case (+0.7..+6.1%) and MLA
-    # h8 / h16 (+3.5..+5.9%); no hint lost at MLA h16 (+3.0..+5.4%) and tied at h8-h128
-    l2_prefetch: int = 128
 
     def __post_init__(self):
         s = self.spec
@@ -151,7 +136,6 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
         if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
             raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
-        check_l2_prefetch("DecodeKernel", self.l2_prefetch)
         if self.stages is not None and not 2 <= self.stages <= 8:
             raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
@@ -271,7 +255,7 @@ class DecodeKernel:
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
-               "qk_chains": self.qk_chains, "warp_rows": self.warp_rows, "l2_prefetch": self.l2_prefetch,
+               "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
@@ -284,6 +268,5 @@ class DecodeKernel:
                          *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
                          *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
                          *(["xb"] if not self.warp_rows else []),
-                         *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))

@@ -13,7 +13,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule, arch
 from ..jit import tma as tma_maps
 from ..spec import MLA_HEAD_DIM_QK, AttentionSpec
-from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, check_l2_prefetch
+from .decode import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from .fields import ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
@@ -188,8 +188,6 @@ class MLADecodeKernel:
     producer: Optional[bool] = None
     # with the producer: S^T(t + 1) issued behind P.V(t) where tile t + 1 has landed; None: TRANSPOSED_EARLY_SCORES
     early_scores: Optional[bool] = None
-    # every cp.async's L2 prefetch size, as DecodeKernel.l2_prefetch (128; the others lost or tied here)
-    l2_prefetch: int = 128
     # wgmma kernels' issue_tile: the rope's 8 chunks of 4 rows a copy instruction (all 32 lanes), not one row's
     # 8 lanes an instruction; None: TRANSPOSED_KPE_BATCHED for the transposed wgmma kernel, else False
     kpe_batched: Optional[bool] = None
@@ -256,7 +254,6 @@ class MLADecodeKernel:
                              f"issues S^T early, got backend={self.backend!r}, pipeline={self.spec.pipeline!r}, "
                              f"producer={self.producer!r}; pass backend='wgmma', pipeline='transposed' and "
                              f"producer=None (or True), or early_scores=None")
-        check_l2_prefetch("MLADecodeKernel", self.l2_prefetch)
         self._check_flag("kpe_batched", self.backend == "wgmma", "a wgmma kernel")
         self._check_flag("copies_by_block", self.uses_early_scores, "the early-scores transposed wgmma kernel")
         if self.kpe_batched and self.uses_copies_by_block:  # issue_tile, which kpe_batched shapes, is not called
@@ -433,7 +430,7 @@ class MLADecodeKernel:
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
-               "l2_prefetch": self.l2_prefetch, "kpe_batched": self.uses_kpe_batched,
+               "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
                "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
@@ -446,7 +443,6 @@ class MLADecodeKernel:
                          *(["pw"] if self.uses_producer else []), *(["es"] if self.uses_early_scores else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),
-                         *([f"l2p{self.l2_prefetch}"] if self.l2_prefetch != 128 else []),
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
                          *(["p16"] if self.uses_partial_16bit else []),

@@ -6,23 +6,10 @@ namespace attnforge {
 
 AF_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-// The L2 prefetch size each copy asks for (bytes around the requested sector that L2 fetches from DRAM):
-// 128 by default (streaming KV); a kernel may define AF_CP_ASYNC_L2_PREFETCH as 0 (no hint), 64 or 256
-// before including this header (DecodeKernel / MLADecodeKernel.l2_prefetch).
-#ifndef AF_CP_ASYNC_L2_PREFETCH
-#define AF_CP_ASYNC_L2_PREFETCH 128
-#endif
-#if AF_CP_ASYNC_L2_PREFETCH == 0
-#define AF_CP_ASYNC_16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-#elif AF_CP_ASYNC_L2_PREFETCH == 64
-#define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n"
-#elif AF_CP_ASYNC_L2_PREFETCH == 128
+// Each copy asks L2 to fetch the 128 bytes around its sector from DRAM (streaming KV reads whole lines).
+// Measured on the H200 (docs/perf-notes.md, thirty-seventh session): 256 bytes lost on every decode case
+// (+0.7..+6.1%) and at MLA h8 / h16 (+3.5..+5.9%); no hint lost at MLA h16 (+3.0..+5.4%) and tied elsewhere.
 #define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-#elif AF_CP_ASYNC_L2_PREFETCH == 256
-#define AF_CP_ASYNC_16 "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-#else
-#error "AF_CP_ASYNC_L2_PREFETCH: expected 0, 64, 128 or 256"
-#endif
 
 // Copies 16 bytes, or writes 16 zero bytes when !valid (rows past the end of a chunk), so the
 // tile never holds stale data from an earlier stage.
