@@ -1,5 +1,6 @@
 """MLA kernel shapes on the host: rows per CTA, shared memory, row blocks, rendering."""
 import dataclasses
+import re
 import shutil
 import types
 
@@ -656,6 +657,8 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
             MLADecodeKernel(spec(heads, pipeline), backend=backend, partial_16bit=bad)
     assert not MLADecodeKernel(spec(heads, pipeline), backend="mma").uses_partial_16bit
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
+    merge = ptxas_log_of_async_wgmmas(k, "mla_merge_kernel", tmp_path)  # two 512-thread blocks an SM
+    assert "0 bytes spill stores" in merge and int(re.search(r"Used (\d+) registers", merge).group(1)) <= 64
 
 
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])

@@ -87,8 +87,13 @@ TRANSPOSED_COPIES_BY_BLOCK = True
 #   significant bits at any range): every MLA GPU test passed with it on the wgmma kernels but one, the fp16
 #   roles kernel's RMSE against the mma.sync kernel's (3.26e-5 against 2.38e-5, over its 1.25x bound: in fp16
 #   the partial's rounding is as coarse as the output's). One round: h16 B1 L131072 -2.7%, h16 B16 L65536 a
-#   tie, but h64 / h128 B1 L131072 +3.2 / +2.7%: their merge took ~10 us against ~6 (no-merge rows).
-# Off: fp32 partials keep the outputs within the rule at every dtype; True is the opt-in trade.
+#   tie, but h64 / h128 B1 L131072 +3.2 / +2.7%: their merge took ~10 us against ~6 (no-merge rows), at 78
+#   registers one 512-thread block an SM. With the merge bounded to two (64 registers; fortieth session,
+#   three rounds in one process): h64 B1 L131072 -1.1..-1.5%, h128 B1 -0.1..-0.6%, h16 B1 -0.7..+0.5%, h16
+#   B16 L65536 -0.1..-0.2%, but h32 B1 +0.8..+1.9% and h128 B16 L65536 +0.1..+1.7%. bf16 RMSE (h16 B4 L4096)
+#   1.708e-4 against fp32's 1.703e-4 (bf16 partials: +20%).
+# Off: fp32 partials keep the outputs within the rule at every dtype and lose nowhere; True is the opt-in
+# trade (at most -1.5% measured).
 PARTIALS_16BIT = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
