@@ -133,6 +133,77 @@ def check_pdl_chain(spec, lengths, use_cuda_graph, **wrapper_kw):
     return w
 
 
+L2_FIRST_TILES_KERNELS = [(8, "transposed", "wgmma"), (16, "transposed", "wgmma"), (128, "normal", "wgmma"),
+                          (16, "normal", "mma")]
+
+
+@pytest.mark.parametrize("heads,pipeline,backend", L2_FIRST_TILES_KERNELS)
+def test_l2_first_tiles_leave_the_outputs_bitwise(heads, pipeline, backend):
+    """l2_first_tiles (each CTA's first tiles asked into L2 before the PDL wait) changes no byte of the outputs:
+    pages of 64, 7 and 1, lengths off the tiles, an empty request, NaN past the requests; then a PDL chain on the
+    decodes' own outputs, eagerly and in a CUDA graph."""
+    spec = mla_spec(heads, pipeline)
+    for lengths, page in (([1000, 63, 20000, 0, 129], 64), ([2, 700, 1, 3001], 7), ([300, 65], 1)):
+        a, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend=backend, pdl=True,
+                        kernel_fields={"l2_first_tiles": True})
+        b, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend=backend, pdl=True,
+                        kernel_fields={"l2_first_tiles": False})
+        assert torch.equal(a, b)
+    for graph in (False, True):
+        check_pdl_chain(spec, [1000, 17, 4000, 1, 0, 300], graph, backend=backend,
+                        kernel_fields={"l2_first_tiles": True})
+
+
+@pytest.mark.parametrize("heads,pipeline,backend", L2_FIRST_TILES_KERNELS)
+def test_l2_first_tiles_read_the_cache_the_previous_decode_wrote(heads, pipeline, backend):
+    """The prefetches run before the PDL wait, while the decode before may still write the very rows they ask
+    for: here each decode writes its output into the first page of every request of the next one (two plans
+    over disjoint pages, in turn, in one CUDA graph), and the cache after four calls equals the one calls
+    run one at a time without the prefetches give, bit for bit."""
+    batch, page = 4, 64
+    spec = mla_spec(heads, pipeline)
+    g = torch.Generator().manual_seed(heads)
+    cache0 = torch.randn(4 * batch, page, 576, generator=g).to(torch.bfloat16).cuda()
+    q_nope = torch.randn(batch, heads, 512, generator=g).to(torch.bfloat16).cuda()
+    q_pe = torch.randn(batch, heads, 64, generator=g).to(torch.bfloat16).cuda()
+    # request b of plan A holds pages 2b, 2b + 1 (128 tokens, the first two tiles), of plan B pages 2B + 2b, + 1;
+    # A's output row (b, h) is the latent part of token h of B's request b, and B's of A's
+    tables = [np.arange(2 * batch, dtype=np.int32) + o for o in (0, 2 * batch)]
+    indptr, last = np.arange(batch + 1, dtype=np.int32) * 2, np.full(batch, page, np.int32)
+
+    def out_view(cache, first_page):
+        return torch.as_strided(cache, (batch, heads, 512), (2 * page * 576, 576, 1), first_page * page * 576)
+
+    def calls(ws, cache, sync):
+        for i in range(4):
+            ws[i % 2].run(q_nope, q_pe, cache[..., :512], cache[..., 512:], out=out_view(cache, 2 * batch * (1 - i % 2)))
+            if sync:
+                torch.cuda.synchronize()
+
+    def wrappers(l2):
+        ws = []
+        for table in tables:
+            w = BatchMLADecode(spec, backend=backend, pdl=True, use_cuda_graph=l2, max_batch_size=batch,
+                               kernel_fields={"l2_first_tiles": l2})
+            w.plan(indptr, table, last, page_size=page)
+            ws.append(w)
+        return ws
+
+    expect = cache0.clone()
+    calls(wrappers(False), expect, sync=True)
+    got = cache0.clone()
+    ws = wrappers(True)
+    calls(ws, got.clone(), sync=False)  # warm-up (JIT) outside the capture, on a scratch copy
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls(ws, got, sync=False)
+    got.copy_(cache0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(expect.float()).all() and not torch.equal(expect, cache0)
+    assert torch.equal(got, expect)
+
+
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):
