@@ -661,40 +661,6 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
     assert "0 bytes spill stores" in merge and int(re.search(r"Used (\d+) registers", merge).group(1)) <= 64
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("heads,pipeline,backend", [(16, "transposed", "wgmma"), (128, "normal", "wgmma"),
-                                                    (16, "normal", "mma")])
-def test_l2_first_tiles_is_a_named_kernel_field(tmp_path, heads, pipeline, backend):
-    """MLADecodeKernel.l2_first_tiles: bulk L2 prefetches of each CTA's first tiles before the PDL wait, named in
-    the kernel; off by default (L2_FIRST_TILES); refused as a non-bool. Every kernel builds with it: the wgmma
-    kernels keep their wgmmas asynchronous without spills, and the PTX has the prefetches before griddepcontrol.wait."""
-    from helpers import ptxas_log_of_async_wgmmas
-
-    from attnforge.kernels.mla import L2_FIRST_TILES
-    k = MLADecodeKernel(spec(heads, pipeline), backend=backend, l2_first_tiles=True).module()
-    default = MLADecodeKernel(spec(heads, pipeline), backend=backend).module()
-    assert "_l2f_" in k.name and "prefetch_first_tiles(p, stream)" in k.source
-    assert not L2_FIRST_TILES and "_l2f_" not in default.name and "prefetch_first_tiles" not in default.source
-    with pytest.raises(ValueError, match="l2_first_tiles: expected None, False, or True"):
-        MLADecodeKernel(spec(heads, pipeline), backend=backend, l2_first_tiles=1)
-    if backend == "wgmma":
-        assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
-    ptx = ptx_of(k, tmp_path)
-    body = ptx[ptx.index(".entry mla_decode_kernel"):]
-    assert 0 <= body.find("cp.async.bulk.prefetch.L2.global") < body.index("griddepcontrol.wait")
-
-
-def ptx_of(module, tmp_path) -> str:
-    import subprocess
-
-    from attnforge import codegen
-    cu, ptx = tmp_path / f"{module.name}.cu", tmp_path / f"{module.name}.ptx"
-    cu.write_text(module.source)
-    subprocess.run(["nvcc", "-arch=sm_90a", "-ptx", "-std=c++20", "--expt-relaxed-constexpr",
-                    f"-I{codegen.include_dir()}", "-o", str(ptx), str(cu)], check=True, capture_output=True)
-    return ptx.read_text()
-
-
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])
 def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
     """ALIGN_CUTS_TO_TILES: B64 L8192 (two chunks a request) on the wgmma kernels, transposed at 16 heads and

@@ -95,10 +95,6 @@ TRANSPOSED_COPIES_BY_BLOCK = True
 # Off: fp32 partials keep the outputs within the rule at every dtype and lose nowhere; True is the opt-in
 # trade (at most -1.5% measured).
 PARTIALS_16BIT = False
-# Each CTA's first tiles asked into L2 before the PDL wait (MLADecodeKernel.l2_first_tiles): the pipeline
-# fill every CTA pays at once (h16 B1 L131072: 132 CTAs x 2 tiles of 72 KB, ~4 us of DRAM time) read while
-# the kernel before it finishes. Off until measured.
-L2_FIRST_TILES = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -207,9 +203,6 @@ class MLADecodeKernel:
     # the wgmma kernels: split items' partial outputs stored as fp16 over a power-of-two scale per row (half
     # the bytes the chunks write and the merge reads) instead of fp32; None: PARTIALS_16BIT there
     partial_16bit: Optional[bool] = None
-    # before the PDL wait, the first tiles of each CTA's first item asked into L2 (bulk prefetches, sm_90), so
-    # the pipeline fill's DRAM reads overlap the previous kernel's tail; None: L2_FIRST_TILES
-    l2_first_tiles: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -273,7 +266,6 @@ class MLADecodeKernel:
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
         self._check_flag("partial_16bit", self.backend == "wgmma", "a wgmma kernel (rows scaled over its staged output)")
-        self._check_flag("l2_first_tiles", True, "any kernel")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -380,11 +372,6 @@ class MLADecodeKernel:
         return PARTIALS_16BIT and self.backend == "wgmma"
 
     @property
-    def uses_l2_first_tiles(self) -> bool:
-        """Whether each CTA asks L2 for its first tiles before the PDL wait (l2_first_tiles)."""
-        return L2_FIRST_TILES if self.l2_first_tiles is None else self.l2_first_tiles
-
-    @property
     def uses_kpe_batched(self) -> bool:
         """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
         copier copies by column block (issue_tile is not called there)."""
@@ -450,7 +437,7 @@ class MLADecodeKernel:
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
-               "l2_first_tiles": self.uses_l2_first_tiles, "tile_kv": tile,
+               "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -464,7 +451,6 @@ class MLADecodeKernel:
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
                          *(["p16"] if self.uses_partial_16bit else []),
-                         *(["l2f"] if self.uses_l2_first_tiles else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)

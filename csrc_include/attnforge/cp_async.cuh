@@ -22,14 +22,6 @@ AF_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
 AF_DEVICE void cp_async_16_at(uint32_t smem, const void* gmem, bool valid) {
   asm volatile(AF_CP_ASYNC_16 ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
-// Asks L2 to fetch `bytes` (a multiple of 16, from a 16-byte aligned address) from DRAM; nothing reaches the
-// SM, so it may run before a PDL kernel's wait: L2 holds every write of the previous kernel, and the copies
-// after the wait read the current bytes. sm_90+ (cp.async.bulk); a no-op before it.
-AF_DEVICE void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-#endif
-}
 AF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 AF_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -35,8 +35,7 @@ def test_pdl_launch_of_a_kernel_that_does_not_wait_is_refused():
 
 def _sources():
     mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
-    # (MLA with its optional L2 prefetch of the first tiles before the wait: the default kernel's code and more)
-    return [DecodeKernel(AttentionSpec()).module().source, MLADecodeKernel(mla, l2_first_tiles=True).module().source,
+    return [DecodeKernel(AttentionSpec()).module().source, MLADecodeKernel(mla).module().source,
             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module().source]
 
 
@@ -49,9 +48,7 @@ READ_BEFORE_WAIT = {
     # decode runs after any kernel with BatchDecode(pdl=True): only plan()'s copies before the wait
     "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr"},
     # MLA decode after any kernel with BatchMLADecode(pdl=True): only plan()'s copies before the wait
-    "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks",
-                          # L2 prefetches only (no data reaches the SM) of the first tiles, through plan()'s page table
-                          "prefetch_first_tiles"},
+    "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks"},
     "mla_merge_kernel": set(),
     "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
     "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
