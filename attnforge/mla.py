@@ -149,8 +149,6 @@ class BatchMLADecode(BatchDecode):
         if pdl is None:
             self.pdl = self.kernel.pdl_by_default
         self._default_kernel = self._transposed_kernel = None  # filled at the first plan (_pick_kernel)
-        # spread_merge's counters, two a partial slot pair (zero between launches: each item's last share resets)
-        self._spread_count = torch.zeros(2 * self.num_ctas, dtype=torch.int32, device=self.device)
 
     # MLADecodeKernel's fields that have arguments of their own here
     _OWN_KERNEL_ARGS = ("spec", "num_stages", "tile_kv", "backend", "schedule")
@@ -340,7 +338,7 @@ class BatchMLADecode(BatchDecode):
             kv_indptr=self._dev_ptr("kv_indptr"),
             kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
             kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
-            meta=self._dev_ptr("meta"), merge_count=self._spread_count.data_ptr(), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),
+            meta=self._dev_ptr("meta"), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),
             q_pe_stride_t=q_pe.stride(0), q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0),
             out_stride_h=out.stride(1), ckv_stride_page=ckv_strides[0], ckv_stride_token=ckv_strides[1],
             kpe_stride_page=kpe_strides[0], kpe_stride_token=kpe_strides[1], page_size=self._plan["page_size"],
@@ -352,8 +350,7 @@ class BatchMLADecode(BatchDecode):
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)
-            # (else every item is whole, or the decode kernel's CTAs merge the split ones: it wrote out and lse)
-            if self._plan["merge"] and not self.kernel.uses_spread_merge:
+            if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)
                 self._launch_merge(lib, params, rows_cap)
         return (out, lse) if return_lse else out
 

@@ -546,39 +546,6 @@ def wgmma_cases(heads, pipeline, **kw):
     run_case(mla_spec(heads, pipeline, logits_soft_cap=30.0), [500, 3], 64, ref_kw={"logits_soft_cap": 30.0}, **kw)
 
 
-@pytest.mark.parametrize("heads,pipeline,backend", [(8, "transposed", "wgmma"), (16, "transposed", "wgmma"),
-                                                    (64, "normal", "wgmma"), (128, "normal", "wgmma"),
-                                                    (16, "normal", "mma")])
-def test_spread_merge(heads, pipeline, backend):
-    """spread_merge: split items merged by their chunks' CTAs, a share each, with no merge kernel: against the
-    reference on one request over every CTA, split and whole items with an empty one, pages of 7 with NaN past
-    the requests and two draft tokens, a sink (applied after the merge); a PDL chain on the decodes' own outputs,
-    eagerly and in a CUDA graph; graph replays after re-plans (the counters reset by every launch)."""
-    kw = {"backend": backend, "kernel_fields": {"spread_merge": True}}
-    spec = mla_spec(heads, pipeline)
-    for lengths, page, q_len in (([50000], 64, 1), ([20000, 63, 1000, 0, 129], 64, 1), ([2, 7000, 1, 3001], 7, 2)):
-        run_case(spec, lengths, page, q_len=q_len, seed=heads + page, nan_unheld=True, **kw)
-    sink = torch.randn(heads).cuda()
-    run_case(mla_spec(heads, pipeline, score_mod=mods.attention_sink(sink)), [9000, 3, 0], 64,
-             ref_kw={"sink": sink.double().cpu()}, **kw)
-    for graph in (False, True):
-        assert check_pdl_chain(spec, [1000, 17, 4000, 1, 0, 300], graph, **kw)._plan["merge"]
-    batch, page_size, pages = 4, 64, 2048
-    rng = np.random.default_rng(heads)
-    kv = torch.randn(pages, page_size, 576, device="cuda").bfloat16()
-    q_nope = torch.randn(batch, heads, 512, device="cuda").bfloat16()
-    q_pe = torch.randn(batch, heads, 64, device="cuda").bfloat16()
-    w = BatchMLADecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, **kw)
-
-    def replan():
-        lengths, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 3000, (20000, 60000))
-        w.plan(indptr, indices, last, page_size=page_size)
-        return lengths, indptr, indices
-
-    replay_and_check(w, kv, q_nope, q_pe, replan, 6, 1, lambda i: i % 2 == 0)
-    assert not w._spread_count.any()  # every launch left its counters at zero
-
-
 @pytest.mark.parametrize("heads,backend", [(16, None), (16, "mma"), (128, None)])  # None: wgmma (roles)
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_cuda_graph_replay_after_replans(heads, backend, pipeline):

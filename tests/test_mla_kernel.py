@@ -661,26 +661,6 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
     assert "0 bytes spill stores" in merge and int(re.search(r"Used (\d+) registers", merge).group(1)) <= 64
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("heads,pipeline,backend", [(16, "transposed", "wgmma"), (128, "normal", "wgmma"),
-                                                    (16, "normal", "mma")])
-def test_spread_merge_is_a_named_kernel_field(tmp_path, heads, pipeline, backend):
-    """MLADecodeKernel.spread_merge: split items merged by their chunks' CTAs after their spans (merge_share), named
-    in the kernel; off by default (SPREAD_MERGE); refused as a non-bool; the wgmma kernels keep their wgmmas
-    asynchronous, and every kernel builds without spills or a stack frame (the spread items are named pairs)."""
-    from helpers import ptxas_log_of_async_wgmmas
-
-    from attnforge.kernels.mla import SPREAD_MERGE
-    k = MLADecodeKernel(spec(heads, pipeline), backend=backend, spread_merge=True).module()
-    default = MLADecodeKernel(spec(heads, pipeline), backend=backend).module()
-    assert "_sm_" in k.name and "merge_share(p, spread_first.x, spread_first.y)" in k.source
-    assert not SPREAD_MERGE and "_sm_" not in default.name and "merge_share" not in default.source
-    with pytest.raises(ValueError, match="spread_merge: expected None, False, or True"):
-        MLADecodeKernel(spec(heads, pipeline), backend=backend, spread_merge="yes")
-    log = ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
-    assert "0 bytes stack frame, 0 bytes spill stores" in log, log
-
-
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])
 def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
     """ALIGN_CUTS_TO_TILES: B64 L8192 (two chunks a request) on the wgmma kernels, transposed at 16 heads and

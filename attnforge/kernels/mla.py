@@ -30,7 +30,6 @@ BASE_FIELDS = (
     ParamField("partial_lse", "float*", "ptr"), ParamField("partial_scale", "float*", "ptr"),  # (partial_16bit)
     *ptrs("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix"),
     ParamField("meta", "const attnforge::StreamMeta*", "ptr"),
-    ParamField("merge_count", "int*", "ptr"),  # (spread_merge: two counters a partial slot pair)
     *scalars("i64", "int64_t", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
              "out_stride_t", "out_stride_h", "ckv_stride_page", "ckv_stride_token", "kpe_stride_page",
              "kpe_stride_token"),
@@ -96,10 +95,6 @@ TRANSPOSED_COPIES_BY_BLOCK = True
 # Off: fp32 partials keep the outputs within the rule at every dtype and lose nowhere; True is the opt-in
 # trade (at most -1.5% measured).
 PARTIALS_16BIT = False
-# Split items merged by the CTAs that hold their chunks, a share each after their spans
-# (MLADecodeKernel.spread_merge), in place of the merge kernel: at h16 B1 L131072 that kernel adds ~6 us to
-# the decode's 46. Off until measured.
-SPREAD_MERGE = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -208,9 +203,6 @@ class MLADecodeKernel:
     # the wgmma kernels: split items' partial outputs stored as fp16 over a power-of-two scale per row (half
     # the bytes the chunks write and the merge reads) instead of fp32; None: PARTIALS_16BIT there
     partial_16bit: Optional[bool] = None
-    # the CTAs holding a split item's chunks merge it after their spans, a share each, in place of the merge
-    # kernel's launch and pass; None: SPREAD_MERGE
-    spread_merge: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -274,7 +266,6 @@ class MLADecodeKernel:
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
         self._check_flag("partial_16bit", self.backend == "wgmma", "a wgmma kernel (rows scaled over its staged output)")
-        self._check_flag("spread_merge", True, "any kernel")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -381,11 +372,6 @@ class MLADecodeKernel:
         return PARTIALS_16BIT and self.backend == "wgmma"
 
     @property
-    def uses_spread_merge(self) -> bool:
-        """Whether split items are merged by their chunks' CTAs after their spans (no merge kernel)."""
-        return SPREAD_MERGE if self.spread_merge is None else self.spread_merge
-
-    @property
     def uses_kpe_batched(self) -> bool:
         """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
         copier copies by column block (issue_tile is not called there)."""
@@ -451,7 +437,7 @@ class MLADecodeKernel:
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
-               "spread_merge": self.uses_spread_merge, "tile_kv": tile,
+               "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -465,7 +451,6 @@ class MLADecodeKernel:
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
                          *(["p16"] if self.uses_partial_16bit else []),
-                         *(["sm"] if self.uses_spread_merge else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
