@@ -48,7 +48,12 @@ def summarize(t: np.ndarray, kernel_ms: float) -> dict:
     tiles, partial = meta & 0xFFFF, (meta >> 17) & 1
     e = items[:, :, :5]
     ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
-          "write": e[:, :, 4] - e[:, :, 3]}
+          "write": e[:, :, 4] - e[:, :, 3],
+          # the write's parts where the kernel stamps them (the staged wgmma output): staging the accumulators,
+          # the row stores' issue, the closing barrier
+          **{k: np.where(items[:, :, 6] > 0, v, 0) for k, v in (
+              ("write_stage", items[:, :, 6] - e[:, :, 3]), ("write_store", items[:, :, 7] - items[:, :, 6]),
+              ("write_sync", e[:, :, 4] - items[:, :, 7]))}}
     with_tiles = used & (tiles > 0)
     per_tile = ph["tiles"][with_tiles] / tiles[with_tiles]
     first = np.where(used[:, 0], e[:, 0, 0] - entry, 0)
@@ -99,6 +104,37 @@ def summarize_tiles(tt: np.ndarray) -> dict:
     return {"tiles": int(nxt.sum()), "median_cycles": {k: float(np.median(v)) for k, v in steps.items()}}
 
 
+def summarize_transposed_tiles(tt: np.ndarray) -> dict:
+    """Median SM cycles of the early-scores transposed kernel's tiles, from af_tile_trace [CTAs, TILES, 8]
+    (0 the computing warpgroup takes tile t, 1 its P.V(t) done; 4 the copier has tile t's stage back,
+    5 tile t issued): the period by the tile's place in its item (the first tiles carry the pipeline's
+    fill), the compute, the wait for the next tile, and a refill's issue-to-use time."""
+    took, done, back, issued = tt[:, :, 0], tt[:, :, 1], tt[:, :, 4], tt[:, :, 5]
+    n = (took > 0).sum(axis=1)  # tiles of each CTA's last item (its stamps overwrite earlier items')
+    if not n.any():
+        return {}
+    res = {"tiles_per_cta_median": float(np.median(n[n > 0]))}
+    for name, lo, hi in (("period_t0_t1", 0, 1), ("period_t1_t2", 1, 2), ("period_t2_t3", 2, 3), ("period_t3_t4", 3, 4)):
+        ok = n > hi
+        if ok.any():
+            res[name] = float(np.median(took[ok, hi] - took[ok, lo]))
+    mid = [(c, k) for c in range(len(n)) for k in range(4, n[c] - 2)]
+    if mid:
+        c, k = np.array(mid).T
+        res["period_steady"] = float(np.median(took[c, k + 1] - took[c, k]))
+        res["compute_steady"] = float(np.median(done[c, k] - took[c, k]))
+        res["wait_next_steady"] = float(np.median(took[c, k + 1] - done[c, k]))
+        late = issued[c, k] > 0
+        if late.any():
+            res["issue_to_use_steady"] = float(np.median(took[c, k][late] - issued[c, k][late]))
+            res["copier_issue"] = float(np.median(issued[c, k][late] - back[c, k][late]))
+    last = [(c, n[c] - 1) for c in range(len(n)) if n[c] > 1]
+    if last:
+        c, k = np.array(last).T
+        res["last_tile_compute"] = float(np.median(done[c, k] - took[c, k]))
+    return res
+
+
 def pair_entry_gaps(t: np.ndarray, side_blocks: int) -> dict:
     """How far apart (%globaltimer ns) the CTAs of each side-by-side group started: CTA c runs side
     c % side_blocks of virtual CTA c / side_blocks (templates/mla_decode.cu.jinja). {} with one side."""
@@ -135,7 +171,9 @@ def trace_case(name: str) -> dict:
     t = hosts["af_trace"].reshape(-1, ITEMS, 8).astype(np.int64)
     res = {"case": name, "kernel": w.kernel.module().name, "pdl": w.pdl, "calls_timed": calls,
            **summarize(t, ms), "pair_entry_gap_ns": pair_entry_gaps(t, w.kernel.side_blocks(w.kernel.row_blocks(1))),
-           "roles_tiles": summarize_tiles(hosts["af_tile_trace"].reshape(-1, TILES, 8).astype(np.int64))}
+           "roles_tiles": summarize_tiles(hosts["af_tile_trace"].reshape(-1, TILES, 8).astype(np.int64)),
+           "transposed_tiles": summarize_transposed_tiles(hosts["af_tile_trace"].reshape(-1, TILES, 8).astype(np.int64))
+           if w.kernel.uses_early_scores else {}}
     print(res, flush=True)
     return res
 

@@ -207,14 +207,15 @@ def test_traced_kernels_compile(tmp_path):
               PrefillKernel(AttentionSpec(family="prefill", causal=True), "wgmma").module(),
               QuestScoreKernel("bf16", "int4", 128, 8, 4).module(),
               MLADecodeKernel(mla, None, None, "wgmma", "roles").module(),
-              MLADecodeKernel(dataclasses.replace(mla, num_qo_heads=16), None, None, "mma", None).module()):
+              MLADecodeKernel(dataclasses.replace(mla, num_qo_heads=16), None, None, "mma", None).module(),
+              MLADecodeKernel(dataclasses.replace(mla, num_qo_heads=16, pipeline="transposed"), backend="wgmma").module()):
         src = tmp_path / f"{m.name}.cu"
         src.write_text(dataclasses.replace(m, context={**m.context, "trace": True}).source)
         subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                         f"-I{codegen.include_dir()}", "-o", str(tmp_path / "k.cubin"), str(src)],
                        check=True, capture_output=True)
         assert b"af_trace" in (tmp_path / "k.cubin").read_bytes(), f"{m.name}: the trace buffer was compiled out"
-        if "roles" in m.name:  # the roles schedule's per-tile hand-offs (trace_mla.summarize_tiles)
+        if "roles" in m.name or "_es_" in m.name:  # per-tile stamps (trace_mla.summarize_tiles / _transposed_tiles)
             assert b"af_tile_trace" in (tmp_path / "k.cubin").read_bytes()
         assert "af_trace" not in m.source  # the untraced build carries none of it
 
@@ -342,13 +343,36 @@ def test_mla_trace_reads_the_stamp_layout(monkeypatch):
     r = mod.summarize(t, 0.01)
     assert (r["ctas"], r["busy_ctas"], r["items"], r["split_items"]) == (3, 2, 3, 1)
     assert r["wait_cycles_median"] == 100 and r["entry_to_first_item_median"] == 250
-    assert r["phase_mean_cycles"] == {"prologue": 1400 / 3, "tiles": 20000 / 3, "finish": 100.0, "write": 800 / 3}
+    assert r["phase_mean_cycles"] == {"prologue": 1400 / 3, "tiles": 20000 / 3, "finish": 100.0, "write": 800 / 3,
+                                      "write_stage": 0.0, "write_store": 0.0, "write_sync": 0.0}
     assert r["tile_median_cycles"] == 1000 and r["est_ghz_median"] == 2.0
     assert r["global_ns"] == {"entry_spread": 400.0, "exit_spread": 3800.0, "first_entry_to_last_exit": 7850.0,
                               "exit_by_busy_ctas_on_sm": {"2": [4050.0, 5950.0, 7470.0, 7850.0]}}
     t[1, 0, 5] = 6 | 7 << 32  # the second CTA on an SM of its own
     by = mod.summarize(t, 0.01)["global_ns"]["exit_by_busy_ctas_on_sm"]
     assert by == {"1": [4050.0, 5950.0, 7470.0, 7850.0]}
+    t[0, 0, 6:8] = [11850, 11950]  # the staged write's stamps: staged at +50, stores issued at +150
+    write = mod.summarize(t, 0.01)["phase_mean_cycles"]
+    assert (write["write_stage"], write["write_store"], write["write_sync"]) == (50 / 3, 100 / 3, 50 / 3)
+
+
+def test_mla_trace_reads_the_transposed_tile_stamps(monkeypatch):
+    """trace_mla.summarize_transposed_tiles on the early-scores transposed kernel's per-tile stamps: one CTA of
+    8 tiles taken every 1000 cycles after a slow fill (tile 1 at +3000), each computed in 600, its refills
+    issued 1500 cycles before use, 200 after the stage came back."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_mla")
+    tt = np.zeros((2, mod.TILES, 8), dtype=np.int64)
+    took = np.array([1000, 4000, 5000, 6000, 7000, 8000, 9000, 10000])
+    tt[0, :8, 0], tt[0, :8, 1] = took, took + 600
+    tt[0, 2:8, 5] = took[2:] - 1500  # refills (t >= 2 stages)
+    tt[0, 2:8, 4] = took[2:] - 1700
+    r = mod.summarize_transposed_tiles(tt)
+    assert r["tiles_per_cta_median"] == 8 and r["period_t0_t1"] == 3000 and r["period_t1_t2"] == 1000
+    assert (r["period_steady"], r["compute_steady"], r["wait_next_steady"]) == (1000, 600, 400)
+    assert (r["issue_to_use_steady"], r["copier_issue"], r["last_tile_compute"]) == (1500, 200, 600)
+    assert mod.summarize_transposed_tiles(np.zeros((1, mod.TILES, 8), dtype=np.int64)) == {}
 
 
 def test_mla_trace_pair_entry_gaps_and_kernel_fields(monkeypatch):
