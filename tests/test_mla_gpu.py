@@ -133,6 +133,26 @@ def check_pdl_chain(spec, lengths, use_cuda_graph, **wrapper_kw):
     return w
 
 
+@pytest.mark.parametrize("heads,pipeline,backend", [(8, "transposed", "wgmma"), (16, "transposed", "wgmma"),
+                                                    (128, "normal", "wgmma"), (16, "normal", "mma")])
+def test_reads_before_wait_leave_the_outputs_bitwise(heads, pipeline, backend):
+    """reads_before_wait (each CTA's first item, and the copier's first page-table rows, read before the PDL
+    wait) changes no byte of the outputs: pages of 64, 7 and 1, lengths off the tiles, an empty request, NaN
+    past the requests, and 300 short requests (CTAs of several items: later items resolve their own rows);
+    then a PDL chain on the decodes' own outputs, eagerly and in a CUDA graph."""
+    spec = mla_spec(heads, pipeline)
+    short = [int(x) for x in np.random.default_rng(heads).integers(1, 200, 300)]
+    for lengths, page in (([1000, 63, 20000, 0, 129], 64), ([2, 700, 1, 3001], 7), ([300, 65], 1), (short, 16)):
+        a, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend=backend, pdl=True,
+                        max_batch_size=len(lengths), kernel_fields={"reads_before_wait": True})
+        b, _ = run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, backend=backend, pdl=True,
+                        max_batch_size=len(lengths), kernel_fields={"reads_before_wait": False})
+        assert torch.equal(a, b)
+    for graph in (False, True):
+        check_pdl_chain(spec, [1000, 17, 4000, 1, 0, 300], graph, backend=backend,
+                        kernel_fields={"reads_before_wait": True})
+
+
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_heads_and_odd_lengths(heads, pipeline):

@@ -661,6 +661,28 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
     assert "0 bytes spill stores" in merge and int(re.search(r"Used (\d+) registers", merge).group(1)) <= 64
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("heads,pipeline,backend", [(16, "transposed", "wgmma"), (128, "normal", "wgmma"),
+                                                    (16, "normal", "mma")])
+def test_reads_before_wait_is_a_named_kernel_field(tmp_path, heads, pipeline, backend):
+    """MLADecodeKernel.reads_before_wait: each CTA's first item (and the transposed wgmma kernel's copier's first
+    page-table rows) read before the PDL wait, named in the kernel; off by default (READS_BEFORE_WAIT, the
+    kernel as before); refused as a non-bool; the wgmma kernels keep their wgmmas asynchronous without spills."""
+    from helpers import ptxas_log_of_async_wgmmas
+
+    from attnforge.kernels.mla import READS_BEFORE_WAIT
+    k = MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=True).module()
+    default = MLADecodeKernel(spec(heads, pipeline), backend=backend).module()
+    body = k.source[k.source.index(") mla_decode_kernel(const __grid_constant__"):]
+    before_wait = body[:body.index("wait_for_prior_grid();")]
+    assert "_rbw_" in k.name and "bool have_item = stream.next(it);" in before_wait
+    assert ("resolve_copy_rows" in before_wait) == (pipeline == "transposed")
+    assert not READS_BEFORE_WAIT and "_rbw_" not in default.name and "have_item" not in default.source
+    with pytest.raises(ValueError, match="reads_before_wait: expected None, False, or True"):
+        MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=0)
+    assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
+
+
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (64, "normal")])
 def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
     """ALIGN_CUTS_TO_TILES: B64 L8192 (two chunks a request) on the wgmma kernels, transposed at 16 heads and

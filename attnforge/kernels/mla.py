@@ -95,6 +95,11 @@ TRANSPOSED_COPIES_BY_BLOCK = True
 # Off: fp32 partials keep the outputs within the rule at every dtype and lose nowhere; True is the opt-in
 # trade (at most -1.5% measured).
 PARTIALS_16BIT = False
+# Each CTA's first item (the stream's walk) and the copier's first tiles' page-table rows read before the PDL
+# wait (MLADecodeKernel.reads_before_wait): a trace of h16 B1 L131072 (fortieth session) put ~900 cycles of
+# the stream's walk after the wait and two more round trips (kv_indptr, the page ids) before the first copy.
+# Off until measured.
+READS_BEFORE_WAIT = False
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -203,6 +208,9 @@ class MLADecodeKernel:
     # the wgmma kernels: split items' partial outputs stored as fp16 over a power-of-two scale per row (half
     # the bytes the chunks write and the merge reads) instead of fp32; None: PARTIALS_16BIT there
     partial_16bit: Optional[bool] = None
+    # each CTA's first item (and with a producer warpgroup its first tiles' page-table rows) read before the PDL
+    # wait, from plan()'s copies, so their round trips run under it; None: READS_BEFORE_WAIT
+    reads_before_wait: Optional[bool] = None
 
     def __post_init__(self):
         if self.spec.family != "mla_decode":
@@ -266,6 +274,7 @@ class MLADecodeKernel:
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
         self._check_flag("partial_16bit", self.backend == "wgmma", "a wgmma kernel (rows scaled over its staged output)")
+        self._check_flag("reads_before_wait", True, "any kernel")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
         if self.num_stages is not None and not 2 <= self.num_stages <= 6:
@@ -372,6 +381,11 @@ class MLADecodeKernel:
         return PARTIALS_16BIT and self.backend == "wgmma"
 
     @property
+    def uses_reads_before_wait(self) -> bool:
+        """Whether each CTA reads its first item (and its copier's first rows) before the PDL wait."""
+        return READS_BEFORE_WAIT if self.reads_before_wait is None else self.reads_before_wait
+
+    @property
     def uses_kpe_batched(self) -> bool:
         """Whether issue_tile copies the rope chunks of 4 rows an instruction (kpe_batched); never where the
         copier copies by column block (issue_tile is not called there)."""
@@ -437,7 +451,7 @@ class MLADecodeKernel:
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
-               "tile_kv": tile,
+               "reads_before_wait": self.uses_reads_before_wait, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
@@ -451,6 +465,7 @@ class MLADecodeKernel:
                          *(["kb"] if self.uses_kpe_batched else []),
                          *(["cbb"] if self.uses_copies_by_block else []),
                          *(["p16"] if self.uses_partial_16bit else []),
+                         *(["rbw"] if self.uses_reads_before_wait else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
         return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)

@@ -5,6 +5,7 @@ that do not wait, and, for every kernel that may be launched so, that it reads o
 buffers before the wait (ones its predecessor never writes) and writes nothing; before sm_90 a pdl=True
 launch is an ordinary one."""
 import ctypes
+import dataclasses
 import re
 from pathlib import Path
 
@@ -35,7 +36,11 @@ def test_pdl_launch_of_a_kernel_that_does_not_wait_is_refused():
 
 def _sources():
     mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
-    return [DecodeKernel(AttentionSpec()).module().source, MLADecodeKernel(mla).module().source,
+    # (MLA: the transposed wgmma kernel with reads_before_wait, whose copier resolves its first tiles' rows
+    # before the wait: the default kernel's reads and more)
+    return [DecodeKernel(AttentionSpec()).module().source,
+            MLADecodeKernel(dataclasses.replace(mla, pipeline="transposed"), backend="wgmma",
+                            reads_before_wait=True).module().source,
             QuestScoreKernel("bf16", "fp8", 128, 8, 4).module().source]
 
 
@@ -48,7 +53,9 @@ READ_BEFORE_WAIT = {
     # decode runs after any kernel with BatchDecode(pdl=True): only plan()'s copies before the wait
     "batch_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "num_kv_heads", "meta", "kv_indptr"},
     # MLA decode after any kernel with BatchMLADecode(pdl=True): only plan()'s copies before the wait
-    "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks"},
+    "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks",
+                          # the copier's first tiles' rows, from plan()'s page table (no kernel of a step writes it)
+                          "kv_indptr", "kv_indices", "resolve_copy_rows"},
     "mla_merge_kernel": set(),
     "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
     "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
