@@ -412,7 +412,7 @@ def test_producer_is_the_transposed_wgmma_kernels():
     kernel, whose computing warps then synchronise among themselves (named barrier 1), not with
     __syncthreads; producer=False keeps the one-warpgroup kernel."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma")
-    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
+    assert k.uses_producer and k.threads == 256 and k.module().name.endswith("_wgmma_pw_es_cbb_rbw_r16t64s2")
     src = k.module().source
     assert "constexpr bool kProducer = true;" in src and "named_bar_sync(kBarCompute, 32 * kWarps);" in src
     one = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", producer=False)
@@ -431,7 +431,7 @@ def test_early_scores_is_the_producer_kernels():
     S^T(t + 1) behind P.V(t) where tile t + 1 has landed, and hands the refilled stages over by mbarriers;
     anywhere else it is an error that says what to pass."""
     k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=True)
-    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_cbb_r16t64s2")
+    assert k.uses_early_scores and k.module().name.endswith("_wgmma_pw_es_cbb_rbw_r16t64s2")
     src = k.module().source
     assert "constexpr bool kEarlyScores = true;" in src and "named_bar_sync_and(kBarCompute" in src
     off = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", early_scores=False)
@@ -666,18 +666,21 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
                                                     (16, "normal", "mma")])
 def test_reads_before_wait_is_a_named_kernel_field(tmp_path, heads, pipeline, backend):
     """MLADecodeKernel.reads_before_wait: each CTA's first item (and the transposed wgmma kernel's copier's first
-    page-table rows) read before the PDL wait, named in the kernel; off by default (READS_BEFORE_WAIT, the
-    kernel as before); refused as a non-bool; the wgmma kernels keep their wgmmas asynchronous without spills."""
+    page-table rows) read before the PDL wait, named in the kernel; on by default where the kernel launches with
+    PDL by default (READS_BEFORE_WAIT; h128's roles kernel launches plainly); refused as a non-bool; the wgmma
+    kernels keep their wgmmas asynchronous without spills."""
     from helpers import ptxas_log_of_async_wgmmas
 
     from attnforge.kernels.mla import READS_BEFORE_WAIT
     k = MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=True).module()
-    default = MLADecodeKernel(spec(heads, pipeline), backend=backend).module()
+    off = MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=False).module()
+    default = MLADecodeKernel(spec(heads, pipeline), backend=backend)
+    assert READS_BEFORE_WAIT and default.uses_reads_before_wait == default.pdl_by_default == (heads != 128)
     body = k.source[k.source.index(") mla_decode_kernel(const __grid_constant__"):]
     before_wait = body[:body.index("wait_for_prior_grid();")]
     assert "_rbw_" in k.name and "bool have_item = stream.next(it);" in before_wait
     assert ("resolve_copy_rows" in before_wait) == (pipeline == "transposed")
-    assert not READS_BEFORE_WAIT and "_rbw_" not in default.name and "have_item" not in default.source
+    assert "_rbw_" not in off.name and "have_item" not in off.source
     with pytest.raises(ValueError, match="reads_before_wait: expected None, False, or True"):
         MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=0)
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)

@@ -98,8 +98,11 @@ PARTIALS_16BIT = False
 # Each CTA's first item (the stream's walk) and the copier's first tiles' page-table rows read before the PDL
 # wait (MLADecodeKernel.reads_before_wait): a trace of h16 B1 L131072 (fortieth session) put ~900 cycles of
 # the stream's walk after the wait and two more round trips (kv_indptr, the page ids) before the first copy.
-# Off until measured.
-READS_BEFORE_WAIT = False
+# Measured on the H200 (fortieth session, four rounds in one process against it off): h16 B1 L131072 -0.9..-1.1%
+# in three rounds (+0.6% in one), h16 batches -0.2..-0.7% (B64 L8192 a tie), h8 -0.1..-1.0%, h64 B16 L65536
+# -0.7..-0.9%, h32 / h64 B1 -0.1..-1.1%; h128, launched without PDL, tied except h128 B64 L8192 (+4.6 and +5.5%
+# in two noisy rounds, ties in two). The default for the kernels launched with PDL (pdl_by_default).
+READS_BEFORE_WAIT = True
 # With tma, the maps' L2 promotion (attnforge.jit.tma.L2_PROMOTION_SIZES): the prefill maps' 256 bytes cost
 # h128 2% against none or 128 (501.5 against 491.5 / 491.9 us at B16 L65536, in one process; h64 the same
 # within 0.3%; thirtieth session). 256 makes each 128-byte box row's request fetch its neighbour block
@@ -209,7 +212,8 @@ class MLADecodeKernel:
     # the bytes the chunks write and the merge reads) instead of fp32; None: PARTIALS_16BIT there
     partial_16bit: Optional[bool] = None
     # each CTA's first item (and with a producer warpgroup its first tiles' page-table rows) read before the PDL
-    # wait, from plan()'s copies, so their round trips run under it; None: READS_BEFORE_WAIT
+    # wait, from plan()'s copies, so their round trips run under it; None: READS_BEFORE_WAIT where the kernel
+    # launches with PDL by default
     reads_before_wait: Optional[bool] = None
 
     def __post_init__(self):
@@ -383,7 +387,9 @@ class MLADecodeKernel:
     @property
     def uses_reads_before_wait(self) -> bool:
         """Whether each CTA reads its first item (and its copier's first rows) before the PDL wait."""
-        return READS_BEFORE_WAIT if self.reads_before_wait is None else self.reads_before_wait
+        if self.reads_before_wait is not None:
+            return self.reads_before_wait
+        return READS_BEFORE_WAIT and self.pdl_by_default  # (nothing to hide the reads under without PDL)
 
     @property
     def uses_kpe_batched(self) -> bool:
