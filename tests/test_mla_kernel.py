@@ -629,7 +629,7 @@ def test_copies_by_block_on_the_transposed_kernel(tmp_path, heads):
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k.module(), "mla_decode_kernel", tmp_path)
 
 
-@pytest.mark.parametrize("name", ["kpe_batched", "copies_by_block", "partial_16bit"])
+@pytest.mark.parametrize("name", ["kpe_batched", "copies_by_block", "partial_16bit", "reads_before_wait"])
 def test_optional_flags_refuse_what_is_not_a_bool(name):
     """MLADecodeKernel's optional bool fields: 1, "yes" and 0 are refused before any build, naming the field,
     what it takes and how to leave it (None: the measured default)."""
@@ -667,8 +667,8 @@ def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
 def test_reads_before_wait_is_a_named_kernel_field(tmp_path, heads, pipeline, backend):
     """MLADecodeKernel.reads_before_wait: each CTA's first item (and the transposed wgmma kernel's copier's first
     page-table rows) read before the PDL wait, named in the kernel; on by default where the kernel launches with
-    PDL by default (READS_BEFORE_WAIT; h128's roles kernel launches plainly); refused as a non-bool; the wgmma
-    kernels keep their wgmmas asynchronous without spills."""
+    PDL by default (READS_BEFORE_WAIT; h128's roles kernel launches plainly); the wgmma kernels keep their
+    wgmmas asynchronous without spills. (Its refusal of non-bools: test_optional_flags_refuse_what_is_not_a_bool.)"""
     from helpers import ptxas_log_of_async_wgmmas
 
     from attnforge.kernels.mla import READS_BEFORE_WAIT
@@ -681,8 +681,6 @@ def test_reads_before_wait_is_a_named_kernel_field(tmp_path, heads, pipeline, ba
     assert "_rbw_" in k.name and "bool have_item = stream.next(it);" in before_wait
     assert ("resolve_copy_rows" in before_wait) == (pipeline == "transposed")
     assert "_rbw_" not in off.name and "have_item" not in off.source
-    with pytest.raises(ValueError, match="reads_before_wait: expected None, False, or True"):
-        MLADecodeKernel(spec(heads, pipeline), backend=backend, reads_before_wait=0)
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(k, "mla_decode_kernel", tmp_path)
 
 
