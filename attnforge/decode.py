@@ -95,13 +95,14 @@ class BatchDecode:
         # set by pipelines whose kernel runs right before this one (Quest's selection): the decode kernel
         # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap
         self.launch_after_own_kernel = False
-        self.num_ctas = grid_ctas(_num_sms(self.device), self.kernel.ctas_per_sm, ctas_per_sm)
+        self.num_sms = _num_sms(self.device)
+        self.num_ctas = grid_ctas(self.num_sms, self.kernel.ctas_per_sm, ctas_per_sm)
         explicit = (tile_kv, num_stages, num_warps, ctas_per_sm, head_splits) != (None,) * 5
         self.whole_items = whole_items
         self._whole = None if explicit or whole_items is False else self._make_whole_kernel(spec)
         if self._whole is not None and not fits_device_smem(torch.cuda.get_device_properties(self.device), self._whole):
             self._whole = None  # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
-        self._whole_ctas = grid_ctas(_num_sms(self.device), self._whole.ctas_per_sm) if self._whole else 0
+        self._whole_ctas = grid_ctas(self.num_sms, self._whole.ctas_per_sm) if self._whole else 0
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
@@ -173,7 +174,7 @@ class BatchDecode:
         w._host_only_defaults()
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
-        w.num_ctas, w.max_batch_size = num_sms * w.kernel.ctas_per_sm, max_batch_size
+        w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size
         w.whole_items, w._whole = None, w._make_whole_kernel(spec)
         w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload

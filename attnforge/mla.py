@@ -53,6 +53,12 @@ def graph_merge_lanes(batch: int, items_per_request: int, spans: int) -> int:
     return lanes_for_chunks(spans // max(1, batch * items_per_request) + 2)
 
 
+def merge_kernel_name(blocks: int, num_sms: int) -> str:
+    """The merge kernel for a grid of `blocks`: the one-wave kernel (each batch's loads in one round trip, one
+    block an SM: templates/mla_decode.cu.jinja says what it won and lost) where they fit one block an SM."""
+    return "mla_merge_one_wave_kernel" if blocks <= num_sms else "mla_merge_kernel"
+
+
 def lanes_for_chunks(chunks: int) -> int:
     if chunks <= MERGE_CHUNKS_PER_LANE:
         return 1
@@ -358,8 +364,8 @@ class BatchMLADecode(BatchDecode):
         # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
         lanes = self._plan["merge_lanes"]
         if lanes == 1:
-            lib["mla_merge_kernel"].launch((-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), params, pdl=True)
+            grid, block, smem = (-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), 0
         else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
-            lib["mla_merge_kernel"].launch((rows_cap, MERGE_DIM_SPLIT),
-                                           (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes), params,
-                                           smem=lanes * (MLA_HEAD_DIM_VO + 4) * 4, pdl=True)
+            grid, block = (rows_cap, MERGE_DIM_SPLIT), (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes)
+            smem = lanes * (MLA_HEAD_DIM_VO + 4) * 4
+        lib[merge_kernel_name(math.prod(grid), self.num_sms)].launch(grid, block, params, smem=smem, pdl=True)

@@ -172,12 +172,12 @@ def prepare_without_merge(fn, calls, use_graph):
     if w is None:
         return prepare(fn, calls, use_graph)
     lib = registry.get_library(w.kernel, w.kernel.module, w.device)
-    merge = lib.kernels["mla_merge_kernel"]
-    lib.kernels["mla_merge_kernel"] = _NoLaunch()
+    merges = {name: lib.kernels[name] for name in ("mla_merge_kernel", "mla_merge_one_wave_kernel")}
+    lib.kernels.update({name: _NoLaunch() for name in merges})
     try:
         return prepare(fn, calls, use_graph)
     finally:
-        lib.kernels["mla_merge_kernel"] = merge
+        lib.kernels.update(merges)
 
 
 def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q=1):

@@ -640,6 +640,22 @@ def test_optional_flags_refuse_what_is_not_a_bool(name):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.parametrize("partial_16bit", [False, True])
+def test_the_two_merges_fit_their_blocks_an_sm(tmp_path, partial_16bit):
+    """mla_merge_kernel keeps two 512-thread blocks an SM (at most 64 registers) with each batch's LSE loads, then
+    its values; the one-wave merge, with every load of a batch in flight, fits one block an SM; neither spills.
+    plan() picks the one-wave merge where the merge's grid fits one block an SM."""
+    from helpers import ptxas_log_of_async_wgmmas
+
+    from attnforge.mla import merge_kernel_name
+    k = MLADecodeKernel(spec(16, "transposed"), backend="wgmma", partial_16bit=partial_16bit).module()
+    for kernel, most in (("mla_merge_kernel", 64), ("mla_merge_one_wave_kernel", 128)):
+        log = ptxas_log_of_async_wgmmas(k, kernel, tmp_path)
+        assert "0 bytes spill stores" in log and int(re.search(r"Used (\d+) registers", log).group(1)) <= most, kernel
+    assert [merge_kernel_name(b, 132) for b in (64, 132, 133)] == ["mla_merge_one_wave_kernel"] * 2 + ["mla_merge_kernel"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
 def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
     """MLADecodeKernel.partial_16bit: split items' partial outputs as fp16 over a row scale (TPartial), named in

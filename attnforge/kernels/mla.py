@@ -110,6 +110,10 @@ READS_BEFORE_WAIT = True
 ROLES_TMA_L2_PROMOTION = 128
 
 
+# the module's kernels: the decode, and its two merges (the one-wave merge where its grid fits one block an SM)
+MLA_KERNELS = ("mla_decode_kernel", "mla_merge_kernel", "mla_merge_one_wave_kernel")
+
+
 def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
     """Query rows one CTA owns: all heads of a draft token up to 64; the normal pipeline's m16
     tiles need at least 16 rows, the transposed pipeline's n8 tiles only 8; wgmma's m64 tiles
@@ -474,4 +478,4 @@ class MLADecodeKernel:
                          *(["rbw"] if self.uses_reads_before_wait else []),
                          f"r{self.rows}t{tile}s{stages}"])
         archs = (WGMMA_ARCH,) if self.backend == "wgmma" else ()  # sm_90a only, whatever the arch list says
-        return JitModule(name, "mla_decode.cu.jinja", ctx, ("mla_decode_kernel", "mla_merge_kernel"), archs=archs)
+        return JitModule(name, "mla_decode.cu.jinja", ctx, MLA_KERNELS, archs=archs)

@@ -39,21 +39,27 @@ struct SoftmaxState {
 // chunks (one long request over every SM) waits for ~n/kBatch memory latencies, not 2n.
 // lse_of(i) -> float; v_of(i, float (&v)[N]). An -inf state's v is never used (it may be garbage);
 // all -inf: acc stays 0 and lse_natural() is -inf (never NaN).
+// Every lane of the warp must call it with the same begin and end: a __syncwarp fences the loads in ptxas's
+// schedule. kLoadsTogether: after all of a batch's loads, so the values' loads fly with the LSEs' (one round
+// trip a batch, at ~90 registers for 8-10 states); else after the LSE loads alone, then the values' (two round
+// trips; 64 registers). Left to itself ptxas once scheduled an LSE's scaling between the LSE loads, and every
+// load after it waited out the first one's round trip.
 constexpr int kMergeBatch = 8;  // states in flight per thread: 8 x 16-byte loads
 
-template <int kBatch, int N, class LseOf, class VOf>
+template <int kBatch, bool kLoadsTogether, int N, class LseOf, class VOf>
 AF_DEVICE void merge_lse_states(int begin, int end, LseOf lse_of, VOf v_of, SoftmaxState& st, float (&acc)[N]) {
   for (int b = begin; b < end; b += kBatch) {
     float x[kBatch], v[kBatch][N];
     // Every load first, unconditionally (a state past `end` re-reads the last one and is then given
     // -inf): guarded loads compiled to a branch per state with the lse's scaling inside it, so each
     // state's lse load waited out its round trip before the next was issued (8 a batch, not 1)
+    auto state = [&](int k) { return b + k < end ? b + k : end - 1; };
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int i = b + k < end ? b + k : end - 1;
-      x[k] = lse_of(i);
-      v_of(i, v[k]);
-    }
+    for (int k = 0; k < kBatch; ++k) x[k] = lse_of(state(k));
+    if constexpr (!kLoadsTogether) __syncwarp();
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v_of(state(k), v[k]);
+    if constexpr (kLoadsTogether) __syncwarp();
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) x[k] = b + k < end ? x[k] * kLog2e : kNegInf;
     float block_max = kNegInf;

@@ -1,7 +1,8 @@
-"""What ptxas made of the MLA merge's batched loads (merge_lse_states, softmax_state.cuh): a batch's
-kMergeBatch LSE loads must all be issued before the first is used. Guarded loads once compiled to a
-branch per state with the LSE's scaling inside it, so each load waited out its round trip before the
-next was issued. Needs nvdisasm, as test_pdl_sass."""
+"""What ptxas made of the MLA merges' batched loads (merge_lse_states, softmax_state.cuh): every batch's
+kMergeBatch (or kMergeBatch + 2) LSE loads must all be issued before the first is used, and in the one-wave merge
+its value loads too. Guarded loads once compiled to a branch per state with the LSE's scaling inside it, so each
+load waited out its round trip before the next was issued; later ptxas put one LSE's scaling among the LSE loads,
+and every load after it waited for that one. Needs nvdisasm, as test_pdl_sass."""
 import re
 
 import pytest
@@ -13,10 +14,25 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pi
 LOG2E = "1.4426950216293334961"  # the LSE's scaling to log2 units, the loads' first use
 
 
-def test_a_batchs_lse_loads_are_issued_before_any_is_used(tmp_path_factory):
-    sass, _ = _sass("mla-merge", str(tmp_path_factory.getbasetemp()))
-    first_use = next(i for i, (ins, _) in enumerate(sass) if ins.startswith("FMUL") and LOG2E in ins)
-    lse_loads = [ins for ins, chain in sass[:first_use] if re.match(r"LDG\.E\b", ins)
-                 and any("lse_of(" in _source_line(path, line) or "partial_lse[" in _source_line(path, line)
-                         for path, line in chain)]
-    assert len(lse_loads) >= 8, f"only {len(lse_loads)} LSE loads in flight before the first is used: {lse_loads}"
+def loads_before_each_batchs_first_use(sass) -> list[tuple[int, int]]:
+    """(LSE loads, value loads) issued since the previous batch's first use, at each batch's first use: an LSE
+    scaling with LSE loads issued since the last scaling (a scaling after value loads alone continues its batch)."""
+    batches, lse, values = [], 0, 0
+    for ins, chain in sass:
+        if re.match(r"LDG\.E\.128\b", ins) and any("v_of(" in _source_line(p, n) for p, n in chain):
+            values += 1
+        elif re.match(r"LDG\.E\b", ins) and any("lse_of(" in _source_line(p, n) for p, n in chain):
+            lse += 1
+        elif ins.startswith("FMUL") and LOG2E in ins and lse:
+            batches.append((lse, values))
+            lse = values = 0
+    return batches
+
+
+@pytest.mark.parametrize("case,values_too", [("mla-merge", False), ("mla-merge-one-wave", True)])
+def test_a_batchs_loads_are_issued_before_any_is_used(case, values_too, tmp_path_factory):
+    sass, _ = _sass(case, str(tmp_path_factory.getbasetemp()))
+    batches = loads_before_each_batchs_first_use(sass)
+    assert sorted(lse for lse, _ in batches) == [8, 10], f"{case}: the LSE loads before each batch's first use: {batches}"
+    if values_too:
+        assert all(values == lse for lse, values in batches), f"{case}: value loads left for after the LSEs: {batches}"

@@ -56,7 +56,9 @@ READ_BEFORE_WAIT = {
     "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks",
                           # the copier's first tiles' rows, from plan()'s page table (no kernel of a step writes it)
                           "kv_indptr", "kv_indices", "resolve_copy_rows"},
-    "mla_merge_kernel": set(),
+    # the merges after MLA decode: their rows' split items, from plan()'s copies
+    "mla_merge_kernel": {"merge_ahead"},
+    "mla_merge_one_wave_kernel": {"merge_ahead"},
     "quest_score_kernel": {"meta", "kv_indptr", "kv_indices", "load_slice"},  # load_slice: kmin / kmax
     "quest_select_kernel": {"meta", "kv_indptr", "sel_indptr", "kv_indices"},
 }
@@ -104,7 +106,8 @@ READ_AFTER_WAIT = {
     "batch_decode_kernel": [("decode", "struct QStage {"), ("paged_kv.cuh", "struct PagedKV {"),
                             ("kv_tile.cuh", None)],  # the queries, the page table (Quest's select)
     "mla_decode_kernel": [("mla", "void load_q(")],  # the queries (its page table is plan()'s copy)
-    "mla_merge_kernel": [("mla", "mla_merge_kernel("), ("common.cuh", "void load_floats(")],  # partial states
+    "mla_merge_kernel": [("mla", "void merge_row("), ("common.cuh", "void load_floats(")],  # partial states
+    "mla_merge_one_wave_kernel": [("mla", "void merge_row("), ("common.cuh", "void load_floats(")],
     "quest_score_kernel": [("quest", "struct SlotQuery {"), ("quest-int4", "struct SlotQuery {")],  # P / N
     "quest_select_kernel": [("quest", "quest_select_kernel(")],  # the scores
 }
