@@ -31,9 +31,13 @@ DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_hea
 MERGE_CHUNKS_PER_LANE = 16  # two batches of loads in flight (kMergeBatch = 8) per merging thread group
 # With lanes, a row's 512 dims are shared by MERGE_DIM_SPLIT CTAs of 32 x lanes threads (4 dims each),
 # so up to 16 lanes fit the merge kernel's __launch_bounds__(512): ~264 chunks of one long request
-# take 2-3 round trips per lane, not 9 (4 lanes of 128 threads, one CTA per row, until 2026-11-30).
+# take 2-3 round trips per lane, not 9 (4 lanes of 128 threads, one CTA per row, until 2026-11-30). Splits of 8
+# and 16 ran 1-7% slower at B1 L131072 (forty-first session).
 MERGE_DIM_SPLIT = 4
 MAX_MERGE_LANES = 16
+# Each warp must hold one lane of one row: merge_lse_states fences its batches with __syncwarp, and lanes of
+# one row may take different numbers of batches
+assert (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT) % 32 == 0, "a merge lane's threads must fill whole warps"
 
 
 def merge_lanes(work: scheduler.StreamPlan) -> int:
@@ -352,20 +356,27 @@ class BatchMLADecode(BatchDecode):
             side_blocks=self.kernel.side_blocks(self.kernel.row_blocks(q_len)), v_scale=self._plan["v_scale"],
             **variants.variant_values(s, self._plan["sm_scale"]), **mod_values,
             **self.kernel.tma_values(*self._latent_views(ckv_cache, kpe_cache), self._plan["page_size"]))
-        rows_cap = b * q_len * s.num_qo_heads  # (a graph's plans keep its batch and q_len: plan() checks)
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)
             if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)
-                self._launch_merge(lib, params, rows_cap)
+                self._launch_merge(lib, params)  # (a graph's plans keep its batch and q_len: plan() checks)
         return (out, lse) if return_lse else out
 
-    def _launch_merge(self, lib, params, rows_cap: int) -> None:
-        # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
+    def merge_launch(self) -> tuple[str, tuple, tuple, int]:
+        """The planned merge's (kernel, grid, block, dynamic shared memory): a block of two rows, or with lanes
+        one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups; the one-wave kernel
+        where the grid fits one block an SM (merge_kernel_name)."""
+        rows = self._plan["batch"] * self._plan["q_len"] * self.spec.num_qo_heads
         lanes = self._plan["merge_lanes"]
         if lanes == 1:
-            grid, block, smem = (-(-rows_cap // 2),), (MLA_HEAD_DIM_VO // 4, 2), 0
-        else:  # one row per MERGE_DIM_SPLIT blocks, its chunks split over `lanes` thread groups
-            grid, block = (rows_cap, MERGE_DIM_SPLIT), (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes)
+            grid, block, smem = (-(-rows // 2),), (MLA_HEAD_DIM_VO // 4, 2), 0
+        else:
+            grid, block = (rows, MERGE_DIM_SPLIT), (MLA_HEAD_DIM_VO // 4 // MERGE_DIM_SPLIT, 1, lanes)
             smem = lanes * (MLA_HEAD_DIM_VO + 4) * 4
-        lib[merge_kernel_name(math.prod(grid), self.num_sms)].launch(grid, block, params, smem=smem, pdl=True)
+        return merge_kernel_name(math.prod(grid), self.num_sms), grid, block, smem
+
+    def _launch_merge(self, lib, params) -> None:
+        # the merge waits for the decode kernel's grid in-kernel (PDL): its launch hides under the decode's tail
+        name, grid, block, smem = self.merge_launch()
+        lib[name].launch(grid, block, params, smem=smem, pdl=True)

@@ -153,8 +153,9 @@ def test_reads_before_wait_leave_the_outputs_bitwise(heads, pipeline, backend):
                         kernel_fields={"reads_before_wait": True})
 
 
-def fullest_merge_lane(spec, lengths, page_size):
-    """The most chunks one merge lane holds in the default plan of `lengths` (as run_case plans them)."""
+def planned_merge(spec, lengths, page_size):
+    """(the most chunks one merge lane holds, the merge kernel) of the default plan of `lengths`, as run_case
+    plans them."""
     from attnforge import scheduler
     w = BatchMLADecode.host_only(spec, max_batch_size=max(256, len(lengths)), max_num_pages=1 << 16)
     pages = [-(-n // page_size) for n in lengths]
@@ -162,18 +163,21 @@ def fullest_merge_lane(spec, lengths, page_size):
            np.array([n - (k - 1) * page_size if k else 0 for n, k in zip(lengths, pages)]), page_size=page_size)
     chunks = scheduler.expand(w._plan["work"])
     per_item = np.unique(chunks[:, 1] * 4096 + chunks[:, 2], return_counts=True)[1]
-    return -(-int(per_item.max()) // w._plan["merge_lanes"])
+    return -(-int(per_item.max()) // w._plan["merge_lanes"]), w.merge_launch()[0]
 
 
 @pytest.mark.parametrize("heads,pipeline", [(8, "transposed"), (16, "transposed"), (64, "normal"), (128, "normal")])
 def test_merges_of_lanes_past_one_batch(heads, pipeline):
-    """The merge kernel, which finds its rows' split items before its PDL wait, on plans whose fullest lane holds
-    more chunks than one batch of kMergeBatch (8) loads (it loads up to kMergeBatch + 2 at once, then batches),
-    against the reference: one long request over every SM (9 chunks on the fullest of 16 or 8 lanes), two over
-    half of them each (up to 16 a lane), fourteen equal requests (9 chunks on one lane below 128 heads); pages of
-    7 and 64, NaN past the requests; then PDL chains eagerly and in a CUDA graph."""
+    """The merge kernels (the one-wave one at 8 and 16 heads here, the other at 64 and 128), which find their
+    rows' split items before their PDL wait, on plans whose fullest lane holds more chunks than one batch of
+    kMergeBatch (8) loads (they load up to kMergeBatch + 2 at once, then batches), against the reference: one long
+    request over every SM (9 chunks on the fullest of 16 or 8 lanes), two over half of them each (up to 16 a
+    lane), fourteen equal requests (9 chunks on one lane below 128 heads); pages of 7 and 64, NaN past the
+    requests; then PDL chains eagerly and in a CUDA graph."""
     spec = mla_spec(heads, pipeline)
-    assert fullest_merge_lane(spec, [131072], 64) > 8  # (else the wider batch is not exercised)
+    fullest, kernel = planned_merge(spec, [131072], 64)
+    assert fullest > 8  # (else the wider batch is not exercised)
+    assert kernel == ("mla_merge_one_wave_kernel" if heads <= 16 else "mla_merge_kernel")  # (both merges run)
     for lengths, page in (([131072], 64), ([20000, 20000], 7), ([2000] * 14, 64)):
         run_case(spec, lengths, page, seed=heads + page, nan_unheld=True, pdl=True)
     for graph in (False, True):

@@ -655,6 +655,27 @@ def test_the_two_merges_fit_their_blocks_an_sm(tmp_path, partial_16bit):
     assert [merge_kernel_name(b, 132) for b in (64, 132, 133)] == ["mla_merge_one_wave_kernel"] * 2 + ["mla_merge_kernel"]
 
 
+@pytest.mark.parametrize("heads,batch,length,kernel,blocks", [
+    (16, 1, 131072, "mla_merge_one_wave_kernel", 64),  # 16 rows x 4 blocks (16 lanes)
+    (64, 1, 131072, "mla_merge_kernel", 256),  # 64 rows x 4 blocks: two waves at one block an SM
+    (16, 16, 65536, "mla_merge_one_wave_kernel", 128),  # 256 rows, two a block (one lane)
+    (16, 64, 8192, "mla_merge_kernel", 512)])
+def test_plans_launch_the_merge_that_fits_their_grid(heads, batch, length, kernel, blocks):
+    """BatchMLADecode.merge_launch: the one-wave merge where the planned merge's grid fits one block an SM of
+    132, else the two-blocks-an-SM one; the grid as the plan's rows and merge lanes make it."""
+    import math
+
+    import numpy as np
+
+    from attnforge.mla import BatchMLADecode
+    w = BatchMLADecode.host_only(spec(heads, "normal"), max_batch_size=batch, max_num_pages=1 << 15)
+    pages = length // 64
+    w.plan(np.arange(batch + 1) * pages, np.arange(batch * pages), np.full(batch, 64), page_size=64)
+    name, grid, block, smem = w.merge_launch()
+    assert (name, math.prod(grid)) == (kernel, blocks) and math.prod(block) <= 512
+    assert smem == (0 if w._plan["merge_lanes"] == 1 else w._plan["merge_lanes"] * (512 + 4) * 4)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
 def test_partial_16bit_is_a_named_kernel_field(tmp_path, heads, pipeline):
