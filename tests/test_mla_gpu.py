@@ -365,22 +365,6 @@ def test_wgmma_roles_with_the_other_dims_split(heads, w0_dims):
     wgmma_cases(heads, "normal", backend="wgmma", schedule="roles", kernel_fields={"roles_w0_dims": w0_dims})
 
 
-@pytest.mark.parametrize("w0_dims", [None, 128])
-def test_wgmma_roles_tma_waited_inside_the_scores(w0_dims):
-    """tma_in_scores: warpgroup 0's S issues part 0's k-steps (cp.async blocks and the rope), then waits for
-    the copy engine's part 1 and issues the rest: the same sums in another order, through the tma test's
-    cases (pages whose boxes qualify, edge tiles and chunks off a box boundary by cp.async, NaN past kv_end)."""
-    kw = {"backend": "wgmma", "schedule": "roles",
-          "kernel_fields": {"tma": True, "tma_in_scores": True, "roles_w0_dims": w0_dims}}
-    spec = mla_spec(128, "normal")
-    w = BatchMLADecode(spec, **kw)
-    assert w.kernel.tma_in_scores and w.kernel.module().context["tma_in_scores"]
-    wgmma_cases(128, "normal", **kw)
-    run_case(spec, [3000, 320, 1, 0, 2000], 16, seed=11, **kw)
-    run_case(spec, [3000, 640, 129], 128, seed=12, unified=True, **kw)
-    run_case(spec, [1000, 63, 20000], 64, seed=13, nan_unheld=True, **kw)
-
-
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_wgmma_roles_tma_refills(heads):
     """Refills by the copy engine (tma=True: the even split's whole tiles at 16 / 64 heads, the 192

@@ -382,37 +382,15 @@ def test_graph_merge_lanes_match_eager_on_equal_batches_and_stay_fixed():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.parametrize("heads,soft_cap,w0,in_scores", [(64, 0.0, None, None), (16, 30.0, None, None),
-                                                       (128, 0.0, None, None), (128, 0.0, 128, None),
-                                                       (128, 0.0, None, True), (128, 0.0, 128, True)])
-def test_ptxas_builds_the_tma_refills_without_spills(tmp_path, heads, soft_cap, w0, in_scores):
+@pytest.mark.parametrize("heads,soft_cap,w0", [(64, 0.0, None), (16, 30.0, None), (128, 0.0, None), (128, 0.0, 128)])
+def test_ptxas_builds_the_tma_refills_without_spills(tmp_path, heads, soft_cap, w0):
     """The copy-engine refills (tma=True): the barrier waits are loops, placed where no wgmma of the
-    waiting warpgroup is in flight, or (tma_in_scores) one predicated loop between S's first k-steps and
-    the rest; ptxas keeps every wgmma asynchronous and spills nothing. (h128 with soft-cap spills 16
-    bytes at 12 Q steps: a default would need fewer.)"""
+    waiting warpgroup is in flight; ptxas keeps every wgmma asynchronous and spills nothing. (h128 with
+    soft-cap spills 16 bytes at 12 Q steps: a default would need fewer.)"""
     from helpers import ptxas_log_of_async_wgmmas
     s = dataclasses.replace(spec(heads, "normal"), logits_soft_cap=soft_cap)
-    m = MLADecodeKernel(s, backend="wgmma", tma=True, roles_w0_dims=w0, tma_in_scores=in_scores).module()
+    m = MLADecodeKernel(s, backend="wgmma", tma=True, roles_w0_dims=w0).module()
     assert "0 bytes spill stores" in ptxas_log_of_async_wgmmas(m, "mla_decode_kernel", tmp_path)
-
-
-def test_tma_in_scores_is_the_narrow_splits_with_tma():
-    """tma_in_scores: S waits for the copy engine's part 1 between its k-steps, which only the narrow splits'
-    refills have (the even split's whole tiles go by TMA: nothing to start S on); refused elsewhere, before
-    any build; its own cubin (a module name of its own)."""
-    k = MLADecodeKernel(spec(128, "normal"), backend="wgmma", tma=True, tma_in_scores=True)
-    m = k.module()
-    assert m.context["tma_in_scores"] and "_tis_" in m.name and "mbar_wait_if(tma_wait" in m.source
-    base = MLADecodeKernel(spec(128, "normal"), backend="wgmma", tma=True).module()
-    assert base.name != m.name and "mbar_wait_if" not in base.source.split("roles_scores_tile")[1]
-    for bad in ({"tma": True, "roles_w0_dims": 256}, {"tma": False}, {}, {"tma": True, "tma_in_scores_": 0}):
-        fields = {"tma_in_scores": True, **bad}
-        if "tma_in_scores_" in fields:
-            fields = {"tma": True, "tma_in_scores": 1}
-        with pytest.raises(ValueError, match="tma_in_scores: expected None, False, or True on the 'roles' kernel"):
-            MLADecodeKernel(spec(128, "normal"), backend="wgmma", **fields)
-    with pytest.raises(ValueError, match="tma_in_scores"):
-        MLADecodeKernel(spec(64, "normal"), backend="wgmma", tma=True, tma_in_scores=True)  # even split at h64
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")

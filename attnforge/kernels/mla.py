@@ -200,9 +200,6 @@ class MLADecodeKernel:
     # with tma: the L2 fetch around each box row's request, in bytes (attnforge.jit.tma.L2_PROMOTION_SIZES);
     # None: ROLES_TMA_L2_PROMOTION. A host-side map setting: the kernel's source is the same.
     tma_l2_promotion: Optional[int] = None
-    # with tma and the narrow split (192 or 128): warpgroup 0's S issues part 0's k-steps (the cp.async blocks and
-    # the rope) before it waits for the copy engine's part 1, so that landing hides under them; None: False
-    tma_in_scores: Optional[bool] = None
     # wgmma transposed pipeline: a second warpgroup issues every copy (named barriers hand the stages over),
     # so the computing warpgroup's chain is S^T, the softmax and P.V alone; None: TRANSPOSED_PRODUCER there
     producer: Optional[bool] = None
@@ -265,8 +262,6 @@ class MLADecodeKernel:
             raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of {tma_maps.L2_PROMOTION_SIZES} "
                              f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}; pass tma=True with "
                              f"one of those sizes, or leave tma_l2_promotion None (ROLES_TMA_L2_PROMOTION)")
-        self._check_flag("tma_in_scores", self.uses_tma and self.resolved_roles_w0_dims < 256,
-                         "the 'roles' kernel with tma=True and a narrow split (roles_w0_dims 192 or 128)")
         if self.tma and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
@@ -463,7 +458,7 @@ class MLADecodeKernel:
                "num_heads": s.num_qo_heads, "rows": self.rows, "pipeline": s.pipeline, "backend": self.backend,
                "schedule": self.resolved_schedule, "roles_w0_dims": self.resolved_roles_w0_dims,
                "roles_q_reg_steps": self.roles_q_reg_steps, "roles_pv_from_registers": self.roles_pv_from_registers,
-               "tma": self.uses_tma, "tma_in_scores": bool(self.tma_in_scores), "producer": self.uses_producer, "early_scores": self.uses_early_scores,
+               "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
                "reads_before_wait": self.uses_reads_before_wait, "tile_kv": tile,
@@ -473,7 +468,7 @@ class MLADecodeKernel:
         name = "_".join(["mla", f"h{s.num_qo_heads}", s.q_dtype, f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}",
                          s.pipeline, *(["wgmma"] if self.backend == "wgmma" else []),
                          *([f"roles{self.resolved_roles_w0_dims}"] if self.resolved_schedule == "roles" else []),
-                         *(["tma"] if self.uses_tma else []), *(["tis"] if self.tma_in_scores else []),
+                         *(["tma"] if self.uses_tma else []),
                          *(["pw"] if self.uses_producer else []), *(["es"] if self.uses_early_scores else []),
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["mod"] if s.score_mod is not None else []),

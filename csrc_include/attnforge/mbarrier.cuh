@@ -25,21 +25,6 @@ AF_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// mbar_wait when `wait` (warp-uniform), with the test inside the asm: no C++ branch around the loop, so it may
-// sit between wgmmas in flight (the mbarrier loop itself, as in mbar_wait, leaves them asynchronous).
-AF_DEVICE void mbar_wait_if(bool wait, uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred need, done;\n"
-      "setp.ne.b32 need, %2, 0;\n"
-      "@!need bra DONE_%=;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "DONE_%=:\n}\n" ::"r"(bar),
-      "r"(parity), "r"(int(wait))
-      : "memory");
-}
-
 // An arrival that fires once every cp.async this thread issued so far has landed (counted among the
 // barrier's expected arrivals: .noinc), so the thread itself never waits for its copies.
 AF_DEVICE void cp_async_mbar_arrive_noinc(uint32_t bar) {
