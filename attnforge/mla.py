@@ -81,12 +81,16 @@ MLA_ALIGN_SLACK = 96
 # most measured. The 64-row mma.sync kernel (fp8 KV) keeps MLA_ALIGN_SLACK: not measured.
 MLA_WIDE_ALIGN_FRACTION = 0.04
 # The transposed wgmma kernel aligns within this many tokens (from 16 heads: or MLA_WIDE_ALIGN_FRACTION of
-# the span where that is more, as it is on every h16 shape of the suite). At 8 heads (its default) 128 lets
-# B128 L4096 take one whole request a span and B64 L8192 one equal half of one, while B16 L65536 (which would
-# grow 249) keeps its even split. Measured on the H200 (thirty-seventh session, three rounds in rotation
-# against MLA_ALIGN_SLACK): h8 B128 L4096 -6.2%, B64 L8192 -1.8%, B16 L65536 and B1 L131072 ties. The
-# fraction is not used at 8 heads: at 4% B16 L65536 took 128 equal chunks on 132 SMs and lost 0.9%.
-MLA_TRANSPOSED_ALIGN_SLACK = 128
+# the span where that is more, as it is on every h16 shape of the suite). At 8 heads (its default) it lets
+# B128 L4096 take one whole request a span (126 tokens more) and B64 L8192 one equal half of one, cut on a
+# tile boundary (4096 + 4096 tokens: 157 more; under 128 its cut stayed at 4064 + 4128, 64 + 65 tiles),
+# while B16 L65536 (which would grow 304) keeps its even split. Measured on the H200: 128 against
+# MLA_ALIGN_SLACK (thirty-seventh session, three rounds in rotation): h8 B128 L4096 -6.2%, B64 L8192 -1.8%,
+# B16 L65536 and B1 L131072 ties; 200 against 128 (forty-second session, four rounds in one process; every
+# value in 157..303 makes the same plans): h8 B64 L8192 -0.5..-1.0%, B128 L4096 / B16 L65536 / B1 L131072
+# -0.5..+0.2%. The fraction is not used at 8 heads: at 4% B16 L65536 took 128 equal chunks on 132 SMs and
+# lost 0.9% (and 0 lost at h16: B16 L65536 +0.9..+1.2%, B64 L8192 +5.2..+5.4%, B128 L4096 +12%).
+MLA_TRANSPOSED_ALIGN_SLACK = 192
 # One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
 # default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s
 # (record, call 9) and 53.7 against 56.4 us (three rounds in rotation, call 8); as this switch, 53.0-53.9
