@@ -77,12 +77,24 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     Left out as measured: MQA's head-split items (+17%); fp8 KV (+18..28%: its widening wants the issue
     slots of more warps); several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
-    other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured."""
+    other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured.
+    Nor an affine score hook whose slope is read at run time (ALiBi's per-head slopes): there ptxas held the
+    kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
+    against 130.3 on the default kernel (plain 126.8 / 130.1; a constant slope 126.4 / 130.0: forty-second
+    session, four rounds in one process)."""
     one_head_tile = spec.pipeline == "transposed" or 8 < spec.group_size <= 16
     if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
-            and default_head_splits(spec) == 1):
+            and default_head_splits(spec) == 1 and not _slope_read_at_run_time(spec)):
         return WHOLE_ITEM_TILING
     return None
+
+
+def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
+    """Whether the spec's score hook is affine in the key position (attnforge/mods/affine.py) with a slope
+    that is not a constant (a captured tensor or a runtime scalar)."""
+    def read(node) -> bool:
+        return isinstance(node, tuple) and bool(node) and (node[0] in ("load", "scalar") or any(map(read, node[1:])))
+    return read(getattr(spec.score_mod, "kv_slope_root", None))
 
 
 def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:

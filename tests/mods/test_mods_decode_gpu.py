@@ -50,23 +50,26 @@ def test_library_mod_in_decode(name, pipeline):
     ((32, 1), (20000, 17, 700), False, "bf16", "normal")])  # MQA: two head splits, a split request
 def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dtype, pipeline):
     """score + A + B kv: each head's bias at the query's position and its slope once per item, then
-    B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in the thousands) and a mod
-    with a per-head offset A as well, on the whole-item kernel, the default one (fp8 K/V widened in
-    registers too), groups of 16 (two head tiles a warp) and both pipelines, MQA's head splits
-    included, against the reference."""
+    B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in the thousands), a mod with
+    a per-head offset A as well, and one of a constant slope (the whole-item kernel's: slopes read at run
+    time keep the default kernel there), on the default kernel (fp8 K/V widened in registers too), groups
+    of 16 (two head tiles a warp) and both pipelines, MQA's head splits included, against the reference."""
     hq, hkv = heads
     slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
     offsets = torch.linspace(-3.0, 5.0, hq, device="cuda")
     mods = {"alibi": m.alibi(slopes),
-            "offset": m.compile_mod(score_mod=lambda s, b, h, q, kv: s + offsets[h] + slopes[h] * 0.01 * (kv - q))}
+            "offset": m.compile_mod(score_mod=lambda s, b, h, q, kv: s + offsets[h] + slopes[h] * 0.01 * (kv - q)),
+            "constant slope": m.compile_mod(score_mod=lambda s, b, h, q, kv: s + offsets[h] - 0.75 * (kv - q))}
     for name, mod in mods.items():
+        # slopes read at run time keep the default kernel (kernels.decode.whole_item_tiling says why)
+        whole_here = whole and name == "constant slope"
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=D, score_mod=mod, pipeline=pipeline,
                              kv_dtype=kv_dtype)
         assert "kAffineKV = true" in BatchDecode.host_only(spec).kernel.module().source, name
         q, cache, (indptr, indices, last), per_req = make_paged_case(spec, list(lengths), 16, seed=4)
         w = BatchDecode(spec)
         w.plan(indptr, indices, last, page_size=16)
-        assert (w.planned_kernel[0] is w._whole) == whole, name
+        assert (w.planned_kernel[0] is w._whole) == whole_here, name
         out, lse = w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
         for b, (k, v) in enumerate(per_req):
             kw = dict(score_mod=mod.torch_score, batch_index=b)
