@@ -89,7 +89,7 @@ MLA_WIDE_ALIGN_FRACTION = 0.04
 # B16 L65536 and B1 L131072 ties; 200 against 128 (forty-second session, four rounds in one process; every
 # value in 157..303 makes the same plans): h8 B64 L8192 -0.5..-1.0%, B128 L4096 / B16 L65536 / B1 L131072
 # -0.5..+0.2%. The fraction is not used at 8 heads: at 4% B16 L65536 took 128 equal chunks on 132 SMs and
-# lost 0.9% (and 0 lost at h16: B16 L65536 +0.9..+1.2%, B64 L8192 +5.2..+5.4%, B128 L4096 +12%).
+# lost 0.9%. (No alignment at all, slack 0, lost at h16 too: B16 L65536 +0.9..+1.2%, B64 L8192 +5.2..+5.4%.)
 MLA_TRANSPOSED_ALIGN_SLACK = 192
 # One long request at 16 heads: the transposed wgmma kernel (its producer warpgroup copying) instead of the
 # default normal one. Measured on the H200 (thirty-second session): h16 B1 L131072 2821 against 2688 GB/s

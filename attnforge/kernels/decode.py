@@ -73,7 +73,7 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     the default three CTAs of four warps per SM: transposed GQA 32/8 B16 L2048 -5.5%, L8192 -2.3%,
     L65536 -1.4%, HND -2.3%; 32/4 B32 -2.2%; MHA 32/32 B4 -2.1%; normal 32/2 (one 16-head tile) B64
     L4096 -8.2%: no partial states, no merges, one prologue per item. Eight warps keep the tile loop
-    fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%, ALiBi a tie).
+    fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%), but see the slopes below.
     Left out as measured: MQA's head-split items (+17%); fp8 KV (+18..28%: its widening wants the issue
     slots of more warps); several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
