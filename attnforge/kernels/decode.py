@@ -80,8 +80,8 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured.
     Nor an affine score hook whose slope is read at run time (ALiBi's per-head slopes): there ptxas held the
     kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
-    against 130.3 on the default kernel (plain 126.8 / 130.1; a constant slope 126.4 / 130.0: forty-second
-    session, four rounds in one process)."""
+    against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
+    session, medians of four rounds in one process)."""
     one_head_tile = spec.pipeline == "transposed" or 8 < spec.group_size <= 16
     if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
             and default_head_splits(spec) == 1 and not _slope_read_at_run_time(spec)):
