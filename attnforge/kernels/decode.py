@@ -9,6 +9,7 @@ from .. import scheduler, variants
 from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from ..jit.cubin import REGISTERS_PER_SM
+from ..mods import graph
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
@@ -92,9 +93,7 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
 def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
     """Whether the spec's score hook is affine in the key position (attnforge/mods/affine.py) with a slope
     that is not a constant (a captured tensor or a runtime scalar)."""
-    def read(node) -> bool:
-        return isinstance(node, tuple) and bool(node) and (node[0] in ("load", "scalar") or any(map(read, node[1:])))
-    return read(getattr(spec.score_mod, "kv_slope_root", None))
+    return graph.reads_runtime_values(getattr(spec.score_mod, "kv_slope_root", None))
 
 
 def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:

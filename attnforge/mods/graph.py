@@ -39,6 +39,14 @@ def contains(node, leaves: tuple) -> bool:
     return node in leaves or any(contains(a, leaves) for a in node[1:])
 
 
+def reads_runtime_values(node) -> bool:
+    """Whether the graph below `node` reads a captured tensor ("load") or a runtime scalar ("scalar"): a value the
+    kernel knows only at run time (ALiBi's slopes table), not a constant the compiler folds."""
+    if not isinstance(node, tuple) or not node:
+        return False
+    return node[0] in ("load", "scalar") or any(reads_runtime_values(a) for a in node[1:])
+
+
 def applies_function_to_score(node) -> bool:
     """Whether a float function (FLOAT_FUNCS: tanh, exp, ...) takes the score in its argument somewhere
     below `node`: per score, an SFU op beside the softmax's exponential."""

@@ -49,3 +49,16 @@ def test_affine_mods_get_the_hook_in_their_variant():
     decl = m.alibi(default_slopes(4)).cpp_decl
     assert "static constexpr bool kAffineKV = true;" in decl and "_kv_slope(i.batch, i.qo_head, i.qo_pos()" in decl
     assert "kAffineKV" not in m.softcap(30.0).cpp_decl
+
+
+@pytest.mark.parametrize("fn,runtime", [
+    (lambda s, b, h, q, kv: s + (kv - q) * 0.5, False),  # a constant slope
+    (lambda s, b, h, q, kv: s - 0.75 * (kv - q), False),
+    (lambda s, b, h, q, kv: s + torch.tensor(0.5) * (kv - q), True),  # a runtime scalar
+])
+def test_a_slope_reads_runtime_values_or_is_constant(fn, runtime):
+    # graph.reads_runtime_values: what keeps decode off its whole-item kernel (kernels.decode.whole_item_tiling)
+    from attnforge.mods import graph
+    assert graph.reads_runtime_values(mod(fn).kv_slope_root) is runtime
+    assert graph.reads_runtime_values(m.alibi(default_slopes(8)).kv_slope_root)  # a tensor table
+    assert not graph.reads_runtime_values(None)
