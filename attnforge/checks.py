@@ -15,6 +15,14 @@ def fail(what: str, expected: str, got, fix: str) -> ValueError:
     return ValueError(f"{what}: expected {expected}, got {got}. {fix}")
 
 
+def cuda_device(device=None) -> torch.device:
+    """The device a wrapper runs on: `device` as given (a torch.device, "cuda:1", "cpu" for host-only
+    planning), with "cuda" and None meaning the current CUDA device by its index, so that tensors on
+    cuda:0 pass check_cuda's same-device test against a wrapper built with device="cuda"."""
+    d = torch.device("cuda") if device is None else torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
 def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise fail(name, "a torch.Tensor", type(t).__name__, "Pass a CUDA tensor.")

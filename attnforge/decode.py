@@ -89,8 +89,7 @@ class BatchDecode:
                               "Use the wrapper of that family.")
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
-        self.device = torch.device(device) if device is not None else (
-            workspace.device if workspace is not None else torch.device("cuda", torch.cuda.current_device()))
+        self.device = checks.cuda_device(device if device is not None or workspace is None else workspace.device)
         self.use_cuda_graph = use_cuda_graph
         # set by pipelines whose kernel runs right before this one (Quest's selection): the decode kernel
         # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap

@@ -66,7 +66,7 @@ class BatchPrefill:
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
                                     persistent, tma, fma_exp_every)
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = checks.cuda_device(device)
         self._plan = None
         self.use_cuda_graph = use_cuda_graph
         self.capacity = {"batch": max_batch_size, "work": max_work_items, "pages": max_num_pages, "tiles": max_tiles}

@@ -199,7 +199,9 @@ def ptxas_log_of_async_wgmmas(module, entry: str, directory: Path) -> str:
     """Compile a kernel module for sm_90a with ptxas's report and check that ptxas kept every wgmma
     asynchronous: it says so quietly (info C7514 / C7515 / C7518: serialised; C7517: waits injected) when
     code between an issue and its wait branches or touches accumulators (C7518: a branch ptxas cannot tell
-    is warp-uniform). Returns the entry's part of the log."""
+    is warp-uniform), and C7511 when it serialises them for want of registers (forty-third session: an
+    m64n32 wgmma per quarter of an m64n128 accumulator, two or more of them). Returns the entry's part of
+    the log."""
     from attnforge import codegen
     (directory / "k.cu").write_text(module.source)
     out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
@@ -208,7 +210,7 @@ def ptxas_log_of_async_wgmmas(module, entry: str, directory: Path) -> str:
     log = out.stdout + out.stderr
     marker = f"Compiling entry function '{entry}'"
     assert marker in log, log[-2000:]
-    for code in ("C7514", "C7515", "C7517", "C7518"):
+    for code in ("C7511", "C7514", "C7515", "C7517", "C7518"):
         lines = "\n".join(x for x in log.splitlines() if code in x)
         assert code not in log, f"{module.name}: ptxas {code}:\n{lines}"
     return log.split(marker)[1]

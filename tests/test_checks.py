@@ -43,3 +43,18 @@ def test_mla_decode_pdl_flag_must_be_a_bool():
     from attnforge import BatchMLADecode
     with pytest.raises(ValueError, match="pdl: expected True or False"):
         BatchMLADecode(num_qo_heads=16, pdl=1)  # refused before any device work
+
+
+def test_cuda_device_pins_the_current_index(monkeypatch):
+    """checks.cuda_device: "cuda" and None mean the current CUDA device by its index (a wrapper built with
+    device="cuda" rejected tensors on cuda:0 as on another device: forty-third session), an explicit
+    index or a host-only "cpu" stays as given; BatchPrefill resolves through it (BatchDecode too: its
+    buffers need a GPU, tests/test_decode_gpu.py::test_wrappers_built_for_cuda_take_tensors_on_cuda_0)."""
+    from attnforge import AttentionSpec, BatchPrefill
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert checks.cuda_device("cuda") == torch.device("cuda", 3)
+    assert checks.cuda_device(None) == torch.device("cuda", 3)
+    assert checks.cuda_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert checks.cuda_device("cuda:1") == torch.device("cuda", 1)
+    assert checks.cuda_device("cpu") == torch.device("cpu")
+    assert BatchPrefill(AttentionSpec(family="prefill"), device="cuda").device == torch.device("cuda", 3)

@@ -43,6 +43,22 @@ def test_pages_layouts_pipelines(page_size, layout, pipeline):
     run_case(AttentionSpec(kv_layout=layout, pipeline=pipeline), LENGTHS, page_size)
 
 
+def test_wrappers_built_for_cuda_take_tensors_on_cuda_0():
+    """device="cuda" (no index) is the current device by its index: decode and prefill wrappers built
+    with it run on tensors of cuda:0 (they were refused as on another device) and agree with the
+    reference."""
+    w, _ = run_case(AttentionSpec(), [1, 300], 16, device="cuda")
+    assert w.device == torch.device("cuda", torch.cuda.current_device())
+    from attnforge import BatchPrefill
+    p = BatchPrefill(AttentionSpec(family="prefill", causal=True), device="cuda")
+    q, k, v = (torch.randn(33, h, 128, device="cuda:0").bfloat16() for h in (32, 8, 8))
+    p.plan(np.array([0, 33]), np.array([0, 33]))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                                           v.transpose(0, 1).float(), is_causal=True,
+                                                           enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(p.run(q, (k, v)).float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 @pytest.mark.parametrize("kernel", ["default", "normal", "fp8", "whole-items"])
 def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):

@@ -363,6 +363,33 @@ def test_alibi_steep_and_negative_slopes(dtype, causal):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("hook", ["alibi", "softcap", "alibi+documents"])
+@pytest.mark.parametrize("causal,window", [(True, -1), (True, 100), (False, 257)])
+def test_hooked_edge_tiles_under_the_positional_mask(hook, causal, window):
+    """Score hooks on tiles that positions mask in part (the causal diagonal, a sliding window's start,
+    the keys' end): an affine hook (ALiBi, slopes -1.5 to 4), a scaled core (soft-cap 5) and an affine
+    hook beside a mask_mod of its own (documents), causal or not, windows of 100 and 257 keys, rows that
+    see no key, against the reference. (A masked copy of the hooks' inside paths for such tiles was
+    measured and lost: docs/perf-notes.md, forty-third section; this test guards whichever path runs.)"""
+    import attnforge.mods as m
+    slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
+    doc = torch.arange(1024, device="cuda") // 250
+    mod = {"alibi": lambda: m.alibi(slopes), "softcap": lambda: m.softcap(5.0),
+           "alibi+documents": lambda: m.compile_mod(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
+                                                    mask_mod=lambda b, h, q, kv: doc[q] == doc[kv])}[hook]()
+    spec = AttentionSpec(family="prefill", causal=causal, window_left=window, score_mod=mod)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129, 700], [200, 1000, 700, 700], seed=13)
+    q = q * 3  # soft-cap: scores into the cap's curve
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    if causal:  # request 0's first 100 rows precede every key: zeros, LSE -inf
+        assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()
+    assert torch.isfinite(out).all()
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("form", ["spec", "const", "runtime"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_soft_cap_folded_and_not(form, dtype):

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..checks import fail
+from ..checks import cuda_device, fail
 
 
 class OutOfPhysicalMemory(RuntimeError):
@@ -97,7 +97,7 @@ class VirtualKVCache:
         if min(num_layers, max_batch, max_len, num_kv_heads, head_dim) < 1:
             raise fail("VirtualKVCache sizes", "positive layers, batch, length, heads and head_dim",
                        (num_layers, max_batch, max_len, num_kv_heads, head_dim), "Pass the model's sizes.")
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         self.backend = backend if backend is not None else CudaVMM(self.device)
         self.gran = self.backend.granularity()
         self.dtype, self.num_layers, self.max_batch = dtype, num_layers, max_batch
