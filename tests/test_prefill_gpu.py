@@ -7,7 +7,7 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, paged, reference
-from helpers import (assert_attention_close, assert_lse_close, make_paged_case, poison_unused_slots,
+from helpers import (assert_attention_close, assert_lse_close, make_paged_case, poison, poison_unused_slots,
                      replays_after_replans)
 
 pytestmark = pytest.mark.gpu
@@ -382,7 +382,7 @@ def test_hooked_edge_tiles_under_the_positional_mask(hook, causal, window):
     q = q * 3  # soft-cap: scores into the cap's curve
     w = BatchPrefill(spec)
     w.plan(qo, kv)
-    out, lse = w.run(q, (k, v), return_lse=True)
+    out, lse = w.run(q, (k, v), out=poison(q.shape, q.dtype), return_lse=True)
     if causal:  # request 0's first 100 rows precede every key: zeros, LSE -inf
         assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()
     assert torch.isfinite(out).all()
