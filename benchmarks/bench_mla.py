@@ -14,6 +14,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchMLADecode
 from attnforge.jit import registry
+from attnforge.kernels.mla import MLA_MERGE_KERNELS
 from attnforge.mla import DEEPSEEK_SM_SCALE
 from harness import Report, prepare, time_interleaved, time_us
 from harness import kernel_twins as env_kernel_twins
@@ -172,7 +173,7 @@ def prepare_without_merge(fn, calls, use_graph):
     if w is None:
         return prepare(fn, calls, use_graph)
     lib = registry.get_library(w.kernel, w.kernel.module, w.device)
-    merges = {name: lib.kernels[name] for name in ("mla_merge_kernel", "mla_merge_one_wave_kernel")}
+    merges = {name: lib.kernels[name] for name in MLA_MERGE_KERNELS}
     lib.kernels.update({name: _NoLaunch() for name in merges})
     try:
         return prepare(fn, calls, use_graph)

@@ -111,7 +111,8 @@ ROLES_TMA_L2_PROMOTION = 128
 
 
 # the module's kernels: the decode, and its two merges (the one-wave merge where its grid fits one block an SM)
-MLA_KERNELS = ("mla_decode_kernel", "mla_merge_kernel", "mla_merge_one_wave_kernel")
+MLA_MERGE_KERNELS = ("mla_merge_kernel", "mla_merge_one_wave_kernel")
+MLA_KERNELS = ("mla_decode_kernel", *MLA_MERGE_KERNELS)
 
 
 def rows_per_cta(num_heads: int, pipeline: str, backend: str = "mma") -> int:
