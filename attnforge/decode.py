@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import DecodeKernel, whole_item_kernel
+from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -89,7 +89,9 @@ class BatchDecode:
                               "Use the wrapper of that family.")
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
-        self.device = checks.cuda_device(device if device is not None or workspace is None else workspace.device)
+        if device is None and workspace is not None:
+            device = workspace.device  # (a given workspace names the GPU)
+        self.device = checks.cuda_device(device)
         self.use_cuda_graph = use_cuda_graph
         # set by pipelines whose kernel runs right before this one (Quest's selection): the decode kernel
         # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap
@@ -193,9 +195,9 @@ class BatchDecode:
 
     @staticmethod
     def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
-        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA, and 16
+        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA, and 32
         bytes past them (the merge copies the lse values in aligned 16-byte blocks)."""
-        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4 + 16
+        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,

@@ -198,6 +198,18 @@ def test_mqa_at_d256_on_eight_warps(kv_dtype):
     run_case(spec, [1, 300, 17, 20000], 7, seed=5, k_scale=0.5, v_scale=1.5)
 
 
+@pytest.mark.parametrize("hq,hkv", [(24, 8), (21, 3)])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_groups_of_3_mod_4_merge_split_items(hq, hkv, kv_dtype, pipeline):
+    """Groups 3 and 7: a chunk's lse row starts up to 3 floats into its aligned block, so it spans one
+    block more than group // 4 + 1 (kernels.decode.merge_lse_blocks). With one block too few the merge
+    read a head's lse from stale shared memory (max error ~1; found by tests/test_fuzz_gpu.py)."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype, pipeline=pipeline)
+    w, _ = run_case(spec, [20000, 5, 300, 2047], 16, seed=hq, k_scale=0.5, v_scale=1.5)
+    assert any(scheduler.split_slots(w._plan["work"], 0, h) for h in range(hkv))  # the long request merged
+
+
 # (query heads, kv heads, head_dim, pipeline): the in-kernel merge of a split item streams its chunks
 # through a ring of kMergeSlots slots in two halves, up to 4 vectors a thread, in passes where the
 # group has more vectors; one long request per KV head cut into ~200 chunks turns the ring many

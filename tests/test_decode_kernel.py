@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from attnforge import AttentionSpec
-from attnforge.kernels.decode import DecodeKernel
+from attnforge.kernels.decode import DecodeKernel, merge_lse_blocks
 
 
 @pytest.mark.parametrize("kw,ctas,bound", [
@@ -95,7 +95,7 @@ def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
                 vecs = k.item_heads * head_dim // 4
                 pass_threads = min(k.threads, vecs // v)
                 assert v in (1, 2, 4) and slots >= 2 and slots % 2 == 0
-                assert slots * (v * pass_threads + k.item_heads // 4 + 1) * 16 <= k.pipe_bytes
+                assert slots * (v * pass_threads + merge_lse_blocks(k.item_heads)) * 16 <= k.pipe_bytes
     assert shapes > 0
 
 
@@ -130,20 +130,33 @@ def test_plan_streams_head_split_items():
     assert work.num_kv_heads == 2 and work.total == 2 * (208 + 64) + 2 * (5 + 64)
 
 
+def test_merge_lse_blocks_cover_every_row_they_copy():
+    """The merge reads lse[(row & 3) + h] for h < g from the blocks it copied from row & ~3: every row
+    (rows start at multiples of g) must end inside them. Groups of 3 mod 4 once copied a block too few
+    (group 3: its third head's lse read stale shared memory; found by tests/test_fuzz_gpu.py)."""
+    for g in range(1, 65):
+        blocks = merge_lse_blocks(g)
+        assert blocks >= g // 4 + 1  # never fewer than before: those kernels are unchanged
+        assert all((row & 3) + g <= 4 * blocks for row in range(0, 64 * g, g)), g
+    assert [merge_lse_blocks(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16)] == [1, 1, 2, 2, 2, 2, 3, 3, 4, 5]
+    src = DecodeKernel(AttentionSpec(num_qo_heads=24, num_kv_heads=8)).module().source
+    assert "constexpr int kMergeLseBlocks = 2;" in src
+
+
 @pytest.mark.parametrize("hq,hkv,head_dim", [(1, 1, 128), (3, 1, 64), (5, 1, 128), (32, 8, 128), (48, 8, 256),
-                                             (32, 1, 128), (64, 1, 256)])
+                                             (32, 1, 128), (64, 1, 256), (24, 8, 128), (21, 3, 64)])
 @pytest.mark.parametrize("num_ctas", [1, 131, 396])
 def test_merge_lse_blocks_stay_in_the_workspace(hq, hkv, head_dim, num_ctas):
-    """The merge copies each chunk's lse row as the aligned 16-byte blocks around it (g // 4 + 1 of
-    them): past the last slot's row that reads up to 4 floats beyond the partial states, which
-    BatchDecode.workspace_bytes pads by 16 bytes; checked for odd groups and odd CTA counts."""
+    """The merge copies each chunk's lse row as the aligned 16-byte blocks around it
+    (kernels.decode.merge_lse_blocks): past the last slot's row that reads up to 5 floats beyond the
+    partial states, which BatchDecode.workspace_bytes pads by 32 bytes; checked for odd groups (3 and
+    7 among them) and odd CTA counts."""
     from attnforge import BatchDecode
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim)
     g = DecodeKernel(spec).item_heads  # the kernel's rows a slot (the wrapper's _rows_per_slot)
     slots = 2 * num_ctas
     lse_floats = BatchDecode.workspace_bytes(spec, num_ctas) // 4 - slots * g * head_dim  # as BatchDecode slices it
-    last_row = (slots - 1) * g
-    assert (last_row & ~3) + 4 * (g // 4 + 1) <= lse_floats
+    assert all((row & ~3) + 4 * merge_lse_blocks(g) <= lse_floats for row in range(0, slots * g, g))
 
 
 @pytest.mark.parametrize("chains", [1, 2, 4])

@@ -1,6 +1,8 @@
 """The batch-decode kernel family: template variables, parameter struct and launch shape."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 from functools import cached_property
@@ -32,6 +34,19 @@ BASE_FIELDS = (
     ParamField("v_scale", "float", "f32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
+
+
+def merge_lse_blocks(group: int) -> int:
+    """16-byte blocks a split item's merge copies of each chunk's lse row (`group` floats): the copy
+    starts at the aligned block below the row, and rows start at multiples of `group` floats, so a row
+    begins up to 4 - gcd(group, 4) floats into that block (0 when group % 4 == 0). Groups of 3 mod 4
+    need one block more than group // 4 + 1 (the count before: group 3 read its third lse from past
+    the copy); every other group keeps that count, so its kernel is unchanged."""
+    offset = 0 if group % 4 == 0 else 4 - math.gcd(group, 4)
+    return max(group // 4 + 1, -(-(offset + group) // 4))
+
+
+MERGE_LSE_SLACK_BYTES = 32  # past the last lse row: the widest overshoot of those blocks is 5 floats
 
 
 def default_head_splits(spec: AttentionSpec) -> int:
@@ -213,7 +228,7 @@ class DecodeKernel:
         for per_thread in (4, 2, 1):
             if per_thread > 1 and vecs < per_thread * self.threads:
                 continue  # one pass holds the group with fewer a thread
-            slot_bytes = (min(vecs, self.threads * per_thread) + g // 4 + 1) * 16
+            slot_bytes = (min(vecs, self.threads * per_thread) + merge_lse_blocks(g)) * 16
             fit = min(32, self.pipe_bytes // slot_bytes)
             if fit >= 2 or per_thread == 1:
                 return per_thread, fit - fit % 2
@@ -266,6 +281,7 @@ class DecodeKernel:
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
+               "merge_lse_blocks": merge_lse_blocks(self.item_heads),
                "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
