@@ -69,8 +69,11 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, page_size, q_len, seed, unified)
     if nan_unheld:  # uninitialised cache memory: NaN wherever no request holds a row (per_req was taken before)
         unheld = unheld_slots(caches[0].shape[0], indptr, indices, last, page_size).to(caches[0].device)
-        for cache in caches:
-            cache[unheld] = math.nan
+        for cache in caches:  # (torch fills no fp8 tensor by mask: e4m3's NaN bytes, 0x7F)
+            if cache.element_size() == 1:
+                cache.view(torch.uint8)[unheld] = 0x7F
+            else:
+                cache[unheld] = math.nan
     w = BatchMLADecode(spec, max_q_len=max(q_len, 1), **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size, q_len=q_len, sm_scale=sm_scale, k_scale=k_scale,
            v_scale=v_scale)

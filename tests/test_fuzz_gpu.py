@@ -1,0 +1,138 @@
+"""Seeded random cases across every axis at once, against the float64 reference.
+
+The other GPU files cover each option on a grid of two or three axes; these draw all of them together
+(heads, head dim, dtypes, layout, pipeline, page size, lengths around tile and page edges, scales, soft-cap,
+window, graph mode), so a combination no grid names still meets the reference. Each seed is one test id:
+a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill
+from helpers import make_paged_case, poison
+from test_decode_gpu import run_case as run_decode_case
+from test_mla_gpu import mla_spec, run_case as run_mla_case
+from test_prefill_gpu import check_against_reference, ragged_case
+
+SEEDS = range(10)
+
+
+def edge_lengths(rng, count: int, tile: int = 64, longest: int = 3000) -> list[int]:
+    """Lengths that hit the edges: 0, 1, a tile or page boundary +-1, and uniform draws; one long."""
+    picks = []
+    for _ in range(count):
+        kind = rng.integers(4)
+        if kind == 0:
+            picks.append(int(rng.choice([0, 1, 2])))
+        elif kind == 1:
+            picks.append(max(0, int(tile * rng.integers(1, 8) + rng.integers(-1, 2))))
+        else:
+            picks.append(int(rng.integers(1, longest)))
+    if rng.random() < 0.3:
+        picks[int(rng.integers(count))] = int(rng.integers(8000, 20000))  # a request split across CTAs
+    if count > 1 and rng.random() < 0.3:
+        picks[int(rng.integers(count))] = 0  # an empty request among others: zeros and LSE -inf
+    return picks
+
+
+def draw_decode(rng):
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    group = int(rng.choice([1, 2, 3, 4, 5, 8, 16] if hkv > 1 else [1, 4, 8, 16, 32]))
+    q_dtype = str(rng.choice(["bf16", "fp16"]))
+    head_dim, kv_dtype = int(rng.choice([64, 128, 256])), str(rng.choice([q_dtype, "fp8_e4m3"]))
+    layout, pipeline = str(rng.choice(["NHD", "HND"])), str(rng.choice(["auto", "normal", "transposed"]))
+    if group > 16 and pipeline == "transposed":
+        pipeline = "normal"  # (the transposed pipeline takes groups up to 16: tested in test_decode_gpu.py)
+    spec = AttentionSpec(num_qo_heads=hkv * group, num_kv_heads=hkv, head_dim_qk=head_dim, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype, kv_layout=layout, pipeline=pipeline,
+                         logits_soft_cap=float(rng.choice([0.0, 30.0])),
+                         window_left=int(rng.choice([-1, -1, int(rng.integers(1, 600))])))
+    lengths = edge_lengths(rng, int(rng.integers(1, 10)))
+    page = int(rng.choice([1, 3, 7, 16, 33, 64]))
+    scales = {"k_scale": float(rng.uniform(0.25, 2)), "v_scale": float(rng.uniform(0.25, 2))} \
+        if spec.kv_dtype == "fp8_e4m3" else {}
+    return spec, lengths, page, scales, bool(rng.random() < 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_decode(seed):
+    spec, lengths, page, scales, graph = draw_decode(np.random.default_rng(1000 + seed))
+    run_decode_case(spec, lengths, page, seed=seed, nan_unheld=True, use_cuda_graph=graph,
+                    max_batch_size=len(lengths), **scales)
+
+
+def draw_prefill(rng):
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    spec = AttentionSpec(family="prefill", num_kv_heads=hkv, num_qo_heads=hkv * int(rng.choice([1, 2, 4, 8])),
+                         head_dim_qk=int(rng.choice([64, 128, 256])), q_dtype=str(rng.choice(["bf16", "fp16"])),
+                         causal=bool(rng.random() < 0.6), kv_layout=str(rng.choice(["NHD", "HND"])),
+                         logits_soft_cap=float(rng.choice([0.0, 0.0, 30.0])),
+                         window_left=int(rng.choice([-1, -1, int(rng.integers(1, 400))])))
+    kv_lens = [max(1, x) for x in edge_lengths(rng, int(rng.integers(1, 6)), tile=128, longest=2500)]
+    kv_lens = [min(x, 2500) for x in kv_lens]  # (the float64 reference holds [heads, qo, kv] scores)
+    # queries at most the keys (bottom-right causal: chunked prefill), now and then a single token
+    qo_lens = [int(rng.choice([1, x, int(rng.integers(1, x + 1))])) for x in kv_lens]
+    page = int(rng.choice([0, 1, 7, 16, 64]))  # 0: ragged K/V
+    return spec, qo_lens, kv_lens, page
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_prefill(seed):
+    spec, qo_lens, kv_lens, page = draw_prefill(np.random.default_rng(2000 + seed))
+    w = BatchPrefill(spec)
+    if page == 0:
+        q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=seed)
+        w.plan(qo, kv)
+        kv_arg, per = (k, v), [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    else:
+        twin = AttentionSpec(num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                             head_dim_qk=spec.head_dim_qk, q_dtype=spec.q_dtype, kv_layout=spec.kv_layout)
+        _, kv_arg, (indptr, indices, last), per = make_paged_case(twin, kv_lens, page, seed=seed)
+        q = torch.randn(sum(qo_lens), spec.num_qo_heads, spec.head_dim_qk, device="cuda").to(kv_arg.dtype)
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+        w.plan(qo, indptr, indices, last, page_size=page)
+        per = [(k.to(q.dtype), v.to(q.dtype)) for k, v in per]
+    out, lse = w.run(q, kv_arg, out=poison(q.shape, q.dtype), return_lse=True)
+    torch.cuda.synchronize()
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
+def draw_mla(rng):
+    heads = int(rng.choice([8, 16, 32, 64, 128]))
+    q_dtype = str(rng.choice(["bf16", "fp16"]))
+    kv_dtype = str(rng.choice([q_dtype, q_dtype, "fp8_e4m3"]))
+    spec = mla_spec(heads, str(rng.choice(["normal", "transposed"])), q_dtype=q_dtype, kv_dtype=kv_dtype)
+    lengths = edge_lengths(rng, int(rng.integers(1, 8)))
+    scales = {"k_scale": float(rng.uniform(0.25, 2)), "v_scale": float(rng.uniform(0.25, 2))} \
+        if kv_dtype == "fp8_e4m3" else {}
+    return (spec, lengths, int(rng.choice([1, 7, 16, 32, 64])), int(rng.integers(1, 5)), bool(rng.random() < 0.5),
+            bool(rng.random() < 0.3), scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_mla(seed):
+    spec, lengths, page, q_len, unified, graph, scales = draw_mla(np.random.default_rng(3000 + seed))
+    run_mla_case(spec, lengths, page, q_len=q_len, seed=seed, unified=unified, nan_unheld=True,
+                 sm_scale=0.1 if seed % 3 == 0 else None, use_cuda_graph=graph, max_batch_size=len(lengths),
+                 **scales)
+
+
+def test_draws_cover_the_axes():
+    """The seeds above reach each option of the main axes at least once (a CPU test: if a change to the draws
+    loses an option, pick another seed range)."""
+    dec = [draw_decode(np.random.default_rng(1000 + s)) for s in SEEDS]
+    pre = [draw_prefill(np.random.default_rng(2000 + s)) for s in SEEDS]
+    mla = [draw_mla(np.random.default_rng(3000 + s)) for s in SEEDS]
+    assert {d[0].head_dim_qk for d in dec} == {64, 128, 256}
+    assert {d[0].kv_dtype == "fp8_e4m3" for d in dec} == {True, False}
+    assert {d[0].kv_layout for d in dec} == {"NHD", "HND"}
+    assert {d[0].pipeline for d in dec} == {"normal", "transposed"}
+    assert any(0 in d[1] for d in dec) and any(d[4] for d in dec)
+    assert {p[0].causal for p in pre} == {True, False} and {p[3] == 0 for p in pre} == {True, False}
+    assert {p[0].head_dim_qk for p in pre} == {64, 128, 256}
+    assert {m[0].pipeline for m in mla} == {"normal", "transposed"}
+    assert {m[0].kv_dtype == "fp8_e4m3" for m in mla} == {True, False}
+    assert len({m[3] for m in mla}) >= 3 and any(m[5] for m in mla)
