@@ -82,17 +82,27 @@ def decode_reference(spec: AttentionSpec, q, per_request, sm_scale=None, v_scale
     return torch.stack(outs), torch.stack(lses)
 
 
-def assert_attention_close(out, ref64, low_ref, what=""):
+def assert_attention_close(out, ref64, low_ref, what="", dominant_weight_error=0.0):
     """FlashAttention's rule: our error at most 2x that of torch in low precision, plus a small atol;
-    and the relative error in the bf16 band of METHOD.md."""
+    and the relative error in the bf16 band of METHOD.md. dominant_weight_error: what a kernel that
+    rescales lazily may add (lazy_rescale_allowance)."""
     out = out.double()
     assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten or NaN output)"
     err = (out - ref64).abs().max().item()
     base = (low_ref.double() - ref64).abs().max().item()
-    assert err <= 2 * base + 2e-3, f"{what}: max err {err:.3e} vs torch low-precision {base:.3e}"
+    bound = 2 * base + 2e-3 + dominant_weight_error
+    assert err <= bound, f"{what}: max err {err:.3e} vs torch low-precision {base:.3e} (bound {bound:.3e})"
     denom = ref64.norm().item()
     if denom > 0:
         assert (out - ref64).norm().item() / denom < 1e-2, f"{what}: relative error too large"
+
+
+def lazy_rescale_allowance(p_dtype: torch.dtype, max_abs_v: float) -> float:
+    """A kernel whose row max lags (MLADecodeKernel.rescale_slack > 0) weights a peaked row's dominant
+    value by 2^f, not exactly 1, and rounds that weight to P's 16 bits: up to one unit roundoff of it
+    (2^-8 in bf16, 2^-11 in fp16) times the value. The eager kernels' dominant weight is exact. (Seen by
+    tests/test_fuzz_gpu.py: h64 bf16 read 2.45x torch's max error where the eager kernels read 1.00x.)"""
+    return (2.0 ** -8 if p_dtype == torch.bfloat16 else 2.0 ** -11) * max_abs_v
 
 
 def assert_lse_close(lse, ref_lse, what=""):

@@ -9,8 +9,8 @@ from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
-from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, poison, random_page_table,
-                     replays_after_replans, unheld_slots)
+from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, lazy_rescale_allowance, poison,
+                     random_page_table, replays_after_replans, unheld_slots)
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]
@@ -88,7 +88,11 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, q_len, scale, v_scale, dtype=torch.float32,
                            **ref_kw)
     what = f"{spec.name} page{page_size} q_len{q_len}"
-    assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what)
+    lagging = 0.0  # (the roles kernel's row max lags: its dominant weights round)
+    if w.kernel.rescale_slack > 0 and any(len(r) for r in per_req):
+        max_v = max(r[:, :512].abs().max().item() for r in per_req if len(r))
+        lagging = lazy_rescale_allowance(q_nope.dtype, v_scale * max_v)
+    assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what, lagging)
     assert_lse_close(lse, ref_lse, what)
     empty = [i for i, L in enumerate(lengths) if L == 0]
     for b in empty:  # zeros; LSE -inf, or the sink's logit when the variant has one (checked above)
@@ -648,7 +652,8 @@ def test_cuda_graph_of_one_long_request_merges_over_lanes(heads):
 def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, checked):
     """Capture w.run once, then per round re-plan (replan() -> lengths, indptr, indices), refresh the
     queries, poison the output and replay: every output finite, rounds where checked(i) against the
-    reference."""
+    reference (2e-2, plus the lagging row max's allowance on the roles kernel: its fresh random inputs
+    once read 0.0212 at h128, forty-fourth session)."""
     ckv, kpe = kv[..., :512], kv[..., 512:]
     out = torch.empty_like(q_nope)
 
@@ -663,7 +668,9 @@ def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, check
             per = [kv[torch.as_tensor(indices[indptr[b]:indptr[b + 1]])].reshape(-1, 576)[:lengths[b]].float()
                    for b in range(len(lengths))]
             ref, _ = mla_reference(q_nope, q_pe, per, q_len, DEEPSEEK_SM_SCALE)
-            assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
+            lagging = w.kernel.rescale_slack > 0  # (the captured kernel: plans keep it)
+            bound = 2e-2 + (lazy_rescale_allowance(kv.dtype, ckv.abs().max().item()) if lagging else 0.0)
+            assert (out.double() - ref).abs().max().item() < bound, f"replay {i}"
 
 
 @pytest.mark.parametrize("heads,seed,short,long,kernel", [(128, 5, 700, (3000, 9000), "normal"),

@@ -136,6 +136,10 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
 # docs/perf-notes.md: h32 +12% GB/s, h64 +49%, h128 +30-64% TFLOP/s; h16 -1..-10% since warpgroup 1
 # refills by column block, twenty-ninth session); at 8 heads the transposed pipeline wins.
 WGMMA_MIN_HEADS = 16
+# The roles kernel moves a row's reference max only when a tile's max passes it by more than this (log2
+# units): most tiles skip rescaling O (h128 -2..-3%, ninth session), but the dominant weight of a peaked
+# row is 2^f, not exactly 1, and rounds in 16 bits (docs/architecture.md, "Lazy rescaling").
+ROLES_RESCALE_SLACK = 8.0
 # From this many heads the "roles" kernel is bound by its tensor work (the heads' row blocks share each
 # tile through L2), and warpgroup 0, which also runs S and the softmax, takes 192 of P.V's 512 dims:
 # h128 -5.5..-6.8% (H200, twenty-eighth session); at h32 (bandwidth-bound) the narrow split cost +3%.
@@ -390,6 +394,12 @@ class MLADecodeKernel:
         return PARTIALS_16BIT and self.backend == "wgmma"
 
     @property
+    def rescale_slack(self) -> float:
+        """How far (log2) a row's max may pass its reference before O is rescaled: ROLES_RESCALE_SLACK
+        for the roles kernel, 0 (an eager max) for the others."""
+        return ROLES_RESCALE_SLACK if self.resolved_schedule == "roles" else 0.0
+
+    @property
     def uses_reads_before_wait(self) -> bool:
         """Whether each CTA reads its first item (and its copier's first rows) before the PDL wait."""
         if self.reads_before_wait is not None:
@@ -462,7 +472,7 @@ class MLADecodeKernel:
                "tma": self.uses_tma, "producer": self.uses_producer, "early_scores": self.uses_early_scores,
                "kpe_batched": self.uses_kpe_batched,
                "copies_by_block": self.uses_copies_by_block, "partial_16bit": self.uses_partial_16bit,
-               "reads_before_wait": self.uses_reads_before_wait, "tile_kv": tile,
+               "reads_before_wait": self.uses_reads_before_wait, "rescale_slack": self.rescale_slack, "tile_kv": tile,
                "num_stages": stages, "min_ctas_per_sm": self.ctas_per_sm, "smem_bytes": self.smem_bytes,
                "variant_decl": variants.variant_decl(s), "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST,
                "params_struct": self.params.cpp(), "trace": False}
