@@ -18,7 +18,7 @@ LAYOUTS = ("NHD", "HND")
 PIPELINES = ("normal", "transposed")
 
 
-TRANSPOSED_DECODE_MAX_GROUP = 8  # one n8 tile of heads; the kernel takes up to 16 when asked
+TRANSPOSED_DECODE_MAX_GROUP = 8  # one n8 tile of heads: the transposed decode kernel's limit too
 
 
 # MLA heads up to which the transposed pipeline (on sm_90a: its wgmma kernel) is the default: at 8 heads
@@ -30,9 +30,8 @@ MLA_TRANSPOSED_MAX_HEADS = 8
 def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> str:
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
-    group 4). Groups 9-16 take two n8 head tiles there, which doubles O's registers (d128: 200, so 2
-    CTAs per SM where the planner counts 3; d256 spills), while the normal pipeline's one m16 tile
-    wastes at most 7 rows. MLA decode uses the normal pipeline from 16 heads (its wgmma kernel on
+    group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows; the
+    transposed kernel refuses them: kernels.decode.MAX_TRANSPOSED_GROUP). MLA decode uses the normal pipeline from 16 heads (its wgmma kernel on
     sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
     transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync
     only, whose transposed kernel loses there); docs/architecture.md has the table."""

@@ -138,9 +138,9 @@ def test_slots_no_request_holds_may_hold_nan(page_size, layout, kv_dtype, pipeli
              seed=page_size, nan_unheld=True)
 
 
-# the transposed pipeline takes groups up to 16 (its refusal of larger groups is tested below)
+# the transposed pipeline takes groups up to 8 (its refusal of larger groups is tested below)
 HEAD_CASES = [(d, h, p) for d in (64, 128, 256) for h in ((8, 8), (32, 8), (64, 8), (32, 2), (64, 1))
-              for p in ("normal", "transposed") if p == "normal" or h[0] // h[1] <= 16]
+              for p in ("normal", "transposed") if p == "normal" or h[0] // h[1] <= 8]
 
 
 @pytest.mark.parametrize("head_dim,heads,pipeline", HEAD_CASES)
@@ -449,5 +449,5 @@ def test_bad_inputs_raise_before_launch():
     g1.plan(indptr, indices, last, page_size=16)
     with pytest.raises(ValueError, match="as captured"):
         g1.plan(indptr, indices, last, page_size=16, sm_scale=0.5)
-    with pytest.raises(ValueError, match="group sizes up to 16"):
+    with pytest.raises(ValueError, match="group sizes up to 8"):
         BatchDecode(AttentionSpec(num_qo_heads=64, num_kv_heads=2, pipeline="transposed"))
