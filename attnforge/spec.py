@@ -31,10 +31,11 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> st
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows; the
-    transposed kernel refuses them: kernels.decode.MAX_TRANSPOSED_GROUP). MLA decode uses the normal pipeline from 16 heads (its wgmma kernel on
-    sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
-    transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync
-    only, whose transposed kernel loses there); docs/architecture.md has the table."""
+    transposed kernel refuses them: kernels.decode.MAX_TRANSPOSED_GROUP). MLA decode uses the
+    normal pipeline from 16 heads (its wgmma kernel on sm_90a with 16-bit KV, else mma.sync, whose
+    m16 tiles pad at most 8 heads to 16) and the transposed one at 8 heads with 16-bit KV, where its
+    wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses there);
+    docs/architecture.md has the table."""
     if family == "decode":
         return "transposed" if group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
     if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":
