@@ -92,12 +92,12 @@ def test_lazy_rescale_allowance_bounds_weights_rounded_against_a_lagging_max(dty
         s[int(torch.randint(257, (1,), generator=g))] += 12  # one dominant key
         v = torch.randn(257, 64, generator=g, dtype=torch.float64)
         exact = torch.softmax(s * math.log(2), 0) @ v
-        for lag, worst in ((float(torch.rand(1, generator=g)) * 8, "lazy"), (0.0, "eager")):
+        for lag, kind in ((float(torch.rand(1, generator=g)) * 8, "lazy"), (0.0, "eager")):
             p = torch.exp2(s - (s.max() - lag))
             out = (p.to(dtype).double() @ v) / p.sum()
             err = (out - exact).abs().max().item()
             assert err <= lazy_rescale_allowance(dtype, v.abs().max().item())
-            if worst == "lazy":
+            if kind == "lazy":
                 worst_lazy = max(worst_lazy, err)
             else:
                 worst_eager = max(worst_eager, err)
