@@ -18,7 +18,11 @@ LAYOUTS = ("NHD", "HND")
 PIPELINES = ("normal", "transposed")
 
 
-TRANSPOSED_DECODE_MAX_GROUP = 8  # one n8 tile of heads: the transposed decode kernel's limit too
+# The transposed decode pipeline's largest group, its default's and its kernel's: one n8 tile of heads. Two
+# tiles (groups 9-16) read single-token requests a bf16 ulp off beside split items (GQA 128/8, 96/8, 32/2 on
+# the H200, forty-fourth session; cause not found: docs/perf-notes.md), so kernels.decode refuses them; the
+# normal pipeline, the default there, is exact.
+TRANSPOSED_DECODE_MAX_GROUP = 8
 
 
 # MLA heads up to which the transposed pipeline (on sm_90a: its wgmma kernel) is the default: at 8 heads
@@ -31,7 +35,7 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> st
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows; the
-    transposed kernel refuses them: kernels.decode.MAX_TRANSPOSED_GROUP). MLA decode uses the
+    transposed kernel refuses them). MLA decode uses the
     normal pipeline from 16 heads (its wgmma kernel on sm_90a with 16-bit KV, else mma.sync, whose
     m16 tiles pad at most 8 heads to 16) and the transposed one at 8 heads with 16-bit KV, where its
     wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses there);

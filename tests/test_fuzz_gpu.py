@@ -42,7 +42,7 @@ def draw_decode(rng):
     head_dim, kv_dtype = int(rng.choice([64, 128, 256])), str(rng.choice([q_dtype, "fp8_e4m3"]))
     layout, pipeline = str(rng.choice(["NHD", "HND"])), str(rng.choice(["auto", "normal", "transposed"]))
     if group > 8 and pipeline == "transposed":
-        pipeline = "normal"  # (the transposed pipeline refuses groups above 8: kernels.decode.MAX_TRANSPOSED_GROUP)
+        pipeline = "normal"  # (the transposed pipeline refuses groups above 8: spec.TRANSPOSED_DECODE_MAX_GROUP)
     spec = AttentionSpec(num_qo_heads=hkv * group, num_kv_heads=hkv, head_dim_qk=head_dim, q_dtype=q_dtype,
                          kv_dtype=kv_dtype, kv_layout=layout, pipeline=pipeline,
                          logits_soft_cap=float(rng.choice([0.0, 30.0])),

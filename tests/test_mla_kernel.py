@@ -746,3 +746,17 @@ def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
     w.align_tile = 48  # a bad wrapper setting: refused at plan(), before anything runs
     with pytest.raises(ValueError, match=r"BatchMLADecode.align_tile\): expected 0 or a positive divisor"):
         w.plan(np.arange(65) * 128, np.arange(64 * 128), np.full(64, 64), page_size=64)
+
+
+def test_only_the_roles_kernel_lets_its_row_max_lag():
+    """MLADecodeKernel.rescale_slack is what the template renders (kRescaleSlack) and what the GPU tests'
+    accuracy rule reads (helpers.lazy_rescale_allowance): 8 (log2) for the roles kernel, 0 for the rest."""
+    from attnforge.kernels.mla import ROLES_RESCALE_SLACK
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         pipeline="normal")
+    roles = MLADecodeKernel(spec, backend="wgmma")
+    assert roles.resolved_schedule == "roles" and roles.rescale_slack == ROLES_RESCALE_SLACK == 8.0
+    assert "constexpr float kRescaleSlack = 8.0f;" in roles.module().source
+    for other in (MLADecodeKernel(spec, backend="wgmma", schedule="symmetric"), MLADecodeKernel(spec, backend="mma"),
+                  MLADecodeKernel(dataclasses.replace(spec, pipeline="transposed"), backend="wgmma")):
+        assert other.rescale_slack == 0.0, other

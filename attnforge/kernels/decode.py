@@ -19,10 +19,6 @@ THREADS = 128
 TILE_KV = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
-# The transposed pipeline's largest group: one n8 tile of heads. Two tiles (groups 9-16) read single-token
-# requests off by a bf16 ulp beside split items (GQA 128/8, 96/8, 32/2 on the H200, forty-fourth session;
-# cause not found: docs/perf-notes.md), so they are refused; the normal pipeline, the default there, is exact.
-MAX_TRANSPOSED_GROUP = TRANSPOSED_DECODE_MAX_GROUP
 MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
 
 BASE_FIELDS = (
@@ -171,10 +167,10 @@ class DecodeKernel:
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages or a smaller tile")
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
-        if s.pipeline == "transposed" and g > MAX_TRANSPOSED_GROUP:
+        if s.pipeline == "transposed" and g > TRANSPOSED_DECODE_MAX_GROUP:
             raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports group sizes up to "
-                             f"{MAX_TRANSPOSED_GROUP}, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads). "
-                             f"Use pipeline='normal' (or 'auto', which picks it above {MAX_TRANSPOSED_GROUP}).")
+                             f"{TRANSPOSED_DECODE_MAX_GROUP}, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads). "
+                             f"Use pipeline='normal' (or 'auto', which picks it above {TRANSPOSED_DECODE_MAX_GROUP}).")
 
     @property
     def item_heads(self) -> int:
