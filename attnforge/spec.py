@@ -18,11 +18,10 @@ LAYOUTS = ("NHD", "HND")
 PIPELINES = ("normal", "transposed")
 
 
-# The transposed decode pipeline's largest group, its default's and its kernel's: one n8 tile of heads. Two
-# tiles (groups 9-16) read single-token requests a bf16 ulp off beside split items (GQA 128/8, 96/8, 32/2 on
-# the H200, forty-fourth session; cause not found: docs/perf-notes.md), so kernels.decode refuses them; the
-# normal pipeline, the default there, is exact.
-TRANSPOSED_DECODE_MAX_GROUP = 8
+# The largest group for which 'auto' picks the transposed decode pipeline: one n8 tile of heads. Groups 9-16
+# need two tiles there (200 registers at d128, spills at d256) where the normal pipeline's one m16 tile fits;
+# the transposed kernel still takes them when asked (kernels.decode.MAX_TRANSPOSED_GROUP).
+AUTO_TRANSPOSED_MAX_GROUP = 8
 
 
 # MLA heads up to which the transposed pipeline (on sm_90a: its wgmma kernel) is the default: at 8 heads
@@ -34,14 +33,14 @@ MLA_TRANSPOSED_MAX_HEADS = 8
 def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> str:
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
-    group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows; the
-    transposed kernel refuses them). MLA decode uses the
+    group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows, where
+    the transposed kernel needs two n8 head tiles and more registers). MLA decode uses the
     normal pipeline from 16 heads (its wgmma kernel on sm_90a with 16-bit KV, else mma.sync, whose
     m16 tiles pad at most 8 heads to 16) and the transposed one at 8 heads with 16-bit KV, where its
     wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses there);
     docs/architecture.md has the table."""
     if family == "decode":
-        return "transposed" if group_size <= TRANSPOSED_DECODE_MAX_GROUP else "normal"
+        return "transposed" if group_size <= AUTO_TRANSPOSED_MAX_GROUP else "normal"
     if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":
         return "transposed"
     return "normal"

@@ -29,8 +29,8 @@ GRIDS = [{"ctas_per_sm": 2}, {"ctas_per_sm": 1}]
 CASES = {
     "h32/8 B16 L8192": (L16, (32, 8), "bf16", GRIDS),
     "h32/4 B16 L8192": (L16, (32, 4), "bf16", GRIDS + [{"pipeline": "normal"}, {"head_splits": 2}]),
-    # (group 16: the transposed pipeline is refused there since the forty-fourth session)
-    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS + [{"head_splits": 2}, {"head_splits": 4}]),
+    "h32/2 B16 L8192": (L16, (32, 2), "bf16", GRIDS + [{"pipeline": "transposed"}, {"head_splits": 2},
+                                                       {"head_splits": 4}]),
     "h32/1 B16 L8192": (L16, (32, 1), "bf16", GRIDS + [{"head_splits": 1}, {"head_splits": 2, "ctas_per_sm": 2},
                                                        {"tile_kv": 32, "num_warps": 2}, {"head_splits": 4},
                                                        {"head_splits": 8}]),

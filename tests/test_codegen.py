@@ -111,3 +111,31 @@ def test_params_field_offsets_match_a_c_compiler(family, tmp_path):
     got = [int(x) for x in subprocess.run([str(tmp_path / "p")], capture_output=True, text=True).stdout.split()]
     want = [getattr(layout.ctype, f.name).offset for f in layout.fields] + [layout.size]
     assert got == want
+
+
+def _classes_with_default_members(text: str) -> set:
+    """Names of the structs in `text` with a default member initialiser (`float m = ...;` or `x{...};`)."""
+    found = set()
+    for m in re.finditer(r"struct (\w+)[^;{]*\{(.*?)\n\};", text, re.S):
+        if re.search(r"^\s+[\w:<>]+ +\w+(\[[^]]*\])* *(=[^=]|\{[^}]*\};)", m.group(2), re.M):
+            found.add(m.group(1))
+    return found
+
+
+def _multidimensional_arrays_of(text: str, classes: set) -> list:
+    return [m.group(0) for m in re.finditer(r"\b(\w+) +\w+ *\[[^]]+\] *\[[^]]+\]", text) if m.group(1) in classes]
+
+
+def test_no_multidimensional_arrays_of_classes_with_default_members():
+    """nvcc 13.0 list-initialises (`State st{}`) only the first row of a 2D array of a class with default
+    member initialisers and zeroes the rest: the transposed decode kernel's second head tile started its
+    running max at 0, not -inf (forty-fifth session). Kernel code keeps such arrays one-dimensional."""
+    example = "struct S {\n  float m = -1.f;\n};\nstruct W {\n  S rows[2][2];\n};"
+    assert _multidimensional_arrays_of(example, _classes_with_default_members(example)) == ["S rows[2][2]"]
+    sources = [*codegen.templates_dir().rglob("*.jinja"), *codegen.include_dir().rglob("*.cuh")]
+    texts = {p.name: p.read_text() for p in sources}
+    classes = set().union(*(_classes_with_default_members(t) for t in texts.values()))
+    assert {"SoftmaxState", "AffineHead"} <= classes  # the scan sees the kernels' state classes
+    offenders = {name: found for name, t in texts.items() if (found := _multidimensional_arrays_of(t, classes))}
+    assert not offenders, (f"2D arrays of classes with default member initialisers: {offenders}; nvcc 13.0 "
+                           f"value-initialises only their first row. Flatten them ([2 * i + j]).")

@@ -13,6 +13,7 @@ from attnforge.kernels.decode import DecodeKernel, merge_lse_blocks
     ({"kv_dtype": "fp8_e4m3"}, 4, 4),                             # 2 fp8 stages: 6 by shared memory, 4 by registers
     ({"kv_dtype": "fp8_e4m3", "head_dim_qk": 256}, 2, 2),         # 2 stages at d256: 3 by shared memory, 2 by registers
     ({"head_dim_qk": 64, "num_qo_heads": 8, "num_kv_heads": 8}, 4, 4),  # 6 by shared memory, 4 by registers
+    ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 2),  # two head tiles of O^T
     ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 3),  # 32-token tiles of two warps: 72 KB
     ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 1),  # MQA: 64 tokens, 8 warps
 ])
@@ -176,13 +177,15 @@ def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
         DecodeKernel(fp8, warp_rows=1)
 
 
-def test_transposed_pipeline_refuses_two_head_tiles():
-    """Groups 9-16 on the transposed pipeline (two n8 head tiles) read single-token requests off by a bf16
-    ulp beside split items on the H200 (forty-fourth session): refused before any build, with the fix named;
-    the normal pipeline takes them, and 'auto' picks it."""
+def test_transposed_pipeline_takes_up_to_two_head_tiles():
+    """The transposed kernel takes groups up to 16 (two n8 head tiles of O^T a warp) and refuses larger ones
+    before any build, with the fix named; 'auto' picks it up to 8 only (one tile; two need 200 registers)."""
     for group in (9, 12, 16):
-        with pytest.raises(ValueError, match=f"group sizes up to 8, got {group} .*Use pipeline='normal'"):
-            DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed"))
-        assert DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="normal")).item_heads == group
+        kernel = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed"))
+        assert kernel.item_heads == group and kernel.registers_needed == 200
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
-    assert DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=8, pipeline="transposed")).item_heads == 8
+    assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
+    for group in (17, 32):
+        with pytest.raises(ValueError, match=f"group sizes up to 16, got {group} .*Use pipeline='normal' "
+                                             r"\(or 'auto', which picks it above 8\)"):
+            DecodeKernel(AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, pipeline="transposed"))

@@ -11,7 +11,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from ..jit.cubin import REGISTERS_PER_SM
 from ..mods import graph
-from ..spec import TRANSPOSED_DECODE_MAX_GROUP, AttentionSpec
+from ..spec import AUTO_TRANSPOSED_MAX_GROUP, AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
@@ -19,6 +19,7 @@ THREADS = 128
 TILE_KV = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
+MAX_TRANSPOSED_GROUP = 16  # two n8 head tiles of O^T a warp (more would spill at d128)
 MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
 
 BASE_FIELDS = (
@@ -167,10 +168,10 @@ class DecodeKernel:
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages or a smaller tile")
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
-        if s.pipeline == "transposed" and g > TRANSPOSED_DECODE_MAX_GROUP:
+        if s.pipeline == "transposed" and g > MAX_TRANSPOSED_GROUP:
             raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports group sizes up to "
-                             f"{TRANSPOSED_DECODE_MAX_GROUP}, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads). "
-                             f"Use pipeline='normal' (or 'auto', which picks it above {TRANSPOSED_DECODE_MAX_GROUP}).")
+                             f"{MAX_TRANSPOSED_GROUP}, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads). "
+                             f"Use pipeline='normal' (or 'auto', which picks it above {AUTO_TRANSPOSED_MAX_GROUP}).")
 
     @property
     def item_heads(self) -> int:
@@ -253,9 +254,12 @@ class DecodeKernel:
     @property
     def registers_needed(self) -> int:
         """Registers a thread needs without spilling, by shape (read from the cubins): at d256 up to 255
-        (O's 256 dims); else the floor the kernels are held to (__launch_bounds__ where it binds)."""
+        (O's 256 dims), with the transposed pipeline's two n8 head tiles (groups 9-16) 200 at d128;
+        else the floor the kernels are held to (__launch_bounds__ where it binds)."""
         if self.spec.head_dim_qk > 128:
             return 256
+        if self.spec.pipeline == "transposed" and self.item_heads > 8:
+            return 200
         return MIN_REGISTERS_PER_THREAD
 
     @property

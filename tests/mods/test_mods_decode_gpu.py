@@ -46,14 +46,16 @@ def test_library_mod_in_decode(name, pipeline):
     ((32, 8), (1, 200, 2999, 1000), False, "bf16", "transposed"),
     ((32, 8), (1, 200, 2999, 1000), False, "fp8_e4m3", "transposed"),
     ((32, 4), (5000, 17, 700), False, "bf16", "transposed"),  # a full n8 head tile
-    ((32, 2), (5000, 17, 700), False, "bf16", "normal"),  # groups of 16: normal only (transposed refuses)
+    ((32, 2), (5000, 17, 700), False, "bf16", "transposed"),  # two head tiles
+    ((32, 2), (5000, 17, 700), False, "bf16", "normal"),
     ((32, 1), (20000, 17, 700), False, "bf16", "normal")])  # MQA: two head splits, a split request
 def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dtype, pipeline):
     """score + A + B kv: each head's bias at the query's position and its slope once per item, then
     B (pos - q_pos) per score. ALiBi with slopes from -1.5 to 4 (biases in the thousands), a mod with
     a per-head offset A as well, and one of a constant slope (the whole-item kernel's: slopes read at run
     time keep the default kernel there), on the default kernel (fp8 K/V widened in registers too), groups
-    of 8 and 16, both pipelines, MQA's head splits included, against the reference."""
+    of 8 and 16 (two head tiles a warp on the transposed pipeline), both pipelines, MQA's head splits
+    included, against the reference."""
     hq, hkv = heads
     slopes = torch.tensor([4.0, 0.72, 0.75, -0.3, 0.05, -1.5, 0.0, 0.7] * 4, device="cuda")
     offsets = torch.linspace(-3.0, 5.0, hq, device="cuda")
