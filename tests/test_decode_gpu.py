@@ -166,7 +166,7 @@ def test_single_token_requests_return_their_value_row_exactly(heads, pipeline, d
         w.plan(indptr, indices, last, page_size=16)
         out = w.run(q, cache, out=poison(q.shape, q.dtype)).cpu()
         for b in (b for b, n in enumerate(lengths) if n == 1):
-            value_rows = per_req[b][1][0].repeat_interleave(hq // hkv, dim=0).to(q.dtype)  # [Hq, D]
+            value_rows = per_req[b][1][0].repeat_interleave(hq // hkv, dim=0).to(q.dtype).cpu()  # [Hq, D]
             wrong = (out[b] != value_rows).any(dim=1).nonzero().flatten().tolist()
             assert not wrong, f"{spec.name} {lengths}: request {b}'s rows of heads {wrong} are not its V row"
 
