@@ -1,0 +1,126 @@
+"""Two properties every kernel family must hold exactly, where the tests' usual rule (2x torch's error) would
+let a one-ulp bug through:
+- shift invariance: with every score shifted far below zero (a score_mod adding SHIFT) the output does not
+  change and the LSE moves by SHIFT. A running max that started at 0 would weigh each token
+  2^(SHIFT log2 e) = 0 and return zeros: nvcc 13.0 zeroed the second head tile's states of the transposed
+  decode kernel that way (forty-fifth session);
+- a row that sees one key weighs it exactly 1: its output is that key's V row, bit for bit (decode's
+  single-token requests: tests/test_decode_gpu.py; prefill's first causal rows and MLA's here)."""
+import numpy as np
+import pytest
+import torch
+
+import attnforge.mods as m
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
+from helpers import make_paged_case, poison
+
+pytestmark = pytest.mark.gpu
+SHIFT = -1000.0
+SHIFTED = m.compile_mod(score_mod=lambda s, b, h, q_idx, kv_idx: s + SHIFT)
+
+
+def assert_shift_invariant(plain, shifted):
+    """(out, lse) pairs of one kernel without and with the shift: same softmax, LSE moved by SHIFT."""
+    (out0, lse0), (out1, lse1) = plain, shifted
+    assert torch.isfinite(out1).all(), "non-finite output under the shift"
+    err = (out1.float() - out0.float()).abs().max().item()
+    assert err < 1e-2, f"output changed by {err:.3e} under a shift of every score by {SHIFT}"
+    seen = torch.isfinite(lse0)
+    assert torch.equal(torch.isfinite(lse1), seen), "the -inf pattern of the LSE changed"
+    moved = (lse1[seen].double() - lse0[seen].double() - SHIFT).abs().max().item()
+    assert moved < 1e-2, f"LSE moved by SHIFT {SHIFT} +- {moved:.3e}"
+
+
+@pytest.mark.parametrize("heads,pipeline,extra", [
+    ((32, 8), "transposed", {}), ((128, 8), "transposed", {}), ((96, 8), "transposed", {}),
+    ((32, 8), "transposed", {"kv_dtype": "fp8_e4m3"}), ((32, 2), "transposed", {"head_dim_qk": 256}),
+    ((32, 2), "normal", {}), ((32, 8), "normal", {}), ((32, 1), "normal", {"kv_dtype": "fp8_e4m3"})])
+def test_decode(heads, pipeline, extra):
+    lengths = [1, 0, 17, 1000, 1, 3000]
+    runs = []
+    for mod in (None, SHIFTED):
+        spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], pipeline=pipeline, score_mod=mod, **extra)
+        q, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, 16, seed=3)
+        w = BatchDecode(spec)
+        w.plan(indptr, indices, last, page_size=16)
+        runs.append(w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True))
+    assert_shift_invariant(*runs)
+
+
+def prefill_case(seed, q_rows, kv_rows):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_rows, 32, 128, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(kv_rows, 8, 128, generator=g).bfloat16().cuda() for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal,backend", [(True, None), (False, None), (True, "mma")])
+def test_prefill(causal, backend):
+    qo, kv = np.array([0, 1, 130, 300]), np.array([0, 1, 700, 1000])
+    q, k, v = prefill_case(4, 300, 1000)
+    runs = []
+    for mod in (None, SHIFTED):
+        p = BatchPrefill(AttentionSpec(family="prefill", causal=causal, score_mod=mod), backend=backend)
+        p.plan(qo, kv)
+        runs.append(p.run(q, (k, v), out=poison(q.shape, q.dtype), return_lse=True))
+    assert_shift_invariant(*runs)
+
+
+@pytest.mark.parametrize("backend", [None, "mma"])
+def test_prefill_rows_of_one_key_are_its_value_row(backend):
+    """Causal with as many queries as keys: each request's first query sees its first key alone."""
+    bounds = np.array([0, 1, 131, 431, 1200])
+    q, k, v = prefill_case(6, 1200, 1200)
+    p = BatchPrefill(AttentionSpec(family="prefill", causal=True), backend=backend)
+    p.plan(bounds, bounds)
+    out = p.run(q, (k, v), out=poison(q.shape, q.dtype)).cpu()
+    for first in bounds[:-1]:
+        value_rows = v[first].repeat_interleave(4, dim=0).cpu()  # [32 q heads, 128]: q head h reads KV head h // 4
+        wrong = (out[first] != value_rows).any(dim=1).nonzero().flatten().tolist()
+        assert not wrong, f"query row {first}: heads {wrong} are not its one key's V row"
+
+
+def mla_case(seed, heads, lengths, page):
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = torch.randperm(int(indptr[-1]) + 2, generator=g).numpy()[: indptr[-1]].astype(np.int32)
+    last = np.array([n - (p - 1) * page if p else 0 for n, p in zip(lengths, pages)], dtype=np.int32)
+    ckv = torch.randn(int(indptr[-1]) + 2, page, 512, generator=g).bfloat16().cuda()
+    kpe = torch.randn(int(indptr[-1]) + 2, page, 64, generator=g).bfloat16().cuda()
+    q_nope = torch.randn(len(lengths), heads, 512, generator=g).bfloat16().cuda()
+    q_pe = torch.randn(len(lengths), heads, 64, generator=g).bfloat16().cuda()
+    return (indptr, indices, last), ckv, kpe, q_nope, q_pe
+
+
+def mla_spec(heads, pipeline, mod=None):
+    return AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         pipeline=pipeline, score_mod=mod)
+
+
+MLA_KERNELS = [(16, "normal", None), (128, "normal", None), (8, "transposed", None), (16, "transposed", None),
+               (16, "normal", "mma"), (16, "transposed", "mma")]
+
+
+@pytest.mark.parametrize("heads,pipeline,backend", MLA_KERNELS)
+def test_mla_single_token_rows_are_its_latent_row(heads, pipeline, backend):
+    lengths, page = [1, 65, 1, 2000, 1], 64
+    (indptr, indices, last), ckv, kpe, q_nope, q_pe = mla_case(7, heads, lengths, page)
+    w = BatchMLADecode(mla_spec(heads, pipeline), backend=backend)
+    w.plan(indptr, indices, last, page_size=page)
+    out = w.run(q_nope, q_pe, ckv, kpe, out=poison(q_nope.shape, q_nope.dtype)).cpu()
+    for b in (b for b, n in enumerate(lengths) if n == 1):
+        latent = ckv[int(indices[indptr[b]]), 0].cpu()  # [512]: V is the latent row
+        wrong = (out[b] != latent).any(dim=1).nonzero().flatten().tolist()
+        assert not wrong, f"request {b}: heads {wrong} are not its one token's latent row"
+
+
+@pytest.mark.parametrize("heads,pipeline,backend", MLA_KERNELS)
+def test_mla(heads, pipeline, backend):
+    (indptr, indices, last), ckv, kpe, q_nope, q_pe = mla_case(5, heads, [1, 65, 0, 2000], 64)
+    runs = []
+    for mod in (None, SHIFTED):
+        w = BatchMLADecode(mla_spec(heads, pipeline, mod), backend=backend)
+        w.plan(indptr, indices, last, page_size=64)
+        runs.append(w.run(q_nope, q_pe, ckv, kpe, out=poison(q_nope.shape, q_nope.dtype), return_lse=True))
+    assert_shift_invariant(*runs)
