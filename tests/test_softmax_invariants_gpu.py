@@ -1,9 +1,9 @@
-"""Two properties every kernel family must hold exactly, where the tests' usual rule (2x torch's error) would
-let a one-ulp bug through:
-- shift invariance: with every score shifted far below zero (a score_mod adding SHIFT) the output does not
-  change and the LSE moves by SHIFT. A running max that started at 0 would weigh each token
-  2^(SHIFT log2 e) = 0 and return zeros: nvcc 13.0 zeroed the second head tile's states of the transposed
-  decode kernel that way (forty-fifth session);
+"""Two properties of the softmax that every kernel family must keep, each checked where the tests' usual rule
+(2x torch's error against float64) would blur a one-ulp bug:
+- shift invariance: with every score shifted far below zero (a score_mod adding SHIFT) the output moves by no
+  more than P's rounding can, and the LSE by SHIFT exactly. A running max that started at 0 would weigh each
+  token 2^(SHIFT log2 e) = 0 and return zeros: nvcc 13.0 zeroed the second head tile's states of the
+  transposed decode kernel that way (forty-fifth session);
 - a row that sees one key weighs it exactly 1: its output is that key's V row, bit for bit (decode's
   single-token requests: tests/test_decode_gpu.py; prefill's first causal rows and MLA's here)."""
 import numpy as np
