@@ -68,7 +68,7 @@ def test_grid_ctas_defaults_to_the_occupancy_and_takes_fewer():
 
 
 def whole_wrapper(graph: bool = False, whole_items=None, **spec_kw) -> BatchDecode:
-    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, **spec_kw), max_batch_size=16,
+    w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_batch_size=16,
                               max_num_pages=1 << 13)
     w.use_cuda_graph, w.whole_items = graph, whole_items
     if whole_items is False:  # (as the constructor: no whole-item kernel at all)
@@ -87,7 +87,8 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
         assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"}])
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"},
+                                     {"num_qo_heads": 128, "pipeline": "transposed"}])  # 128/8: two n8 head tiles
 def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
     w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
     assert w._whole is None
@@ -99,7 +100,7 @@ def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
                                               (32, 1, False, None), (32, 8, True, "softcap"), (32, 8, True, "constant"),
                                               (32, 8, False, "alibi"), (32, 8, False, "scalar")])
 def test_whole_item_tilings_by_head_layout(hq, hkv, whole, mod):
-    """Measured winners: one 16-head tile on the normal pipeline, any transposed group, with or without
+    """Measured winners: one 16-head tile on the normal pipeline, transposed groups up to 8, with or without
     a score modifier; not MQA's head-split items, nor an affine hook whose slope is read at run time
     (ALiBi's per-head tensor, a runtime scalar: +3% there against the default kernel), while a constant
     slope keeps the whole-item kernel."""

@@ -97,7 +97,9 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
     kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
     against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
     session, medians of four rounds in one process)."""
-    one_head_tile = spec.pipeline == "transposed" or 8 < spec.group_size <= 16
+    # one n8 tile (transposed: groups 9-16 take two, at 200 registers: not measured) or one m16 tile that
+    # a smaller group would pad (normal)
+    one_head_tile = spec.group_size <= 8 if spec.pipeline == "transposed" else 8 < spec.group_size <= 16
     if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
             and default_head_splits(spec) == 1 and not _slope_read_at_run_time(spec)):
         return WHOLE_ITEM_TILING
