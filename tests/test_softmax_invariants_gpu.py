@@ -6,13 +6,14 @@
   transposed decode kernel that way (forty-fifth session);
 - a row that sees one key weighs it exactly 1: its output is that key's V row, bit for bit (decode's
   single-token requests: tests/test_decode_gpu.py; prefill's first causal rows and MLA's here)."""
-import numpy as np
 import pytest
 import torch
 
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
 from helpers import make_paged_case, poison
+from test_mla_gpu import make_case as make_mla_case, mla_spec
+from test_prefill_gpu import ragged_case
 
 pytestmark = pytest.mark.gpu
 SHIFT = -1000.0
@@ -53,17 +54,9 @@ def test_decode(heads, pipeline, extra):
     assert_shift_invariant(*runs)
 
 
-def prefill_case(seed, q_rows, kv_rows):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(q_rows, 32, 128, generator=g).bfloat16().cuda()
-    k, v = (torch.randn(kv_rows, 8, 128, generator=g).bfloat16().cuda() for _ in range(2))
-    return q, k, v
-
-
 @pytest.mark.parametrize("causal,backend", [(True, None), (False, None), (True, "mma")])
 def test_prefill(causal, backend):
-    qo, kv = np.array([0, 1, 130, 300]), np.array([0, 1, 700, 1000])
-    q, k, v = prefill_case(4, 300, 1000)
+    q, k, v, qo, kv = ragged_case(AttentionSpec(family="prefill"), [1, 129, 170], [1, 699, 300], seed=4)
     runs = []
     for mod in (None, SHIFTED):
         p = BatchPrefill(AttentionSpec(family="prefill", causal=causal, score_mod=mod), backend=backend)
@@ -75,8 +68,8 @@ def test_prefill(causal, backend):
 @pytest.mark.parametrize("backend", [None, "mma"])
 def test_prefill_rows_of_one_key_are_its_value_row(backend):
     """Causal with as many queries as keys: each request's first query sees its first key alone."""
-    bounds = np.array([0, 1, 131, 431, 1200])
-    q, k, v = prefill_case(6, 1200, 1200)
+    lengths = [1, 130, 300, 769]
+    q, k, v, bounds, _ = ragged_case(AttentionSpec(family="prefill"), lengths, lengths, seed=6)
     p = BatchPrefill(AttentionSpec(family="prefill", causal=True), backend=backend)
     p.plan(bounds, bounds)
     out = p.run(q, (k, v), out=poison(q.shape, q.dtype)).cpu()
@@ -86,24 +79,6 @@ def test_prefill_rows_of_one_key_are_its_value_row(backend):
         assert not wrong, f"query row {first}: heads {wrong} are not its one key's V row"
 
 
-def mla_case(seed, heads, lengths, page):
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page) for n in lengths]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = torch.randperm(int(indptr[-1]) + 2, generator=g).numpy()[: indptr[-1]].astype(np.int32)
-    last = np.array([n - (p - 1) * page if p else 0 for n, p in zip(lengths, pages)], dtype=np.int32)
-    ckv = torch.randn(int(indptr[-1]) + 2, page, 512, generator=g).bfloat16().cuda()
-    kpe = torch.randn(int(indptr[-1]) + 2, page, 64, generator=g).bfloat16().cuda()
-    q_nope = torch.randn(len(lengths), heads, 512, generator=g).bfloat16().cuda()
-    q_pe = torch.randn(len(lengths), heads, 64, generator=g).bfloat16().cuda()
-    return (indptr, indices, last), ckv, kpe, q_nope, q_pe
-
-
-def mla_spec(heads, pipeline, mod=None):
-    return AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
-                         pipeline=pipeline, score_mod=mod)
-
-
 MLA_KERNELS = [(16, "normal", None), (128, "normal", None), (8, "transposed", None), (16, "transposed", None),
                (16, "normal", "mma"), (16, "transposed", "mma")]
 
@@ -111,8 +86,9 @@ MLA_KERNELS = [(16, "normal", None), (128, "normal", None), (8, "transposed", No
 @pytest.mark.parametrize("heads,pipeline,backend", MLA_KERNELS)
 def test_mla_single_token_rows_are_its_latent_row(heads, pipeline, backend):
     lengths, page = [1, 65, 1, 2000, 1], 64
-    (indptr, indices, last), ckv, kpe, q_nope, q_pe = mla_case(7, heads, lengths, page)
-    w = BatchMLADecode(mla_spec(heads, pipeline), backend=backend)
+    spec = mla_spec(heads, pipeline)
+    q_nope, q_pe, (ckv, kpe), (indptr, indices, last), _ = make_mla_case(spec, lengths, page, seed=7)
+    w = BatchMLADecode(spec, backend=backend)
     w.plan(indptr, indices, last, page_size=page)
     out = w.run(q_nope, q_pe, ckv, kpe, out=poison(q_nope.shape, q_nope.dtype)).cpu()
     for b in (b for b, n in enumerate(lengths) if n == 1):
@@ -123,10 +99,11 @@ def test_mla_single_token_rows_are_its_latent_row(heads, pipeline, backend):
 
 @pytest.mark.parametrize("heads,pipeline,backend", MLA_KERNELS)
 def test_mla(heads, pipeline, backend):
-    (indptr, indices, last), ckv, kpe, q_nope, q_pe = mla_case(5, heads, [1, 65, 0, 2000], 64)
+    q_nope, q_pe, (ckv, kpe), (indptr, indices, last), _ = make_mla_case(mla_spec(heads), [1, 65, 0, 2000], 64,
+                                                                          seed=5)
     runs = []
     for mod in (None, SHIFTED):
-        w = BatchMLADecode(mla_spec(heads, pipeline, mod), backend=backend)
+        w = BatchMLADecode(mla_spec(heads, pipeline, score_mod=mod), backend=backend)
         w.plan(indptr, indices, last, page_size=64)
         runs.append(w.run(q_nope, q_pe, ckv, kpe, out=poison(q_nope.shape, q_nope.dtype), return_lse=True))
     assert_shift_invariant(*runs)
