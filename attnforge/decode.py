@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel
+from .kernels.decode import (MAX_WHOLE_ITEM_CHUNKS, MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel,
+                             whole_item_tiling)
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -63,9 +64,10 @@ class BatchDecode:
         # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
         # whole_items: where a plan has about one (near-)equal item per SM, run a one-CTA-per-SM kernel that
-        # reads each item whole (kernels.decode.whole_item_tiling; specs without one, and explicit tilings,
-        # keep one kernel). None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured,
-        # and a capture's placeholder lengths say little about later batches); True: also under CUDA graphs,
+        # reads each item whole, or for some specs equal items cut into equal chunks of about one per SM
+        # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel).
+        # None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured, and a capture's
+        # placeholder lengths say little about later batches); True: also under CUDA graphs,
         # chosen by the first plan's batch size (a fixed batch keeps the kernel; unequal lengths then
         # stream over its grid); False: never
         # pdl: launch with programmatic dependent launch (on sm_90+; elsewhere an ordinary launch), so the
@@ -104,12 +106,12 @@ class BatchDecode:
         if self._whole is not None and not fits_device_smem(torch.cuda.get_device_properties(self.device), self._whole):
             self._whole = None  # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
         self._whole_ctas = grid_ctas(self.num_sms, self._whole.ctas_per_sm) if self._whole else 0
+        self._whole_max_chunks = self._whole_chunks_allowed(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
-        g, d = self._rows_per_slot(), spec.head_dim_vo
-        self.num_slots = 2 * self.num_ctas  # two partial slots per CTA (attnforge/scheduler.py)
+        d, rows = self.spec.head_dim_vo, self.partial_slot_rows()
         need = self._workspace_need()
         if workspace is None:
             workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -118,8 +120,8 @@ class BatchDecode:
             raise checks.fail("workspace", f"at least {need} bytes", workspace.numel() * workspace.element_size(),
                               f"Allocate BatchDecode.workspace_bytes(...)={need} bytes or let the wrapper allocate.")
         ws = workspace.view(torch.uint8)[:need].view(torch.float32)
-        self._partial_o = ws[: self.num_slots * g * d]
-        self._partial_lse = ws[self.num_slots * g * d:]
+        self._partial_o = ws[: 2 * rows * d]
+        self._partial_lse = ws[2 * rows * d:]
         # chunks finished per split (request, work item): the last one merges and resets it to 0
         self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
@@ -127,6 +129,18 @@ class BatchDecode:
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
+
+    def partial_slot_rows(self) -> int:
+        """Query rows of one of the two partial-state slots per CTA (attnforge/scheduler.py), summed over the
+        CTAs, for either kernel: the whole-item kernel has fewer CTAs, whose items may hold more rows (MQA's
+        every query head, against the default kernel's 16-head items)."""
+        whole = self._whole_ctas * self._whole.item_heads if self._whole is not None else 0
+        return max(self.num_ctas * self._rows_per_slot(), whole)
+
+    def _whole_chunks_allowed(self, spec) -> int:
+        """The most chunks an item may be cut into on the whole-item kernel (1: whole items only)."""
+        t = whole_item_tiling(spec) if self._whole is not None else None
+        return MAX_WHOLE_ITEM_CHUNKS if t is not None and t.chunked else 1
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
@@ -178,6 +192,7 @@ class BatchDecode:
         w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size
         w.whole_items, w._whole = None, w._make_whole_kernel(spec)
         w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
+        w._whole_max_chunks = w._whole_chunks_allowed(spec)
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
         w._alloc_int_buffers(max_num_pages)
         return w
@@ -243,7 +258,7 @@ class BatchDecode:
         kv_begin = np.zeros(len(kv_end), dtype=kv_end.dtype)  # (zeros_like: 4x the call overhead)
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
-        kernel, ctas, work = self._launch_plan(kv_begin, kv_end, items_per_request)
+        kernel, ctas, work, items_per_request = self._launch_plan(kv_begin, kv_end, items_per_request)
 
         h = self._upload.host()  # waits for that buffer's copy of two plans ago
         b, at = table.batch_size, self._starts
@@ -267,7 +282,7 @@ class BatchDecode:
                                   (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
-                      "kernel": kernel, "ctas": ctas, "any_split": any_split}
+                      "kernel": kernel, "ctas": ctas, "any_split": any_split, "stream_items": items_per_request}
 
     @property
     def planned_kernel(self) -> tuple:
@@ -277,20 +292,22 @@ class BatchDecode:
         return self._plan["kernel"], self._plan["ctas"]
 
     def _launch_plan(self, kv_begin, kv_end, items_per_request: int) -> tuple:
-        """(kernel, grid CTAs, stream plan): the whole-item kernel where this plan has about one
-        (near-)equal item per SM (see whole_items in __init__), else the default kernel."""
+        """(kernel, grid CTAs, stream plan, items per request): the whole-item kernel where this plan has
+        about one (near-)equal item per SM, or where that kernel takes chunked plans, equal items cut into
+        equal chunks of about one per SM (see whole_items in __init__); else the default kernel."""
         whole, ctas = self._whole, self._whole_ctas
         if whole is not None and (self.whole_items or not self.use_cuda_graph):
-            items = len(kv_end) * items_per_request
+            # the whole-item kernel's items may hold more query heads (MQA: head_splits 1)
+            per_request = items_per_request // self.kernel.head_splits * whole.head_splits
             if self.use_cuda_graph and self._plan is not None:  # the captured graph launches that kernel
                 use = self._plan["kernel"] is whole
             else:
-                use = scheduler.in_whole_item_band(items, ctas)
+                use = scheduler.in_whole_item_band(len(kv_end) * per_request, ctas, self._whole_max_chunks)
             if use:
-                work = scheduler.plan_whole_items(kv_begin, kv_end, items_per_request, ctas)
-                if self.use_cuda_graph or scheduler.is_whole_item_plan(work):
-                    return whole, ctas, work
-        return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request)
+                work = scheduler.plan_whole_items(kv_begin, kv_end, per_request, ctas)
+                if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= self._whole_max_chunks:
+                    return whole, ctas, work, per_request
+        return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request), items_per_request
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
         slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack
@@ -341,7 +358,7 @@ class BatchDecode:
             q_stride_b=q.stride(0), q_stride_h=q.stride(1),
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
-            num_qo_heads=s.num_qo_heads, num_kv_heads=self._stream_items(),
+            num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"],
             v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
         with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,

@@ -158,21 +158,36 @@ def span_cuts(plan: StreamPlan) -> np.ndarray:
     return cuts
 
 
-def in_whole_item_band(items: int, num_ctas: int) -> bool:
-    """Whether `items` items could each fill one of `num_ctas` CTAs within WHOLE_ITEM_SLACK (before planning)."""
-    return 0 < items <= num_ctas <= items * (1 + WHOLE_ITEM_SLACK)
+def in_whole_item_band(items: int, num_ctas: int, max_chunks: int = 1) -> bool:
+    """Whether `items` items, each cut into k = num_ctas // items equal chunks (k <= max_chunks; 1: read
+    whole), could fill one of `num_ctas` CTAs each within WHOLE_ITEM_SLACK (before planning)."""
+    if not 0 < items <= num_ctas:
+        return False
+    chunks = num_ctas // items
+    return chunks <= max_chunks and num_ctas <= items * chunks * (1 + WHOLE_ITEM_SLACK)
 
 
 def plan_whole_items(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int) -> StreamPlan:
-    """plan_stream for a one-CTA-per-SM kernel: spans aligned to whole (near-)equal items where that
-    grows the span by at most WHOLE_ITEM_SLACK, else the plain stream (is_whole_item_plan tells which)."""
+    """plan_stream for a one-CTA-per-SM kernel: spans aligned to whole (near-)equal items, or to equal
+    chunks of them where items x chunks ~ num_ctas, where that grows the span by at most WHOLE_ITEM_SLACK;
+    else the plain stream (aligned_chunks tells which)."""
     return plan_stream(kv_begin, kv_end, num_kv_heads, num_ctas, align_equal_items=True,
                        align_fraction=WHOLE_ITEM_SLACK)
 
 
+def aligned_chunks(plan: StreamPlan) -> int:
+    """k where every item fills exactly k spans of its own (so each span holds one chunk of one item, and
+    only k > 1 merges), else 0."""
+    if plan.batch_size == 0:
+        return 0
+    strides = np.diff(plan.prefix)
+    k = int(strides[0]) // (plan.num_kv_heads * plan.span)
+    return k if k > 0 and bool((strides == k * plan.num_kv_heads * plan.span).all()) else 0
+
+
 def is_whole_item_plan(plan: StreamPlan) -> bool:
     """Every item in one span of its own (so no item is split, and nothing merges)."""
-    return plan.batch_size > 0 and bool((np.diff(plan.prefix) == plan.num_kv_heads * plan.span).all())
+    return aligned_chunks(plan) == 1
 
 
 def item_stride(plan: StreamPlan, request: int) -> int:

@@ -1,6 +1,6 @@
-"""Decode (d128, page 16; GQA 32/8 unless a case names its heads) with one CTA of eight warps per SM
-reading whole items, against the default three CTAs of four warps per SM, each case's variants timed
-in rotation.
+"""Decode (d128, page 16; GQA 32/8 unless a case names its heads) with one CTA per SM reading whole items
+(or equal chunks of them, about one a CTA), against the default three CTAs of four warps per SM, each
+case's variants timed in rotation.
 
 Where a batch has at most one item (request x KV head) per SM and the items are equal, a 1-CTA-per-SM
 tiling can read each item whole (no partial states, no merge, one prologue per item) if the planner
@@ -33,6 +33,11 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "g8 B32 L8192": ([8192] * 32, 16, "bf16", "NHD", (32, 4)),
                "mha B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 32)),
                "g16 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 2)),
+               "g16 B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 2)),
+               "mqa B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 1)),
+               "mqa64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (64, 1)),
+               "B16 L8192 fp8kv": ([8192] * 16, 16, "fp8_e4m3", "NHD"),
+               "B1 L131072 fp8kv": ([131072], 16, "fp8_e4m3", "NHD"),
                "mqa B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 1)),
                "B32 L8192": ([8192] * 32, 16, "bf16", "NHD"), "B128 L2048": ([2048] * 128, 16, "bf16", "NHD"),
                "mha B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 32)),
@@ -49,12 +54,23 @@ DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192
 
 def variants(spec) -> dict:
     """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
-    choice), `t128s3w8 aligned` (that tiling forced, spans grown to whole items)."""
+    choice), `t128s3w8 aligned` (that tiling forced, spans grown to whole items or cut into equal chunks of
+    about one a CTA), and the spec's own whole-item tiling where it is another (fp8's 16 warps, MQA's
+    one item of every query head)."""
+    from attnforge.kernels.decode import DecodeKernel, whole_item_tiling
     out = {"split": BatchDecode(spec, whole_items=False), "auto": BatchDecode(spec)}
-    for tiling in WHOLE[spec.head_dim_qk]:
-        label = "t{}s{}w{}".format(*tiling)
+    splits = DecodeKernel(spec).head_splits  # a forced tiling keeps the default kernel's head splits
+    tilings = [dict(zip(("tile_kv", "num_stages", "num_warps"), t), head_splits=splits)
+               for t in WHOLE[spec.head_dim_qk]]
+    own = whole_item_tiling(spec)
+    if own is not None:
+        own = dict(tile_kv=own.tile_kv, num_stages=own.stages, num_warps=own.warps, head_splits=own.head_splits)
+        tilings += [own] if own not in tilings else []
+    for kw in tilings:
+        label = "t{tile_kv}s{num_stages}w{num_warps}".format(**kw)
+        label += f" hs{kw['head_splits']}" if kw["head_splits"] != splits else ""
         try:
-            forced = BatchDecode(spec, **dict(zip(("tile_kv", "num_stages", "num_warps"), tiling)))
+            forced = BatchDecode(spec, **kw)
         except ValueError as e:
             print(f"{spec.name}: no {label} ({e})")
             continue

@@ -396,14 +396,35 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
     assert w.planned_kernel == (w._whole, sms) and w._whole.tile_kv == 128
 
 
-def test_whole_item_kernel_under_cuda_graphs_after_replans():
+# equal items cut into k equal chunks, about one a CTA, on the whole-item kernels that take such plans
+# (kernels.decode.whole_item_tiling: fp8 on 16 warps, the normal pipeline's 16-head tile, MQA as one item of
+# every query head); k = 1 reads fp8 items whole
+@pytest.mark.parametrize("hq,hkv,kv_dtype,chunks,page_size", [(32, 8, "fp8_e4m3", 1, 16), (32, 8, "fp8_e4m3", 2, 7),
+                                                              (32, 2, "bf16", 16, 1), (32, 1, "bf16", 8, 16),
+                                                              (64, 1, "bf16", 4, 7)])
+def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size):
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms // (hkv * chunks)  # whole-item items (MQA: one a request) x chunks: 128 to 132 CTAs on the H200
+    lengths = [300 * chunks + 37 - (i % 5) for i in range(batch)]  # near-equal, cuts inside the tiles
+    w, _ = run_case(spec, lengths, page_size, seed=chunks)
+    if not scheduler.in_whole_item_band(batch * hkv, sms, 16):
+        pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
+    assert w.planned_kernel == (w._whole, sms) and scheduler.aligned_chunks(w._plan["work"]) == chunks
+    assert w._plan["stream_items"] == hkv  # MQA's whole-item kernel: every query head in one item
+
+
+@pytest.mark.parametrize("hkv,kv_dtype", [(8, "bf16"), (1, "bf16"), (8, "fp8_e4m3")])
+def test_whole_item_kernel_under_cuda_graphs_after_replans(hkv, kv_dtype):
     """whole_items=True under a graph: the captured one-CTA-per-SM kernel replays near-equal plans
-    (whole items) and unequal ones (a plain stream over its grid, items split and merged)."""
-    spec = AttentionSpec()
+    (whole items, or for MQA and fp8 equal chunks of them) and unequal ones (a plain stream over its grid,
+    items split and merged)."""
+    spec = AttentionSpec(num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch, page_size, pages = sms // 8, 16, 8192
     rng = np.random.default_rng(3)
-    cache = torch.randn(pages, 2, page_size, 8, 128, device="cuda").bfloat16()
+    cache = torch.randn(pages, 2, page_size, hkv, 128, device="cuda")
+    cache = (cache * 2).to(torch.float8_e4m3fn) if kv_dtype == "fp8_e4m3" else cache.bfloat16()
     q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
     out = torch.empty_like(q)
     w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, whole_items=True)
@@ -419,7 +440,7 @@ def test_whole_item_kernel_under_cuda_graphs_after_replans():
         indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
         last = (lens - (pages_per - 1) * page_size).astype(np.int32)
         w.plan(indptr, indices, last, page_size=page_size)
-        kinds.append(scheduler.is_whole_item_plan(w._plan["work"]))
+        kinds.append(scheduler.aligned_chunks(w._plan["work"]) > 0)
         return indptr, indices, last
 
     def refresh():

@@ -29,7 +29,7 @@ def test_wide_heads_take_small_tiles_of_two_warps():
     assert (k.threads, k.smem_bytes, k.ctas_per_sm) == (64, 72 * 1024, 3)  # 256 registers x 64 threads fit 4
     assert DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=64).ctas_per_sm == 1  # 64-token tiles: 136 KB
     assert (DecodeKernel(AttentionSpec(head_dim_qk=256)).tile_kv, DecodeKernel(AttentionSpec(head_dim_qk=256)).num_warps) == (32, 2)
-    with pytest.raises(ValueError, match="tile_kv: expected 32, 64 or 128"):
+    with pytest.raises(ValueError, match="tile_kv: expected 32, 64, 128 or 256"):
         DecodeKernel(AttentionSpec(), tile_kv=16)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
         DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec
+from attnforge import AttentionSpec, scheduler
 from attnforge.decode import BatchDecode, fits_device_smem, grid_ctas
 from attnforge.jit.upload import HostOnlyUpload
 
@@ -87,8 +87,9 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
         assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"head_dim_qk": 64}, {"pipeline": "normal"},
-                                     {"num_qo_heads": 128, "pipeline": "transposed"}])  # 128/8: two n8 head tiles
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3", "pipeline": "normal"}, {"head_dim_qk": 64},
+                                     {"pipeline": "normal"}, {"num_qo_heads": 128, "pipeline": "transposed"},
+                                     {"num_qo_heads": 48, "num_kv_heads": 1}])  # 128/8: two n8 head tiles; MQA-48
 def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
     w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
     assert w._whole is None
@@ -97,13 +98,14 @@ def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
 
 
 @pytest.mark.parametrize("hq,hkv,whole,mod", [(32, 2, True, None), (32, 32, True, None), (32, 4, True, None),
-                                              (32, 1, False, None), (32, 8, True, "softcap"), (32, 8, True, "constant"),
-                                              (32, 8, False, "alibi"), (32, 8, False, "scalar")])
+                                              (32, 1, True, None), (64, 1, True, None), (32, 8, True, "softcap"),
+                                              (32, 8, True, "constant"), (32, 8, False, "alibi"),
+                                              (32, 8, False, "scalar")])
 def test_whole_item_tilings_by_head_layout(hq, hkv, whole, mod):
-    """Measured winners: one 16-head tile on the normal pipeline, transposed groups up to 8, with or without
-    a score modifier; not MQA's head-split items, nor an affine hook whose slope is read at run time
-    (ALiBi's per-head tensor, a runtime scalar: +3% there against the default kernel), while a constant
-    slope keeps the whole-item kernel."""
+    """Measured winners: one 16-head tile on the normal pipeline, transposed groups up to 8, MQA 32/1 and
+    64/1 as one item of every query head, with or without a score modifier; not an affine hook whose slope
+    is read at run time (ALiBi's per-head tensor, a runtime scalar: +3% there against the default kernel),
+    while a constant slope keeps the whole-item kernel."""
     from attnforge import mods
     mod = {None: None, "softcap": mods.softcap(30.0), "alibi": mods.alibi(torch.ones(hq)),
            "constant": mods.compile_mod(score_mod=lambda s, b, h, q, kv: s - 0.5 * (kv - q)),
@@ -131,6 +133,41 @@ def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():
     assert small.planned_kernel == (small.kernel, small.num_ctas)
 
 
+@pytest.mark.parametrize("hq,hkv,kv,batch,chunks", [(32, 8, "fp8_e4m3", 16, 1), (32, 8, "fp8_e4m3", 8, 2),
+                                                    (32, 8, "fp8_e4m3", 1, 16), (32, 2, "bf16", 4, 16),
+                                                    (32, 2, "bf16", 16, 4), (32, 1, "bf16", 16, 8),
+                                                    (64, 1, "bf16", 33, 4), (32, 8, "bf16", 8, 0),
+                                                    (32, 8, "bf16", 1, 0), (32, 2, "bf16", 40, 0)])
+def test_chunked_plans_of_equal_items_on_the_whole_item_kernel(hq, hkv, kv, batch, chunks):
+    """Tilings with `chunked` take equal items cut into k <= 16 equal chunks, items x k ~ the SMs (one chunk a
+    CTA); the transposed 16-bit kernel whole items only (chunked tied there), and 80 items (k = 1 leaves 52 SMs
+    idle) plan the default kernel. MQA's whole-item kernel plans one item of every query head a request."""
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv), max_batch_size=64)
+    w.plan(*table([5000 - b % 7 for b in range(batch)]), page_size=16)
+    kernel, ctas = w.planned_kernel
+    assert (kernel is w._whole) is (chunks > 0)
+    if chunks:
+        work = w._plan["work"]
+        assert ctas == 132 and scheduler.aligned_chunks(work) == chunks and w._plan["stream_items"] == hkv
+        rows = scheduler.expand(work)
+        assert np.bincount(rows[:, 0]).max() == 1  # one chunk a CTA
+        covered = np.bincount(rows[:, 1] * hkv + rows[:, 2], weights=rows[:, 4] - rows[:, 3])
+        assert np.array_equal(covered, np.repeat([5000 - b % 7 for b in range(batch)], hkv))
+    else:
+        assert (kernel, ctas) == (w.kernel, w.num_ctas)
+        assert w._plan["stream_items"] == hkv * w.kernel.head_splits
+
+
+def test_partial_slots_hold_the_whole_item_kernels_larger_items():
+    """MQA 64/1: the default kernel's 396 CTAs hold items of 16 heads, the whole-item kernel's 132 items of
+    64; the partial-state regions are sized for whichever needs more rows, within workspace_bytes."""
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=64, num_kv_heads=1))
+    assert (w.num_ctas, w.kernel.item_heads, w._whole_ctas, w._whole.item_heads) == (396, 16, 132, 64)
+    rows = w.partial_slot_rows()
+    assert rows == 132 * 64 > 396 * 16
+    assert BatchDecode.workspace_bytes(w.spec, w.num_ctas) >= 2 * rows * (w.spec.head_dim_vo + 1) * 4
+
+
 def test_whole_items_takes_only_none_or_a_bool():
     with pytest.raises(ValueError, match="whole_items: expected None, True or False"):
         BatchDecode(AttentionSpec(), whole_items="yes", device="cpu")
@@ -153,7 +190,7 @@ def test_planned_kernel_before_a_plan_says_to_plan():
 def test_align_slack_overrides_the_planners_bound():
     # fp8 B16 L65536 (one kernel, 528 CTAs): four chunks of 16400 positions an item would lengthen the
     # span by 497, past ALIGN_SLACK, so the plan streams; a larger slack aligns (what benchmarks compare)
-    w = whole_wrapper(kv_dtype="fp8_e4m3")
+    w = whole_wrapper(kv_dtype="fp8_e4m3", whole_items=False)
     assert w._whole is None and w.num_ctas == 528
     w.plan(*table([65536] * 16), page_size=16)
     assert w._plan["work"].span == -(-128 * (65536 + 64) // 528)

@@ -358,6 +358,34 @@ def test_whole_item_band_is_items_within_the_slack_of_the_ctas(items, expected):
     assert scheduler.in_whole_item_band(items, 132) is expected
 
 
+@pytest.mark.parametrize("items,max_chunks,expected", [(64, 2, True), (64, 1, False), (8, 16, True), (8, 8, False),
+                                                       (33, 4, True), (40, 16, False), (44, 16, True), (1, 16, False),
+                                                       (128, 16, True), (133, 16, False)])
+def test_chunked_whole_item_band_is_items_times_chunks_within_the_slack(items, max_chunks, expected):
+    # k = 132 // items chunks an item: 40 x 3 = 120 leaves 12 SMs idle (past the 4% slack); one item would
+    # need 132 chunks
+    assert scheduler.in_whole_item_band(items, 132, max_chunks) is expected
+
+
+@pytest.mark.parametrize("batch,heads,chunks", [(8, 8, 2), (1, 8, 16), (16, 1, 8), (33, 1, 4), (16, 8, 1)])
+def test_whole_item_plans_cut_equal_items_into_equal_chunks_one_a_cta(batch, heads, chunks):
+    end = np.array([5000 - b % 7 for b in range(batch)], dtype=np.int64)
+    p = scheduler.plan_whole_items(np.zeros_like(end), end, heads, 132)
+    assert scheduler.aligned_chunks(p) == chunks and scheduler.is_whole_item_plan(p) is (chunks == 1)
+    rows = expand(p)
+    assert np.bincount(rows[:, 0]).max() == 1 and p.num_spans == batch * heads * chunks <= 132
+    covered = np.bincount(rows[:, 1] * heads + rows[:, 2], weights=rows[:, 4] - rows[:, 3])
+    assert np.array_equal(covered, np.repeat(end, heads))
+    per_item = np.bincount(rows[:, 1] * heads + rows[:, 2])
+    assert (per_item == chunks).all()  # every item in k chunks (short last ones included)
+
+
+def test_aligned_chunks_is_zero_for_a_plain_stream():
+    end = np.array([65536] + [512] * 15, dtype=np.int64)
+    assert scheduler.aligned_chunks(scheduler.plan_whole_items(np.zeros_like(end), end, 8, 132)) == 0
+    assert scheduler.aligned_chunks(plan_stream(np.zeros(0, np.int64), np.zeros(0, np.int64), 8, 132)) == 0
+
+
 @pytest.mark.parametrize("lengths,whole", [([4096] * 16, True), ([65536] * 16, True),
                                            ([4096 - i for i in range(16)], True), ([8192] * 12, False),
                                            ([65536] + [512] * 15, False), ([8192] * 15 + [0], False)])

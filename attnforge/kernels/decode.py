@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 from functools import cached_property
 
@@ -77,33 +77,63 @@ def default_tiling(spec: AttentionSpec, group: Optional[int] = None) -> tuple[in
     return TILE_KV, 4
 
 
-WHOLE_ITEM_TILING = (128, 3, 8)  # (tile_kv, stages, warps): 192 KB of 16-bit K/V stages at d128, one CTA per SM
+@dataclass(frozen=True)
+class WholeItemTiling:
+    """A one-CTA-per-SM decode kernel's shape, and the plans it was measured to win on."""
+
+    tile_kv: int
+    stages: int
+    warps: int
+    head_splits: int = 1
+    # also plans whose equal items are each cut into k equal chunks, items x k ~ one chunk per SM (with
+    # k <= MAX_WHOLE_ITEM_CHUNKS); False: only items read whole, one a CTA
+    chunked: bool = False
 
 
-def whole_item_tiling(spec: AttentionSpec) -> Optional[tuple[int, int, int]]:
-    """The tiling of a one-CTA-per-SM kernel that reads each work item whole, for batches of about one
-    item per SM (BatchDecode(whole_items=...)), or None where none was measured to win.
+WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at d128
+# fp8 K/V widened in registers wants as many warps as the default's four CTAs of four an SM: 16 warps, each
+# one 16-token band of a 256-token tile, in two 64 KB stages
+FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, chunked=True)
+MAX_WHOLE_ITEM_CHUNKS = 16  # the most chunks an item was measured cut into on a whole-item kernel
 
-    On the H200 (benchmarks/bench_decode_whole_items.py, d128 bf16, 128 equal items on 132 SMs), against
-    the default three CTAs of four warps per SM: transposed GQA 32/8 B16 L2048 -5.5%, L8192 -2.3%,
-    L65536 -1.4%, HND -2.3%; 32/4 B32 -2.2%; MHA 32/32 B4 -2.1%; normal 32/2 (one 16-head tile) B64
-    L4096 -8.2%: no partial states, no merges, one prologue per item. Eight warps keep the tile loop
-    fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%), but see the slopes below.
-    Left out as measured: MQA's head-split items (+17%); fp8 KV (+18..28%: its widening wants the issue
-    slots of more warps); several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
+
+def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
+    """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or
+    (where `chunked`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...));
+    None where none was measured to win. Every entry below: d128, page 16, H200, against the default kernel
+    (three CTAs of four warps an SM, fp8 four) in rotation.
+
+    Whole items (128 equal items on 132 SMs; benchmarks/bench_decode_whole_items.py): transposed GQA 32/8
+    B16 L2048 -5.5%, L8192 -2.3%, L65536 -1.4%, HND -2.3%; 32/4 B32 -2.2%; MHA 32/32 B4 -2.1%; normal 32/2
+    (one 16-head tile) B64 L4096 -8.2%: no partial states, no merges, one prologue per item. Eight warps
+    keep the tile loop fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%), but see the
+    slopes below. fp8 KV lost on eight warps (+18..28%: its widening wants the issue slots of more warps)
+    and wins on sixteen (FP8_WHOLE_ITEM_TILING, forty-sixth session: B16 L8192 -6.6%, L4096 -9.1%, L65536
+    -5.1%; two 64 KB stages beat three by 1-2%).
+    Chunked (forty-sixth session, three rounds): fp8 B1 L131072 (8 items x 16 chunks) -3.5%, B8 L16384
+    (64 x 2) -1.8%; normal 32/2 B4 L32768 (8 x 16) -14%, B8 L16384 -8.6%, B16 L8192 -4.0%, B32 L4096 -1.6%;
+    MQA 32/1 and 64/1 as one item of every query head (head_splits 1: the default kernel's 16-head items
+    lost +17% here) B16 L8192 -2.3% and -13%, B32 L4096 -2.3%, B8 L16384 -3.5%. The transposed 16-bit
+    kernel tied chunked (32/8 B1 L131072 -0.9%, B4 L32768 +0.6%, B8 L16384 +0.3%; 32/4 B16 L8192 +1.0%),
+    so it takes whole items only.
+    Left out as measured: several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
-    other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured.
+    other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured, nor
+    the transposed pipeline's two head tiles (groups 9-16), nor MQA groups other than 32 and 64.
     Nor an affine score hook whose slope is read at run time (ALiBi's per-head slopes): there ptxas held the
     kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
     against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
     session, medians of four rounds in one process)."""
-    # one n8 tile (transposed: groups 9-16 take two, at 200 registers: not measured) or one m16 tile that
-    # a smaller group would pad (normal)
-    one_head_tile = spec.group_size <= 8 if spec.pipeline == "transposed" else 8 < spec.group_size <= 16
-    if (spec.kv_dtype in ("bf16", "fp16") and spec.head_dim_qk == 128 and one_head_tile
-            and default_head_splits(spec) == 1 and not _slope_read_at_run_time(spec)):
-        return WHOLE_ITEM_TILING
-    return None
+    g = spec.group_size
+    if spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
+        return None
+    if spec.kv_dtype == "fp8_e4m3":  # (on the normal pipeline fp8 is widened through shared memory)
+        return FP8_WHOLE_ITEM_TILING if spec.pipeline == "transposed" and g <= 8 else None
+    if spec.pipeline == "transposed":
+        return WHOLE_ITEM_TILING if g <= 8 else None  # one n8 head tile
+    # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
+    # query head in one item (head_splits 1)
+    return replace(WHOLE_ITEM_TILING, chunked=True) if 8 < g <= 16 or g in (32, 64) else None
 
 
 def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
@@ -115,8 +145,8 @@ def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
 def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
     """The spec's whole-item kernel (whole_item_tiling), or None: what BatchDecode may launch beside
     its default kernel, and what an AOT build of the spec builds beside it (presets.modules_for)."""
-    tiling = whole_item_tiling(spec) if spec.family == "decode" else None
-    return DecodeKernel(spec, *tiling) if tiling else None
+    t = whole_item_tiling(spec) if spec.family == "decode" else None
+    return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, t.head_splits) if t else None
 
 
 @dataclass(frozen=True)
@@ -149,11 +179,11 @@ class DecodeKernel:
             tile, warps = default_tiling(s, g) if self.tile_kv is None and self.num_warps is None else (TILE_KV, 4)
             object.__setattr__(self, "tile_kv", tile if self.tile_kv is None else self.tile_kv)
             object.__setattr__(self, "num_warps", warps if self.num_warps is None else self.num_warps)
-        if self.tile_kv not in (32, 64, 128):
-            raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64 or 128, got {self.tile_kv}")
-        if self.num_warps not in (2, 4, 8) or self.tile_kv // 16 < self.num_warps // (
+        if self.tile_kv not in (32, 64, 128, 256):
+            raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64, 128 or 256, got {self.tile_kv}")
+        if self.num_warps not in (2, 4, 8, 16) or self.tile_kv // 16 < self.num_warps // (
                 1 if s.pipeline == "transposed" else -(-g // 16)):
-            raise ValueError(f"DecodeKernel.num_warps: expected 2, 4 or 8 with at least one 16-token "
+            raise ValueError(f"DecodeKernel.num_warps: expected 2, 4, 8 or 16 with at least one 16-token "
                              f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
         if s.pipeline == "normal" and -(-g // 16) > self.num_warps:
             raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
