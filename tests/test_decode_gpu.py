@@ -399,9 +399,12 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
 # equal items cut into k equal chunks, about one a CTA, on the whole-item kernels that take such plans
 # (kernels.decode.whole_item_tiling: fp8 on 16 warps, the normal pipeline's 16-head tile, MQA as one item of
 # every query head); k = 1 reads fp8 items whole
+# (groups 11 and 12 on the normal pipeline's one 16-head tile: a group of 3 mod 4 reads its lse rows across
+# 16-byte blocks in the merge, kernels.decode.merge_lse_blocks)
 @pytest.mark.parametrize("hq,hkv,kv_dtype,chunks,page_size", [(32, 8, "fp8_e4m3", 1, 16), (32, 8, "fp8_e4m3", 2, 7),
                                                               (32, 2, "bf16", 16, 1), (32, 1, "bf16", 8, 16),
-                                                              (64, 1, "bf16", 4, 7)])
+                                                              (64, 1, "bf16", 4, 7), (88, 8, "bf16", 2, 7),
+                                                              (96, 8, "bf16", 4, 16)])
 def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
