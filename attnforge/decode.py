@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from . import checks, paged, scheduler, variants
-from .kernels.decode import (MAX_WHOLE_ITEM_CHUNKS, MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel,
-                             whole_item_tiling)
+from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel, whole_item_tiling
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
@@ -140,7 +139,7 @@ class BatchDecode:
     def _whole_chunks_allowed(self, spec) -> int:
         """The most chunks an item may be cut into on the whole-item kernel (1: whole items only)."""
         t = whole_item_tiling(spec) if self._whole is not None else None
-        return MAX_WHOLE_ITEM_CHUNKS if t is not None and t.chunked else 1
+        return t.max_chunks if t is not None else 1
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)

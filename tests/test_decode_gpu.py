@@ -404,14 +404,15 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
 @pytest.mark.parametrize("hq,hkv,kv_dtype,chunks,page_size", [(32, 8, "fp8_e4m3", 1, 16), (32, 8, "fp8_e4m3", 2, 7),
                                                               (32, 2, "bf16", 16, 1), (32, 1, "bf16", 8, 16),
                                                               (64, 1, "bf16", 4, 7), (88, 8, "bf16", 2, 7),
-                                                              (96, 8, "bf16", 4, 16)])
+                                                              (96, 8, "bf16", 4, 16), (32, 2, "bf16", 66, 16),
+                                                              (32, 1, "bf16", 33, 7), (8, 2, "fp8_e4m3", 33, 16)])
 def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms // (hkv * chunks)  # whole-item items (MQA: one a request) x chunks: 128 to 132 CTAs on the H200
     lengths = [300 * chunks + 37 - (i % 5) for i in range(batch)]  # near-equal, cuts inside the tiles
     w, _ = run_case(spec, lengths, page_size, seed=chunks)
-    if not scheduler.in_whole_item_band(batch * hkv, sms, 16):
+    if not scheduler.in_whole_item_band(batch * hkv, sms, w._whole_max_chunks):
         pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
     assert w.planned_kernel == (w._whole, sms) and scheduler.aligned_chunks(w._plan["work"]) == chunks
     assert w._plan["stream_items"] == hkv  # MQA's whole-item kernel: every query head in one item

@@ -85,21 +85,23 @@ class WholeItemTiling:
     stages: int
     warps: int
     head_splits: int = 1
-    # also plans whose equal items are each cut into k equal chunks, items x k ~ one chunk per SM (with
-    # k <= MAX_WHOLE_ITEM_CHUNKS); False: only items read whole, one a CTA
-    chunked: bool = False
+    # the most equal chunks k each of a plan's equal items may be cut into, items x k ~ one chunk per SM
+    # (1: items read whole only, one a CTA)
+    max_chunks: int = 1
 
 
 WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at d128
 # fp8 K/V widened in registers wants as many warps as the default's four CTAs of four an SM: 16 warps, each
 # one 16-token band of a 256-token tile, in two 64 KB stages
-FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, chunked=True)
-MAX_WHOLE_ITEM_CHUNKS = 16  # the most chunks an item was measured cut into on a whole-item kernel
+FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, max_chunks=33)
+# A split item's merge (one CTA, at the kernel's end) reads k partial states of its item's query heads: the
+# chunked plans won up to 66 chunks of 16 heads and 33 of 32 (~1056 head rows), and lost at 66 of 32 or 64
+MERGED_HEAD_ROWS = 1056
 
 
 def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or
-    (where `chunked`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...));
+    (up to `max_chunks`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...));
     None where none was measured to win. Every entry below: d128, page 16, H200, against the default kernel
     (three CTAs of four warps an SM, fp8 four) in rotation.
 
@@ -110,12 +112,14 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     slopes below. fp8 KV lost on eight warps (+18..28%: its widening wants the issue slots of more warps)
     and wins on sixteen (FP8_WHOLE_ITEM_TILING, forty-sixth session: B16 L8192 -6.6%, L4096 -9.1%, L65536
     -5.1%; two 64 KB stages beat three by 1-2%).
-    Chunked (forty-sixth session, three rounds): fp8 B1 L131072 (8 items x 16 chunks) -3.5%, B8 L16384
-    (64 x 2) -1.8%; normal 32/2 B4 L32768 (8 x 16) -14%, B8 L16384 -8.6%, B16 L8192 -4.0%, B32 L4096 -1.6%;
-    MQA 32/1 and 64/1 as one item of every query head (head_splits 1: the default kernel's 16-head items
-    lost +17% here) B16 L8192 -2.3% and -13%, B32 L4096 -2.3%, B8 L16384 -3.5%. The transposed 16-bit
-    kernel tied chunked (32/8 B1 L131072 -0.9%, B4 L32768 +0.6%, B8 L16384 +0.3%; 32/4 B16 L8192 +1.0%),
-    so it takes whole items only.
+    Chunked (forty-sixth session, three rounds): fp8 B1 L131072 (8 items x 16 chunks) -3.5%, GQA 8/2 B2 L65536
+    (4 x 33) -4.8%, B8 L16384 (64 x 2) -1.8%; normal 32/2 B1 L131072 (2 x 66) **-29%**, B2 L65536 (4 x 33)
+    -20%, B4 L32768 (8 x 16) -14%, B8 L16384 -8.6%, B16 L8192 -4.0%, B32 L4096 -1.6%; MQA 32/1 and 64/1 as
+    one item of every query head (head_splits 1: the default kernel's 16-head items lost +6..+26% here) B16
+    L8192 -2.3% and -13%, B32 L4096 -2.3%, B8 L16384 -3.5%, B4 L32768 (4 x 33) -5.5%, but B2 L65536 (2 x 66)
+    +1% and +23%, B1 L131072 (132 chunks) +3%: a split item's merge, one CTA at the kernel's end, grows with
+    chunks x heads (MERGED_HEAD_ROWS). The transposed 16-bit kernel tied chunked (32/8 B1 L131072 -0.9%, B4
+    L32768 +0.6%, B8 L16384 +0.3%; 32/4 B16 L8192 +1.0%), so it takes whole items only.
     Left out as measured: several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
     other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured, nor
@@ -133,7 +137,9 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
         return WHOLE_ITEM_TILING if g <= 8 else None  # one n8 head tile
     # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
     # query head in one item (head_splits 1)
-    return replace(WHOLE_ITEM_TILING, chunked=True) if 8 < g <= 16 or g in (32, 64) else None
+    if 8 < g <= 16 or g in (32, 64):
+        return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // max(g, 16))
+    return None
 
 
 def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
