@@ -64,7 +64,7 @@ def variants(spec) -> dict:
                for t in WHOLE[spec.head_dim_qk]]
     own = whole_item_tiling(spec)
     if own is not None:
-        own = dict(tile_kv=own.tile_kv, num_stages=own.stages, num_warps=own.warps, head_splits=own.head_splits)
+        own = dict(tile_kv=own.tile_kv, num_stages=own.stages, num_warps=own.warps, head_splits=1)
         tilings += [own] if own not in tilings else []
     for kw in tilings:
         label = "t{tile_kv}s{num_stages}w{num_warps}".format(**kw)

@@ -84,7 +84,6 @@ class WholeItemTiling:
     tile_kv: int
     stages: int
     warps: int
-    head_splits: int = 1
     # the most equal chunks k each of a plan's equal items may be cut into, items x k ~ one chunk per SM
     # (1: items read whole only, one a CTA)
     max_chunks: int = 1
@@ -152,7 +151,8 @@ def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
     """The spec's whole-item kernel (whole_item_tiling), or None: what BatchDecode may launch beside
     its default kernel, and what an AOT build of the spec builds beside it (presets.modules_for)."""
     t = whole_item_tiling(spec) if spec.family == "decode" else None
-    return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, t.head_splits) if t else None
+    # every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel)
+    return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1) if t else None
 
 
 @dataclass(frozen=True)
