@@ -58,7 +58,7 @@ class BatchDecode:
                  device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
                  num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
                  head_splits: Optional[int] = None, whole_items: Optional[bool] = None, pdl: bool = True,
-                 **spec_kwargs):
+                 merge_launch: Optional[bool] = None, **spec_kwargs):
         # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
         # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
@@ -75,6 +75,11 @@ class BatchDecode:
         # (wait_for_prior_grid). Safe after any kernel: before the wait it reads only what plan() copied.
         # Measured -0.1..-2.6% on the decode suite's back-to-back calls (FlashInfer's decode also launches
         # so by default on sm_90); False for a plain launch
+        # merge_launch: split items merged by a second launch (batch_decode_merge_kernel: a block a query head's
+        # row, its chunks over 8 lanes) instead of by the CTA that finishes an item's last chunk, on the first
+        # kernel's tail. None: where an item's merge would read more than scheduler.MERGE_LAUNCH_ROWS partial
+        # rows (few long requests of many query heads), except under CUDA graphs; True / False: always / never
+        # (under CUDA graphs as the first plan decides). Needs head_dim a multiple of 128
         if not isinstance(pdl, bool):
             raise checks.fail("pdl", "True or False", repr(pdl), "Pass pdl=False for a plain launch.")
         self.pdl = pdl
@@ -90,6 +95,12 @@ class BatchDecode:
                               "Use the wrapper of that family.")
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
+        if not (merge_launch is None or isinstance(merge_launch, bool)):
+            raise checks.fail("merge_launch", "None, True or False", repr(merge_launch), "Pass None for the default.")
+        if merge_launch and not getattr(self.kernel, "row_merge", False):
+            raise checks.fail("merge_launch", f"None or False at head_dim {spec.head_dim_vo}", merge_launch,
+                              "The merge kernel needs head_dim_vo a multiple of 128; pass None.")
+        self.merge_launch = merge_launch
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)
         self.device = checks.cuda_device(device)
@@ -146,8 +157,8 @@ class BatchDecode:
         return whole_item_kernel(spec) if self.FAMILY == "decode" else None
 
     def _host_only_defaults(self) -> None:
-        """The constructor arguments _make_kernel reads, at their defaults (host_only skips __init__)."""
-        self._head_splits = None
+        """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
+        self._head_splits, self.merge_launch = None, None
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
         return self.kernel.item_heads
@@ -258,6 +269,7 @@ class BatchDecode:
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
         kernel, ctas, work, items_per_request = self._launch_plan(kv_begin, kv_end, items_per_request)
+        merge_launch = self._merge_launch_for(kernel, work)
 
         h = self._upload.host()  # waits for that buffer's copy of two plans ago
         b, at = table.batch_size, self._starts
@@ -281,7 +293,19 @@ class BatchDecode:
                                   (page_size, scale, float(v_scale), q_len), "Capture one graph per configuration.")
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
-                      "kernel": kernel, "ctas": ctas, "any_split": any_split, "stream_items": items_per_request}
+                      "kernel": kernel, "ctas": ctas, "any_split": any_split, "stream_items": items_per_request,
+                      "merge_launch": merge_launch}
+
+    def _merge_launch_for(self, kernel, work: scheduler.StreamPlan) -> bool:
+        """Whether this plan's split items are merged by batch_decode_merge_kernel (see merge_launch)."""
+        if self.FAMILY != "decode" or not getattr(kernel, "row_merge", False):
+            return False
+        if self.use_cuda_graph and self._plan is not None:  # the captured graph holds the launch or not
+            return self._plan["merge_launch"]
+        if self.merge_launch is not None:
+            return self.merge_launch
+        return not self.use_cuda_graph and scheduler.longest_merge_rows(work, kernel.item_heads) > \
+            scheduler.MERGE_LAUNCH_ROWS
 
     @property
     def planned_kernel(self) -> tuple:
@@ -358,8 +382,12 @@ class BatchDecode:
             out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
             stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
             num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"],
-            v_scale=self._plan["v_scale"], **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
-        with torch.cuda.device(self.device):  # one launch: split items are merged by their last chunk's CTA
+            v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]),
+            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
+        with torch.cuda.device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)
+            if self._plan["merge_launch"]:  # a block a (request, item, query head) row; whole items' exit at once
+                rows = b * self._plan["stream_items"] * kernel.item_heads
+                lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
         return (out, lse) if return_lse else out

@@ -190,6 +190,19 @@ def is_whole_item_plan(plan: StreamPlan) -> bool:
     return aligned_chunks(plan) == 1
 
 
+# Decode merges split items in a second launch (BatchDecode's merge_launch) where an item's merge on the first
+# kernel's tail (one CTA) would read more partial rows (chunks x the item's query heads) than this
+MERGE_LAUNCH_ROWS = 512
+
+
+def longest_merge_rows(plan: StreamPlan, item_heads: int) -> int:
+    """An upper bound on the partial rows (chunks x query heads) one split item's merge reads: the longest
+    item's chunks of a span each, plus one at each end where it straddles span boundaries."""
+    if plan.batch_size == 0:
+        return 0
+    return (int((plan.kv_end - plan.kv_begin).max()) // plan.span + 2) * item_heads
+
+
 def item_stride(plan: StreamPlan, request: int) -> int:
     """Stream positions of each of the request's items: its cost, or more when spans are aligned."""
     return int(plan.prefix[request + 1] - plan.prefix[request]) // plan.num_kv_heads

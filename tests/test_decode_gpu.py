@@ -60,7 +60,7 @@ def test_wrappers_built_for_cuda_take_tensors_on_cuda_0():
 
 
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
-@pytest.mark.parametrize("kernel", ["default", "normal", "fp8", "whole-items"])
+@pytest.mark.parametrize("kernel", ["default", "normal", "fp8", "whole-items", "merge-launch"])
 def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):
     """BatchDecode (PDL by default) three times in a row, each call's queries the previous call's output:
     a call must read its queries (and the cache) only after the call before it completed; eagerly and
@@ -73,10 +73,12 @@ def test_pdl_launches_chained_on_their_own_outputs(use_cuda_graph, kernel):
     lengths = [1000, 17, 4000, 1, 0, 300] if kernel != "whole-items" else [3000 - i for i in range(sms // 8)]
     q, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, 16, seed=11)
     w = BatchDecode(spec, use_cuda_graph=use_cuda_graph, max_batch_size=len(lengths),
-                    whole_items=True if kernel == "whole-items" else None)
+                    whole_items=True if kernel == "whole-items" else None,
+                    merge_launch=True if kernel == "merge-launch" else None)  # (its merge writes the next's q)
     assert w.pdl
     w.plan(indptr, indices, last, page_size=16)
     assert scheduler.is_whole_item_plan(w._plan["work"]) == (kernel == "whole-items")
+    assert w._plan["merge_launch"] == (kernel == "merge-launch")
     outs = chain_on_own_outputs(lambda src, out: w.run(src, cache, out=out), q, use_cuda_graph)
     expect = q
     for o in outs:  # the reference chained on the kernel's own outputs: each call checked alone
@@ -416,6 +418,54 @@ def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size
         pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
     assert w.planned_kernel == (w._whole, sms) and scheduler.aligned_chunks(w._plan["work"]) == chunks
     assert w._plan["stream_items"] == hkv  # MQA's whole-item kernel: every query head in one item
+
+
+# split items merged by a second launch (batch_decode_merge_kernel), forced on: long requests cut into many
+# chunks beside empty, single-token and short ones, odd pages, fp16 / fp8, MQA, d256, the whole-item kernel's
+# chunked plans (32/2 B1)
+@pytest.mark.parametrize("hq,hkv,lengths,page_size,extra", [
+    (32, 1, [20000, 1, 0, 3000], 16, {}), (32, 8, [50000, 17, 1000], 7, {"q_dtype": "fp16"}),
+    (32, 8, LENGTHS + [9000], 1, {}), (32, 8, [30000, 30000], 16, {"kv_dtype": "fp8_e4m3"}),
+    (32, 2, [40000], 16, {}), (16, 2, [20000, 5], 16, {"head_dim_qk": 256, "head_dim_vo": 256}),
+    (64, 1, [33333, 2], 3, {"pipeline": "normal"})])
+def test_merge_launch_matches_the_reference(hq, hkv, lengths, page_size, extra):
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, **extra)
+    w, _ = run_case(spec, lengths, page_size, seed=len(lengths), merge_launch=True)
+    assert w._plan["merge_launch"] and scheduler.longest_merge_rows(w._plan["work"], w.planned_kernel[0].item_heads) > 0
+    rows = scheduler.expand(w._plan["work"])
+    assert (rows[:, 5] >= 0).any(), "no split item: the merge launch had nothing to merge"
+
+
+def test_merge_launch_by_rule_for_a_long_mqa_request():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
+    w, _ = run_case(spec, [131072], 16, seed=5)
+    assert w._plan["merge_launch"]  # 2 items x ~200 chunks x 16 heads: past scheduler.MERGE_LAUNCH_ROWS
+
+
+def test_merge_launch_under_cuda_graphs_after_replans():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=2)
+    batch, page_size, pages = 3, 16, 12000
+    rng = np.random.default_rng(9)
+    cache = torch.randn(pages, 2, page_size, 2, 128, device="cuda").bfloat16()
+    q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, merge_launch=True)
+
+    def replan():
+        _, indptr, indices, last = random_page_table(rng, batch, page_size, pages, 60000)
+        w.plan(indptr, indices, last, page_size=page_size)
+        return indptr, indices, last
+
+    def refresh():
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(math.nan)
+
+    from attnforge import reference
+    for i, (indptr, indices, last) in replays_after_replans(lambda: w.run(q, cache, out=out), replan, refresh, 8):
+        assert w._plan["merge_launch"]
+        per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", indptr, indices, last, page_size)
+        ref, _ = decode_reference(spec, q, per)
+        assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
 
 
 @pytest.mark.parametrize("hkv,kv_dtype", [(8, "bf16"), (1, "bf16"), (8, "fp8_e4m3")])

@@ -6,6 +6,7 @@ import torch
 
 from attnforge import AttentionSpec, scheduler
 from attnforge.decode import BatchDecode, fits_device_smem, grid_ctas
+from attnforge.kernels.decode import DecodeKernel
 from attnforge.jit.upload import HostOnlyUpload
 
 
@@ -172,6 +173,47 @@ def test_partial_slots_hold_the_whole_item_kernels_larger_items():
     rows = w.partial_slot_rows()
     assert rows == 132 * 64 > 396 * 16
     assert BatchDecode.workspace_bytes(w.spec, w.num_ctas) >= 2 * rows * (w.spec.head_dim_vo + 1) * 4
+
+
+@pytest.mark.parametrize("hq,hkv,lengths,expected", [
+    ((32, 1, [131072], True)), (32, 1, [8192] * 16, False), (32, 8, [131072], False), (32, 8, [8192] * 16, False),
+    (32, 2, [131072], True), (64, 1, [65536] * 2, True), (32, 8, [65536] + [512] * 127, False)])
+def test_merge_launch_where_an_items_merge_reads_many_partial_rows(hq, hkv, lengths, expected):
+    """merge_launch=None: a second launch merges where one item's merge on the first kernel's tail would read
+    more than scheduler.MERGE_LAUNCH_ROWS partial rows (chunks x query heads): few long requests of many
+    query heads (MQA B1: ~200 chunks x 16 heads), not GQA 32/8 B1 (~50 x 4), batches, or the skewed batch."""
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv), max_batch_size=128)
+    w.plan(*table(lengths), page_size=16)
+    k = w.planned_kernel[0]
+    assert w._plan["merge_launch"] is expected
+    assert (scheduler.longest_merge_rows(w._plan["work"], k.item_heads) > scheduler.MERGE_LAUNCH_ROWS) is expected
+
+
+def test_merge_launch_forced_and_under_cuda_graphs():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
+    w = BatchDecode.host_only(spec)
+    w.merge_launch = False
+    w.plan(*table([131072]), page_size=16)
+    assert w._plan["merge_launch"] is False
+    w.merge_launch = True
+    w.plan(*table([100] * 4), page_size=16)  # (nothing split: the second launch's blocks exit)
+    assert w._plan["merge_launch"] is True
+    g = BatchDecode.host_only(spec)
+    g.use_cuda_graph = True  # None: never under graphs; the first plan's choice is kept
+    g.plan(*table([131072]), page_size=16)
+    assert g._plan["merge_launch"] is False
+    g.merge_launch = True
+    g.plan(*table([131072]), page_size=16)
+    assert g._plan["merge_launch"] is False  # (as captured)
+
+
+def test_merge_launch_takes_none_or_a_bool_and_needs_head_dim_128():
+    with pytest.raises(ValueError, match="merge_launch: expected None, True or False"):
+        BatchDecode(AttentionSpec(), merge_launch=1, device="cpu")
+    with pytest.raises(ValueError, match="merge_launch: expected None or False at head_dim 64"):
+        BatchDecode(AttentionSpec(head_dim_qk=64, head_dim_vo=64), merge_launch=True, device="cpu")
+    assert not DecodeKernel(AttentionSpec(head_dim_qk=64, head_dim_vo=64)).row_merge
+    assert DecodeKernel(AttentionSpec(head_dim_qk=256, head_dim_vo=256)).row_merge_block == (64, 1, 4)
 
 
 def test_whole_items_takes_only_none_or_a_bool():

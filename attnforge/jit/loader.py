@@ -89,8 +89,8 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
 # Kernels that call wait_for_prior_grid() before reading what the kernel before them writes, and write
 # nothing before it (their templates; tests/jit/test_pdl.py checks what each reads before the wait):
 # only these may be launched with pdl=True.
-PDL_KERNELS = frozenset({"batch_decode_kernel", "mla_decode_kernel", "mla_merge_kernel", "mla_merge_one_wave_kernel",
-                         "quest_score_kernel", "quest_select_kernel"})
+PDL_KERNELS = frozenset({"batch_decode_kernel", "batch_decode_merge_kernel", "mla_decode_kernel", "mla_merge_kernel",
+                         "mla_merge_one_wave_kernel", "quest_score_kernel", "quest_select_kernel"})
 
 
 @lru_cache(maxsize=None)

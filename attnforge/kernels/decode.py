@@ -31,6 +31,8 @@ BASE_FIELDS = (
     *scalars("i32", "int32_t", "num_qo_heads", "num_kv_heads"),  # num_kv_heads: the stream's items per
     # request (KV heads x DecodeKernel.head_splits)
     ParamField("v_scale", "float", "f32"),
+    # 1: split chunks only write their partial states, and batch_decode_merge_kernel merges them (a second launch)
+    ParamField("merge_launch", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
 )
 
@@ -94,7 +96,9 @@ WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at
 # one 16-token band of a 256-token tile, in two 64 KB stages
 FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, max_chunks=33)
 # A split item's merge (one CTA, at the kernel's end) reads k partial states of its item's query heads: the
-# chunked plans won up to 66 chunks of 16 heads and 33 of 32 (~1056 head rows), and lost at 66 of 32 or 64
+# chunked plans won up to 66 chunks of 16 heads and 33 of 32 (~1056 head rows), and lost at 66 of 32 or 64.
+# (Measured with that merge; plans past scheduler.MERGE_LAUNCH_ROWS now merge in a second launch, under which
+# more chunks were not measured.)
 MERGED_HEAD_ROWS = 1056
 
 
@@ -322,7 +326,8 @@ class DecodeKernel:
                "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
-               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False}
+               "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False,
+               "row_merge": self.row_merge}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
                          f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,
@@ -333,4 +338,17 @@ class DecodeKernel:
                          *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
                          *(["xb"] if not self.warp_rows else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
-        return JitModule(name, "batch_decode.cu.jinja", ctx, ("batch_decode_kernel",))
+        names = ("batch_decode_kernel",) + (("batch_decode_merge_kernel",) if self.row_merge else ())
+        return JitModule(name, "batch_decode.cu.jinja", ctx, names)
+
+    @property
+    def row_merge(self) -> bool:
+        """Whether the module has batch_decode_merge_kernel (split items merged by a second launch, one block
+        a query head's row: lanes of whole warps at 4 dims a thread need head_dim a multiple of 128)."""
+        return self.spec.head_dim_vo % 128 == 0
+
+    # threads of batch_decode_merge_kernel's block: (dims / 4, 1, lanes), 256 in all
+    @property
+    def row_merge_block(self) -> tuple[int, int, int]:
+        cols = self.spec.head_dim_vo // 4
+        return cols, 1, 256 // cols

@@ -56,6 +56,8 @@ READ_BEFORE_WAIT = {
     "mla_decode_kernel": {"stream_prefix", "kv_begin", "kv_len", "meta", "num_row_blocks", "side_blocks",
                           # the copier's first tiles' rows, from plan()'s page table (no kernel of a step writes it)
                           "kv_indptr", "kv_indices", "resolve_copy_rows"},
+    # decode's merge launch waits first (its rows' chunks come from the decode kernel's partial states)
+    "batch_decode_merge_kernel": set(),
     # the merges after MLA decode: their rows' split items, from plan()'s copies
     "mla_merge_kernel": {"merge_ahead"},
     "mla_merge_one_wave_kernel": {"merge_ahead"},
@@ -113,6 +115,7 @@ HEADERS = Path(__file__).resolve().parents[2] / "csrc_include" / "attnforge"
 READ_AFTER_WAIT = {
     "batch_decode_kernel": [("decode", "struct QStage {"), ("paged_kv.cuh", "struct PagedKV {"),
                             ("kv_tile.cuh", None)],  # the queries, the page table (Quest's select)
+    "batch_decode_merge_kernel": [("decode", "batch_decode_merge_kernel("), ("common.cuh", "void load_floats(")],
     "mla_decode_kernel": [("mla", "void load_q(")],  # the queries (its page table is plan()'s copy)
     "mla_merge_kernel": [("mla", "void merge_row("), ("common.cuh", "void load_floats(")],  # partial states
     "mla_merge_one_wave_kernel": [("mla", "void merge_row("), ("common.cuh", "void load_floats(")],

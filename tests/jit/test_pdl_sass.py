@@ -39,6 +39,7 @@ CASES = {
     "decode-normal": (lambda: DecodeKernel(AttentionSpec(pipeline="normal")).module(), "batch_decode_kernel"),
     "decode-fp8": (lambda: DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3")).module(), "batch_decode_kernel"),
     "decode-whole-item": (lambda: whole_item_kernel(AttentionSpec()).module(), "batch_decode_kernel"),
+    "decode-merge": (lambda: DecodeKernel(AttentionSpec()).module(), "batch_decode_merge_kernel"),
     "quest-score-int4": (lambda: QuestScoreKernel("bf16", "int4", 128, 8, 4).module(), "quest_score_kernel"),
     "quest-score-fp8": (lambda: QuestScoreKernel("bf16", "fp8", 128, 8, 4).module(), "quest_score_kernel"),
     "quest-select": (lambda: QuestScoreKernel("bf16", "int4", 128, 8, 4).module(), "quest_select_kernel"),

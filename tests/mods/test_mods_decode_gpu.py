@@ -15,10 +15,10 @@ pytestmark = pytest.mark.gpu
 HKV, D = 8, 128
 
 
-def decode_with_mod(mod, pipeline, lengths=(1, 200, 2999, 1000), page_size=16, seed=0):
+def decode_with_mod(mod, pipeline, lengths=(1, 200, 2999, 1000), page_size=16, seed=0, **wrapper_kw):
     spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, score_mod=mod, pipeline=pipeline)
     q, cache, (indptr, indices, last), per_req = make_paged_case(spec, list(lengths), page_size, seed)
-    w = BatchDecode(spec)
+    w = BatchDecode(spec, **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
     torch.cuda.synchronize()
@@ -81,9 +81,11 @@ def test_affine_mods_with_steep_and_negative_slopes(heads, lengths, whole, kv_dt
             assert_lse_close(lse[b:b + 1], ref_lse, f"{name} request {b}")
 
 
-def test_split_rows_get_the_sink_after_the_merge():
+@pytest.mark.parametrize("merge_launch", [None, True])
+def test_split_rows_get_the_sink_after_the_merge(merge_launch):
+    """In the CTA that finishes a split item, or in the merge's second launch (batch_decode_merge_kernel)."""
     mod = m.attention_sink(torch.full((HQ,), 2.0, device="cuda"))
-    out, lse, ref, ref_lse, low = decode_with_mod(mod, "transposed", lengths=(70000, 3))
+    out, lse, ref, ref_lse, low = decode_with_mod(mod, "transposed", lengths=(70000, 3), merge_launch=merge_launch)
     assert_attention_close(out, ref, low, "sink split")
     assert_lse_close(lse, ref_lse, "sink split")
 
