@@ -100,7 +100,7 @@ class BatchDecode:
         if merge_launch and not getattr(self.kernel, "row_merge", False):
             raise checks.fail("merge_launch", f"None or False at head_dim {spec.head_dim_vo}", merge_launch,
                               "The merge kernel needs head_dim_vo a multiple of 128; pass None.")
-        self.merge_launch = merge_launch
+        self.merge_in_launch = merge_launch  # (BatchMLADecode.merge_launch() is a method: another name)
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)
         self.device = checks.cuda_device(device)
@@ -158,7 +158,7 @@ class BatchDecode:
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
-        self._head_splits, self.merge_launch = None, None
+        self._head_splits, self.merge_in_launch = None, None
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
         return self.kernel.item_heads
@@ -302,8 +302,8 @@ class BatchDecode:
             return False
         if self.use_cuda_graph and self._plan is not None:  # the captured graph holds the launch or not
             return self._plan["merge_launch"]
-        if self.merge_launch is not None:
-            return self.merge_launch
+        if self.merge_in_launch is not None:
+            return self.merge_in_launch
         return not self.use_cuda_graph and scheduler.longest_merge_rows(work, kernel.item_heads) > \
             scheduler.MERGE_LAUNCH_ROWS
 

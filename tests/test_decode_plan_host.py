@@ -192,17 +192,17 @@ def test_merge_launch_where_an_items_merge_reads_many_partial_rows(hq, hkv, leng
 def test_merge_launch_forced_and_under_cuda_graphs():
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
     w = BatchDecode.host_only(spec)
-    w.merge_launch = False
+    w.merge_in_launch = False
     w.plan(*table([131072]), page_size=16)
     assert w._plan["merge_launch"] is False
-    w.merge_launch = True
+    w.merge_in_launch = True
     w.plan(*table([100] * 4), page_size=16)  # (nothing split: the second launch's blocks exit)
     assert w._plan["merge_launch"] is True
     g = BatchDecode.host_only(spec)
     g.use_cuda_graph = True  # None: never under graphs; the first plan's choice is kept
     g.plan(*table([131072]), page_size=16)
     assert g._plan["merge_launch"] is False
-    g.merge_launch = True
+    g.merge_in_launch = True
     g.plan(*table([131072]), page_size=16)
     assert g._plan["merge_launch"] is False  # (as captured)
 
@@ -268,3 +268,26 @@ def test_the_kernels_meta_row_carries_the_plans_snap():
         assert work.snap == snap and n == 5  # batch, span, total, snap, any_split (work_stream.cuh: StreamMeta)
         # decode merges in-kernel and never reads any_split: plan() writes 1 without the check
         assert w._upload.dev[off:off + 5].tolist() == [len(lengths), work.span, work.total, snap, 1]
+
+
+def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
+    """BatchDecode.__init__ runs for every decode-shaped wrapper: an attribute it sets must not hide a
+    subclass's method (its merge-launch choice, named merge_launch, once hid BatchMLADecode.merge_launch()).
+    The CUDA queries are stubbed so the constructors and plan() run here."""
+    import types
+    import attnforge.decode as decode
+    from attnforge import BatchMLADecode, checks
+    props = types.SimpleNamespace(major=9, shared_memory_per_block_optin=232448, multi_processor_count=132)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(checks, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(checks, "check_cuda", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(BatchDecode, "_staged_upload", lambda self, n: HostOnlyUpload(n))
+    mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
+    for cls, spec, page in ((BatchDecode, mqa, 16), (BatchMLADecode, mla, 64)):
+        w = cls(spec)
+        assert not [k for k in vars(w) if callable(getattr(cls, k, None))]
+        w.plan(*table([131072], page), page_size=page)
+        assert w._plan["merge_launch"] is (cls is BatchDecode)  # (MQA B1: ~200 chunks x 16 heads an item)
+    assert w.merge_launch()[0] == "mla_merge_one_wave_kernel"  # BatchMLADecode's own merge, still a method
