@@ -38,6 +38,19 @@ def test_wide_heads_take_small_tiles_of_two_warps():
                      head_splits=1)
 
 
+@pytest.mark.parametrize("spec_kw,tiling", [({"kv_dtype": "fp8_e4m3"}, (256, 2, 8)),
+                                            ({"kv_dtype": "fp8_e4m3"}, (128, 2, 16)),
+                                            ({"head_dim_qk": 64, "head_dim_vo": 64}, (256, 2, 16)),
+                                            ({"kv_dtype": "fp8_e4m3", "pipeline": "normal"}, (256, 2, 16))])
+def test_256_token_tiles_and_16_warps_only_as_the_fp8_whole_item_tiling(spec_kw, tiling):
+    """The template would take other shapes of 256 tokens or 16 warps, but only fp8 KV widened in registers
+    at d128 in that pair was measured and GPU-tested (FP8_WHOLE_ITEM_TILING): the rest is refused."""
+    with pytest.raises(ValueError, match="tile_kv=256 and num_warps=16 go together.*None for the defaults"):
+        DecodeKernel(AttentionSpec(**spec_kw), *tiling)
+    k = DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), 256, 2, 16)
+    assert (k.threads, k.ctas_per_sm, k.smem_bytes) == (512, 1, 4096 + 2 * 2 * 256 * 128)
+
+
 def test_fewer_stages_do_not_promise_more_ctas_than_registers_hold():
     k = DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3", pipeline="transposed"), stages=2)
     assert k.smem_bytes * 6 < 228 * 1024 and k.ctas_per_sm == 4  # 6 fit by shared memory

@@ -190,11 +190,20 @@ class DecodeKernel:
             object.__setattr__(self, "tile_kv", tile if self.tile_kv is None else self.tile_kv)
             object.__setattr__(self, "num_warps", warps if self.num_warps is None else self.num_warps)
         if self.tile_kv not in (32, 64, 128, 256):
-            raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64, 128 or 256, got {self.tile_kv}")
+            raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64, 128 or 256, got {self.tile_kv}; "
+                             f"pass None for the measured default")
+        if (self.tile_kv == 256 or self.num_warps == 16) and not (
+                (self.tile_kv, self.num_warps) == (256, 16) and self.widens_in_registers and s.head_dim_qk == 128):
+            raise ValueError(f"DecodeKernel: tile_kv=256 and num_warps=16 go together, for fp8 KV on the transposed "
+                             f"pipeline at head_dim 128 (FP8_WHOLE_ITEM_TILING: the only such shape measured and "
+                             f"GPU-tested); got tile_kv={self.tile_kv}, num_warps={self.num_warps} for {s.kv_dtype} "
+                             f"KV, pipeline {s.pipeline!r}, head_dim {s.head_dim_qk}. Use 32-128-token tiles of "
+                             f"2-8 warps, or None for the defaults")
         if self.num_warps not in (2, 4, 8, 16) or self.tile_kv // 16 < self.num_warps // (
                 1 if s.pipeline == "transposed" else -(-g // 16)):
             raise ValueError(f"DecodeKernel.num_warps: expected 2, 4, 8 or 16 with at least one 16-token "
-                             f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}")
+                             f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}; use fewer "
+                             f"warps or a longer tile")
         if s.pipeline == "normal" and -(-g // 16) > self.num_warps:
             raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
                              f"{g} heads per work item need {-(-g // 16)} warps, got "
