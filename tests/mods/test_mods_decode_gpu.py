@@ -90,6 +90,22 @@ def test_split_rows_get_the_sink_after_the_merge(merge_launch):
     assert_lse_close(lse, ref_lse, "sink split")
 
 
+@pytest.mark.parametrize("merge_launch", [None, True])
+def test_raw_output_transform_on_whole_and_split_rows(merge_launch):
+    """The escape hatch's output hook (raw C++, a tensor and a scalar parameter) applied once to every
+    output element: on whole rows, and on split rows merged in the kernel or by the second launch."""
+    scale = torch.linspace(0.5, 2.0, HQ, device="cuda")
+    mod = m.raw_mod("""  static constexpr bool kHasOutputTransform = true;
+  template <class P> AF_DEVICE float output_transform(const P& p, float v, const attnforge::OutputIndex& i) const {
+    return v * static_cast<const float*>(p.mod_t0)[i.qo_head] + p.mod_s0 * float(i.dim & 1);
+  }""", tensors=[scale], scalars=[0.25], name="scaled_out")
+    out, lse, ref, ref_lse, low = decode_with_mod(mod, "transposed", lengths=(70000, 3), merge_launch=merge_launch)
+    odd = (torch.arange(D, device="cuda") & 1).double() * 0.25
+    transform = lambda o: (o.double() * scale.double()[:, None] + odd).to(o.dtype)  # noqa: E731
+    assert_attention_close(out, transform(ref), transform(low), "raw output transform")
+    assert_lse_close(lse, ref_lse, "raw output transform")  # the hook leaves the lse alone
+
+
 def test_runtime_scalar_changes_without_rebuild():
     a, b = m.softcap(torch.tensor(30.0)), m.softcap(torch.tensor(2.0))
     out_a = decode_with_mod(a, "transposed")
