@@ -116,7 +116,6 @@ class BatchDecode:
         if self._whole is not None and not fits_device_smem(torch.cuda.get_device_properties(self.device), self._whole):
             self._whole = None  # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
         self._whole_ctas = grid_ctas(self.num_sms, self._whole.ctas_per_sm) if self._whole else 0
-        self._whole_max_chunks = self._whole_chunks_allowed(spec)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
@@ -147,10 +146,16 @@ class BatchDecode:
         whole = self._whole_ctas * self._whole.item_heads if self._whole is not None else 0
         return max(self.num_ctas * self._rows_per_slot(), whole)
 
-    def _whole_chunks_allowed(self, spec) -> int:
-        """The most chunks an item may be cut into on the whole-item kernel (1: whole items only)."""
-        t = whole_item_tiling(spec) if self._whole is not None else None
-        return t.max_chunks if t is not None else 1
+    @property
+    def _whole_max_chunks(self) -> int:
+        """The most chunks an item may be cut into on the whole-item kernel (1: whole items only): past the
+        tiling's cap for merges on the kernel's tail only where the second launch merges such plans (it
+        takes every merge past scheduler.MERGE_LAUNCH_ROWS rows: see merge_launch)."""
+        t = whole_item_tiling(self.spec) if self._whole is not None else None
+        if t is None:
+            return 1
+        launch = not self.use_cuda_graph if self.merge_in_launch is None else self.merge_in_launch
+        return max(t.max_chunks, t.max_chunks_merge_launch) if launch else t.max_chunks
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
@@ -202,7 +207,6 @@ class BatchDecode:
         w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size
         w.whole_items, w._whole = None, w._make_whole_kernel(spec)
         w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
-        w._whole_max_chunks = w._whole_chunks_allowed(spec)
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
         w._alloc_int_buffers(max_num_pages)
         return w

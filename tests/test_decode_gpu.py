@@ -410,7 +410,8 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
                                                               (32, 2, "bf16", 16, 1), (32, 1, "bf16", 8, 16),
                                                               (64, 1, "bf16", 4, 7), (88, 8, "bf16", 2, 7),
                                                               (96, 8, "bf16", 4, 16), (32, 2, "bf16", 66, 16),
-                                                              (32, 1, "bf16", 33, 7), (8, 2, "fp8_e4m3", 33, 16)])
+                                                              (32, 1, "bf16", 33, 7), (8, 2, "fp8_e4m3", 33, 16),
+                                                              (32, 1, "bf16", 132, 16), (64, 1, "bf16", 66, 7)])
 def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -421,6 +422,8 @@ def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size
         pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
     assert w.planned_kernel == (w._whole, sms) and scheduler.aligned_chunks(w._plan["work"]) == chunks
     assert w._plan["stream_items"] == hkv  # MQA's whole-item kernel: every query head in one item
+    # MQA past its tail merge's cap (132 and 66 chunks): merged by the second launch
+    assert w._plan["merge_launch"] is (w._whole.item_heads * chunks > scheduler.MERGE_LAUNCH_ROWS)
 
 
 # split items merged by a second launch (batch_decode_merge_kernel), forced on: long requests cut into many

@@ -139,14 +139,16 @@ def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():
                                                     (8, 2, "fp8_e4m3", 1, 0), (32, 2, "bf16", 4, 16),
                                                     (32, 2, "bf16", 16, 4), (32, 2, "bf16", 1, 66),
                                                     (32, 1, "bf16", 16, 8), (32, 1, "bf16", 4, 33),
-                                                    (32, 1, "bf16", 2, 0), (64, 1, "bf16", 33, 4),
-                                                    (64, 1, "bf16", 8, 16), (64, 1, "bf16", 4, 0),
+                                                    (32, 1, "bf16", 2, 66), (32, 1, "bf16", 1, 132),
+                                                    (64, 1, "bf16", 33, 4), (64, 1, "bf16", 8, 16),
+                                                    (64, 1, "bf16", 4, 33), (64, 1, "bf16", 1, 132),
                                                     (32, 8, "bf16", 8, 0), (32, 8, "bf16", 1, 0),
                                                     (32, 2, "bf16", 40, 0)])
 def test_chunked_plans_of_equal_items_on_the_whole_item_kernel(hq, hkv, kv, batch, chunks):
     """Tilings with max_chunks > 1 take equal items cut into k equal chunks, items x k ~ the SMs (one chunk a CTA),
     up to what was measured to win: fp8 33, the normal pipeline's 16-head tile 66, MQA 32/1 33 and 64/1 16 (an
-    item's merge reads k x its heads' partial states: kernels.decode.MERGED_HEAD_ROWS). The transposed 16-bit
+    item's merge reads k x its heads' partial states: kernels.decode.MERGED_HEAD_ROWS), and MQA up to 132 where
+    those merges go to the second launch (the default outside CUDA graphs). The transposed 16-bit
     kernel takes whole items only (chunked tied there), and 80 items (k = 1 leaves 52 SMs idle) plan the default
     kernel. MQA's whole-item kernel plans one item of every query head a request."""
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv), max_batch_size=64)
@@ -163,6 +165,27 @@ def test_chunked_plans_of_equal_items_on_the_whole_item_kernel(hq, hkv, kv, batc
     else:
         assert (kernel, ctas) == (w.kernel, w.num_ctas)
         assert w._plan["stream_items"] == hkv * w.kernel.head_splits
+
+
+@pytest.mark.parametrize("hq,batch,in_kernel_cap", [(32, 1, 33), (32, 2, 33), (64, 1, 16), (64, 4, 16)])
+def test_mqa_chunks_past_the_in_kernel_merge_cap_only_with_the_merge_launch(hq, batch, in_kernel_cap):
+    """MQA's whole-item kernel takes more chunks than its tail merge was measured to win with only where the
+    second launch merges them: by the rule (and it does), or forced on; not with merge_launch=False, nor under
+    CUDA graphs unless merge_launch=True."""
+    def planned(graph=False, merge_launch=None):
+        w = whole_wrapper(graph, whole_items=graph or None, num_qo_heads=hq, num_kv_heads=1)
+        w.merge_in_launch = merge_launch
+        w.plan(*table([131072 // batch] * batch), page_size=16)
+        return w, scheduler.aligned_chunks(w._plan["work"]) if w.planned_kernel[0] is w._whole else 0
+    w, chunks = planned()
+    assert chunks == 132 // batch > in_kernel_cap and w._plan["merge_launch"] is True
+    assert w._whole.item_heads * chunks > scheduler.MERGE_LAUNCH_ROWS  # why the rule launches it
+    assert planned(merge_launch=True)[1] == 132 // batch
+    for kw in (dict(merge_launch=False), dict(graph=True), dict(graph=True, merge_launch=False)):
+        w, chunks = planned(**kw)
+        assert chunks == 0 and w.planned_kernel[0] is w.kernel, kw
+    w, chunks = planned(graph=True, merge_launch=True)
+    assert chunks == 132 // batch and w._plan["merge_launch"] is True
 
 
 def test_partial_slots_hold_the_whole_item_kernels_larger_items():

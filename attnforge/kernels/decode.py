@@ -87,8 +87,10 @@ class WholeItemTiling:
     stages: int
     warps: int
     # the most equal chunks k each of a plan's equal items may be cut into, items x k ~ one chunk per SM
-    # (1: items read whole only, one a CTA)
+    # (1: items read whole only, one a CTA), with split items merged on the kernel's tail
     max_chunks: int = 1
+    # more (0: none) where split items are merged by the second launch (BatchDecode's merge_launch)
+    max_chunks_merge_launch: int = 0
 
 
 WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at d128
@@ -97,9 +99,10 @@ WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at
 FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, max_chunks=33)
 # A split item's merge (one CTA, at the kernel's end) reads k partial states of its item's query heads: the
 # chunked plans won up to 66 chunks of 16 heads and 33 of 32 (~1056 head rows), and lost at 66 of 32 or 64.
-# (Measured with that merge; plans past scheduler.MERGE_LAUNCH_ROWS now merge in a second launch, under which
-# more chunks were not measured.)
 MERGED_HEAD_ROWS = 1056
+# Merged by the second launch instead (past scheduler.MERGE_LAUNCH_ROWS), MQA's one item of every query head
+# won at every chunk count measured, up to one request on every SM (forty-seventh session)
+MQA_MERGE_LAUNCH_CHUNKS = 132
 
 
 def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
@@ -121,7 +124,11 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     one item of every query head (head_splits 1: the default kernel's 16-head items lost +6..+26% here) B16
     L8192 -2.3% and -13%, B32 L4096 -2.3%, B8 L16384 -3.5%, B4 L32768 (4 x 33) -5.5%, but B2 L65536 (2 x 66)
     +1% and +23%, B1 L131072 (132 chunks) +3%: a split item's merge, one CTA at the kernel's end, grows with
-    chunks x heads (MERGED_HEAD_ROWS). The transposed 16-bit kernel tied chunked (32/8 B1 L131072 -0.9%, B4
+    chunks x heads (MERGED_HEAD_ROWS). With those merges in the second launch (forty-seventh session, three
+    rounds against the default kernel, which merges there too): MQA 32/1 B1 L131072 (132 chunks) 40.8 ->
+    33.8 us (-17%), B2 L65536 (2 x 66) -10%; 64/1 B1 -20%, B2 -22%, B4 L32768 (4 x 33) -26%
+    (max_chunks_merge_launch). fp8 GQA 8/2 B1 L131072 (2 x 66, a merge of 264 rows on the kernel's tail) lost
+    +8%. The transposed 16-bit kernel tied chunked (32/8 B1 L131072 -0.9%, B4
     L32768 +0.6%, B8 L16384 +0.3%; 32/4 B16 L8192 +1.0%), so it takes whole items only.
     Left out as measured: several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
@@ -141,7 +148,8 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
     # query head in one item (head_splits 1)
     if 8 < g <= 16 or g in (32, 64):
-        return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // max(g, 16))
+        return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // max(g, 16),
+                       max_chunks_merge_launch=MQA_MERGE_LAUNCH_CHUNKS if g >= 32 else 0)
     return None
 
 
