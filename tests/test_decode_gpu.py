@@ -304,6 +304,17 @@ def test_two_warps_on_32_token_tiles(kv_dtype, pipeline, stages):
              tile_kv=32, num_warps=2, num_stages=stages)
 
 
+@pytest.mark.parametrize("kv_dtype,head_dim", [("bf16", 128), ("fp8_e4m3", 128), ("bf16", 64)])
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_more_tile_rows_a_warp_than_lanes(kv_dtype, head_dim, pipeline):
+    """128-token tiles on two warps: each warp copies 64 rows, so each lane resolves two of them (the copy
+    path's page lookups once a row, kv_tile.cuh: RowOffsets' second slot); pages of 1 and 7, cut tiles."""
+    spec = AttentionSpec(kv_dtype=kv_dtype, head_dim_qk=head_dim, pipeline=pipeline)
+    for page_size in (1, 7):
+        run_case(spec, [1, 129, 300, 5000], page_size, seed=page_size, nan_unheld=True, tile_kv=128, num_warps=2,
+                 num_stages=2)
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 30.0, 1000.0])
 def test_fp8_kv_bf16_queries_of_any_magnitude(magnitude):
     """The register-widening fp8 kernel runs fp16 MMAs and stages bf16 queries as fp16 * 2^-8: tiny

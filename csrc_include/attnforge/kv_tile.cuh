@@ -8,8 +8,11 @@
 // w copies rows [w * kTileKV / warps, (w + 1) * kTileKV / warps) alone (lane l: chunk l % kChunks of
 // rows l / kChunks + j * 32 / kChunks in that band), so a kernel whose warps each read only their own
 // band of the tile can wait for it with __syncwarp instead of a CTA barrier. Page ids are
-// fetched one tile ahead (Pages), so no cp.async waits on a page-table load. Sw128KVLoader writes
-// the same rows in the sw128 format of attnforge/wgmma.cuh instead (wgmma operands).
+// fetched one tile ahead (Pages), so no cp.async waits on a page-table load, and resolved once per
+// row, not per 16-byte chunk: lane q of a warp owns the warp's q-th row (page id, then its offset),
+// and shuffles hand that offset to the lanes that copy the row's chunks (the per-chunk page lookup
+// and 64-bit offset math had been ~480 of the MQA decode kernel's ~1400 instructions a warp a tile).
+// Sw128KVLoader writes the same rows in the sw128 format of attnforge/wgmma.cuh instead (wgmma operands).
 #pragma once
 #include "attnforge/common.cuh"
 #include "attnforge/cp_async.cuh"
@@ -45,39 +48,72 @@ struct KVTileLoader {
     return threadIdx.x / kChunks + j * kRowStep;
   }
 
-  struct Pages {
-    int32_t page[kRowsPerThread];     // physical page of each of this thread's rows
-    int32_t in_page[kRowsPerThread];  // token within the page; -1 past kv_end (zero-filled)
+  // The rows a warp copies, as warp-local indices q: thread (lane L, j) copies row q = j * kRowsPerJ +
+  // L / kChunks, which lane q % 32 resolves (slot q / 32: more than 32 rows a warp take two or more).
+  static constexpr int kRowsPerJ = 32 / kChunks;
+  static constexpr int kWarpRowCount = kRowsPerThread * kRowsPerJ;
+  static constexpr int kResolveSlots = (kWarpRowCount + 31) / 32;
+  static_assert(32 % kChunks == 0, "a warp copies whole rows per j (16-byte chunks a row: 1 to 32)");
+  static AF_DEVICE int warp_row(int q) {  // the tile row of the warp's q-th
+    const int w = threadIdx.x / 32;
+    if constexpr (kWarpRows) return w * kBandRows + q;
+    return w * kRowsPerJ + q % kRowsPerJ + q / kRowsPerJ * kRowStep;
+  }
+
+  struct Pages {  // this lane's resolved rows (warp-local q = lane + 32 slot), fetched a tile ahead
+    int32_t page[kResolveSlots];
+    int32_t in_page[kResolveSlots];  // token within the page; -1 past kv_end (zero-filled) or no row
   };
 
   static AF_DEVICE Pages fetch(const PagedKV& kv, int kv_end, int t0) {
     Pages tp;
 #pragma unroll
-    for (int j = 0; j < kRowsPerThread; ++j) {
-      const int pos = t0 + row(j);
-      const bool valid = pos < kv_end;
+    for (int r = 0; r < kResolveSlots; ++r) {
+      const int q = int(threadIdx.x % 32) + 32 * r;
+      const int pos = t0 + warp_row(q);
+      const bool valid = q < kWarpRowCount && pos < kv_end;
       const int slot = valid ? kv.page_of(pos) : 0;
-      tp.page[j] = valid ? kv.page_id(slot) : 0;
-      tp.in_page[j] = valid ? pos - slot * kv.page_size : -1;
+      tp.page[r] = valid ? kv.page_id(slot) : 0;
+      tp.in_page[r] = valid ? pos - slot * kv.page_size : -1;
     }
     return tp;
   }
 
-  // cp.async K and V rows of one tile into `stage` (K tile, then V tile).
+  // Element offsets of this lane's resolved rows from their head's base (-1: past kv_end, or none).
+  struct RowOffsets {
+    int64_t off[kResolveSlots];
+  };
+  static AF_DEVICE RowOffsets resolve(const PagedKV& kv, const Pages& tp) {
+    RowOffsets ro;
+#pragma unroll
+    for (int r = 0; r < kResolveSlots; ++r)
+      ro.off[r] = tp.in_page[r] < 0 ? -1 : int64_t(tp.page[r]) * kv.stride_page + int64_t(tp.in_page[r]) * kv.stride_token;
+    return ro;
+  }
+  // This thread's j-th row's offset, from the lane that resolved it (every lane of the warp must call)
+  static AF_DEVICE int64_t row_offset(const RowOffsets& ro, int j) {
+    const int q = j * kRowsPerJ + int(threadIdx.x % 32) / kChunks;  // its slot q / 32 is uniform in the warp
+    return __shfl_sync(0xffffffffu, ro.off[j * kRowsPerJ / 32], q % 32);
+  }
+
+  // cp.async K and V rows of one tile into `stage` (K tile, then V tile). Every lane of each warp
+  // takes part (the shuffles): call it under a CTA-uniform condition.
   static AF_DEVICE void load(const TKV* k_cache, const TKV* v_cache, const PagedKV& kv, int kv_head,
                              const Pages& tp, char* stage) {
-    TKV* sk = reinterpret_cast<TKV*>(stage);
-    TKV* sv = sk + kTileKV * kHeadDim;
     const int ch = chunk();
     const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * kElems;
+    const TKV* k_head = k_cache + head_off;
+    const TKV* v_head = v_cache + head_off;
+    const RowOffsets ro = resolve(kv, tp);
+    const uint32_t sk = smem_addr(stage), sv = sk + kTileBytes;
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
+      const int64_t off = row_offset(ro, j);
+      const bool valid = off >= 0;
       const int r = row(j);
-      const bool valid = tp.in_page[j] >= 0;
-      const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
-      const int dst = r * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(r, ch)) * kElems;
-      cp_async_16(sk + dst, k_cache + off, valid);
-      cp_async_16(sv + dst, v_cache + off, valid);
+      const uint32_t dst = (r * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(r, ch)) * kElems) * sizeof(TKV);
+      cp_async_16_at(sk + dst, k_head + (valid ? off : 0), valid);
+      cp_async_16_at(sv + dst, v_head + (valid ? off : 0), valid);
     }
   }
 
@@ -114,14 +150,15 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
                              const typename Base::Pages& tp, char* sk, char* sv) {
     const int ch = threadIdx.x % Base::kChunks;
     const int64_t head_off = kv.token_base + int64_t(kv_head) * kv.stride_head + ch * Base::kElems;
+    const typename Base::RowOffsets ro = Base::resolve(kv, tp);
 #pragma unroll
     for (int j = 0; j < Base::kRowsPerThread; ++j) {
-      const int row = threadIdx.x / Base::kChunks + j * Base::kRowStep;
-      const bool valid = tp.in_page[j] >= 0;
-      const int64_t off = valid ? int64_t(tp.page[j]) * kv.stride_page + int64_t(tp.in_page[j]) * kv.stride_token + head_off : 0;
+      const int row = Base::row(j);
+      const int64_t ro_j = Base::row_offset(ro, j);
+      const bool valid = ro_j >= 0;
       const int dst = sw128_offset(row, ch, kTileKV);
-      cp_async_16(sk + dst, k_cache + off, valid);
-      cp_async_16(sv + dst, v_cache + off, valid);
+      cp_async_16(sk + dst, k_cache + (valid ? ro_j + head_off : 0), valid);
+      cp_async_16(sv + dst, v_cache + (valid ? ro_j + head_off : 0), valid);
     }
   }
 
