@@ -41,24 +41,42 @@ struct KVTileLoader {
   static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 8), "a swizzled fp8 row needs 8 or more 16-byte chunks");
   static_assert(!kWarpRows || (32 % kChunks == 0 && kBandRows % (32 / kChunks) == 0), "warp band mapping");
 
-  static AF_DEVICE int chunk() { return (kWarpRows ? threadIdx.x % 32 : threadIdx.x) % kChunks; }
-  static AF_DEVICE int row(int j) {  // this thread's j-th row of the tile
-    if constexpr (kWarpRows)
-      return threadIdx.x / 32 * kBandRows + threadIdx.x % 32 / kChunks + j * (32 / kChunks);
-    return threadIdx.x / kChunks + j * kRowStep;
-  }
-
   // The rows a warp copies, as warp-local indices q: thread (lane L, j) copies row q = j * kRowsPerJ +
   // L / kChunks, which lane q % 32 resolves (slot q / 32: more than 32 rows a warp take two or more).
   static constexpr int kRowsPerJ = 32 / kChunks;
   static constexpr int kWarpRowCount = kRowsPerThread * kRowsPerJ;
   static constexpr int kResolveSlots = (kWarpRowCount + 31) / 32;
   static_assert(32 % kChunks == 0, "a warp copies whole rows per j (16-byte chunks a row: 1 to 32)");
-  static AF_DEVICE int warp_row(int q) {  // the tile row of the warp's q-th
-    const int w = threadIdx.x / 32;
-    if constexpr (kWarpRows) return w * kBandRows + q;
-    return w * kRowsPerJ + q % kRowsPerJ + q / kRowsPerJ * kRowStep;
+
+  // The mapping, as constexpr functions of the thread index t (unsigned, as threadIdx: shifts, not
+  // signed division), so mapping_holds() can check it
+  static constexpr int chunk_of(unsigned t) { return int(t % kChunks); }
+  static constexpr int row_of(unsigned t, int j) {  // thread t's j-th row of the tile
+    if (kWarpRows) return int(t / 32 * kBandRows + t % 32 / kChunks) + j * kRowsPerJ;
+    return int(t / kChunks) + j * kRowStep;
   }
+  static constexpr int warp_row_of(unsigned w, int q) {  // the tile row of warp w's q-th
+    if (kWarpRows) return int(w * kBandRows) + q;
+    return int(w * kRowsPerJ) + q % kRowsPerJ + q / kRowsPerJ * kRowStep;
+  }
+  // Every (row, chunk) of the tile is copied by exactly one (thread, j), and the lane that resolves a
+  // thread's j-th row (q = j * kRowsPerJ + lane / kChunks, in the thread's own warp) names that row.
+  static constexpr bool mapping_holds() {
+    bool seen[kTileKV * kChunks] = {};
+    for (unsigned t = 0; t < unsigned(kThreads); ++t)
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        const int r = row_of(t, j), q = j * kRowsPerJ + int(t % 32 / kChunks);
+        if (r < 0 || r >= kTileKV || seen[r * kChunks + chunk_of(t)] || q >= kWarpRowCount ||
+            warp_row_of(t / 32, q) != r)
+          return false;
+        seen[r * kChunks + chunk_of(t)] = true;
+      }
+    return true;
+  }
+
+  static AF_DEVICE int chunk() { return chunk_of(threadIdx.x); }
+  static AF_DEVICE int row(int j) { return row_of(threadIdx.x, j); }  // this thread's j-th row of the tile
+  static AF_DEVICE int warp_row(int q) { return warp_row_of(threadIdx.x / 32, q); }
 
   struct Pages {  // this lane's resolved rows (warp-local q = lane + 32 slot), fetched a tile ahead
     int32_t page[kResolveSlots];
@@ -66,6 +84,8 @@ struct KVTileLoader {
   };
 
   static AF_DEVICE Pages fetch(const PagedKV& kv, int kv_end, int t0) {
+    static_assert(mapping_holds(), "KVTileLoader: a tile row or chunk copied twice or not at all, or a row "
+                                   "resolved by a lane that does not own it");
     Pages tp;
 #pragma unroll
     for (int r = 0; r < kResolveSlots; ++r) {
