@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import Report, kernel_fields, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from harness import Report, fresh_allocator, kernel_fields, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -216,9 +216,10 @@ def run(report: Report, peers: bool = True) -> None:
             except Exception as e:
                 report.note(f"flashinfer on {case}: {type(e).__name__}: {str(e)[:160]}")
         del inputs
-        torch.cuda.empty_cache()
+        fresh_allocator()
         # dense peers read a contiguous [B, H, L, D] cache: once per shape, under the NHD case's name
         if peers and len(set(lengths)) == 1 and kv_dtype == "bf16" and page_size == 16 and layout == "NHD":
             bench_dense_peers(report, case, lengths, flex_cache)
+            fresh_allocator()  # the next case's inputs must not be carved from the dense K / V just freed
     if not os.environ.get("ATTNFORGE_BENCH_DECODE_CASES"):
         bench_plan(report)

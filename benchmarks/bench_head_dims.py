@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
-from harness import Report, sdpa_backends, time_sdpa_peers, time_us
+from harness import Report, fresh_allocator, sdpa_backends, time_sdpa_peers, time_us
 
 HQ, HKV, HEAD_DIMS = 32, 8, (64, 128, 256)
 LAYOUTS = ((32, 32), (32, 4), (32, 2), (32, 1))  # at d128, beside GQA 32/8
@@ -35,6 +35,7 @@ def layout(d: int, hq: int, hkv: int) -> str:
 
 def decode_case(report: Report, d: int, peers: bool, hq: int = HQ, hkv: int = HKV) -> None:
     case = f"decode {layout(d, hq, hkv)} B{DECODE_B} L{DECODE_L}"
+    fresh_allocator()
     pages_per = DECODE_L // PAGE
     n_pages = DECODE_B * pages_per
     cache = torch.randn(n_pages, 2, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -54,6 +55,7 @@ def decode_case(report: Report, d: int, peers: bool, hq: int = HQ, hkv: int = HK
 
 def prefill_case(report: Report, d: int, peers: bool, hq: int = HQ, hkv: int = HKV) -> None:
     case = f"prefill {layout(d, hq, hkv)} B1 S{PREFILL_L}"
+    fresh_allocator()
     flops = 4 * d * hq * PREFILL_L * (PREFILL_L + 1) / 2
     q = torch.randn(PREFILL_L, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(PREFILL_L, hkv, d, device="cuda", dtype=torch.bfloat16)
