@@ -58,7 +58,7 @@ def time_run(run: Callable[[], None], calls: int) -> float:
 def fresh_allocator() -> None:
     """Free what earlier cases left in torch's caching allocator, so a case's inputs get new segments as in a
     fresh process. Carved from a larger case's freed blocks, the same decode kernel read 10% slower for its whole
-    timing (head_dims h32/4 right after the MHA case and its cuDNN peer: 77.4 us, 69.9-70.3 in every other
+    timing (head_dims h32/4 right after the MHA case and its cuDNN peer: 77.4 us, 69.8-70.8 in every other
     place; forty-eighth session, call 3)."""
     import gc
     gc.collect()

@@ -17,13 +17,13 @@ def test_wgmma_overlap_builds(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_read_stream_builds(tmp_path):
-    import bench_roofline as roofline_read
-    cubin = roofline_read.build(tmp_path)
+    import bench_roofline
+    cubin = bench_roofline.build(tmp_path)
     assert b"read_stream_kernel" in cubin.read_bytes()
 
 
 @pytest.mark.parametrize("fixed_us, gbps", [(4.5, 4400.0), (0.0, 3000.0), (12.0, 4800.0)])
 def test_roofline_fit_recovers_the_line(fixed_us, gbps):
-    import bench_roofline as roofline_read
-    fixed, rate = roofline_read.fit([(n, fixed_us + n / (gbps * 1e3)) for n in roofline_read.SIZES])
+    import bench_roofline
+    fixed, rate = bench_roofline.fit([(n, fixed_us + n / (gbps * 1e3)) for n in bench_roofline.SIZES])
     assert fixed == pytest.approx(fixed_us, abs=1e-6) and rate == pytest.approx(gbps, rel=1e-9)

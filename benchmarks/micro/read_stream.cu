@@ -1,5 +1,5 @@
 // The read roofline under the decode suites: how fast can any kernel on this GPU stream a buffer once, and
-// what does a launch cost in a graph of back-to-back calls? (benchmarks/roofline_read.py times it.)
+// what does a launch cost in a graph of back-to-back calls? (benchmarks/bench_roofline.py times it.)
 // Every thread reads 16-byte chunks, kUnroll of them in flight, consecutive threads on consecutive chunks (a
 // warp reads 512 contiguous bytes a load), and folds them into one word so that no load is dead code.
 #include <cstdint>
@@ -11,7 +11,7 @@ struct ReadParams {
   uint32_t pad;
 };
 
-constexpr int kUnroll = 8;  // chunks in flight a thread: 8 x 16 B x 2048 threads an SM = 256 KB an SM
+constexpr int kUnroll = 8;  // chunks in flight a thread: 8 x 16 B x 512 threads = 64 KB a CTA
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
   uint4 v;  // .nc: read-only for the kernel; L1::no_allocate: each byte is read once
