@@ -130,11 +130,10 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "the prefix once plus every request's own tokens. Regenerate with "
         "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU (or `bash tools/gpu_session.sh`, which "
         "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`; "
-        "`python benchmarks/report.py merge new.json` replaces only the (suite, case) pairs a partial run measured.",
+        "`python benchmarks/report.py merge new.json` replaces only the (suite, case) pairs a partial run measured. "
+        "Where each suite's rows came from (date, device call, code) and what changed since: the notes at the end.",
         "",
     ]
-    if data.get("notes"):
-        lines += ["Notes from the run:", ""] + [f"- {n}" for n in data["notes"]] + [""]
     titles = {"decode": "Batch decode (suite `decode`)", "merge": "merge_states (suite `merge`)",
               "prefill": "Prefill (suite `prefill`)",
               "prefill_sustained": "Prefill under sustained load (`benchmarks/clocks_under_load.py`)",
@@ -149,6 +148,8 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
             if suite in ("decode", "prefill", "mla"):
                 lines += [f"![{suite}]({suite}.svg)", ""]
             lines += [table(rows, suite), ""]
+    if data.get("notes"):  # after the tables: where each record came from, and what changed since
+        lines += ["## Notes from the runs", ""] + [f"- {n}" for n in data["notes"]] + [""]
     (DOCS / "README.md").write_text("\n".join(lines))
     return 0
 
