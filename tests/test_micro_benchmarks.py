@@ -19,7 +19,17 @@ def test_wgmma_overlap_builds(tmp_path):
 def test_read_stream_builds(tmp_path):
     import bench_roofline
     cubin = bench_roofline.build(tmp_path)
-    assert b"read_stream_kernel" in cubin.read_bytes()
+    assert b"read_stream_kernel" in cubin.read_bytes() and b"read_bulk_kernel" in cubin.read_bytes()
+
+
+def test_bulk_ring_divides_every_size():
+    import bench_roofline
+    for per_sm in bench_roofline.CTAS_PER_SM:
+        chunk = bench_roofline.BULK_BYTES_PER_SM // (bench_roofline.BULK_STAGES * per_sm)
+        assert chunk % 16 == 0 and all(n % chunk == 0 for n in bench_roofline.SIZES)  # the kernel's contract
+        assert bench_roofline.BULK_STAGES * chunk <= 227 << 10  # an SM's shared memory for one CTA
+    assert 1 <= bench_roofline.BULK_STAGES <= bench_roofline.MAX_STAGES
+    assert f"kMaxStages = {bench_roofline.MAX_STAGES};" in bench_roofline.SOURCE.read_text()
 
 
 @pytest.mark.parametrize("fixed_us, gbps", [(4.5, 4400.0), (0.0, 3000.0), (12.0, 4800.0)])
