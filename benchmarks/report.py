@@ -7,6 +7,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts, not a package
+import targets  # noqa: E402
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -132,6 +135,13 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`; "
         "`python benchmarks/report.py merge new.json` replaces only the (suite, case) pairs a partial run measured. "
         "Where each suite's rows came from (date, device call, code) and what changed since: the notes at the end.",
+        "",
+        "## The issues' targets against this record",
+        "",
+        "Generated from the rows below (`benchmarks/targets.py`). The read ceiling is the `roofline` suite's fastest "
+        "kernel that only reads, at the case's byte count: a bandwidth target above it asks more than a pure read gets.",
+        "",
+        targets.table(rows),
         "",
     ]
     titles = {"decode": "Batch decode (suite `decode`)", "merge": "merge_states (suite `merge`)",

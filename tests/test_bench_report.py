@@ -5,6 +5,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (the folder is no package)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPORT.parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up there)
     spec.loader.exec_module(mod)
     return mod
 
