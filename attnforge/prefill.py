@@ -81,8 +81,12 @@ class BatchPrefill:
             self._graph_dev = torch.zeros(total, dtype=torch.int32, device=self.device)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
-             sm_scale: Optional[float] = None, q_offset=None, kv_offset=None) -> None:
-        """Ragged KV when kv_indices is None (kv_indptr then counts tokens), else a paged KV table."""
+             sm_scale: Optional[float] = None, q_offset=None, kv_offset=None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+        """Ragged KV when kv_indices is None (kv_indptr then counts tokens), else a paged KV table.
+        k_scale / v_scale: the per-tensor scales of an fp8 cache (K = k_scale * stored K, likewise V);
+        k_scale folds into sm_scale, v_scale scales each output row (16-bit K/V take v_scale 1 only)."""
+        v_scale = self._check_scales(k_scale, v_scale)
         qo = paged.host_int_array("qo_indptr", qo_indptr)
         if qo.ndim != 1 or len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
             raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", qo[:8],
@@ -139,10 +143,10 @@ class BatchPrefill:
         if any(int(np.max(np.abs(x), initial=0)) >= 2**31 for x in parts):
             raise ValueError("plan: an offset or index does not fit in int32; split the batch")
         d = self.spec.head_dim_qk
-        scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph:
             ptrs, host, dev = self._fill_graph_buffers(parts, tile_indptr is not None, len(work), int(page), scale,
-                                                       ragged)
+                                                       ragged, v_scale)
         else:
             host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
             dev = host.to(self.device, non_blocking=True)
@@ -154,7 +158,8 @@ class BatchPrefill:
             ptrs["num_work"] = 0
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
-                      "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "num_slots": num_slots,
+                      "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "v_scale": v_scale,
+                      "num_slots": num_slots,
                       "grid": self._grid(len(work))}
 
     def _grid(self, num_work: int) -> int:
@@ -178,12 +183,26 @@ class BatchPrefill:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, sms * k.ctas_per_sm)
 
-    def _fill_graph_buffers(self, parts, has_tiles: bool, num_work: int, page: int, scale: float, ragged: bool):
+    def _check_scales(self, k_scale, v_scale) -> float:
+        """The plan's v_scale, after checking both scales: finite and positive; v_scale 1 for 16-bit K/V
+        (only the fp8 kernel carries it: scale V itself, or pass sm_scale for K)."""
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise checks.fail(f"plan({name}=...)", "a finite float > 0", x,
+                                  "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
+        if not self.kernel.fp8_kv and v_scale != 1.0:
+            raise checks.fail("plan(v_scale=...)", f"1.0 for {self.spec.kv_dtype} K/V", v_scale,
+                              "Scales belong to an fp8 cache (kv_dtype='fp8_e4m3'); scale V itself here.")
+        return float(v_scale)
+
+    def _fill_graph_buffers(self, parts, has_tiles: bool, num_work: int, page: int, scale: float, ragged: bool,
+                            v_scale: float):
         """Write the plan into the persistent buffers (graph mode) and copy them with one async memcpy."""
         first = getattr(self, "_graph_fixed", None)
-        fixed = (page, scale, ragged, has_tiles)
+        fixed = (page, scale, ragged, has_tiles, v_scale)
         if first is not None and first != fixed:
-            raise checks.fail("plan in CUDA-graph mode", f"page_size, sm_scale, KV kind and mask as captured {first}",
+            raise checks.fail("plan in CUDA-graph mode",
+                              f"page_size, sm_scale*k_scale, KV kind, mask and v_scale as captured {first}",
                               fixed, "Capture one graph per configuration (these are baked into the launch).")
         self._graph_fixed = fixed
         caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 6 * self.capacity["work"],
@@ -286,7 +305,8 @@ class BatchPrefill:
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
             ragged=int(pl["ragged"]), work_count=pl["num_work"], **strides, **variants.variant_values(s, pl["sm_scale"]),
-            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q))
+            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q),
+            **({"v_scale": pl["v_scale"]} if self.kernel.fp8_kv else {}))
         lib = registry.get_library(self.kernel, self.kernel.module, self.device)
         with torch.cuda.device(self.device):
             lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,

@@ -147,9 +147,6 @@ class AttentionSpec:
         if self.kv_dtype in DTYPES_16 and self.kv_dtype != self.q_dtype:
             raise _bad("kv_dtype", self.kv_dtype, f"'{self.q_dtype}' (same as q_dtype) or 'fp8_e4m3'",
                        "Cast q or the cache so that both 16-bit dtypes agree.")
-        if self.kv_dtype == "fp8_e4m3" and self.family == "prefill":
-            raise _bad("kv_dtype", self.kv_dtype, f"one of {DTYPES_16} for prefill",
-                       "fp8 KV is supported by decode and mla_decode.")
 
     def _check_layout_and_flags(self) -> None:
         if self.kv_layout not in LAYOUTS:

@@ -1,6 +1,7 @@
 """Suite `prefill`: GQA 32/8, head_dim 128, bf16, causal. TFLOP/s count only the causal half."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -67,10 +68,16 @@ def run(report: Report, peers: bool = True) -> None:
             # run B1 S32768 and clocks differently: 8-11% apart that way, 3.6% in prefill_copies)
             wr = BatchPrefill(spec)
             wr.plan(indptr, indptr)
+            # the same pages in fp8 e4m3 (the mma kernel, widening each tile in shared memory; scales 1)
+            cache8 = cache.to(torch.float8_e4m3fn)
+            w8 = BatchPrefill(dataclasses.replace(spec, kv_dtype="fp8_e4m3"))
+            w8.plan(*plan_args, page_size=16)
             time_schedules(report, case, spec, plan_args, {"page_size": 16}, lambda wv: wv.run(q, cache), flops,
-                           extra={"attnforge-ragged-kv": lambda: wr.run(q, (k, v))})
+                           extra={"attnforge-ragged-kv": lambda: wr.run(q, (k, v)),
+                                  "attnforge-fp8kv": lambda: w8.run(q, cache8)})
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
+                bench_flashinfer_paged(report, case, q, cache8, indptr, perm, last, flops, backend="fa2")
             continue
         w.plan(indptr, indptr)
         time_schedules(report, case, spec, (indptr, indptr), {}, lambda wv: wv.run(q, (k, v)), flops)
@@ -148,15 +155,18 @@ def bench_flashinfer(report, case, q, k, v, indptr, flops):
             report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")
 
 
-def bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops):
+def bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops, backend="fa3"):
+    """FlashInfer's paged prefill on the same pages (an fp8 cache: row `flashinfer-<backend>-fp8kv`)."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    impl = f"flashinfer-{backend}" + ("-fp8kv" if fp8 else "")
     try:
         import flashinfer
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
         w.plan(dev(indptr), dev([0, len(perm)]), dev(perm), dev(last), HQ, HKV, D, 16, causal=True,
-               q_data_type=torch.bfloat16)
-        report.add("prefill", case, "flashinfer-fa3", time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
+               q_data_type=torch.bfloat16, kv_data_type=cache.dtype)
+        report.add("prefill", case, impl, time_us(lambda: w.run(q, cache), calls=2, reps=10), None, flops)
     except Exception as e:
-        report.note(f"flashinfer paged on {case}: {type(e).__name__}: {str(e)[:160]}")
+        report.note(f"{impl} paged on {case}: {type(e).__name__}: {str(e)[:160]}")
 

@@ -4,10 +4,13 @@ The other GPU files cover each option on a grid of two or three axes; these draw
 (heads, head dim, dtypes, layout, pipeline, page size, lengths around tile and page edges, scales, soft-cap,
 window, graph mode), so a combination no grid names still meets the reference. Each seed is one test id:
 a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+import attnforge
 from attnforge import AttentionSpec, BatchPrefill
 from helpers import make_paged_case, poison
 from test_decode_gpu import run_case as run_decode_case
@@ -74,26 +77,37 @@ def draw_prefill(rng):
     # queries at most the keys (bottom-right causal: chunked prefill), now and then a single token
     qo_lens = [int(rng.choice([1, x, int(rng.integers(1, x + 1))])) for x in kv_lens]
     page = int(rng.choice([0, 1, 7, 16, 64]))  # 0: ragged K/V
-    return spec, qo_lens, kv_lens, page
+    scales = {}
+    if rng.random() < 0.5:  # fp8 K/V with its scales (drawn last: the draws above stay those of each seed)
+        spec = dataclasses.replace(spec, kv_dtype="fp8_e4m3")
+        scales = {"k_scale": float(rng.uniform(0.25, 2)), "v_scale": float(rng.uniform(0.25, 2))}
+    return spec, qo_lens, kv_lens, page, scales
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_prefill(seed):
-    spec, qo_lens, kv_lens, page = draw_prefill(np.random.default_rng(2000 + seed))
+    spec, qo_lens, kv_lens, page, scales = draw_prefill(np.random.default_rng(2000 + seed))
+    k_scale, v_scale = scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)
     w = BatchPrefill(spec)
     if page == 0:
         q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=seed)
-        w.plan(qo, kv)
+        if spec.kv_dtype == "fp8_e4m3":
+            k, v = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+        w.plan(qo, kv, **scales)
         kv_arg, per = (k, v), [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
     else:
         twin = AttentionSpec(num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
-                             head_dim_qk=spec.head_dim_qk, q_dtype=spec.q_dtype, kv_layout=spec.kv_layout)
+                             head_dim_qk=spec.head_dim_qk, q_dtype=spec.q_dtype, kv_dtype=spec.kv_dtype,
+                             kv_layout=spec.kv_layout)
         _, kv_arg, (indptr, indices, last), per = make_paged_case(twin, kv_lens, page, seed=seed)
-        q = torch.randn(sum(qo_lens), spec.num_qo_heads, spec.head_dim_qk, device="cuda").to(kv_arg.dtype)
+        q = torch.randn(sum(qo_lens), spec.num_qo_heads, spec.head_dim_qk, device="cuda").to(
+            attnforge.checks.TORCH_DTYPES[spec.q_dtype])
         qo = np.concatenate([[0], np.cumsum(qo_lens)])
-        w.plan(qo, indptr, indices, last, page_size=page)
-        per = [(k.to(q.dtype), v.to(q.dtype)) for k, v in per]
+        w.plan(qo, indptr, indices, last, page_size=page, **scales)
+    # (fp8 values times the drawn scales may need more bits than q's type: the reference takes them in
+    # float64, and the low-precision yardstick rounds them as the kernel's widening does not)
+    per = [(k.double() * k_scale, v.double() * v_scale) for k, v in per]
     out, lse = w.run(q, kv_arg, out=poison(q.shape, q.dtype), return_lse=True)
     torch.cuda.synchronize()
     check_against_reference(spec, q, out, lse, per, qo)
@@ -133,6 +147,8 @@ def test_draws_cover_the_axes():
     assert any(0 in d[1] for d in dec) and any(d[4] for d in dec)
     assert {p[0].causal for p in pre} == {True, False} and {p[3] == 0 for p in pre} == {True, False}
     assert {p[0].head_dim_qk for p in pre} == {64, 128, 256}
+    assert {p[0].kv_dtype == "fp8_e4m3" for p in pre} == {True, False}
+    assert {p[3] == 0 for p in pre if p[0].kv_dtype == "fp8_e4m3"} == {True, False}  # fp8 ragged and paged
     assert {m[0].pipeline for m in mla} == {"normal", "transposed"}
     assert {m[0].kv_dtype == "fp8_e4m3" for m in mla} == {True, False}
     assert len({m[3] for m in mla}) >= 3 and any(m[5] for m in mla)

@@ -25,6 +25,8 @@ def ragged_case(spec, qo_lens, kv_lens, seed=0):
 def check_against_reference(spec, q, out, lse, per_request, qo_indptr, sm_scale=None):
     mod = spec.score_mod
     for b, (k, v) in enumerate(per_request):
+        if qo_indptr[b + 1] == qo_indptr[b]:
+            continue  # a request with no queries has no rows to check
         qs = q[qo_indptr[b]:qo_indptr[b + 1]]
         kw = dict(causal=spec.causal, window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
                   sm_scale=sm_scale, batch_index=b)
@@ -627,3 +629,102 @@ def test_cuda_graph_replays_after_replans(persistent):
             qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
             ref, _ = reference.attention(q[qs], k[ks], v[ks], causal=True)
             assert (out[qs].double() - ref).abs().max().item() < 2e-2
+
+
+def fp8_ragged_kv(spec, kv_lens, seed):
+    """Ragged fp8 K/V [tokens, Hkv, D] from normal draws x 2 (e4m3 keeps 3 mantissa bits, up to 448)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
+    k, v = ((torch.randn(shape, generator=g) * 2).to(torch.float8_e4m3fn).cuda() for _ in range(2))
+    return k, v
+
+
+# (head_dim, q dtype, page size (None: ragged K/V), layout, causal, heads): every head dim, both q dtypes,
+# ragged and paged with pages of 1, 7, 16 and 64 in both layouts, GQA groups 1, 4 and 8
+FP8_CASES = [(128, "bf16", None, "NHD", True, (32, 8)), (64, "fp16", 1, "HND", False, (8, 8)),
+             (256, "bf16", 7, "NHD", True, (16, 2)), (128, "fp16", 64, "HND", True, (32, 8)),
+             (128, "bf16", 16, "NHD", False, (32, 4))]
+
+
+@pytest.mark.parametrize("head_dim,q_dtype,page_size,layout,causal,heads", FP8_CASES)
+def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, layout, causal, heads):
+    """fp8 e4m3 K/V (widened to q's type in shared memory, exactly: every e4m3 value and its products with
+    the scales below are representable) against float64 attention over K * k_scale and V * v_scale. The
+    lengths: empty and single-token requests, qo_len < kv_len (chunked prefill), lengths off the tiles."""
+    spec = AttentionSpec(family="prefill", num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=head_dim,
+                         q_dtype=q_dtype, kv_dtype="fp8_e4m3", kv_layout=layout, causal=causal)
+    qo_lens, kv_lens = [1, 77, 0, 300, 129], [1, 200, 5, 300, 1000]
+    k_scale, v_scale = 0.5, 1.5
+    dt = attnforge.checks.TORCH_DTYPES[q_dtype]
+    q = torch.randn(sum(qo_lens), heads[0], head_dim, generator=torch.Generator().manual_seed(head_dim)).to(dt).cuda()
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    w = BatchPrefill(spec)
+    assert w.kernel.backend == "mma" and w.kernel.fp8_kv
+    if page_size is None:
+        k, v = fp8_ragged_kv(spec, kv_lens, seed=head_dim)
+        kv = np.concatenate([[0], np.cumsum(kv_lens)])
+        w.plan(qo, kv, k_scale=k_scale, v_scale=v_scale)
+        cache, per = (k, v), [(k[kv[b]:kv[b + 1]].float(), v[kv[b]:kv[b + 1]].float()) for b in range(len(kv_lens))]
+    else:
+        _, cache, table, per = make_paged_case(spec, kv_lens, page_size, seed=page_size)
+        poison_unused_slots(cache, *table, page_size, layout)  # e4m3 NaN where no request holds a slot
+        w.plan(qo, *table, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
+    out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
+    torch.cuda.synchronize()
+    scaled = [((k_ * k_scale).to(dt), (v_ * v_scale).to(dt)) for k_, v_ in per]  # exact in bf16 and fp16
+    check_against_reference(spec, q, out, lse, scaled, qo)
+
+
+def test_fp8_kv_split_chunks_and_soft_cap():
+    """fp8 K/V through the split-KV path (partial states merged by LSE) with a soft-capped score."""
+    spec = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True, logits_soft_cap=30.0)
+    qo_lens, kv_lens = [3, 40, 2], [20000, 9001, 130]
+    q = torch.randn(sum(qo_lens), 32, 128, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
+    k, v = fp8_ragged_kv(spec, kv_lens, seed=5)
+    qo, kv = np.concatenate([[0], np.cumsum(qo_lens)]), np.concatenate([[0], np.cumsum(kv_lens)])
+    w = BatchPrefill(spec)
+    w.plan(qo, kv, k_scale=0.25, v_scale=2.0)
+    assert w._plan["num_slots"] > 1, "this batch must be split"
+    out, lse = w.run(q, (k, v), return_lse=True)
+    per = [((k[kv[b]:kv[b + 1]].float() * 0.25).bfloat16(), (v[kv[b]:kv[b + 1]].float() * 2).bfloat16())
+           for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
+def test_fp8_kv_cuda_graph_replays_after_replans():
+    spec = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True)
+    rng = np.random.default_rng(3)
+    w = BatchPrefill(spec, use_cuda_graph=True, max_batch_size=3, max_work_items=2048)
+    q = torch.randn(3 * 400, 32, 128, device="cuda").bfloat16()
+    k, v = fp8_ragged_kv(spec, [3 * 600], seed=3)
+    out = torch.empty_like(q)
+
+    def replan():
+        qo = rng.integers(1, 400, size=3)
+        kv = qo + rng.integers(0, 200, size=3)
+        qo_indptr, kv_indptr = np.concatenate([[0], np.cumsum(qo)]), np.concatenate([[0], np.cumsum(kv)])
+        w.plan(qo_indptr, kv_indptr, k_scale=0.5, v_scale=1.5)
+        return qo_indptr, kv_indptr
+
+    for _, (qo_indptr, kv_indptr) in replays_after_replans(lambda: w.run(q, (k, v), out=out), replan,
+                                                           lambda: out.fill_(float("nan")), 6):
+        for b in range(3):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+            kd, vd = k[ks].double() * 0.5, v[ks].double() * 1.5  # |V| up to ~13: judged against torch's error
+            ref, _ = reference.attention(q[qs], kd, vd, causal=True)
+            low, _ = reference.attention(q[qs].float(), kd.float(), vd.float(), causal=True, dtype=torch.float32)
+            assert_attention_close(out[qs], ref, low.to(q.dtype), f"fp8 graph round, request {b}")
+    with pytest.raises(ValueError, match="as captured"):  # v_scale is baked into the captured launch
+        w.plan(np.array([0, 4]), np.array([0, 9]), k_scale=0.5, v_scale=1.0)
+
+
+def test_fp8_kv_bad_inputs():
+    spec = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3")
+    q = torch.randn(10, 32, 128, device="cuda").bfloat16()
+    k, v = fp8_ragged_kv(spec, [20], seed=0)
+    w = BatchPrefill(spec)
+    w.plan([0, 10], [0, 20], v_scale=2.0)
+    with pytest.raises(ValueError, match="k.dtype"):  # a 16-bit cache given to the fp8 kernel
+        w.run(q, (k.to(torch.bfloat16), v.to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="wgmma backend does not take kv_dtype fp8_e4m3"):
+        BatchPrefill(spec, backend="wgmma")

@@ -264,3 +264,35 @@ def test_setmaxnreg_split_fits_the_registers_the_launch_allocates(tmp_path, head
     producer = int(producer_regs[0] if consumers == 2 else producer_regs[1])
     (consumer,) = {int(x) for x in re.findall(r"setmaxnreg_inc<(\d+)>", m.source)}
     assert producer + consumers * consumer <= (consumers + 1) * launch, (launch, producer, consumer)
+
+
+FP8 = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True)
+
+
+def test_fp8_kv_runs_the_mma_kernel_with_a_widened_tile():
+    """fp8 K/V: the wgmma kernel reads 16-bit tiles only, so the mma kernel takes it (on sm_90a too), with the
+    ring of tiles at one byte a value and one widened K/V tile beside it; v_scale is a parameter of it alone."""
+    assert wgmma_applies(FP8) and "fp8 KV runs the mma backend" in wgmma_applies(FP8)
+    assert default_backend(FP8, ("9.0a",)) == "mma"
+    with pytest.raises(ValueError, match="the wgmma backend does not take kv_dtype fp8_e4m3"):
+        PrefillKernel(FP8, "wgmma")
+    k, plain = PrefillKernel(FP8, "mma"), PrefillKernel(SPEC, "mma")
+    d, q_bytes = 128, 64 * 128 * 2
+    assert k.smem_bytes == q_bytes + 2 * 2 * 64 * d * 1 + 2 * 64 * d * 2
+    assert plain.smem_bytes == q_bytes + 2 * 2 * 64 * d * 2
+    assert "kvfp8" in k.module().name and "kvfp8" not in plain.module().name
+    assert "v_scale" in k.params.cpp() and "v_scale" not in plain.params.cpp()
+    src, plain_src = k.module().source, plain.module().source
+    assert "Loader::widen" in src and "inv *= p.v_scale" in src and "inv *= p.v_scale" not in plain_src
+
+
+@pytest.mark.parametrize("spec,kw,match", [
+    (SPEC, {"v_scale": 2.0}, r"v_scale=...\): expected 1.0 for bf16 K/V"),
+    (FP8, {"k_scale": 0.0}, r"k_scale=...\): expected a finite float > 0"),
+    (FP8, {"v_scale": float("nan")}, r"v_scale=...\): expected a finite float > 0"),
+    (FP8, {"k_scale": "1"}, r"k_scale=...\): expected a finite float > 0")])
+def test_plan_refuses_bad_scales_before_any_work(spec, kw, match):
+    from attnforge import BatchPrefill
+    w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
+    with pytest.raises(ValueError, match=match):
+        w.plan([0, 4], [0, 9], **kw)

@@ -42,7 +42,6 @@ def test_mla_spec():
     (dict(q_dtype="float32"), "q_dtype", "one of"),
     (dict(out_dtype="fp8_e4m3"), "out_dtype", "bf16"),
     (dict(q_dtype="bf16", kv_dtype="fp16"), "kv_dtype", "same as q_dtype"),
-    (dict(family="prefill", kv_dtype="fp8_e4m3"), "kv_dtype", "prefill"),
     (dict(kv_layout="NCHW"), "kv_layout", "one of"),
     (dict(page_size=0), "page_size", ">= 1"),
     (dict(pipeline="fast"), "pipeline", "one of"),

@@ -4,7 +4,9 @@ Two kernels share one parameter struct, one work list and the variant hooks:
   "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
            two warpgroups (head_dim 256 without a producer: 64 rows, one warpgroup); 16-bit Q/KV.
   "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; the
-           fallback where wgmma does not apply (other archs, fp8 KV).
+           fallback where wgmma does not apply (other archs), and the fp8-KV kernel: fp8 tiles land as they
+           are stored and are widened into one 16-bit tile in shared memory (KVTileLoader::widen) before
+           the MMAs; k_scale folds into sm_scale, v_scale into the epilogue (a `v_scale` parameter).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..mods import graph
 from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
-_CPP = {"bf16": "bf16", "fp16": "fp16"}
+_CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 MMA_REGISTERS = {64: 136, 128: 232, 256: 256}  # per thread of the mma.sync kernel (tests/jit/test_build.py checks)
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
@@ -56,6 +58,7 @@ BASE_FIELDS = (
 # box, 16-token pages took 1458 us.) 8 rows is also the least a box may hold, so the default now
 # equals tma=True; the knob stays for the next kernel whose boxes are not always a gain.
 TMA_AUTO_MIN_ROWS = 8
+FP8_FIELDS = (ParamField("v_scale", "float", "f32"),)  # fp8 KV: V's per-tensor scale, applied to each output row
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               ParamField("q_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request", "tma_q_tokens"))
@@ -82,7 +85,7 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     if spec.head_dim_qk not in WGMMA_HEAD_DIMS:
         return f"head_dim {spec.head_dim_qk} (the wgmma kernel takes {WGMMA_HEAD_DIMS})"
     if spec.kv_dtype != spec.q_dtype:
-        return f"kv_dtype {spec.kv_dtype} differs from q_dtype {spec.q_dtype}"
+        return f"kv_dtype {spec.kv_dtype} differs from q_dtype {spec.q_dtype} (fp8 KV runs the mma backend)"
     return None
 
 
@@ -220,8 +223,9 @@ class PrefillKernel:
         d = self.spec.head_dim_qk
         # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
-        if self.backend != "wgmma":
-            return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * 2
+        if self.backend != "wgmma":  # Q, the ring of K and V tiles as stored, and fp8's widened K and V
+            wide = 2 * self.tile_kv * d * 2 if self.fp8_kv else 0
+            return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * self.kv_bytes + wide
         mats = 2 * self.stages + (1 if self.split_ring else 0)  # K and V tiles in the ring
         bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
         ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
@@ -229,9 +233,17 @@ class PrefillKernel:
         return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + extra
 
     @property
+    def fp8_kv(self) -> bool:
+        return self.spec.kv_dtype == "fp8_e4m3"
+
+    @property
+    def kv_bytes(self) -> int:
+        return 1 if self.fp8_kv else 2
+
+    @property
     def params(self) -> ParamsLayout:
-        return variants.params_for("PrefillParams", (*TMA_FIELDS, *BASE_FIELDS) if self.has_tma else BASE_FIELDS,
-                                   self.spec)
+        base = (*TMA_FIELDS, *BASE_FIELDS) if self.has_tma else BASE_FIELDS
+        return variants.params_for("PrefillParams", (*base, *FP8_FIELDS) if self.fp8_kv else base, self.spec)
 
     @property
     def has_tma(self) -> bool:
@@ -289,7 +301,7 @@ class PrefillKernel:
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
-                         f"d{s.head_dim_qk}", s.q_dtype, f"out{s.out_dtype}",
+                         f"d{s.head_dim_qk}", s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),

@@ -159,6 +159,7 @@ VARIANT_MATRIX = [  # one representative per template option, not the cross prod
     AttentionSpec(family="prefill", causal=True),
     AttentionSpec(family="prefill", head_dim_qk=256, num_qo_heads=8, num_kv_heads=8, q_dtype="fp16"),
     AttentionSpec(family="prefill", head_dim_qk=64, window_left=64, logits_soft_cap=20.0),
+    AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True),  # the mma kernel widening fp8 tiles
     *[AttentionSpec(family="mla_decode", num_qo_heads=h, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
                     pipeline=p, **kw) for h, p, kw in
       ((16, "normal", {}), (128, "normal", {"q_dtype": "fp16"}), (8, "transposed", {"kv_dtype": "fp8_e4m3"}),
