@@ -44,9 +44,18 @@ def test_shapes_and_refusals():
     assert k.ctas_per_sm == 1
     plain = PrefillKernel(SPEC, "wgmma", producer=False)
     assert (plain.threads, plain.smem_bytes) == (256, 128 * 128 * 2 + 3 * 2 * 128 * 128 * 2 + 1024 + 128)
-    mma = PrefillKernel(SPEC, "mma")
-    assert (mma.tile_q, mma.threads, mma.producer) == (64, 128, False)
-    assert mma.ctas_per_sm == 228 * 1024 // (mma.smem_bytes + 1024) >= 2
+    mma = PrefillKernel(SPEC, "mma")  # four warps of two m16 row tiles each
+    assert (mma.tile_q, mma.threads, mma.producer, mma.m_tiles) == (128, 128, False, 2)
+    assert mma.ctas_per_sm == 228 * 1024 // (mma.smem_bytes + 1024) == 2
+    one = PrefillKernel(SPEC, "mma", m_tiles=1)
+    assert (one.tile_q, one.threads, one.smem_bytes) == (64, 128, 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2)
+    assert "_m2_" in mma.module().name and "_m2_" not in one.module().name
+    d256_mma = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "mma")
+    assert (d256_mma.m_tiles, d256_mma.tile_q) == (1, 64)  # (two would spill: 255 registers at one)
+    with pytest.raises(ValueError, match="m_tiles: the mma backend takes 1 or 2 .*got 3"):
+        PrefillKernel(SPEC, "mma", m_tiles=3)
+    with pytest.raises(ValueError, match=r"m_tiles: .*wgmma: 1\), got 2 with backend 'wgmma'"):
+        PrefillKernel(SPEC, "wgmma", m_tiles=2)
     # d256: Q of 128 rows and a split ring of two K and three V 64-token slots (each on a full and
     # an empty mbarrier) beside a producer; without one, 64 rows and three shared stages
     d256_spec = AttentionSpec(family="prefill", head_dim_qk=256)
@@ -159,8 +168,10 @@ def test_one_resident_wgmma_cta_per_sm_whatever_shared_memory_allows():
     d64 = AttentionSpec(family="prefill", head_dim_qk=64, causal=True)
     small = PrefillKernel(d64, "wgmma", num_stages=4, kv_tile=64)  # 82 KB: two would fit by shared memory
     assert small.smem_bytes * 2 < 228 * 1024 and small.ctas_per_sm == 1  # registers: 384 x 168 of 65536
-    mma = PrefillKernel(d64, "mma")  # 5 fit by shared memory, 3 by its ~129 registers a thread
+    mma = PrefillKernel(d64, "mma", m_tiles=1)  # 5 fit by shared memory, 3 by its ~129 registers a thread
     assert (228 * 1024 // (mma.smem_bytes + 1024), mma.ctas_per_sm) == (5, 3)
+    two = PrefillKernel(d64, "mma")  # two m16 tiles a warp: 4 by shared memory, 2 by ~250 registers
+    assert (228 * 1024 // (two.smem_bytes + 1024), two.ctas_per_sm) == (4, 2)
     assert PrefillKernel(d64, "wgmma").stages == 4 and PrefillKernel(d64, "wgmma", producer=False).stages == 3
 
 
@@ -277,7 +288,7 @@ def test_fp8_kv_runs_the_mma_kernel_with_a_widened_tile():
     with pytest.raises(ValueError, match="the wgmma backend does not take kv_dtype fp8_e4m3"):
         PrefillKernel(FP8, "wgmma")
     k, plain = PrefillKernel(FP8, "mma"), PrefillKernel(SPEC, "mma")
-    d, q_bytes = 128, 64 * 128 * 2
+    d, q_bytes = 128, 128 * 128 * 2
     assert k.smem_bytes == q_bytes + 2 * 2 * 64 * d * 1 + 2 * 64 * d * 2
     assert plain.smem_bytes == q_bytes + 2 * 2 * 64 * d * 2
     assert "kvfp8" in k.module().name and "kvfp8" not in plain.module().name

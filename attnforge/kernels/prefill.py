@@ -24,7 +24,9 @@ from ..spec import AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
-MMA_REGISTERS = {64: 136, 128: 232, 256: 256}  # per thread of the mma.sync kernel (tests/jit/test_build.py checks)
+# registers a thread of the mma.sync kernel by (head_dim, m_tiles), rounded up (tests/jit/test_build.py checks)
+MMA_REGISTERS = {(64, 1): 136, (128, 1): 232, (256, 1): 256, (64, 2): 256, (128, 2): 256}
+MMA_M_TILES = {64: 2, 128: 2, 256: 1}  # m16 row tiles a warp of the mma kernel by head_dim (d256: registers)
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
@@ -36,6 +38,7 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # three shared stages fit (one consumer warpgroup, 224 KB).
 # wgmma at head_dim 64 with a producer: four stages, measured 661.2 vs 669.0 us (thirteenth session) and
 # 669.3 vs 673.9 (twelfth) at B1 S8192 causal against three, timed in rotation
+# (mma: query rows at one m16 tile a warp, times m_tiles)
 _SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3),
            "wgmma64": (128, 128, 4)}
 
@@ -118,8 +121,12 @@ class PrefillKernel:
     fma_exp_every: Optional[int] = None  # wgmma: every Nth exponential on the FMA pipe (ex2_poly), 0 for
     # none. None: FMA_EXP_EVERY's measured choice by head_dim and whether a function of the score
     # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
+    m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows). None:
+    # MMA_M_TILES by head_dim (2 where the registers allow: every K / V fragment then feeds two MMAs)
 
     def __post_init__(self):
+        if self.m_tiles is None:
+            object.__setattr__(self, "m_tiles", MMA_M_TILES[self.spec.head_dim_qk] if self.backend == "mma" else 1)
         if self.fma_exp_every is None:
             key = (self.spec.head_dim_qk, sfu_core_per_score(self.spec))
             object.__setattr__(self, "fma_exp_every", FMA_EXP_EVERY.get(key, 0) if self.backend == "wgmma" else 0)
@@ -158,6 +165,9 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
+        if self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma"):
+            raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (wgmma: 1), "
+                             f"got {self.m_tiles!r} with backend {self.backend!r}; pass None for the default")
         least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
         if self.stages < least:
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
@@ -184,7 +194,7 @@ class PrefillKernel:
 
     @property
     def tile_q(self) -> int:
-        return self._shape[0]
+        return self._shape[0] * (self.m_tiles if self.backend == "mma" else 1)
 
     @property
     def tile_kv(self) -> int:
@@ -198,7 +208,7 @@ class PrefillKernel:
     def threads(self) -> int:
         if self.backend == "wgmma":
             return 2 * self.tile_q + (128 if self.producer else 0)
-        return 32 * (self.tile_q // 16)
+        return 32 * (self.tile_q // (16 * self.m_tiles))
 
     @property
     def ctas_per_sm(self) -> int:
@@ -210,8 +220,9 @@ class PrefillKernel:
         if self.backend == "wgmma":
             return 1
         by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + 1024))  # the driver reserves 1 KB per CTA
-        # mma.sync: registers as ptxas gave them (129 / 231 / 255 a thread at d64 / 128 / 256), rounded up
-        by_registers = REGISTERS_PER_SM // (self.threads * MMA_REGISTERS[self.spec.head_dim_qk])
+        # mma.sync: registers as ptxas gave them (m_tiles 1: 129 / 231 / 255 a thread at d64 / 128 / 256;
+        # 2: 236-255), rounded up
+        by_registers = REGISTERS_PER_SM // (self.threads * MMA_REGISTERS[self.spec.head_dim_qk, self.m_tiles])
         return max(1, min(by_smem, by_registers))
 
     @property
@@ -295,7 +306,7 @@ class PrefillKernel:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
-               "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages,
+               "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages, "m_tiles": self.m_tiles,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
@@ -306,6 +317,7 @@ class PrefillKernel:
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
                          *([f"t{self.tile_kv}"] if self.tile_kv != self._shape[1] else []),
+                         *([f"m{self.m_tiles}"] if self.m_tiles != 1 else []),
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
