@@ -317,6 +317,20 @@ def test_long_causal_fp16_and_window():
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("kw,m_tiles", [({"logits_soft_cap": 30.0}, 2), ({"window_left": 500}, 1), ({}, 2)])
+def test_mma_kernel_row_tiles_with_soft_cap_and_window(kw, m_tiles):
+    """The mma kernel at d128 (kernels.prefill.mma_m_tiles: two m16 row tiles a warp, one with a window),
+    rows past the request in its 128-row tiles, a request shorter than a tile."""
+    spec = AttentionSpec(family="prefill", q_dtype="fp16", causal=True, **kw)
+    q, k, v, qo, kv = ragged_case(spec, [3000, 70, 1], [3000, 4096, 1], seed=4)
+    w = BatchPrefill(spec, backend="mma")
+    assert w.kernel.m_tiles == m_tiles
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=torch.full_like(q, math.nan), return_lse=True)
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(3)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_kv(page_size, layout):
@@ -332,14 +346,17 @@ def test_paged_kv(page_size, layout):
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
 
 
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "softcap", "alibi", "relative_bias", "document_mask",
-                                  "prefix_lm", "attention_sink"])
-def test_library_mods_in_prefill(name):
+@pytest.mark.parametrize("name,backend", [("causal", None), ("sliding_window", None), ("softcap", None), ("alibi", None),
+                                          ("relative_bias", None), ("document_mask", None), ("prefix_lm", None),
+                                          ("attention_sink", None), ("alibi", "mma"), ("document_mask", "mma"),
+                                          ("softcap", "mma")])
+def test_library_mods_in_prefill(name, backend):
+    # (mma: one m16 row tile a warp with a score modifier, mma_m_tiles; the soft-cap mod too)
     from mod_library import library
     mod = library()[name]
     spec = AttentionSpec(family="prefill", score_mod=mod)
     q, k, v, qo, kv = ragged_case(spec, [200, 1, 515, 64], [200, 700, 515, 2999], seed=11)
-    w = BatchPrefill(spec)
+    w = BatchPrefill(spec, backend=backend)
     w.plan(qo, kv)
     out, lse = w.run(q, (k, v), return_lse=True)
     per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]

@@ -50,8 +50,12 @@ def test_shapes_and_refusals():
     one = PrefillKernel(SPEC, "mma", m_tiles=1)
     assert (one.tile_q, one.threads, one.smem_bytes) == (64, 128, 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2)
     assert "_m2_" in mma.module().name and "_m2_" not in one.module().name
-    d256_mma = PrefillKernel(AttentionSpec(family="prefill", head_dim_qk=256), "mma")
-    assert (d256_mma.m_tiles, d256_mma.tile_q) == (1, 64)  # (two would spill: 255 registers at one)
+    # two where measured faster: d128 without a window or a score modifier (soft-cap and fp8 K/V included)
+    for kw, m_tiles in (({"head_dim_qk": 256}, 1), ({"head_dim_qk": 64}, 1), ({"window_left": 100}, 1),
+                        ({"score_mod": __import__("attnforge.mods").mods.alibi(torch.ones(32))}, 1),
+                        ({"logits_soft_cap": 30.0}, 2), ({"kv_dtype": "fp8_e4m3"}, 2), ({"causal": False}, 2)):
+        k = PrefillKernel(AttentionSpec(family="prefill", **kw), "mma")
+        assert (k.m_tiles, k.tile_q) == (m_tiles, 64 * m_tiles), kw
     with pytest.raises(ValueError, match="m_tiles: the mma backend takes 1 or 2 .*got 3"):
         PrefillKernel(SPEC, "mma", m_tiles=3)
     with pytest.raises(ValueError, match=r"m_tiles: .*wgmma: 1\), got 2 with backend 'wgmma'"):
@@ -170,7 +174,7 @@ def test_one_resident_wgmma_cta_per_sm_whatever_shared_memory_allows():
     assert small.smem_bytes * 2 < 228 * 1024 and small.ctas_per_sm == 1  # registers: 384 x 168 of 65536
     mma = PrefillKernel(d64, "mma", m_tiles=1)  # 5 fit by shared memory, 3 by its ~129 registers a thread
     assert (228 * 1024 // (mma.smem_bytes + 1024), mma.ctas_per_sm) == (5, 3)
-    two = PrefillKernel(d64, "mma")  # two m16 tiles a warp: 4 by shared memory, 2 by ~250 registers
+    two = PrefillKernel(d64, "mma", m_tiles=2)  # two m16 tiles a warp: 4 by shared memory, 2 by ~250 registers
     assert (228 * 1024 // (two.smem_bytes + 1024), two.ctas_per_sm) == (4, 2)
     assert PrefillKernel(d64, "wgmma").stages == 4 and PrefillKernel(d64, "wgmma", producer=False).stages == 3
 

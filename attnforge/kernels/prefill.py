@@ -26,7 +26,16 @@ from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
 # registers a thread of the mma.sync kernel by (head_dim, m_tiles), rounded up (tests/jit/test_build.py checks)
 MMA_REGISTERS = {(64, 1): 136, (128, 1): 232, (256, 1): 256, (64, 2): 256, (128, 2): 256}
-MMA_M_TILES = {64: 2, 128: 2, 256: 1}  # m16 row tiles a warp of the mma kernel by head_dim (d256: registers)
+
+
+def mma_m_tiles(spec: AttentionSpec) -> int:
+    """m16 row tiles a warp of the mma kernel, as measured on the H200 (forty-ninth session, B1 S8192 causal
+    GQA 32/8 unless noted, two against one in rotation): d128 -7.3% (bf16), -7.6% (S4096 not causal), -33.6%
+    (soft-cap 30), -14.9% (fp8 K/V, 16-token pages), -32.0% (fp8, S4096 not causal): two. But a sliding
+    window +9.7%, ALiBi +16%, a document mask +3.4% and d64 +20%: one (ptxas then spills or, at d64, holds two
+    CTAs an SM instead of three). d256 takes one: its accumulators alone fill the registers."""
+    plain = spec.window_left < 0 and spec.score_mod is None
+    return 2 if spec.head_dim_qk == 128 and plain else 1
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
@@ -121,12 +130,12 @@ class PrefillKernel:
     fma_exp_every: Optional[int] = None  # wgmma: every Nth exponential on the FMA pipe (ex2_poly), 0 for
     # none. None: FMA_EXP_EVERY's measured choice by head_dim and whether a function of the score
     # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
-    m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows). None:
-    # MMA_M_TILES by head_dim (2 where the registers allow: every K / V fragment then feeds two MMAs)
+    m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows; at two
+    # every K / V fragment loaded feeds two MMAs). None: mma_m_tiles(spec), as measured
 
     def __post_init__(self):
         if self.m_tiles is None:
-            object.__setattr__(self, "m_tiles", MMA_M_TILES[self.spec.head_dim_qk] if self.backend == "mma" else 1)
+            object.__setattr__(self, "m_tiles", mma_m_tiles(self.spec) if self.backend == "mma" else 1)
         if self.fma_exp_every is None:
             key = (self.spec.head_dim_qk, sfu_core_per_score(self.spec))
             object.__setattr__(self, "fma_exp_every", FMA_EXP_EVERY.get(key, 0) if self.backend == "wgmma" else 0)
