@@ -49,7 +49,7 @@ class BatchPrefill:
         # where it measured faster; True: the same today; False: cp.async only). fma_exp_every: every Nth
         # exponential of the softmax on the FMA pipe (None: as measured, by head_dim and whether a
         # function of the score such as soft-cap's tanh shares the SFU; kernels/prefill.py). m_tiles: the
-        # mma kernel's m16 row tiles a warp (None: two where the registers allow, d <= 128).
+        # mma kernel's m16 row tiles a warp (None: as measured, kernels.prefill.mma_m_tiles).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the

@@ -3,7 +3,8 @@
 Two kernels share one parameter struct, one work list and the variant hooks:
   "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
            two warpgroups (head_dim 256 without a producer: 64 rows, one warpgroup); 16-bit Q/KV.
-  "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), 64 rows per CTA; the
+  "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), four warps of one or two m16 row
+           tiles (64 or 128 rows per CTA, mma_m_tiles); the
            fallback where wgmma does not apply (other archs), and the fp8-KV kernel: fp8 tiles land as they
            are stored and are widened into one 16-bit tile in shared memory (KVTileLoader::widen) before
            the MMAs; k_scale folds into sm_scale, v_scale into the epilogue (a `v_scale` parameter).
@@ -36,6 +37,8 @@ def mma_m_tiles(spec: AttentionSpec) -> int:
     CTAs an SM instead of three). d256 takes one: its accumulators alone fill the registers."""
     plain = spec.window_left < 0 and spec.score_mod is None
     return 2 if spec.head_dim_qk == 128 and plain else 1
+
+
 BACKENDS = ("wgmma", "mma")
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_ARCH = "9.0a"
