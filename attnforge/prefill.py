@@ -316,12 +316,21 @@ class BatchPrefill:
 
 
 def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   sm_scale: Optional[float] = None, return_lse: bool = False, **spec_kwargs):
-    """One request: q [Lq, Hq, D], k/v [Lk, Hkv, D]."""
+                   sm_scale: Optional[float] = None, return_lse: bool = False, k_scale: float = 1.0,
+                   v_scale: float = 1.0, **spec_kwargs):
+    """One request: q [Lq, Hq, D]; k, v [Lk, Hkv, D] of q's dtype, or fp8 e4m3 with the cache's per-tensor
+    k_scale / v_scale (the K/V dtype is k's). Returns out [Lq, Hq, D], and lse [Lq, Hq] with return_lse."""
+    named = (("q", q), ("k", k), ("v", v))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise checks.fail(f"single_prefill {name}", "a 3-D tensor [tokens, heads, head_dim]",
+                              getattr(t, "shape", type(t).__name__), "Batches go through BatchPrefill.")
+    for name, t in named:
+        checks.check_cuda(name, t, q.device)
     spec = AttentionSpec(family="prefill", num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
-                         q_dtype=q.dtype, causal=causal, **spec_kwargs)
+                         q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype), causal=causal, **spec_kwargs)
     w = _cached_wrapper(spec, q.device)
-    w.plan([0, q.shape[0]], [0, k.shape[0]], sm_scale=sm_scale)
+    w.plan([0, q.shape[0]], [0, k.shape[0]], sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     return w.run(q, (k, v), return_lse=return_lse)
 
 

@@ -745,3 +745,20 @@ def test_fp8_kv_bad_inputs():
         w.run(q, (k.to(torch.bfloat16), v.to(torch.bfloat16)))
     with pytest.raises(ValueError, match="wgmma backend does not take kv_dtype fp8_e4m3"):
         BatchPrefill(spec, backend="wgmma")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_single_prefill(kv):
+    """The one-request convenience: 16-bit K/V, or fp8 K/V with its scales (the K/V dtype taken from k)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(300, 32, 128, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(700, 8, 128, generator=g) * 2 for _ in range(2))
+    fp8 = kv == "fp8"
+    k, v = ((t.to(torch.float8_e4m3fn) if fp8 else t.bfloat16()).cuda() for t in (k, v))
+    scales = {"k_scale": 0.5, "v_scale": 1.5} if fp8 else {}
+    out, lse = attnforge.single_prefill(q, k, v, causal=True, return_lse=True, **scales)
+    torch.cuda.synchronize()
+    ks, vs = scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)
+    spec = AttentionSpec(family="prefill", causal=True, kv_dtype="fp8_e4m3" if fp8 else "bf16")
+    check_against_reference(spec, q, out, lse, [((k.float() * ks).bfloat16(), (v.float() * vs).bfloat16())],
+                            np.array([0, 300]))

@@ -311,3 +311,12 @@ def test_plan_refuses_bad_scales_before_any_work(spec, kw, match):
     w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
     with pytest.raises(ValueError, match=match):
         w.plan([0, 4], [0, 9], **kw)
+
+
+def test_single_prefill_refuses_bad_tensors_before_any_work():
+    from attnforge import single_prefill
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"single_prefill k: expected a 3-D tensor \[tokens, heads, head_dim\]"):
+        single_prefill(q, torch.zeros(4, 128), torch.zeros(4, 8, 128))
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got device cpu"):
+        single_prefill(q, torch.zeros(4, 8, 128), torch.zeros(4, 8, 128))
