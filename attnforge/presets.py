@@ -15,13 +15,21 @@ def _llama_decode():
             for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3") for layout in ("NHD", "HND")]
 
 
+def _llama_prefill():
+    """The prefill kernels of the same model: causal, 16-bit K/V (the Hopper kernel where sm_90a is built) and
+    an fp8 cache (the mma.sync kernel); one kernel serves ragged and paged K/V in either layout."""
+    return [AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype=dt,
+                          kv_dtype=kv, causal=True)
+            for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3")]
+
+
 def _merge():
     from .merge import MergeSpec
     return [MergeSpec(d, o) for d in (torch.bfloat16, torch.float16, torch.float32)
             for o in (torch.bfloat16, torch.float16)]
 
 
-PRESETS = {"merge": _merge, "llama-decode": _llama_decode}
+PRESETS = {"merge": _merge, "llama-decode": _llama_decode, "llama-prefill": _llama_prefill}
 
 
 def load_spec_file(path: str | Path) -> list[AttentionSpec]:

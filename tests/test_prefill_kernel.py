@@ -320,3 +320,16 @@ def test_single_prefill_refuses_bad_tensors_before_any_work():
         single_prefill(q, torch.zeros(4, 128), torch.zeros(4, 8, 128))
     with pytest.raises(ValueError, match="q: expected a CUDA tensor, got device cpu"):
         single_prefill(q, torch.zeros(4, 8, 128), torch.zeros(4, 8, 128))
+
+
+def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
+    """`python -m attnforge build --preset llama-prefill`: each spec's module is the one BatchPrefill launches
+    (16-bit and fp8 K/V, bf16 and fp16 queries), so an AOT cache serves prefill under ATTNFORGE_DISABLE_JIT."""
+    from attnforge import BatchPrefill, presets
+    specs = presets.PRESETS["llama-prefill"]()
+    names = []
+    for spec in specs:
+        w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
+        assert [m.name for m in presets.modules_for(spec)] == [w.kernel.module().name]
+        names.append(w.kernel.module().name)
+    assert len(set(names)) == 4 and sum("kvfp8" in n for n in names) == 2
