@@ -15,10 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from harness import Report, time_us
+from targets import fit
 
 from attnforge.jit import arch, loader
 
@@ -39,14 +39,6 @@ def build(directory: Path) -> Path:
     cubin = directory / "read_stream.cubin"
     subprocess.run([str(arch.nvcc_path()), "-arch=sm_90a", "-cubin", "-O3", "-o", str(cubin), str(SOURCE)], check=True)
     return cubin
-
-
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed us, rate GB/s) of the least-squares line us = fixed + bytes / rate."""
-    x = np.array([b for b, _ in points], dtype=np.float64)
-    y = np.array([t for _, t in points], dtype=np.float64)
-    slope, fixed = np.polyfit(x, y, 1)
-    return float(fixed), float(1e-3 / slope)
 
 
 def run(report: Report, peers: bool = True) -> None:  # (peers: the suites' signature; there are none)

@@ -85,21 +85,22 @@ def measured(t: Target, rows) -> Optional[float]:
     return ref["us"] / r["us"] if t.metric == "speedup" else r["us"] / ref["us"] - 1.0
 
 
+def fit(points) -> tuple[float, float]:
+    """(fixed us, rate GB/s) of the least-squares line us = fixed + bytes / rate through (bytes, us) points:
+    a roofline kernel's line (bench_roofline notes it; read_ceiling_gbps evaluates it)."""
+    x, y = np.array(points, dtype=np.float64).T
+    slope, fixed = np.polyfit(x, y, 1)  # us per byte, us
+    return float(fixed), float(1e-3 / slope)
+
+
 def read_ceiling_gbps(nbytes: float, rows) -> Optional[float]:
     """The fastest roofline kernel's rate at `nbytes` (its fitted line there), or None without roofline rows."""
     lines = {}
     for r in rows:
         if r["suite"] == "roofline" and r.get("gbps"):
             lines.setdefault(r["impl"], []).append((r["gbps"] * r["us"] * 1e3, r["us"]))
-    best = None
-    for points in lines.values():
-        if len(points) < 2:
-            continue
-        x, y = np.array(points, dtype=float).T
-        slope, fixed = np.polyfit(x, y, 1)  # us per byte, us
-        us = fixed + slope * nbytes
-        best = us if best is None else min(best, us)
-    return None if best is None else nbytes / (best * 1e3)
+    times = [fixed + nbytes / (rate * 1e3) for fixed, rate in (fit(p) for p in lines.values() if len(p) >= 2)]
+    return nbytes / (min(times) * 1e3) if times else None
 
 
 def verdicts(rows) -> list[dict]:
