@@ -68,13 +68,17 @@ def run(report: Report, peers: bool = True) -> None:
             # run B1 S32768 and clocks differently: 8-11% apart that way, 3.6% in prefill_copies)
             wr = BatchPrefill(spec)
             wr.plan(indptr, indptr)
-            # the same pages in fp8 e4m3 (the mma kernel, widening each tile in shared memory; scales 1)
+            # the same pages in fp8 e4m3 (scales 1): the default (wgmma, its producer widening each tile
+            # from a staging ring) and the portable mma kernel (widening in shared memory by every warp)
             cache8 = cache.to(torch.float8_e4m3fn)
-            w8 = BatchPrefill(dataclasses.replace(spec, kv_dtype="fp8_e4m3"))
-            w8.plan(*plan_args, page_size=16)
+            spec8 = dataclasses.replace(spec, kv_dtype="fp8_e4m3")
+            w8, w8m = BatchPrefill(spec8), BatchPrefill(spec8, backend="mma")
+            for wf in (w8, w8m):
+                wf.plan(*plan_args, page_size=16)
             time_schedules(report, case, spec, plan_args, {"page_size": 16}, lambda wv: wv.run(q, cache), flops,
                            extra={"attnforge-ragged-kv": lambda: wr.run(q, (k, v)),
-                                  "attnforge-fp8kv": lambda: w8.run(q, cache8)})
+                                  "attnforge-fp8kv": lambda: w8.run(q, cache8),
+                                  "attnforge-fp8kv-mma": lambda: w8m.run(q, cache8)})
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
                 bench_flashinfer_paged(report, case, q, cache8, indptr, perm, last, flops, backend="fa2")

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -663,11 +664,18 @@ FP8_CASES = [(128, "bf16", None, "NHD", True, (32, 8)), (64, "fp16", 1, "HND", F
              (128, "bf16", 16, "NHD", False, (32, 4))]
 
 
-@pytest.mark.parametrize("head_dim,q_dtype,page_size,layout,causal,heads", FP8_CASES)
-def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, layout, causal, heads):
-    """fp8 e4m3 K/V (widened to q's type in shared memory, exactly: every e4m3 value and its products with
-    the scales below are representable) against float64 attention over K * k_scale and V * v_scale. The
-    lengths: empty and single-token requests, qo_len < kv_len (chunked prefill), lengths off the tiles."""
+# each case on the default backend (wgmma at head_dim 64 and 128) and on mma; "int": the wgmma kernel's
+# integer widening (fp8_int_widen)
+FP8_BACKEND_CASES = [(*case, b) for case in FP8_CASES for b in (None, "mma")] + [
+    (*case, "int") for case in FP8_CASES if case[0] != 256]
+
+
+@pytest.mark.parametrize("head_dim,q_dtype,page_size,layout,causal,heads,backend", FP8_BACKEND_CASES)
+def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, layout, causal, heads, backend):
+    """fp8 e4m3 K/V (widened exactly: every e4m3 value and its products with the scales below are
+    representable; by the wgmma kernel's producer into fp16, bf16 queries staged as fp16 x 2^-8, or in
+    shared memory to q's type by the mma kernel) against float64 attention over K * k_scale and V * v_scale.
+    The lengths: empty and single-token requests, qo_len < kv_len (chunked prefill), lengths off the tiles."""
     spec = AttentionSpec(family="prefill", num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=head_dim,
                          q_dtype=q_dtype, kv_dtype="fp8_e4m3", kv_layout=layout, causal=causal)
     qo_lens, kv_lens = [1, 77, 0, 300, 129], [1, 200, 5, 300, 1000]
@@ -675,8 +683,9 @@ def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, 
     dt = attnforge.checks.TORCH_DTYPES[q_dtype]
     q = torch.randn(sum(qo_lens), heads[0], head_dim, generator=torch.Generator().manual_seed(head_dim)).to(dt).cuda()
     qo = np.concatenate([[0], np.cumsum(qo_lens)])
-    w = BatchPrefill(spec)
-    assert w.kernel.backend == "mma" and w.kernel.fp8_kv
+    w = BatchPrefill(spec, backend="wgmma", fp8_int_widen=True) if backend == "int" else BatchPrefill(spec, backend=backend)
+    expected = "wgmma" if backend == "int" else backend or ("wgmma" if head_dim in (64, 128) else "mma")
+    assert w.kernel.backend == expected and w.kernel.fp8_kv
     if page_size is None:
         k, v = fp8_ragged_kv(spec, kv_lens, seed=head_dim)
         kv = np.concatenate([[0], np.cumsum(kv_lens)])
@@ -692,14 +701,15 @@ def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, 
     check_against_reference(spec, q, out, lse, scaled, qo)
 
 
-def test_fp8_kv_split_chunks_and_soft_cap():
+@pytest.mark.parametrize("backend", [None, "mma"])
+def test_fp8_kv_split_chunks_and_soft_cap(backend):
     """fp8 K/V through the split-KV path (partial states merged by LSE) with a soft-capped score."""
     spec = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True, logits_soft_cap=30.0)
     qo_lens, kv_lens = [3, 40, 2], [20000, 9001, 130]
     q = torch.randn(sum(qo_lens), 32, 128, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     k, v = fp8_ragged_kv(spec, kv_lens, seed=5)
     qo, kv = np.concatenate([[0], np.cumsum(qo_lens)]), np.concatenate([[0], np.cumsum(kv_lens)])
-    w = BatchPrefill(spec)
+    w = BatchPrefill(spec, backend=backend)
     w.plan(qo, kv, k_scale=0.25, v_scale=2.0)
     assert w._plan["num_slots"] > 1, "this batch must be split"
     out, lse = w.run(q, (k, v), return_lse=True)
@@ -743,8 +753,8 @@ def test_fp8_kv_bad_inputs():
     w.plan([0, 10], [0, 20], v_scale=2.0)
     with pytest.raises(ValueError, match="k.dtype"):  # a 16-bit cache given to the fp8 kernel
         w.run(q, (k.to(torch.bfloat16), v.to(torch.bfloat16)))
-    with pytest.raises(ValueError, match="wgmma backend does not take kv_dtype fp8_e4m3"):
-        BatchPrefill(spec, backend="wgmma")
+    with pytest.raises(ValueError, match="wgmma backend does not take kv_dtype fp8_e4m3 at head_dim 256"):
+        BatchPrefill(dataclasses.replace(spec, head_dim_qk=256, head_dim_vo=256), backend="wgmma")
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

@@ -1,4 +1,5 @@
 """The prefill family's two kernels: which one runs, what each refuses, and the sm_90a-only build."""
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -284,13 +285,9 @@ def test_setmaxnreg_split_fits_the_registers_the_launch_allocates(tmp_path, head
 FP8 = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True)
 
 
-def test_fp8_kv_runs_the_mma_kernel_with_a_widened_tile():
-    """fp8 K/V: the wgmma kernel reads 16-bit tiles only, so the mma kernel takes it (on sm_90a too), with the
-    ring of tiles at one byte a value and one widened K/V tile beside it; v_scale is a parameter of it alone."""
-    assert wgmma_applies(FP8) and "fp8 KV runs the mma backend" in wgmma_applies(FP8)
-    assert default_backend(FP8, ("9.0a",)) == "mma"
-    with pytest.raises(ValueError, match="the wgmma backend does not take kv_dtype fp8_e4m3"):
-        PrefillKernel(FP8, "wgmma")
+def test_fp8_kv_on_the_mma_kernel_widens_a_tile_in_shared_memory():
+    """fp8 K/V on the portable kernel: the ring of tiles at one byte a value and one widened K/V tile beside
+    it; v_scale is a parameter of the fp8 kernels alone."""
     k, plain = PrefillKernel(FP8, "mma"), PrefillKernel(SPEC, "mma")
     d, q_bytes = 128, 128 * 128 * 2
     assert k.smem_bytes == q_bytes + 2 * 2 * 64 * d * 1 + 2 * 64 * d * 2
@@ -299,6 +296,41 @@ def test_fp8_kv_runs_the_mma_kernel_with_a_widened_tile():
     assert "v_scale" in k.params.cpp() and "v_scale" not in plain.params.cpp()
     src, plain_src = k.module().source, plain.module().source
     assert "Loader::widen" in src and "inv *= p.v_scale" in src and "inv *= p.v_scale" not in plain_src
+
+
+def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
+    """fp8 K/V on Hopper: the wgmma kernel (the default at head_dim 64 and 128) copies fp8 tiles as stored
+    into a staging ring of their own, and its producer widens them into three 16-bit stages; head_dim 256
+    has no room for the staging and runs the mma kernel."""
+    assert wgmma_applies(FP8) is None and default_backend(FP8, ("9.0a",)) == "wgmma"
+    assert default_backend(FP8, ("8.0",)) == "mma"
+    d256 = dataclasses.replace(FP8, head_dim_qk=256, head_dim_vo=256)
+    assert "at head_dim 256" in wgmma_applies(d256) and default_backend(d256, ("9.0a",)) == "mma"
+    with pytest.raises(ValueError, match="the wgmma backend does not take kv_dtype fp8_e4m3 at head_dim 256"):
+        PrefillKernel(d256, "wgmma")
+    k = PrefillKernel(FP8, "wgmma")
+    assert (k.tile_q, k.tile_kv, k.stages, k.fp8_stages, k.has_tma, k.persistent) == (128, 64, 3, 4, False, True)
+    ws = 16 * 3 + 8 * 64 + 8  # full / empty mbarriers, row offsets, q_empty
+    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 64 * 128 * 2 + 4 * 2 * 64 * 128 + 1024 + 128 + ws
+    assert PrefillKernel(dataclasses.replace(FP8, head_dim_qk=64, head_dim_vo=64), "wgmma").tile_kv == 128
+    assert PrefillKernel(SPEC, "wgmma").fp8_stages == 0
+    src = k.module().source
+    assert "widen_own_sw128" in src and "v_out_scale = p.v_scale" in src and "stage_q_fp16" in src
+    assert "kFp8Stages = 4;" in src and "v_scale" in k.params.cpp() and "k_tmap" not in k.params.cpp()
+    names = {PrefillKernel(FP8, "wgmma", fp8_stages=n).module().name for n in (2, 3, 4)}
+    assert len(names) == 3 and all("kvfp8" in n for n in names)
+    plain_src = PrefillKernel(SPEC, "wgmma").module().source
+    assert "kFp8Stages = 0;" in plain_src and "constexpr float v_out_scale = 1.f;" in plain_src
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"producer": False}, "widened by the producer warpgroup"), ({"pingpong": True}, "pingpong=True"),
+    ({"tma": True}, "tma=True"), ({"num_stages": 2}, "stages=2"), ({"fp8_stages": 1}, "fp8_stages: 2 or more")])
+def test_fp8_kv_on_the_wgmma_kernel_refuses_what_it_cannot_run(kw, match):
+    with pytest.raises(ValueError, match=match):
+        PrefillKernel(FP8, "wgmma", **kw)
+    with pytest.raises(ValueError, match="fp8_stages"):  # staging belongs to fp8 K/V
+        PrefillKernel(SPEC, "wgmma", fp8_stages=4)
 
 
 @pytest.mark.parametrize("spec,kw,match", [

@@ -2,7 +2,9 @@
 
 Two kernels share one parameter struct, one work list and the variant hooks:
   "wgmma": the Hopper kernel (sm_90a; batch_prefill_wgmma.cu.jinja), 128 query rows per CTA over
-           two warpgroups (head_dim 256 without a producer: 64 rows, one warpgroup); 16-bit Q/KV.
+           two warpgroups (head_dim 256 without a producer: 64 rows, one warpgroup); 16-bit Q/KV, and
+           fp8 K/V at head_dim 64 and 128: fp8 tiles land as stored in a staging ring of their own and
+           the producer warpgroup widens them into the 16-bit ring (fp16 MMAs).
   "mma":   the portable mma.sync kernel (sm_80+; batch_prefill.cu.jinja), four warps of one or two m16 row
            tiles (64 or 128 rows per CTA, mma_m_tiles); the
            fallback where wgmma does not apply (other archs), and the fp8-KV kernel: fp8 tiles land as they
@@ -51,8 +53,12 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # wgmma at head_dim 64 with a producer: four stages, measured 661.2 vs 669.0 us (thirteenth session) and
 # 669.3 vs 673.9 (twelfth) at B1 S8192 causal against three, timed in rotation
 # (mma: query rows at one m16 tile a warp, times m_tiles)
+# fp8 K/V on wgmma: three 16-bit stages beside FP8_STAGES staging slots; at head_dim 128 that needs
+# 64-token tiles (Q 32 KB + 3 x 32 KB + 4 x 16 KB), head_dim 64 keeps 128 (16 + 3 x 32 + 4 x 16 KB)
 _SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3),
-           "wgmma64": (128, 128, 4)}
+           "wgmma64": (128, 128, 4), "wgmma_fp8": (128, 64, 3), "wgmma64_fp8": (128, 128, 3)}
+FP8_STAGES = 4  # fp8 staging slots (wgmma): copies run three tiles ahead of the producer's widening
+WGMMA_FP8_HEAD_DIMS = (64, 128)  # head_dim 256: no room for staging beside its tiles
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -99,8 +105,11 @@ def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     """None when the Hopper kernel can run this spec, else why not."""
     if spec.head_dim_qk not in WGMMA_HEAD_DIMS:
         return f"head_dim {spec.head_dim_qk} (the wgmma kernel takes {WGMMA_HEAD_DIMS})"
-    if spec.kv_dtype != spec.q_dtype:
-        return f"kv_dtype {spec.kv_dtype} differs from q_dtype {spec.q_dtype} (fp8 KV runs the mma backend)"
+    if spec.kv_dtype == "fp8_e4m3" and spec.head_dim_qk not in WGMMA_FP8_HEAD_DIMS:
+        return (f"kv_dtype fp8_e4m3 at head_dim {spec.head_dim_qk} (fp8 K/V on wgmma: head_dim "
+                f"{WGMMA_FP8_HEAD_DIMS}; no room to stage fp8 tiles beside d256's)")
+    if spec.kv_dtype not in (spec.q_dtype, "fp8_e4m3"):
+        return f"kv_dtype {spec.kv_dtype} differs from q_dtype {spec.q_dtype}"
     return None
 
 
@@ -135,6 +144,8 @@ class PrefillKernel:
     # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
     m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows; at two
     # every K / V fragment loaded feeds two MMAs). None: mma_m_tiles(spec), as measured
+    fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile (None: FP8_STAGES)
+    fp8_int_widen: bool = False  # wgmma with fp8 K/V: widen by integer ops (fp16 / 256), not by cvt
 
     def __post_init__(self):
         if self.m_tiles is None:
@@ -144,6 +155,8 @@ class PrefillKernel:
             object.__setattr__(self, "fma_exp_every", FMA_EXP_EVERY.get(key, 0) if self.backend == "wgmma" else 0)
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
+        if self.fp8_stages is None:
+            object.__setattr__(self, "fp8_stages", FP8_STAGES if self.wgmma_fp8 else 0)
         if self.persistent is None:
             object.__setattr__(self, "persistent", bool(self.producer and not self.pingpong))
         if self.spec.family != "prefill":
@@ -166,6 +179,17 @@ class PrefillKernel:
         if self.tma not in (None, True, False):
             raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
                              "pass one of those")
+        if self.wgmma_fp8 and (not self.producer or self.pingpong or self.tma is True or self.split_ring):
+            raise ValueError("PrefillKernel: fp8 K/V on the wgmma backend is widened by the producer warpgroup from "
+                             "cp.async staging into a shared ring, got producer="
+                             f"{self.producer}, pingpong={self.pingpong}, tma={self.tma}, stages={self.stages}; "
+                             "pass the defaults (None), or backend='mma'")
+        if self.fp8_stages != (self.fp8_stages if self.wgmma_fp8 else 0) or (self.wgmma_fp8 and self.fp8_stages < 2):
+            raise ValueError(f"PrefillKernel.fp8_stages: 2 or more with fp8 K/V on the wgmma backend, else 0 (None "
+                             f"picks), got {self.fp8_stages!r}")
+        if self.fp8_int_widen not in (False, True) or (self.fp8_int_widen and not self.wgmma_fp8):
+            raise ValueError(f"PrefillKernel.fp8_int_widen: True only with fp8 K/V on the wgmma backend, got "
+                             f"{self.fp8_int_widen!r} with kv_dtype {self.spec.kv_dtype}, backend {self.backend!r}")
         if self.tma is True and not self.producer:
             raise ValueError("PrefillKernel.tma: the copy engine is driven by the producer warpgroup, got producer="
                              f"{self.producer}; pass producer=True (the wgmma default) or tma=False")
@@ -190,7 +214,14 @@ class PrefillKernel:
                              "use fewer stages")
 
     @property
+    def wgmma_fp8(self) -> bool:
+        """fp8 K/V on the wgmma kernel (staged as stored, widened by the producer)."""
+        return self.backend == "wgmma" and self.fp8_kv
+
+    @property
     def _shape(self) -> tuple[int, int, int]:
+        if self.wgmma_fp8:
+            return _SHAPES["wgmma64_fp8" if self.spec.head_dim_qk == 64 else "wgmma_fp8"]
         if self.backend == "wgmma" and self.spec.head_dim_qk == 256:
             return _SHAPES["wgmma256" if self.producer else "wgmma256_plain"]
         if self.backend == "wgmma" and self.spec.head_dim_qk == 64 and self.producer:
@@ -253,7 +284,8 @@ class PrefillKernel:
         bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
         ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
         extra = 1024 + 128 + (ws if self.producer else 0)
-        return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + extra
+        staging = self.fp8_stages * 2 * self.tile_kv * d  # fp8 {K, V} tiles as stored
+        return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + staging + extra
 
     @property
     def fp8_kv(self) -> bool:
@@ -271,7 +303,7 @@ class PrefillKernel:
     @property
     def has_tma(self) -> bool:
         """Whether the kernel is built with the TMA tile path (its params then carry the maps)."""
-        return self.tma is not False and bool(self.producer)
+        return self.tma is not False and bool(self.producer) and not self.wgmma_fp8
 
     def tma_values(self, k, v, page_size: int, ragged: bool, q=None) -> dict:
         """The TMA fields of the params for these K/V: maps and box rows, or box rows 0 (cp.async).
@@ -322,6 +354,7 @@ class PrefillKernel:
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
+               "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen,
                "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}", s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
@@ -333,6 +366,8 @@ class PrefillKernel:
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
+                         *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
+                         *(["iw"] if self.fp8_int_widen else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))

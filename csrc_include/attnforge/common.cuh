@@ -55,6 +55,29 @@ AF_HOST_DEVICE float ex2_poly(float x) {
   const float p = fmaf(fmaf(fmaf(0.05500858277f, f, 0.24221037328f), f, 0.69328290224f), f, 1.f);
   return bit_cast<float>(bit_cast<uint32_t>(p) + (bit_cast<uint32_t>(shifted) << 23));  // == n << 23: the constant's bits shift out
 }
+// __byte_perm (one PRMT) on the device, its definition on the host (tests run these helpers there)
+AF_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t x = (uint64_t(b) << 32) | a;  // bytes 0-3 of a, then 4-7 of b
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((x >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+// Four e4m3 values (byte i of x) as fp16 values divided by 256, exactly, by integer ops alone (7 for
+// four values; no conversion unit): an e4m3 code's sign, exponent and mantissa bits placed under fp16's
+// read as the value / 2^8 (the exponent biases differ by 8), subnormals as fp16 subnormals alike; the
+// NaN codes read +-480 / 256. lo: values 0 and 1 (value 0 in the low half), hi: values 2 and 3.
+AF_HOST_DEVICE void e4m3x4_to_f16x4_div256(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  const uint32_t high = ((x >> 1) & 0x3F3F3F3Fu) | (x & 0x80808080u);  // per value: sign, 6 bits
+  const uint32_t low = (x << 7) & 0x80808080u;                          // the mantissa's last bit
+  lo = byte_perm(low, high, 0x5140);  // bytes low0 high0 low1 high1
+  hi = byte_perm(low, high, 0x7362);
+}
+
 AF_DEVICE float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -156,6 +156,47 @@ struct KVTileLoader {
       }
     }
   }
+
+  // fp8 -> 16-bit into the sw128 format of attnforge/wgmma.cuh (wgmma operands), K into wide_k and V into
+  // wide_v. Each thread widens exactly the chunks it copied with load() (same mapping), so its own
+  // cp.async wait is the only wait: no barrier among the loaders. An fp8 chunk (16 values) becomes two
+  // 16-byte chunks of the wide row, 2 ch and 2 ch + 1; lanes whose chunk has bit 2 set store their
+  // second half first, so a quarter-warp's 8 stores hit 8 distinct bank groups (the first halves'
+  // chunks 2 ch are {0, 2, 4, 6} twice over per 64-column block otherwise: a 2-way conflict).
+  // kDiv256: fp16 values / 256 by integer ops (e4m3x4_to_f16x4_div256), not the conversion unit's cvt.
+  template <bool kDiv256 = false>
+  static AF_DEVICE void widen_own_sw128(const char* stage, char* wide_k, char* wide_v) {
+    static_assert(kFp8 && kHeadDim % 64 == 0, "sw128 widening: fp8 rows of 64-column blocks");
+    static_assert(!kDiv256 || std::is_same_v<TMma, fp16>, "integer widening gives fp16");
+    const int ch = chunk(), first = (ch >> 2) & 1;
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = row(j);
+#pragma unroll
+      for (int mat = 0; mat < 2; ++mat) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(stage + mat * kTileBytes + r * kHeadDim + ch * kElems);
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
+        char* wide = mat == 0 ? wide_k : wide_v;
+        uint4 out[2];  // dims [16 ch, 16 ch + 8) and [16 ch + 8, 16 ch + 16)
+        if constexpr (kDiv256) {
+          e4m3x4_to_f16x4_div256(raw.x, out[0].x, out[0].y);
+          e4m3x4_to_f16x4_div256(raw.y, out[0].z, out[0].w);
+          e4m3x4_to_f16x4_div256(raw.z, out[1].x, out[1].y);
+          e4m3x4_to_f16x4_div256(raw.w, out[1].z, out[1].w);
+        } else {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            uint32_t* o = reinterpret_cast<uint32_t*>(&out[half]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = fp8x2_to<TMma>(v[half * 4 + i]);
+          }
+        }
+        // (selects, not out[h ^ first]: a runtime index would put the pair in local memory)
+        *reinterpret_cast<uint4*>(wide + sw128_offset(r, 2 * ch + first, kTileKV)) = first ? out[1] : out[0];
+        *reinterpret_cast<uint4*>(wide + sw128_offset(r, 2 * ch + 1 - first, kTileKV)) = first ? out[0] : out[1];
+      }
+    }
+  }
 };
 
 // The same copies into the sw128 format of attnforge/wgmma.cuh (K and V tiles as wgmma operands).
