@@ -300,8 +300,9 @@ def test_fp8_kv_on_the_mma_kernel_widens_a_tile_in_shared_memory():
 
 def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     """fp8 K/V on Hopper: the wgmma kernel (the default at head_dim 64 and 128) copies fp8 tiles as stored
-    into a staging ring of their own, and its producer widens them into three 16-bit stages; head_dim 256
-    has no room for the staging and runs the mma kernel."""
+    into a staging ring of their own, and its producer widens them into the 16-bit ring (head_dim 128: two
+    K and two V slots of 128 tokens beside two staging slots; 64: three shared stages, four staging slots);
+    head_dim 256 has no room for the staging and runs the mma kernel."""
     assert wgmma_applies(FP8) is None and default_backend(FP8, ("9.0a",)) == "wgmma"
     assert default_backend(FP8, ("8.0",)) == "mma"
     d256 = dataclasses.replace(FP8, head_dim_qk=256, head_dim_vo=256)
@@ -309,15 +310,18 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     with pytest.raises(ValueError, match="the wgmma backend does not take kv_dtype fp8_e4m3 at head_dim 256"):
         PrefillKernel(d256, "wgmma")
     k = PrefillKernel(FP8, "wgmma")
-    assert (k.tile_q, k.tile_kv, k.stages, k.fp8_stages, k.has_tma, k.persistent) == (128, 64, 3, 4, False, True)
-    ws = 16 * 3 + 8 * 64 + 8  # full / empty mbarriers, row offsets, q_empty
-    assert k.smem_bytes == 128 * 128 * 2 + 3 * 2 * 64 * 128 * 2 + 4 * 2 * 64 * 128 + 1024 + 128 + ws
-    assert PrefillKernel(dataclasses.replace(FP8, head_dim_qk=64, head_dim_vo=64), "wgmma").tile_kv == 128
+    assert (k.tile_q, k.tile_kv, k.stages, k.split_ring, k.fp8_stages, k.has_tma, k.persistent) == (
+        128, 128, 2, True, 2, False, True)
+    ws = 16 * 4 + 8 * 128 + 8  # full / empty mbarriers of four slots, row offsets, q_empty
+    assert k.smem_bytes == 128 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 2 * 128 * 128 + 1024 + 128 + ws <= 227 * 1024
+    d64 = PrefillKernel(dataclasses.replace(FP8, head_dim_qk=64, head_dim_vo=64), "wgmma")
+    assert (d64.tile_kv, d64.stages, d64.split_ring, d64.fp8_stages) == (128, 3, False, 4)
+    assert PrefillKernel(FP8, "wgmma", kv_tile=64, num_stages=3).fp8_stages == 4  # as many as fit, up to 4
     assert PrefillKernel(SPEC, "wgmma").fp8_stages == 0
     src = k.module().source
     assert "widen_own_sw128" in src and "v_out_scale = p.v_scale" in src and "stage_q_fp16" in src
-    assert "kFp8Stages = 4;" in src and "v_scale" in k.params.cpp() and "k_tmap" not in k.params.cpp()
-    names = {PrefillKernel(FP8, "wgmma", fp8_stages=n).module().name for n in (2, 3, 4)}
+    assert "kFp8Stages = 2;" in src and "v_scale" in k.params.cpp() and "k_tmap" not in k.params.cpp()
+    names = {PrefillKernel(FP8, "wgmma", kv_tile=64, num_stages=3, fp8_stages=n).module().name for n in (2, 3, 4)}
     assert len(names) == 3 and all("kvfp8" in n for n in names)
     plain_src = PrefillKernel(SPEC, "wgmma").module().source
     assert "kFp8Stages = 0;" in plain_src and "constexpr float v_out_scale = 1.f;" in plain_src
@@ -325,12 +329,15 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
 
 @pytest.mark.parametrize("kw,match", [
     ({"producer": False}, "widened by the producer warpgroup"), ({"pingpong": True}, "pingpong=True"),
-    ({"tma": True}, "tma=True"), ({"num_stages": 2}, "stages=2"), ({"fp8_stages": 1}, "fp8_stages: 2 or more")])
+    ({"tma": True}, "tma=True"), ({"fp8_stages": 1}, "fp8_stages: 2 or more"),
+    ({"fp8_stages": 3}, "exceeds"), ({"fp8_int_widen": 1}, "fp8_int_widen")])
 def test_fp8_kv_on_the_wgmma_kernel_refuses_what_it_cannot_run(kw, match):
     with pytest.raises(ValueError, match=match):
         PrefillKernel(FP8, "wgmma", **kw)
     with pytest.raises(ValueError, match="fp8_stages"):  # staging belongs to fp8 K/V
         PrefillKernel(SPEC, "wgmma", fp8_stages=4)
+    with pytest.raises(ValueError, match="fp8_int_widen: True only with fp8 K/V on the wgmma backend"):
+        PrefillKernel(FP8, "mma", fp8_int_widen=True)
 
 
 @pytest.mark.parametrize("spec,kw,match", [

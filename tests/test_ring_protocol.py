@@ -7,7 +7,8 @@ overwrites a stage or Q that a consumer warp still reads. mbarrier semantics as 
 a phase completes when its expected arrivals are in; try_wait.parity(p) succeeds once the phase
 of parity p has completed, so a waiter more than one phase behind would alias (checked too).
 Both rings: the shared one (K and V of a stage fill and free together) and the split one (head_dim
-256: two K slots and three V slots, each on barriers of its own, K freed an iteration before V).
+256: two K slots and three V slots, each on barriers of its own, K freed an iteration before V; fp8
+K/V at head_dim 128: two and two, V widened from staging once P.V of its slot's last tile retired).
 """
 import random
 
@@ -161,12 +162,13 @@ def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=Tr
     assert all(r == 0 for m in mats for r in s["readers"][m]) and s["q_readers"] == 0
 
 
-@pytest.mark.parametrize("stages,split", [(3, False), (4, False), (6, False), (2, True), (3, True), (1, True)])
+@pytest.mark.parametrize("stages,split,v_slots", [(3, False, None), (4, False, None), (6, False, None), (2, True, None),
+                                                  (3, True, None), (1, True, None), (2, True, 2)])
 @pytest.mark.parametrize("seed", range(6))
-def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, seed):
+def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, v_slots, seed):
     rng = random.Random(seed)
     items = [rng.choice([0, 1, 2, 5, 9]) for _ in range(12)]  # empty items and ones longer than the ring
-    run(items, stages, warps=8, persistent=True, seed=seed, split=split)
+    run(items, stages, warps=8, persistent=True, seed=seed, split=split, v_slots=v_slots)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7])

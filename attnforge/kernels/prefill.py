@@ -53,11 +53,12 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # wgmma at head_dim 64 with a producer: four stages, measured 661.2 vs 669.0 us (thirteenth session) and
 # 669.3 vs 673.9 (twelfth) at B1 S8192 causal against three, timed in rotation
 # (mma: query rows at one m16 tile a warp, times m_tiles)
-# fp8 K/V on wgmma: three 16-bit stages beside FP8_STAGES staging slots; at head_dim 128 that needs
-# 64-token tiles (Q 32 KB + 3 x 32 KB + 4 x 16 KB), head_dim 64 keeps 128 (16 + 3 x 32 + 4 x 16 KB)
+# fp8 K/V on wgmma: 16-bit stages beside fp8 staging slots. head_dim 128 keeps 128-token tiles in a split
+# ring of two K and two V slots (Q 32 KB + 4 x 32 + two 32 KB staging slots: 224 KB); head_dim 64 three
+# shared stages (16 + 3 x 32 + 4 x 16 KB)
 _SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3),
-           "wgmma64": (128, 128, 4), "wgmma_fp8": (128, 64, 3), "wgmma64_fp8": (128, 128, 3)}
-FP8_STAGES = 4  # fp8 staging slots (wgmma): copies run three tiles ahead of the producer's widening
+           "wgmma64": (128, 128, 4), "wgmma_fp8": (128, 128, 2), "wgmma64_fp8": (128, 128, 3)}
+# fp8 staging slots (wgmma), as many as fit up to 4: copies run up to three tiles ahead of the widening
 WGMMA_FP8_HEAD_DIMS = (64, 128)  # head_dim 256: no room for staging beside its tiles
 
 BASE_FIELDS = (
@@ -144,7 +145,7 @@ class PrefillKernel:
     # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
     m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows; at two
     # every K / V fragment loaded feeds two MMAs). None: mma_m_tiles(spec), as measured
-    fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile (None: FP8_STAGES)
+    fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile (None: as many as fit, up to 4)
     fp8_int_widen: bool = False  # wgmma with fp8 K/V: widen by integer ops (fp16 / 256), not by cvt
 
     def __post_init__(self):
@@ -156,7 +157,7 @@ class PrefillKernel:
         if self.producer is None:
             object.__setattr__(self, "producer", self.backend == "wgmma")
         if self.fp8_stages is None:
-            object.__setattr__(self, "fp8_stages", FP8_STAGES if self.wgmma_fp8 else 0)
+            object.__setattr__(self, "fp8_stages", self._fitting_fp8_stages() if self.wgmma_fp8 else 0)
         if self.persistent is None:
             object.__setattr__(self, "persistent", bool(self.producer and not self.pingpong))
         if self.spec.family != "prefill":
@@ -179,15 +180,14 @@ class PrefillKernel:
         if self.tma not in (None, True, False):
             raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
                              "pass one of those")
-        if self.wgmma_fp8 and (not self.producer or self.pingpong or self.tma is True or self.split_ring):
+        if self.wgmma_fp8 and (not self.producer or self.pingpong or self.tma is True):
             raise ValueError("PrefillKernel: fp8 K/V on the wgmma backend is widened by the producer warpgroup from "
-                             "cp.async staging into a shared ring, got producer="
-                             f"{self.producer}, pingpong={self.pingpong}, tma={self.tma}, stages={self.stages}; "
-                             "pass the defaults (None), or backend='mma'")
+                             f"cp.async staging, got producer={self.producer}, pingpong={self.pingpong}, "
+                             f"tma={self.tma}; pass the defaults (None), or backend='mma'")
         if self.fp8_stages != (self.fp8_stages if self.wgmma_fp8 else 0) or (self.wgmma_fp8 and self.fp8_stages < 2):
             raise ValueError(f"PrefillKernel.fp8_stages: 2 or more with fp8 K/V on the wgmma backend, else 0 (None "
                              f"picks), got {self.fp8_stages!r}")
-        if self.fp8_int_widen not in (False, True) or (self.fp8_int_widen and not self.wgmma_fp8):
+        if type(self.fp8_int_widen) is not bool or (self.fp8_int_widen and not self.wgmma_fp8):
             raise ValueError(f"PrefillKernel.fp8_int_widen: True only with fp8 K/V on the wgmma backend, got "
                              f"{self.fp8_int_widen!r} with kv_dtype {self.spec.kv_dtype}, backend {self.backend!r}")
         if self.tma is True and not self.producer:
@@ -212,6 +212,10 @@ class PrefillKernel:
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B; "
                              "use fewer stages")
+
+    def _fitting_fp8_stages(self) -> int:
+        """The most fp8 staging slots (2 to 4) that fit beside the rest (2 where none fit: the size check then says so)."""
+        return next((n for n in (4, 3) if self._smem_bytes(n) <= SMEM_LIMIT), 2)
 
     @property
     def wgmma_fp8(self) -> bool:
@@ -274,17 +278,20 @@ class PrefillKernel:
 
     @cached_property
     def smem_bytes(self) -> int:
+        return self._smem_bytes(self.fp8_stages)
+
+    def _smem_bytes(self, fp8_stages: int) -> int:
         d = self.spec.head_dim_qk
         # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
         # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
         if self.backend != "wgmma":  # Q, the ring of K and V tiles as stored, and fp8's widened K and V
             wide = 2 * self.tile_kv * d * 2 if self.fp8_kv else 0
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * self.kv_bytes + wide
-        mats = 2 * self.stages + (1 if self.split_ring else 0)  # K and V tiles in the ring
+        mats = 2 * self.stages + (1 if self.split_ring and not self.fp8_kv else 0)  # K and V tiles in the ring
         bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
         ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
         extra = 1024 + 128 + (ws if self.producer else 0)
-        staging = self.fp8_stages * 2 * self.tile_kv * d  # fp8 {K, V} tiles as stored
+        staging = fp8_stages * 2 * self.tile_kv * d  # fp8 {K, V} tiles as stored
         return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + staging + extra
 
     @property

@@ -164,16 +164,18 @@ struct KVTileLoader {
   // second half first, so a quarter-warp's 8 stores hit 8 distinct bank groups (the first halves'
   // chunks 2 ch are {0, 2, 4, 6} twice over per 64-column block otherwise: a 2-way conflict).
   // kDiv256: fp16 values / 256 by integer ops (e4m3x4_to_f16x4_div256), not the conversion unit's cvt.
+  // mats: 1 K, 2 V, 3 both.
   template <bool kDiv256 = false>
-  static AF_DEVICE void widen_own_sw128(const char* stage, char* wide_k, char* wide_v) {
+  static AF_DEVICE void widen_own_sw128(const char* stage, char* wide_k, char* wide_v, int mats = 3) {
     static_assert(kFp8 && kHeadDim % 64 == 0, "sw128 widening: fp8 rows of 64-column blocks");
     static_assert(!kDiv256 || std::is_same_v<TMma, fp16>, "integer widening gives fp16");
     const int ch = chunk(), first = (ch >> 2) & 1;
-#pragma unroll
+#pragma unroll 4  // (a producer warpgroup's 56 registers: all of a 128-token tile's rows at once spilled)
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = row(j);
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
+        if (!(mats & (mat + 1))) continue;
         const uint4 raw = *reinterpret_cast<const uint4*>(stage + mat * kTileBytes + r * kHeadDim + ch * kElems);
         const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
         char* wide = mat == 0 ? wide_k : wide_v;
