@@ -16,8 +16,8 @@ def _llama_decode():
 
 
 def _llama_prefill():
-    """The prefill kernels of the same model: causal, 16-bit K/V (the Hopper kernel where sm_90a is built) and
-    an fp8 cache (the mma.sync kernel); one kernel serves ragged and paged K/V in either layout."""
+    """The prefill kernels of the same model: causal, 16-bit K/V and an fp8 cache (the Hopper kernel where
+    sm_90a is built, else mma.sync); one kernel serves ragged and paged K/V in either layout."""
     return [AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype=dt,
                           kv_dtype=kv, causal=True)
             for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3")]
