@@ -665,9 +665,9 @@ FP8_CASES = [(128, "bf16", None, "NHD", True, (32, 8)), (64, "fp16", 1, "HND", F
 
 
 # each case on the default backend (wgmma at head_dim 64 and 128) and on mma; "int": the wgmma kernel's
-# integer widening (fp8_int_widen)
+# integer widening (fp8_int_widen); "tma": its staging by TMA boxes (cp.async for pages under 8 tokens)
 FP8_BACKEND_CASES = [(*case, b) for case in FP8_CASES for b in (None, "mma")] + [
-    (*case, "int") for case in FP8_CASES if case[0] != 256]
+    (*case, b) for case in FP8_CASES if case[0] != 256 for b in ("int", "tma")]
 
 
 @pytest.mark.parametrize("head_dim,q_dtype,page_size,layout,causal,heads,backend", FP8_BACKEND_CASES)
@@ -683,9 +683,10 @@ def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, 
     dt = attnforge.checks.TORCH_DTYPES[q_dtype]
     q = torch.randn(sum(qo_lens), heads[0], head_dim, generator=torch.Generator().manual_seed(head_dim)).to(dt).cuda()
     qo = np.concatenate([[0], np.cumsum(qo_lens)])
-    w = BatchPrefill(spec, backend="wgmma", fp8_int_widen=True) if backend == "int" else BatchPrefill(spec, backend=backend)
-    expected = "wgmma" if backend == "int" else backend or ("wgmma" if head_dim in (64, 128) else "mma")
-    assert w.kernel.backend == expected and w.kernel.fp8_kv
+    options = {"int": {"backend": "wgmma", "fp8_int_widen": True}, "tma": {"backend": "wgmma", "tma": True}}
+    w = BatchPrefill(spec, **options.get(backend, {"backend": backend}))
+    expected = "wgmma" if backend in options else backend or ("wgmma" if head_dim in (64, 128) else "mma")
+    assert w.kernel.backend == expected and w.kernel.fp8_kv and w.kernel.has_tma == (backend == "tma")
     if page_size is None:
         k, v = fp8_ragged_kv(spec, kv_lens, seed=head_dim)
         kv = np.concatenate([[0], np.cumsum(kv_lens)])

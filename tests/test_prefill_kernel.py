@@ -312,7 +312,7 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     k = PrefillKernel(FP8, "wgmma")
     assert (k.tile_q, k.tile_kv, k.stages, k.split_ring, k.fp8_stages, k.has_tma, k.persistent) == (
         128, 128, 2, True, 2, False, True)
-    ws = 16 * 4 + 8 * 128 + 8  # full / empty mbarriers of four slots, row offsets, q_empty
+    ws = 16 * 4 + 8 * 128 + 8 + 8 * 2  # full / empty mbarriers of four slots, row offsets, q_empty, staged
     assert k.smem_bytes == 128 * 128 * 2 + 4 * 128 * 128 * 2 + 2 * 2 * 128 * 128 + 1024 + 128 + ws <= 227 * 1024
     d64 = PrefillKernel(dataclasses.replace(FP8, head_dim_qk=64, head_dim_vo=64), "wgmma")
     assert (d64.tile_kv, d64.stages, d64.split_ring, d64.fp8_stages) == (128, 3, False, 4)
@@ -323,13 +323,16 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     assert "kFp8Stages = 2;" in src and "v_scale" in k.params.cpp() and "k_tmap" not in k.params.cpp()
     names = {PrefillKernel(FP8, "wgmma", kv_tile=64, num_stages=3, fp8_stages=n).module().name for n in (2, 3, 4)}
     assert len(names) == 3 and all("kvfp8" in n for n in names)
+    tma = PrefillKernel(FP8, "wgmma", tma=True)  # staging by TMA boxes of whole byte rows: an option
+    assert tma.has_tma and "k_tmap" in tma.params.cpp() and "load_fp8_tma" in tma.module().source
+    assert "load_fp8_tma" not in src and "load_tile_tma" not in tma.module().source
     plain_src = PrefillKernel(SPEC, "wgmma").module().source
     assert "kFp8Stages = 0;" in plain_src and "constexpr float v_out_scale = 1.f;" in plain_src
 
 
 @pytest.mark.parametrize("kw,match", [
     ({"producer": False}, "widened by the producer warpgroup"), ({"pingpong": True}, "pingpong=True"),
-    ({"tma": True}, "tma=True"), ({"fp8_stages": 1}, "fp8_stages: 2 or more"),
+    ({"fp8_stages": 1}, "fp8_stages: 2 or more"),
     ({"fp8_stages": 3}, "exceeds"), ({"fp8_int_widen": 1}, "fp8_int_widen")])
 def test_fp8_kv_on_the_wgmma_kernel_refuses_what_it_cannot_run(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -180,10 +180,10 @@ class PrefillKernel:
         if self.tma not in (None, True, False):
             raise ValueError(f"PrefillKernel.tma: expected None (by measurement), True or False, got {self.tma!r}; "
                              "pass one of those")
-        if self.wgmma_fp8 and (not self.producer or self.pingpong or self.tma is True):
+        if self.wgmma_fp8 and (not self.producer or self.pingpong):
             raise ValueError("PrefillKernel: fp8 K/V on the wgmma backend is widened by the producer warpgroup from "
-                             f"cp.async staging, got producer={self.producer}, pingpong={self.pingpong}, "
-                             f"tma={self.tma}; pass the defaults (None), or backend='mma'")
+                             f"its staging ring, got producer={self.producer}, pingpong={self.pingpong}; pass the "
+                             "defaults (None), or backend='mma'")
         if self.fp8_stages != (self.fp8_stages if self.wgmma_fp8 else 0) or (self.wgmma_fp8 and self.fp8_stages < 2):
             raise ValueError(f"PrefillKernel.fp8_stages: 2 or more with fp8 K/V on the wgmma backend, else 0 (None "
                              f"picks), got {self.fp8_stages!r}")
@@ -289,7 +289,7 @@ class PrefillKernel:
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * self.kv_bytes + wide
         mats = 2 * self.stages + (1 if self.split_ring and not self.fp8_kv else 0)  # K and V tiles in the ring
         bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
-        ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0)  # + q_empty
+        ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0) + 8 * fp8_stages  # + q_empty, fp8's staged
         extra = 1024 + 128 + (ws if self.producer else 0)
         staging = fp8_stages * 2 * self.tile_kv * d  # fp8 {K, V} tiles as stored
         return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + staging + extra
@@ -309,8 +309,11 @@ class PrefillKernel:
 
     @property
     def has_tma(self) -> bool:
-        """Whether the kernel is built with the TMA tile path (its params then carry the maps)."""
-        return self.tma is not False and bool(self.producer) and not self.wgmma_fp8
+        """Whether the kernel is built with the TMA tile path (its params then carry the maps). fp8 K/V on
+        wgmma: only with tma=True (boxes of whole rows into the staging ring; cp.async by default)."""
+        if self.wgmma_fp8:
+            return self.tma is True
+        return self.tma is not False and bool(self.producer)
 
     def tma_values(self, k, v, page_size: int, ragged: bool, q=None) -> dict:
         """The TMA fields of the params for these K/V: maps and box rows, or box rows 0 (cp.async).
@@ -327,7 +330,8 @@ class PrefillKernel:
     def _q_tma_values(self, q) -> dict:
         s = self.spec
         box = None
-        if q is not None and q.dim() == 3 and q.data_ptr() % 16 == 0:
+        # (fp8 K/V: Q by cp.async, so the producer knows when it landed and can stage it for the fp16 MMAs)
+        if q is not None and q.dim() == 3 and q.data_ptr() % 16 == 0 and not self.fp8_kv:
             box, _ = tma_maps.q_box(s.head_dim_qk, s.num_qo_heads, s.group_size, self.tile_q, q.shape[0], q.stride(0),
                                     q.stride(1), q.element_size())
         if box is None:
@@ -335,18 +339,18 @@ class PrefillKernel:
         return {"q_tmap": tma_maps.encode(q, box), "tma_q_tokens": box.rows}
 
     def _kv_tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
-        s, box, per_request = self.spec, None, False
+        s, box, per_request, plain = self.spec, None, False, self.fp8_kv  # fp8: unswizzled rows into staging
         if ragged and k.dim() == 3:
             box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
-                                            k.element_size(), self.tile_kv)
+                                            k.element_size(), self.tile_kv, plain)
         elif ragged and k.dim() == 4:
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[2], k.shape[0], k.stride(0),
-                                           k.stride(2), k.stride(1), k.element_size(), self.tile_kv)
+                                           k.stride(2), k.stride(1), k.element_size(), self.tile_kv, plain)
             per_request = True
         elif not ragged:
             tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
-                                           k.stride(tok), k.stride(head), k.element_size(), self.tile_kv)
+                                           k.stride(tok), k.stride(head), k.element_size(), self.tile_kv, plain)
         small = box is not None and self.tma is None and box.rows < TMA_AUTO_MIN_ROWS
         if box is None or small or k.data_ptr() % 16 or v.data_ptr() % 16:
             return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0, "tma_page_per_request": 0}

@@ -63,6 +63,19 @@ def test_ragged_kv_is_one_page_of_every_token():
     assert "1 to 2^32" in ragged_kv_box(D, H, 0, H * D, D, 2, 128)[1]
 
 
+@pytest.mark.parametrize("page,rows", [(16, 16), (64, 64), (256, 128)])
+def test_fp8_rows_are_whole_unswizzled_head_rows(page, rows):
+    """fp8 staging (the wgmma prefill producer widens it after): boxes [rows][head_dim] of bytes, no swizzle."""
+    kw = {**nhd(page), "elem_bytes": 1, "stride_page": 2 * page * H * D}
+    box, why = paged_kv_box(**kw, plain_rows=True)
+    assert why == "" and box.rows == rows and not box.swizzle and box.box == (D, 1, rows, 1)
+    assert box.strides == (D, H * D, 2 * page * H * D)
+    rag, _ = ragged_kv_box(64, H, 1000, H * 64, 64, 1, 128, plain_rows=True)
+    assert rag.box == (64, 1, 128, 1) and not rag.swizzle
+    assert "one-byte" in paged_kv_box(**nhd(16), plain_rows=True)[1]  # 16-bit K/V keeps its sw128 boxes
+    assert paged_kv_box(**nhd(16))[0].swizzle
+
+
 def test_other_refusals_say_why():
     assert "16-bit" in paged_kv_box(**{**nhd(16), "elem_bytes": 1})[1]
     assert "multiple of 64" in paged_kv_box(**nhd(16, d=96))[1]
@@ -77,16 +90,21 @@ def test_encode_arguments_marshal_through_cuda_python():
     TypeError here even without a GPU (the call may then fail only for want of a driver)."""
     drv = pytest.importorskip("cuda.bindings.driver")
     from attnforge.jit.tma import encode_args
-    box, _ = paged_kv_box(**nhd(16))
-    args = encode_args(drv, drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 1 << 20, box)
-    try:
-        err, _ = drv.cuTensorMapEncodeTiled(*args)
-    except TypeError as e:
-        pytest.fail(f"cuda-python rejected an argument: {e}")
-    except Exception as e:  # no driver on this machine: the arguments were converted before the lookup
-        assert "driver" in str(e).lower(), e
-    else:
-        assert err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_INITIALIZED), err
+    bf16, _ = paged_kv_box(**nhd(16))
+    fp8, _ = paged_kv_box(**{**nhd(16), "elem_bytes": 1}, plain_rows=True)  # unswizzled byte rows
+    types = drv.CUtensorMapDataType
+    for kind, box in ((types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, bf16), (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, fp8)):
+        args = encode_args(drv, kind, 1 << 20, box)
+        assert args[8] == (drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box.swizzle
+                           else drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
+        try:
+            err, _ = drv.cuTensorMapEncodeTiled(*args)
+        except TypeError as e:
+            pytest.fail(f"cuda-python rejected an argument: {e}")
+        except Exception as e:  # no driver on this machine: the arguments were converted before the lookup
+            assert "driver" in str(e).lower(), e
+        else:
+            assert err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_INITIALIZED), err
 
 
 def test_encode_arguments_name_the_box_l2_promotion():
@@ -114,7 +132,7 @@ def test_encode_refuses_what_the_copy_engine_cannot_take_before_any_driver_call(
 
     from attnforge.jit.tma import encode
     box, _ = paged_kv_box(**nhd(16))
-    with pytest.raises(ValueError, match="expected a 16-byte aligned bf16/fp16 tensor, got torch.float32.*tma=False"):
+    with pytest.raises(ValueError, match="expected a 16-byte aligned bf16/fp16/fp8 e4m3 tensor, got torch.float32.*tma=False"):
         encode(torch.zeros(4, 16, H, D), box)
     misaligned = torch.zeros(4 * 16 * H * D + 1, dtype=torch.bfloat16)[1:]  # 2 bytes past an aligned start
     with pytest.raises(ValueError, match="16-byte aligned"):
