@@ -158,8 +158,8 @@ struct KVTileLoader {
   }
 
   // fp8 -> 16-bit into the sw128 format of attnforge/wgmma.cuh (wgmma operands), K into wide_k and V into
-  // wide_v. Each thread widens exactly the chunks it copied with load() (same mapping), so its own
-  // cp.async wait is the only wait: no barrier among the loaders. An fp8 chunk (16 values) becomes two
+  // wide_v, once the whole tile has landed (the caller's barrier: load()'s rows and TMA boxes alike); each
+  // thread widens the chunks load()'s mapping gives it (on the cp.async path, its own). An fp8 chunk (16 values) becomes two
   // 16-byte chunks of the wide row, 2 ch and 2 ch + 1; lanes whose chunk has bit 2 set store their
   // second half first, so a quarter-warp's 8 stores hit 8 distinct bank groups (the first halves'
   // chunks 2 ch are {0, 2, 4, 6} twice over per 64-column block otherwise: a 2-way conflict).
