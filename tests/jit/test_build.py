@@ -159,7 +159,7 @@ VARIANT_MATRIX = [  # one representative per template option, not the cross prod
     AttentionSpec(family="prefill", causal=True),
     AttentionSpec(family="prefill", head_dim_qk=256, num_qo_heads=8, num_kv_heads=8, q_dtype="fp16"),
     AttentionSpec(family="prefill", head_dim_qk=64, window_left=64, logits_soft_cap=20.0),
-    AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True),  # the mma kernel widening fp8 tiles
+    AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True),  # fp8 tiles widened (wgmma's producer; mma)
     *[AttentionSpec(family="mla_decode", num_qo_heads=h, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
                     pipeline=p, **kw) for h, p, kw in
       ((16, "normal", {}), (128, "normal", {"q_dtype": "fp16"}), (8, "transposed", {"kv_dtype": "fp8_e4m3"}),
@@ -199,6 +199,9 @@ def test_nvcc_compiles_the_variant_matrix():
     mods.append(PrefillKernel(prefill[0], "wgmma", persistent=False).module())  # one CTA per item (not the default)
     mods.append(PrefillKernel(prefill[0], "wgmma", tma=False).module())  # paged tiles by cp.async only
     mods.append(PrefillKernel(prefill[1], "wgmma", producer=False).module())  # d256: no split ring, one consumer
+    fp8 = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True)  # its options, and d64's shared ring
+    mods += [PrefillKernel(fp8, "wgmma", tma=True).module(), PrefillKernel(fp8, "wgmma", fp8_int_widen=True).module(),
+             PrefillKernel(dataclasses.replace(fp8, head_dim_qk=64, head_dim_vo=64, q_dtype="fp16"), "wgmma").module()]
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
     mods += [k.module() for k in _wgmma_mla_kernels(mla)]
