@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from test_ring_protocol import Barrier
+from test_ring_protocol import Barrier, interleave
 
 
 class NamedBarrier:
@@ -121,15 +121,7 @@ def run(items, F, threads, tma, seed, named_barrier=True, past_end=False):
          "readers": [[0] * threads for _ in range(F)], "in_flight": [], "done": 0, "bar": NamedBarrier(threads)}
     agents = [producer_thread(s, i, items, tma, named_barrier, past_end) for i in range(threads)]
     agents.append(copy_engine(s, threads))
-    rng, live, steps = random.Random(seed), list(agents), 0
-    while live:
-        agent = rng.choice(live)
-        try:
-            next(agent)
-        except StopIteration:
-            live.remove(agent)
-        steps += 1
-        assert steps < 200_000, f"deadlock: {len(live)} agents still waiting"
+    interleave(agents, seed)
 
 
 @pytest.mark.parametrize("F", [2, 3, 4])

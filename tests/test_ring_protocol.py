@@ -138,6 +138,19 @@ def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early
         tiles_done += n
 
 
+def interleave(agents, seed):
+    """Steps randomly chosen agents (generators that yield while they wait) until all are done."""
+    rng, live, steps = random.Random(seed), list(agents), 0
+    while live:
+        agent = rng.choice(live)
+        try:
+            next(agent)
+        except StopIteration:
+            live.remove(agent)
+        steps += 1
+        assert steps < 200_000, f"deadlock: {len(live)} agents still waiting"
+
+
 def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True, q_early=0, split=False,
         v_early=False, v_slots=None):
     """split: K in `stages` slots, V in v_slots (default stages + 1, the kernel's) slots."""
@@ -150,15 +163,7 @@ def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=Tr
          "in_flight": [], "producer_done": False}
     agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
     agents += [consumer(s, items, stages, persistent, q_for_empty, q_early, v_early) for _ in range(warps)]
-    rng, live, steps = random.Random(seed), list(agents), 0
-    while live:
-        agent = rng.choice(live)
-        try:
-            next(agent)
-        except StopIteration:
-            live.remove(agent)
-        steps += 1
-        assert steps < 200_000, f"deadlock: {len(live)} agents still waiting"
+    interleave(agents, seed)
     assert all(r == 0 for m in mats for r in s["readers"][m]) and s["q_readers"] == 0
 
 
