@@ -76,7 +76,7 @@ def test_shapes_and_refusals():
         PrefillKernel(SPEC, "wgmma", producer=False, num_stages=2)
     with pytest.raises(ValueError, match="with a producer needs at least 2, got 1"):
         PrefillKernel(SPEC, "wgmma", num_stages=1)
-    with pytest.raises(ValueError, match="exceeds 232448 B; use fewer stages"):
+    with pytest.raises(ValueError, match="exceeds 232448 B at 4 stages of 128-token tiles; use fewer stages, or None"):
         PrefillKernel(SPEC, "wgmma", num_stages=4)
     with pytest.raises(ValueError, match="expected one of .*got 'tensor'; or pass backend=None"):
         PrefillKernel(SPEC, "tensor")
@@ -333,7 +333,8 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
 @pytest.mark.parametrize("kw,match", [
     ({"producer": False}, "widened by the producer warpgroup"), ({"pingpong": True}, "pingpong=True"),
     ({"fp8_stages": 1}, "fp8_stages: 2 or more"),
-    ({"fp8_stages": 3}, "exceeds"), ({"fp8_int_widen": 1}, "fp8_int_widen")])
+    ({"fp8_stages": 3}, r"at 2 stages of 128-token tiles \(3 fp8 staging slots: 98304 B\); use fewer stages, fewer "
+                        r"fp8_stages or kv_tile=64"), ({"fp8_int_widen": 1}, "fp8_int_widen")])
 def test_fp8_kv_on_the_wgmma_kernel_refuses_what_it_cannot_run(kw, match):
     with pytest.raises(ValueError, match=match):
         PrefillKernel(FP8, "wgmma", **kw)

@@ -210,8 +210,12 @@ class PrefillKernel:
                              f"{'with' if self.producer else 'without'} a producer needs at least {least}, got "
                              f"{self.stages}; pass more, or None for the default")
         if self.smem_bytes > SMEM_LIMIT:
-            raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B; "
-                             "use fewer stages")
+            staging = self.fp8_stages * 2 * self.tile_kv * self.spec.head_dim_qk
+            detail = f" ({self.fp8_stages} fp8 staging slots: {staging} B)" if self.wgmma_fp8 else ""
+            raise ValueError(f"PrefillKernel: {self.smem_bytes} B of shared memory exceeds {SMEM_LIMIT} B at "
+                             f"{self.stages} stages of {self.tile_kv}-token tiles{detail}; use fewer stages"
+                             + (", fewer fp8_stages or kv_tile=64" if self.wgmma_fp8 else "")
+                             + ", or None for the defaults")
 
     def _fitting_fp8_stages(self) -> int:
         """The most fp8 staging slots (2 to 4) that fit beside the rest (2 where none fit: the size check then says so)."""
