@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -190,7 +191,7 @@ class BatchPrefill:
         """The plan's v_scale, after checking both scales: finite and positive; v_scale 1 for 16-bit K/V
         (only the fp8 kernel carries it: scale V itself, or pass sm_scale for K)."""
         for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+            if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
                 raise checks.fail(f"plan({name}=...)", "a finite float > 0", x,
                                   "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
         if not self.kernel.fp8_kv and v_scale != 1.0:

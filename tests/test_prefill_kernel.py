@@ -61,6 +61,9 @@ def test_shapes_and_refusals():
         PrefillKernel(SPEC, "mma", m_tiles=3)
     with pytest.raises(ValueError, match=r"m_tiles: .*wgmma: 1\), got 2 with backend 'wgmma'"):
         PrefillKernel(SPEC, "wgmma", m_tiles=2)
+    d256 = AttentionSpec(family="prefill", head_dim_qk=256)  # (its registers table has no two-tile entry)
+    with pytest.raises(ValueError, match="d256's accumulators fill the registers at one.*at head_dim 256"):
+        PrefillKernel(d256, "mma", m_tiles=2)
     # d256: Q of 128 rows and a split ring of two K and three V 64-token slots (each on a full and
     # an empty mbarrier) beside a producer; without one, 64 rows and three shared stages
     d256_spec = AttentionSpec(family="prefill", head_dim_qk=256)
@@ -332,7 +335,7 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
 
 @pytest.mark.parametrize("kw,match", [
     ({"producer": False}, "widened by the producer warpgroup"), ({"pingpong": True}, "pingpong=True"),
-    ({"fp8_stages": 1}, "fp8_stages: 2 or more"),
+    ({"fp8_stages": 1}, "fp8_stages: 2 or more"), ({"fp8_stages": "4"}, "fp8_stages: .*got '4'"),
     ({"fp8_stages": 3}, r"at 2 stages of 128-token tiles \(3 fp8 staging slots: 98304 B\); use fewer stages, fewer "
                         r"fp8_stages or kv_tile=64"), ({"fp8_int_widen": 1}, "fp8_int_widen")])
 def test_fp8_kv_on_the_wgmma_kernel_refuses_what_it_cannot_run(kw, match):
@@ -354,6 +357,16 @@ def test_plan_refuses_bad_scales_before_any_work(spec, kw, match):
     w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
     with pytest.raises(ValueError, match=match):
         w.plan([0, 4], [0, 9], **kw)
+
+
+def test_plan_takes_scales_of_any_real_type_but_bool():
+    """numpy scalars (a cache's scales often are) pass the check; True is not a scale."""
+    import numpy as np
+    from attnforge import BatchPrefill
+    w = BatchPrefill(FP8, device="cuda:0")
+    assert w._check_scales(np.float32(0.5), np.float64(2.0)) == 2.0 and w._check_scales(1, 3) == 3.0
+    with pytest.raises(ValueError, match=r"k_scale=...\): expected a finite float > 0, got True"):
+        w._check_scales(True, 1.0)
 
 
 def test_single_prefill_refuses_bad_tensors_before_any_work():

@@ -58,7 +58,6 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum
 # shared stages (16 + 3 x 32 + 4 x 16 KB)
 _SHAPES = {"wgmma": (128, 128, 3), "mma": (64, 64, 2), "wgmma256": (128, 64, 2), "wgmma256_plain": (64, 64, 3),
            "wgmma64": (128, 128, 4), "wgmma_fp8": (128, 128, 2), "wgmma64_fp8": (128, 128, 3)}
-# fp8 staging slots (wgmma), as many as fit up to 4: copies run up to three tiles ahead of the widening
 WGMMA_FP8_HEAD_DIMS = (64, 128)  # head_dim 256: no room for staging beside its tiles
 
 BASE_FIELDS = (
@@ -184,7 +183,7 @@ class PrefillKernel:
             raise ValueError("PrefillKernel: fp8 K/V on the wgmma backend is widened by the producer warpgroup from "
                              f"its staging ring, got producer={self.producer}, pingpong={self.pingpong}; pass the "
                              "defaults (None), or backend='mma'")
-        if self.fp8_stages != (self.fp8_stages if self.wgmma_fp8 else 0) or (self.wgmma_fp8 and self.fp8_stages < 2):
+        if type(self.fp8_stages) is not int or (self.fp8_stages < 2 if self.wgmma_fp8 else self.fp8_stages != 0):
             raise ValueError(f"PrefillKernel.fp8_stages: 2 or more with fp8 K/V on the wgmma backend, else 0 (None "
                              f"picks), got {self.fp8_stages!r}")
         if type(self.fp8_int_widen) is not bool or (self.fp8_int_widen and not self.wgmma_fp8):
@@ -201,9 +200,11 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
-        if self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma"):
-            raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (wgmma: 1), "
-                             f"got {self.m_tiles!r} with backend {self.backend!r}; pass None for the default")
+        if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
+                or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
+            raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at head_dim "
+                             f"64 and 128: d256's accumulators fill the registers at one; wgmma: 1), got {self.m_tiles!r} "
+                             f"with backend {self.backend!r} at head_dim {self.spec.head_dim_qk}; pass None for the default")
         least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
         if self.stages < least:
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
@@ -218,7 +219,8 @@ class PrefillKernel:
                              + ", or None for the defaults")
 
     def _fitting_fp8_stages(self) -> int:
-        """The most fp8 staging slots (2 to 4) that fit beside the rest (2 where none fit: the size check then says so)."""
+        """The most fp8 staging slots (2 to 4: copies run up to three tiles ahead of the widening) that fit
+        beside the rest (2 where none fit: the size check then says so)."""
         return next((n for n in (4, 3) if self._smem_bytes(n) <= SMEM_LIMIT), 2)
 
     @property

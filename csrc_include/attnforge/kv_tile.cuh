@@ -25,6 +25,23 @@ AF_DEVICE T* swizzled_row(T* base, int row, int chunk) {  // 16-bit tile: kHeadD
   return base + row * kHeadDim + swizzle(row, chunk) * 8;
 }
 
+// This lane's ldmatrix.x4 address of an m16k16 A fragment of a swizzled 16-bit tile: rows
+// [16 tile, 16 tile + 16), dims [16 kk, 16 kk + 16) (the mma kernels' Q fragments).
+template <class T, int kHeadDim>
+AF_DEVICE uint32_t a_frag_addr(T* base, int tile, int lane, int kk) {
+  return smem_addr(swizzled_row<T, kHeadDim>(base, tile * 16 + (lane % 8) + ((lane / 8) % 2) * 8, kk * 2 + lane / 16));
+}
+
+// Half `half` of 16 e4m3 values (values 8 half .. 8 half + 7) as a 16-byte chunk of T: one cvt a pair
+// (bf16: through f32).
+template <class T>
+AF_DEVICE void widen_half(const uint4& raw, int half, uint4& out) {
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = fp8x2_to<T>(v[half * 4 + j]);
+}
+
 // kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for
 // kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen().
 template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false,
@@ -144,14 +161,11 @@ struct KVTileLoader {
       const int mat = i / (kTileKV * kChunks), rem = i % (kTileKV * kChunks);
       const int row = rem / kChunks, ch = rem % kChunks;  // one fp8 chunk = 16 values = 2 chunks out
       const uint4 raw = src[i];
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
       TMma* base = wide + mat * kTileKV * kHeadDim;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = fp8x2_to<TMma>(v[half * 4 + j]);
+        widen_half<TMma>(raw, half, out);
         *reinterpret_cast<uint4*>(swizzled_row<TMma, kHeadDim>(base, row, 2 * ch + half)) = out;
       }
     }
@@ -177,7 +191,6 @@ struct KVTileLoader {
       for (int mat = 0; mat < 2; ++mat) {
         if (!(mats & (mat + 1))) continue;
         const uint4 raw = *reinterpret_cast<const uint4*>(stage + mat * kTileBytes + r * kHeadDim + ch * kElems);
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
         char* wide = mat == 0 ? wide_k : wide_v;
         uint4 out[2];  // dims [16 ch, 16 ch + 8) and [16 ch + 8, 16 ch + 16)
         if constexpr (kDiv256) {
@@ -187,11 +200,7 @@ struct KVTileLoader {
           e4m3x4_to_f16x4_div256(raw.w, out[1].z, out[1].w);
         } else {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            uint32_t* o = reinterpret_cast<uint32_t*>(&out[half]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o[i] = fp8x2_to<TMma>(v[half * 4 + i]);
-          }
+          for (int half = 0; half < 2; ++half) widen_half<TMma>(raw, half, out[half]);
         }
         // (selects, not out[h ^ first]: a runtime index would put the pair in local memory)
         *reinterpret_cast<uint4*>(wide + sw128_offset(r, 2 * ch + first, kTileKV)) = first ? out[1] : out[0];
