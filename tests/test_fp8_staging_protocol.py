@@ -1,7 +1,8 @@
 """CPU model of the fp8 staging ring of the wgmma prefill producer (templates/batch_prefill_wgmma.cu.jinja).
 
 Each producer thread copies tile t into staging slot (g0 + t) % F, F - 1 tiles ahead of the tile it
-widens, and arrives on the slot's `staged` barrier once its copies so far have landed
+widens (its copies and the chunks it widens are different ones: the widening's mapping avoids bank
+conflicts, KVTileLoader::widen_sw128), and arrives on the slot's `staged` barrier once its copies so far have landed
 (cp.async.mbarrier.arrive.noinc); with TMA one thread also issues boxes that write every thread's
 chunks and count against the same phase. Before each copy a barrier among the producer threads
 (bar.sync 3) makes sure every thread is done widening the tile that was in the slot. The model runs
@@ -31,10 +32,11 @@ class NamedBarrier:
             yield
 
 
-def producer_thread(s, i, items, tma, named_barrier, past_end=False):
-    """Producer thread i: its own chunk i of every slot (cp.async), or the copy engine's boxes (TMA: thread
-    0 issues a whole tile). tiles_done runs on across items, as the kernel's ring does."""
-    F, tiles_done = s["F"], 0
+def producer_thread(s, i, items, tma, named_barrier, past_end=False, widen_shift=1):
+    """Producer thread i: copies chunk i of every slot (cp.async), or the copy engine's boxes (TMA: thread
+    0 issues a whole tile), and widens chunk (i + widen_shift) % threads (0: its own copy). tiles_done runs
+    on across items, as the kernel's ring does."""
+    F, tiles_done, w = s["F"], 0, (i + widen_shift) % s["threads"]
     for n in items:
         g0 = tiles_done
 
@@ -61,11 +63,11 @@ def producer_thread(s, i, items, tma, named_barrier, past_end=False):
             g = g0 + t
             while not s["staged"][g % F].ready((g // F) & 1, g // F):
                 yield
-            assert s["slot"][g % F][i] == g, "widened a chunk that holds another tile"
-            s["readers"][g % F][i] += 1
+            assert s["slot"][g % F][w] == g, "widened a chunk that holds another tile"
+            s["readers"][g % F][w] += 1
             yield  # the widening's loads, spread over time
-            assert s["slot"][g % F][i] == g, "a copy landed under the widening"
-            s["readers"][g % F][i] -= 1
+            assert s["slot"][g % F][w] == g, "a copy landed under the widening"
+            s["readers"][g % F][w] -= 1
             yield
         tiles_done += n
     s["done"] += 1
@@ -115,11 +117,11 @@ class StagedBarrier(Barrier):
             self.pending, self.completed = 0, self.completed + 1
 
 
-def run(items, F, threads, tma, seed, named_barrier=True, past_end=False):
+def run(items, F, threads, tma, seed, named_barrier=True, past_end=False, widen_shift=1):
     random.seed(seed)
-    s = {"F": F, "staged": [StagedBarrier(threads) for _ in range(F)], "slot": [[-1] * threads for _ in range(F)],
+    s = {"F": F, "threads": threads, "staged": [StagedBarrier(threads) for _ in range(F)], "slot": [[-1] * threads for _ in range(F)],
          "readers": [[0] * threads for _ in range(F)], "in_flight": [], "done": 0, "bar": NamedBarrier(threads)}
-    agents = [producer_thread(s, i, items, tma, named_barrier, past_end) for i in range(threads)]
+    agents = [producer_thread(s, i, items, tma, named_barrier, past_end, widen_shift) for i in range(threads)]
     agents.append(copy_engine(s, threads))
     interleave(agents, seed)
 
@@ -134,16 +136,18 @@ def test_staging_never_deadlocks_or_overwrites(F, tma, seed):
 
 
 def test_the_model_catches_refills_without_the_barrier():
-    # own-chunk cp.async needs no barrier (a thread overwrites only what it has widened), but TMA boxes
-    # write every thread's chunks: without bar.sync a box lands under a slower thread's widening
-    caught = 0
+    # a thread that widened only its own cp.async chunks would need no barrier (it overwrites only what it
+    # has widened), but TMA boxes, and the widening's bank-conflict-free mapping, read and write other
+    # threads' chunks: without bar.sync a copy lands under a slower thread's widening
+    caught = {"cp.async": 0, "tma": 0}
     for seed in range(30):
-        run([9, 4, 6], 2, threads=4, tma=False, seed=seed, named_barrier=False)  # never fails
-        try:
-            run([9, 4, 6], 2, threads=4, tma=True, seed=seed, named_barrier=False)
-        except AssertionError as e:
-            caught += "under the widening" in str(e) or "still reads" in str(e) or "another tile" in str(e)
-    assert caught > 0
+        run([9, 4, 6], 2, threads=4, tma=False, seed=seed, named_barrier=False, widen_shift=0)  # never fails
+        for name, tma in (("cp.async", False), ("tma", True)):
+            try:
+                run([9, 4, 6], 2, threads=4, tma=tma, seed=seed, named_barrier=False)
+            except AssertionError as e:
+                caught[name] += "under the widening" in str(e) or "still reads" in str(e) or "another tile" in str(e)
+    assert caught["cp.async"] > 0 and caught["tma"] > 0
 
 
 def test_the_model_catches_copies_past_the_items_tiles():

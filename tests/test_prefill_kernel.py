@@ -322,13 +322,15 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     assert PrefillKernel(FP8, "wgmma", kv_tile=64, num_stages=3).fp8_stages == 4  # as many as fit, up to 4
     assert PrefillKernel(SPEC, "wgmma").fp8_stages == 0
     src = k.module().source
-    assert "widen_own_sw128" in src and "v_out_scale = p.v_scale" in src and "stage_q_fp16" in src
-    assert "kFp8Stages = 2;" in src and "v_scale" in k.params.cpp() and "k_tmap" not in k.params.cpp()
+    assert "widen_sw128" in src and "v_out_scale = p.v_scale" in src and "stage_q_fp16" in src
+    assert "kFp8Stages = 2;" in src and "v_scale" in k.params.cpp()
     names = {PrefillKernel(FP8, "wgmma", kv_tile=64, num_stages=3, fp8_stages=n).module().name for n in (2, 3, 4)}
     assert len(names) == 3 and all("kvfp8" in n for n in names)
-    tma = PrefillKernel(FP8, "wgmma", tma=True)  # staging by TMA boxes of whole byte rows: an option
+    # staging by TMA boxes of whole byte rows (swizzled at head_dim 128): an option
+    assert "k_tmap" not in k.params.cpp() and "load_fp8_tma" not in src and not d64.has_tma
+    tma = PrefillKernel(FP8, "wgmma", tma=True)
     assert tma.has_tma and "k_tmap" in tma.params.cpp() and "load_fp8_tma" in tma.module().source
-    assert "load_fp8_tma" not in src and "load_tile_tma" not in tma.module().source
+    assert "load_tile_tma" not in tma.module().source and PrefillKernel(d64.spec, "wgmma", tma=True).has_tma
     plain_src = PrefillKernel(SPEC, "wgmma").module().source
     assert "kFp8Stages = 0;" in plain_src and "constexpr float v_out_scale = 1.f;" in plain_src
 

@@ -3,7 +3,8 @@
 A kernel copies one KV tile [tile_kv rows][head_dim] as boxes of [rows][64 dims]: 128 bytes per row,
 swizzled by the copy engine exactly like wgmma's sw128 operands (attnforge/wgmma.cuh), so one
 instruction replaces rows x 8 cp.async. fp8 tiles (plain_rows: staged as stored, widened after) are
-boxes of [rows][head_dim] bytes, unswizzled. A box is a whole page when pages are no longer than a tile,
+boxes of [rows][head_dim] bytes: swizzled the same way when a row is 128 bytes (head_dim 128, the
+staging layout the widening reads without bank conflicts), else unswizzled. A box is a whole page when pages are no longer than a tile,
 else the tile's share of one page; ragged K/V [tokens, heads, dim] is one "page" holding every token,
 so a box is a whole tile. Whether a tensor qualifies is decided here in plain Python (tested without a
 GPU); encoding the 128-byte map needs the driver (cuTensorMapEncodeTiled).
@@ -33,14 +34,14 @@ class KVBox:
     # bytes the L2 fetches around each request of a box row (L2_PROMOTION_SIZES): 256 fetches a 128-byte
     # box row's neighbour too (the other half of a 128-dim head row in prefill)
     l2_promotion: int = 256
-    swizzle: bool = True  # sw128 (16-bit rows of 64 dims); False: plain rows (fp8 staging)
+    swizzle: bool = True  # 128-byte rows swizzled: 16-bit rows of 64 dims, or fp8 rows of 128; False: plain rows
 
 
 def paged_kv_box(head_dim: int, num_heads: int, page_size: int, num_pages: int, stride_page: int,
                  stride_token: int, stride_head: int, elem_bytes: int, tile_kv: int,
                  plain_rows: bool = False) -> tuple[Optional[KVBox], str]:
     """(box, "") when TMA can copy this cache's tiles, else (None, why not). Strides in elements.
-    plain_rows: one-byte (fp8) K/V as whole unswizzled rows [rows][head_dim] (a staging ring's layout)."""
+    plain_rows: one-byte (fp8) K/V as whole rows [rows][head_dim] (a staging ring's layout; swizzled at 128 bytes)."""
     rows = min(page_size, tile_kv)
     if rows < MIN_BOX_ROWS or (tile_kv % page_size if page_size <= tile_kv else page_size % tile_kv):
         return None, (f"page_size {page_size}: pages of >= {MIN_BOX_ROWS} tokens that divide, or are multiples of, "
@@ -97,7 +98,8 @@ def _kv_box(head_dim, num_heads, tokens, pages, stride_page, stride_token, strid
         return None, f"{pages} pages of {strides[2]} bytes: beyond the copy engine's 2^32 / 2^40 limits"
     cols = head_dim if plain_rows else SWIZZLE_COLS
     box = (cols, 1, rows, 1) if heads_inner else (cols, rows, 1, 1)
-    return KVBox((head_dim, inner[0], outer[0], pages), strides, box, rows, heads_inner, swizzle=not plain_rows), ""
+    swizzle = not plain_rows or head_dim == 128  # (the swizzle's unit: 128-byte rows)
+    return KVBox((head_dim, inner[0], outer[0], pages), strides, box, rows, heads_inner, swizzle=swizzle), ""
 
 
 L2_PROMOTION_SIZES = (0, 64, 128, 256)  # KVBox.l2_promotion: none, or the driver's L2_64B / 128B / 256B

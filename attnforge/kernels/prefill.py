@@ -316,7 +316,9 @@ class PrefillKernel:
     @property
     def has_tma(self) -> bool:
         """Whether the kernel is built with the TMA tile path (its params then carry the maps). fp8 K/V on
-        wgmma: only with tma=True (boxes of whole rows into the staging ring; cp.async by default)."""
+        wgmma (boxes of whole rows into the staging ring): only with tma=True. Measured at head_dim 128
+        (docs/perf-notes.md, fifty-first session): ragged K/V 5.7% faster by TMA, but a TMA-built kernel
+        runs 16-token pages 3.5-4% slower than a cp.async-only one (by either path); head_dim 64 lost 5%."""
         if self.wgmma_fp8:
             return self.tma is True
         return self.tma is not False and bool(self.producer)

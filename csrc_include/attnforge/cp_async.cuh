@@ -28,11 +28,11 @@ AF_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(
 
 // XOR swizzle of 16-byte chunks within a row: rows 8 apart share banks, so chunk c of row r
 // lives at c ^ (r % 8); ldmatrix's 8 row addresses then hit 8 distinct bank groups.
-AF_HOST_DEVICE int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
+AF_HOST_DEVICE constexpr int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
 
 // The sw128 tile format of attnforge/wgmma.cuh: byte offset of 16-byte chunk `chunk` (along the
 // row) of row `row` in a tile of `rows` rows, stored as 64-column blocks of 128-byte rows.
-AF_HOST_DEVICE int sw128_offset(int row, int chunk, int rows) {
+AF_HOST_DEVICE constexpr int sw128_offset(int row, int chunk, int rows) {
   return (chunk >> 3) * rows * 128 + row * 128 + (swizzle(row, chunk & 7) << 4);
 }
 

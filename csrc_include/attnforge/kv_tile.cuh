@@ -172,39 +172,85 @@ struct KVTileLoader {
   }
 
   // fp8 -> 16-bit into the sw128 format of attnforge/wgmma.cuh (wgmma operands), K into wide_k and V into
-  // wide_v, once the whole tile has landed (the caller's barrier: load()'s rows and TMA boxes alike); each
-  // thread widens the chunks load()'s mapping gives it (on the cp.async path, its own). An fp8 chunk (16 values) becomes two
-  // 16-byte chunks of the wide row, 2 ch and 2 ch + 1; lanes whose chunk has bit 2 set store their
-  // second half first, so a quarter-warp's 8 stores hit 8 distinct bank groups (the first halves'
-  // chunks 2 ch are {0, 2, 4, 6} twice over per 64-column block otherwise: a 2-way conflict).
-  // kDiv256: fp16 values / 256 by integer ops (e4m3x4_to_f16x4_div256), not the conversion unit's cvt.
-  // mats: 1 K, 2 V, 3 both.
+  // wide_v, once the whole tile has landed (the caller's barrier covers every thread's copies and the TMA
+  // boxes, so a thread may widen chunks another thread copied). The staging slot holds the tile as
+  // load() writes it: 128-byte rows (head_dim 128) swizzled (kSwizzleFp8), 64-byte rows plain.
+  // Mapping: a thread keeps one chunk column and rows r0 + kWidenStep j, kWidenStep a multiple of 8, so
+  // row % 8, and with it every swizzled position, is fixed per thread: the addresses are computed once
+  // and a chunk costs one load, eight cvts and two stores (the per-row address math and selects had
+  // been 18 of a chunk's 29 instructions on this instruction-bound warpgroup).
+  //   8 chunks a row: quarter-warp q (8 lanes) takes column q % 8 of rows lane % 8 + 8 (q / 8) + 16 j, so
+  //     its 8 loads and each of its stores hit 8 distinct bank groups (8 rows, 8 different swizzles).
+  //   4 chunks a row: rows t / 4 + 32 j, column t % 4 (a quarter-warp's two rows fill 128 bytes of
+  //     staging, and its stores' chunks 2 ch + h, swizzled by an even and an odd row, are 8 distinct).
+  // An fp8 chunk (16 values) becomes the wide row's chunks 2 ch and 2 ch + 1. kDiv256: fp16 values / 256
+  // by integer ops (e4m3x4_to_f16x4_div256), not the conversion unit's cvt. mats: 1 K, 2 V, 3 both.
+  static constexpr bool kWidenByQuarter = kChunks == 8;
+  static constexpr int kWidenStep = kWidenByQuarter ? 8 * (kThreads / 64) : kThreads / kChunks;
+  static constexpr int widen_chunk_of(unsigned t) { return kWidenByQuarter ? int(t / 8 % 8) : int(t % kChunks); }
+  static constexpr int widen_row_of(unsigned t) { return kWidenByQuarter ? int(t % 8 + t / 64 * 8) : int(t / kChunks); }
+
+  // Every (row, chunk) of a matrix is widened exactly once, and within each quarter-warp (one phase of a
+  // 16-byte shared access) the 8 loads, and the 8 stores of each half, fall in 8 distinct bank groups.
+  static constexpr bool widen_mapping_holds() {
+    bool seen[kTileKV * kChunks] = {};
+    for (unsigned t = 0; t < unsigned(kThreads); ++t)
+      for (int j = 0; j < kTileKV / kWidenStep; ++j) {
+        const int r = widen_row_of(t) + j * kWidenStep, c = widen_chunk_of(t);
+        if (r >= kTileKV || seen[r * kChunks + c]) return false;
+        seen[r * kChunks + c] = true;
+      }
+    for (unsigned q = 0; q < unsigned(kThreads); q += 8) {
+      int loads = 0, stores[2] = {0, 0};  // bit masks of the bank groups (16-byte columns of 128 bytes)
+      for (unsigned t = q; t < q + 8; ++t) {
+        const int r = widen_row_of(t), c = widen_chunk_of(t);
+        loads |= 1 << ((r * kHeadDim + (kSwizzleFp8 ? swizzle(r, c) : c) * kElems) / 16 % 8);
+        for (int h = 0; h < 2; ++h) stores[h] |= 1 << (sw128_offset(r, 2 * c + h, kTileKV) / 16 % 8);
+      }
+      if (loads != 0xff || stores[0] != 0xff || stores[1] != 0xff) return false;
+    }
+    return true;
+  }
+
   template <bool kDiv256 = false>
-  static AF_DEVICE void widen_own_sw128(const char* stage, char* wide_k, char* wide_v, int mats = 3) {
-    static_assert(kFp8 && kHeadDim % 64 == 0, "sw128 widening: fp8 rows of 64-column blocks");
+  static AF_DEVICE void widen_sw128(const char* stage, char* wide_k, char* wide_v, int mats = 3) {
+    static_assert(kFp8 && (kChunks == 4 || kChunks == 8) && kSwizzleFp8 == (kChunks == 8),
+                  "sw128 widening: fp8 rows of 64 bytes (plain) or 128 bytes (swizzled)");
+    static_assert(kThreads % 64 == 0 && kWidenStep % 8 == 0 && kTileKV % kWidenStep == 0, "widening mapping");
     static_assert(!kDiv256 || std::is_same_v<TMma, fp16>, "integer widening gives fp16");
-    const int ch = chunk(), first = (ch >> 2) & 1;
-#pragma unroll 4  // (a producer warpgroup's 56 registers: all of a 128-token tile's rows at once spilled)
-    for (int j = 0; j < kRowsPerThread; ++j) {
-      const int r = row(j);
+    static_assert(widen_mapping_holds(), "widen_sw128: a chunk widened twice or not at all, or a bank conflict");
+    const int ch = widen_chunk_of(threadIdx.x), r0 = widen_row_of(threadIdx.x);
+    const int src0 = r0 * kHeadDim + (kSwizzleFp8 ? swizzle(r0, ch) : ch) * kElems;
+    const int dst_lo = sw128_offset(r0, 2 * ch, kTileKV), dst_hi = sw128_offset(r0, 2 * ch + 1, kTileKV);
 #pragma unroll
-      for (int mat = 0; mat < 2; ++mat) {
-        if (!(mats & (mat + 1))) continue;
-        const uint4 raw = *reinterpret_cast<const uint4*>(stage + mat * kTileBytes + r * kHeadDim + ch * kElems);
-        char* wide = mat == 0 ? wide_k : wide_v;
-        uint4 out[2];  // dims [16 ch, 16 ch + 8) and [16 ch + 8, 16 ch + 16)
-        if constexpr (kDiv256) {
-          e4m3x4_to_f16x4_div256(raw.x, out[0].x, out[0].y);
-          e4m3x4_to_f16x4_div256(raw.y, out[0].z, out[0].w);
-          e4m3x4_to_f16x4_div256(raw.z, out[1].x, out[1].y);
-          e4m3x4_to_f16x4_div256(raw.w, out[1].z, out[1].w);
-        } else {
+    for (int mat = 0; mat < 2; ++mat) {
+      if (!(mats & (mat + 1))) continue;
+      const char* src = stage + mat * kTileBytes + src0;
+      char* wide = mat == 0 ? wide_k : wide_v;
+      // head_dim 128: loads in batches of four ahead of their stores (the compiler cannot move a load
+      // above a store that may alias it, so each load waited out the shared-memory latency after the last
+      // chunk's stores): -7.5% on the whole kernel. head_dim 64 lost 3.4% by it: one at a time there.
+      constexpr int kRows = kTileKV / kWidenStep, kBatch = kChunks == 8 ? (kRows < 4 ? kRows : 4) : 1;
+#pragma unroll(kBatch == 1 ? 4 : 1)  // (a producer warpgroup's 56 registers)
+      for (int j0 = 0; j0 < kRows; j0 += kBatch) {
+        uint4 raw[kBatch];
 #pragma unroll
-          for (int half = 0; half < 2; ++half) widen_half<TMma>(raw, half, out[half]);
+        for (int b = 0; b < kBatch; ++b) raw[b] = *reinterpret_cast<const uint4*>(src + (j0 + b) * kWidenStep * kHeadDim);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          uint4 out[2];  // dims [16 ch, 16 ch + 8) and [16 ch + 8, 16 ch + 16)
+          if constexpr (kDiv256) {
+            e4m3x4_to_f16x4_div256(raw[b].x, out[0].x, out[0].y);
+            e4m3x4_to_f16x4_div256(raw[b].y, out[0].z, out[0].w);
+            e4m3x4_to_f16x4_div256(raw[b].z, out[1].x, out[1].y);
+            e4m3x4_to_f16x4_div256(raw[b].w, out[1].z, out[1].w);
+          } else {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) widen_half<TMma>(raw[b], half, out[half]);
+          }
+          *reinterpret_cast<uint4*>(wide + dst_lo + (j0 + b) * kWidenStep * 128) = out[0];
+          *reinterpret_cast<uint4*>(wide + dst_hi + (j0 + b) * kWidenStep * 128) = out[1];
         }
-        // (selects, not out[h ^ first]: a runtime index would put the pair in local memory)
-        *reinterpret_cast<uint4*>(wide + sw128_offset(r, 2 * ch + first, kTileKV)) = first ? out[1] : out[0];
-        *reinterpret_cast<uint4*>(wide + sw128_offset(r, 2 * ch + 1 - first, kTileKV)) = first ? out[0] : out[1];
       }
     }
   }

@@ -64,14 +64,16 @@ def test_ragged_kv_is_one_page_of_every_token():
 
 
 @pytest.mark.parametrize("page,rows", [(16, 16), (64, 64), (256, 128)])
-def test_fp8_rows_are_whole_unswizzled_head_rows(page, rows):
-    """fp8 staging (the wgmma prefill producer widens it after): boxes [rows][head_dim] of bytes, no swizzle."""
-    kw = {**nhd(page), "elem_bytes": 1, "stride_page": 2 * page * H * D}
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_rows_are_whole_head_rows_swizzled_at_128_bytes(page, rows, d):
+    """fp8 staging (the wgmma prefill producer widens it after): boxes [rows][head_dim] of bytes, swizzled
+    like sw128 exactly when a row is 128 bytes (the kernel's Fp8Loader stages head_dim 128 swizzled)."""
+    kw = {**nhd(page, d=d), "elem_bytes": 1, "stride_page": 2 * page * H * d}
     box, why = paged_kv_box(**kw, plain_rows=True)
-    assert why == "" and box.rows == rows and not box.swizzle and box.box == (D, 1, rows, 1)
-    assert box.strides == (D, H * D, 2 * page * H * D)
-    rag, _ = ragged_kv_box(64, H, 1000, H * 64, 64, 1, 128, plain_rows=True)
-    assert rag.box == (64, 1, 128, 1) and not rag.swizzle
+    assert why == "" and box.rows == rows and box.swizzle == (d == 128) and box.box == (d, 1, rows, 1)
+    assert box.strides == (d, H * d, 2 * page * H * d)
+    rag, _ = ragged_kv_box(d, H, 1000, H * d, d, 1, 128, plain_rows=True)
+    assert rag.box == (d, 1, 128, 1) and rag.swizzle == (d == 128)
     assert "one-byte" in paged_kv_box(**nhd(16), plain_rows=True)[1]  # 16-bit K/V keeps its sw128 boxes
     assert paged_kv_box(**nhd(16))[0].swizzle
 
@@ -91,7 +93,7 @@ def test_encode_arguments_marshal_through_cuda_python():
     drv = pytest.importorskip("cuda.bindings.driver")
     from attnforge.jit.tma import encode_args
     bf16, _ = paged_kv_box(**nhd(16))
-    fp8, _ = paged_kv_box(**{**nhd(16), "elem_bytes": 1}, plain_rows=True)  # unswizzled byte rows
+    fp8, _ = paged_kv_box(**{**nhd(16, d=64), "elem_bytes": 1}, plain_rows=True)  # unswizzled byte rows
     types = drv.CUtensorMapDataType
     for kind, box in ((types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, bf16), (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, fp8)):
         args = encode_args(drv, kind, 1 << 20, box)
