@@ -2,8 +2,8 @@
 
 Each producer thread copies tile t into staging slot (g0 + t) % F, F - 1 tiles ahead of the tile it
 widens (its copies and the chunks it widens are different ones: the widening's mapping avoids bank
-conflicts, KVTileLoader::widen_sw128), and arrives on the slot's `staged` barrier once its copies so far have landed
-(cp.async.mbarrier.arrive.noinc); with TMA one thread also issues boxes that write every thread's
+conflicts, KVTileLoader::widen_sw128), and arrives on the slot's `staged` barrier once its copies so
+far have landed (cp.async.mbarrier.arrive.noinc); with TMA one thread also issues boxes that write every thread's
 chunks and count against the same phase. Before each copy a barrier among the producer threads
 (bar.sync 3) makes sure every thread is done widening the tile that was in the slot. The model runs
 the kernel's index and parity arithmetic under random interleavings and checks that no thread reads a
@@ -119,8 +119,8 @@ class StagedBarrier(Barrier):
 
 def run(items, F, threads, tma, seed, named_barrier=True, past_end=False, widen_shift=1):
     random.seed(seed)
-    s = {"F": F, "threads": threads, "staged": [StagedBarrier(threads) for _ in range(F)], "slot": [[-1] * threads for _ in range(F)],
-         "readers": [[0] * threads for _ in range(F)], "in_flight": [], "done": 0, "bar": NamedBarrier(threads)}
+    s = {"F": F, "threads": threads, "staged": [StagedBarrier(threads) for _ in range(F)],
+         "slot": [[-1] * threads for _ in range(F)], "readers": [[0] * threads for _ in range(F)], "in_flight": [], "done": 0, "bar": NamedBarrier(threads)}
     agents = [producer_thread(s, i, items, tma, named_barrier, past_end, widen_shift) for i in range(threads)]
     agents.append(copy_engine(s, threads))
     interleave(agents, seed)

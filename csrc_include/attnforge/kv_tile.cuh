@@ -3,7 +3,8 @@
 // Tile layout in shared memory, per matrix (K, then V):  [kTileKV rows][kHeadDim] elements.
 //   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
 //   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile; or stored
-//              swizzled (kSwizzleFp8) for kernels that widen in registers after ldmatrix.
+//              swizzled (kSwizzleFp8) for kernels that widen in registers after ldmatrix, and for
+//              widen_sw128 (the wgmma prefill producer) at 128-byte rows.
 // Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep; with kWarpRows, warp
 // w copies rows [w * kTileKV / warps, (w + 1) * kTileKV / warps) alone (lane l: chunk l % kChunks of
 // rows l / kChunks + j * 32 / kChunks in that band), so a kernel whose warps each read only their own
@@ -43,7 +44,8 @@ AF_DEVICE void widen_half(const uint4& raw, int half, uint4& out) {
 }
 
 // kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for
-// kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen().
+// kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen(), and for
+// widen_sw128 at 128-byte rows (conflict-free loads).
 template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false,
           bool kWarpRows = false>
 struct KVTileLoader {
@@ -229,7 +231,7 @@ struct KVTileLoader {
       char* wide = mat == 0 ? wide_k : wide_v;
       // head_dim 128: loads in batches of four ahead of their stores (the compiler cannot move a load
       // above a store that may alias it, so each load waited out the shared-memory latency after the last
-      // chunk's stores): -7.5% on the whole kernel. head_dim 64 lost 3.4% by it: one at a time there.
+      // chunk's stores): -7.3% on the whole kernel. head_dim 64 lost 3.4% by it: one at a time there.
       constexpr int kRows = kTileKV / kWidenStep, kBatch = kChunks == 8 ? (kRows < 4 ? kRows : 4) : 1;
 #pragma unroll(kBatch == 1 ? 4 : 1)  // (a producer warpgroup's 56 registers)
       for (int j0 = 0; j0 < kRows; j0 += kBatch) {
