@@ -26,7 +26,8 @@ from attnforge.kernels.decode import DecodeKernel, whole_item_kernel
 from attnforge.kernels.mla import MLADecodeKernel
 from attnforge.kernels.prefill import PrefillKernel
 from attnforge.kernels.quest import QuestScoreKernel
-sys.stdout.write(({expr}).source)
+k = ({expr})
+sys.stdout.write((k.module() if hasattr(k, 'module') else k).source)  # a kernel, or its JitModule
 """
 
 
