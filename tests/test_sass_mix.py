@@ -45,3 +45,15 @@ def test_nvdisasm_search_finds_a_tool_beside_nvcc_or_says_none(tmp_path, monkeyp
     assert arch.nvdisasm_path() is None
     (tmp_path / "nvdisasm").touch()
     assert arch.nvdisasm_path() == tmp_path / "nvdisasm"
+
+
+def test_render_script_takes_kernel_objects_and_modules():
+    """The tool's EXPR may be a kernel (DecodeKernel(...), which has module()) or a JitModule itself: both
+    render to the kernel's CUDA source (it once asked kernels for .source and failed on every one)."""
+    import subprocess
+    import sys
+    tool, root = load_tool(), TOOL.parents[1]
+    for expr in ("DecodeKernel(AttentionSpec())", "DecodeKernel(AttentionSpec()).module()"):
+        out = subprocess.run([sys.executable, "-c", tool.RENDER.format(expr=expr)], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+        assert 'extern "C"' in out and "batch_decode_kernel" in out
