@@ -120,7 +120,8 @@ class StagedBarrier(Barrier):
 def run(items, F, threads, tma, seed, named_barrier=True, past_end=False, widen_shift=1):
     random.seed(seed)
     s = {"F": F, "threads": threads, "staged": [StagedBarrier(threads) for _ in range(F)],
-         "slot": [[-1] * threads for _ in range(F)], "readers": [[0] * threads for _ in range(F)], "in_flight": [], "done": 0, "bar": NamedBarrier(threads)}
+         "slot": [[-1] * threads for _ in range(F)], "readers": [[0] * threads for _ in range(F)], "in_flight": [],
+         "done": 0, "bar": NamedBarrier(threads)}
     agents = [producer_thread(s, i, items, tma, named_barrier, past_end, widen_shift) for i in range(threads)]
     agents.append(copy_engine(s, threads))
     interleave(agents, seed)

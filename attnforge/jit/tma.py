@@ -6,8 +6,9 @@ instruction replaces rows x 8 cp.async. fp8 tiles (plain_rows: staged as stored,
 boxes of [rows][head_dim] bytes: swizzled the same way when a row is 128 bytes (head_dim 128: the
 staging layout the prefill producer's widening reads without bank conflicts, its Fp8Loader's too), else
 unswizzled. A box is a whole page when pages are no longer than a tile, else the tile's share of one
-page; ragged K/V [tokens, heads, dim] is one "page" holding every token, so a box is a whole tile. Whether a tensor qualifies is decided here in plain Python (tested without a
-GPU); encoding the 128-byte map needs the driver (cuTensorMapEncodeTiled).
+page; ragged K/V [tokens, heads, dim] is one "page" holding every token, so a box is a whole tile.
+Whether a tensor qualifies is decided here in plain Python (tested without a GPU); encoding the 128-byte
+map needs the driver (cuTensorMapEncodeTiled).
 """
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ class PrefillKernel:
     # (soft-cap's tanh) shares the SFU with the exponentials; 0 where it has none
     m_tiles: Optional[int] = None  # mma: m16 row tiles a warp (its four warps hold 64 x m_tiles rows; at two
     # every K / V fragment loaded feeds two MMAs). None: mma_m_tiles(spec), as measured
-    fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile (None: as many as fit, up to 4)
+    fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile each (None: as many
+    # as fit, up to 4)
     fp8_int_widen: bool = False  # wgmma with fp8 K/V: widen by integer ops (fp16 / 256), not by cvt
 
     def __post_init__(self):
@@ -202,9 +203,10 @@ class PrefillKernel:
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
-            raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at head_dim "
-                             f"64 and 128: d256's accumulators fill the registers at one; wgmma: 1), got {self.m_tiles!r} "
-                             f"with backend {self.backend!r} at head_dim {self.spec.head_dim_qk}; pass None for the default")
+            raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
+                             f"head_dim 64 and 128: d256's accumulators fill the registers at one; wgmma: 1), got "
+                             f"{self.m_tiles!r} with backend {self.backend!r} at head_dim {self.spec.head_dim_qk}; "
+                             "pass None for the default")
         least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
         if self.stages < least:
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
