@@ -47,7 +47,8 @@ class BatchPrefill:
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list (None: wherever the
         # kernel has a producer and no ping-pong, where it measured faster); tma: whole K/V tiles
         # copied by the copy engine (None: ragged K/V and pages of 8+ tokens that tile the KV tile,
-        # where it measured faster; True: the same today; False: cp.async only). fma_exp_every: every Nth
+        # where it measured faster; with fp8 K/V ragged K/V only, at head_dim 128, on a twin kernel that
+        # plan() picks; True: wherever the tensors qualify; False: cp.async only). fma_exp_every: every Nth
         # exponential of the softmax on the FMA pipe (None: as measured, by head_dim and whether a
         # function of the score such as soft-cap's tanh shares the SFU; kernels/prefill.py). m_tiles: the
         # mma kernel's m16 row tiles a warp (None: as measured, kernels.prefill.mma_m_tiles). fp8_stages /
@@ -163,7 +164,7 @@ class BatchPrefill:
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
                       "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "v_scale": v_scale,
-                      "num_slots": num_slots,
+                      "num_slots": num_slots, "kernel": self.kernel.for_kv(ragged),
                       "grid": self._grid(len(work))}
 
     def _grid(self, num_work: int) -> int:
@@ -304,17 +305,17 @@ class BatchPrefill:
 
     def _launch(self, q, k, v, out, lse, strides: dict) -> None:
         s, pl = self.spec, self._plan
+        kernel = pl["kernel"]  # self.kernel, or its twin for this plan's KV kind (PrefillKernel.for_kv)
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = self.kernel.params.pack(
+        params = kernel.params.pack(
             q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
             lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"],
             ragged=int(pl["ragged"]), work_count=pl["num_work"], **strides, **variants.variant_values(s, pl["sm_scale"]),
-            **mod_values, **self.kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q),
-            **({"v_scale": pl["v_scale"]} if self.kernel.fp8_kv else {}))
-        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+            **mod_values, **kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q),
+            **({"v_scale": pl["v_scale"]} if kernel.fp8_kv else {}))
+        lib = registry.get_library(kernel, kernel.module, self.device)
         with torch.cuda.device(self.device):
-            lib[self.kernel.kernel_name].launch((pl["grid"],), (self.kernel.threads,), params,
-                                               smem=self.kernel.smem_bytes)
+            lib[kernel.kernel_name].launch((pl["grid"],), (kernel.threads,), params, smem=kernel.smem_bytes)
 
 
 def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

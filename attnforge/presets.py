@@ -17,7 +17,8 @@ def _llama_decode():
 
 def _llama_prefill():
     """The prefill kernels of the same model: causal, 16-bit K/V and an fp8 cache (the Hopper kernel where
-    sm_90a is built, else mma.sync); one kernel serves ragged and paged K/V in either layout."""
+    sm_90a is built, else mma.sync); one kernel serves ragged and paged K/V in either layout, but fp8's ragged
+    K/V runs a TMA-built twin (modules_for builds both)."""
     return [AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype=dt,
                           kv_dtype=kv, causal=True)
             for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3")]
@@ -42,12 +43,18 @@ def load_spec_file(path: str | Path) -> list[AttentionSpec]:
 
 def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
-    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), so an AOT build covers both."""
+    whole-item kernel (BatchDecode(whole_items=...) picks it per plan); a prefill spec's kernel and, where
+    ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what plans pick."""
     mods = [module_for(spec)]
-    if isinstance(spec, AttentionSpec):
+    if isinstance(spec, AttentionSpec) and spec.family == "decode":
         from .kernels.decode import whole_item_kernel
         whole = whole_item_kernel(spec)
         mods += [whole.module()] if whole is not None else []
+    if isinstance(spec, AttentionSpec) and spec.family == "prefill":
+        from .kernels.prefill import PrefillKernel, default_backend
+        kernel = PrefillKernel(spec, default_backend(spec))
+        twin = kernel.for_kv(ragged=True)
+        mods += [twin.module()] if twin is not kernel else []
     return mods
 
 
