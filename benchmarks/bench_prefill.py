@@ -75,9 +75,14 @@ def run(report: Report, peers: bool = True) -> None:
             w8, w8m = BatchPrefill(spec8), BatchPrefill(spec8, backend="mma")
             for wf in (w8, w8m):
                 wf.plan(*plan_args, page_size=16)
+            # and fp8 ragged K/V (the default stages it by TMA on a twin kernel: PrefillKernel.for_kv)
+            k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            w8r = BatchPrefill(spec8)
+            w8r.plan(indptr, indptr)
             time_schedules(report, case, spec, plan_args, {"page_size": 16}, lambda wv: wv.run(q, cache), flops,
                            extra={"attnforge-ragged-kv": lambda: wr.run(q, (k, v)),
                                   "attnforge-fp8kv": lambda: w8.run(q, cache8),
+                                  "attnforge-fp8kv-ragged-kv": lambda: w8r.run(q, (k8, v8)),
                                   "attnforge-fp8kv-mma": lambda: w8m.run(q, cache8)})
             if peers:
                 bench_flashinfer_paged(report, case, q, cache, indptr, perm, last, flops)
