@@ -696,8 +696,9 @@ def test_fp8_kv_against_the_dequantised_reference(head_dim, q_dtype, page_size, 
         _, cache, table, per = make_paged_case(spec, kv_lens, page_size, seed=page_size)
         poison_unused_slots(cache, *table, page_size, layout)  # e4m3 NaN where no request holds a slot
         w.plan(qo, *table, page_size=page_size, k_scale=k_scale, v_scale=v_scale)
-    # the default at head_dim 128 stages ragged K/V by TMA on a twin kernel (PrefillKernel.for_kv)
-    twin = backend is None and page_size is None and head_dim == 128
+    # tma=None at head_dim 128 stages ragged K/V by TMA on a twin kernel (PrefillKernel.for_kv): the default
+    # and the integer widening ("int", so its twin runs TMA staging with integer widening)
+    twin = backend in (None, "int") and page_size is None and head_dim == 128
     assert w._plan["kernel"].has_tma == (backend == "tma" or twin) and (w._plan["kernel"] is w.kernel) != twin
     out, lse = w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True)
     torch.cuda.synchronize()
