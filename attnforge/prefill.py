@@ -71,6 +71,8 @@ class BatchPrefill:
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
                                     persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen)
+        # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
+        self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)
         self._plan = None
         self.use_cuda_graph = use_cuda_graph
@@ -164,7 +166,7 @@ class BatchPrefill:
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
                       "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "v_scale": v_scale,
-                      "num_slots": num_slots, "kernel": self.kernel.for_kv(ragged),
+                      "num_slots": num_slots, "kernel": self._kernel_for_kv[ragged],
                       "grid": self._grid(len(work))}
 
     def _grid(self, num_work: int) -> int:

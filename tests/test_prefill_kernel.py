@@ -404,7 +404,7 @@ def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
     names = []
     for spec in specs:
         w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
-        launched = [w.kernel.for_kv(ragged).module().name for ragged in (False, True)]  # paged, ragged plans
+        launched = [w._kernel_for_kv[ragged].module().name for ragged in (False, True)]  # paged, ragged plans
         assert [m.name for m in presets.modules_for(spec)] == sorted(set(launched), key=launched.index)
         names += launched
     # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin
