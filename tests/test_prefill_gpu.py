@@ -658,10 +658,11 @@ def fp8_ragged_kv(spec, kv_lens, seed):
 
 
 # (head_dim, q dtype, page size (None: ragged K/V), layout, causal, heads): every head dim, both q dtypes,
-# ragged and paged with pages of 1, 7, 16 and 64 in both layouts, GQA groups 1, 4 and 8
+# ragged (head_dim 64 and 128: the staging paths differ) and paged with pages of 1, 7, 16 and 64 in both layouts,
+# GQA groups 1, 4 and 8
 FP8_CASES = [(128, "bf16", None, "NHD", True, (32, 8)), (64, "fp16", 1, "HND", False, (8, 8)),
              (256, "bf16", 7, "NHD", True, (16, 2)), (128, "fp16", 64, "HND", True, (32, 8)),
-             (128, "bf16", 16, "NHD", False, (32, 4))]
+             (128, "bf16", 16, "NHD", False, (32, 4)), (64, "bf16", None, "NHD", True, (16, 4))]
 
 
 # each case on the default backend (wgmma at head_dim 64 and 128) and on mma; "int": the wgmma kernel's

@@ -329,7 +329,8 @@ class PrefillKernel:
     def for_kv(self, ragged: bool) -> "PrefillKernel":
         """The kernel a plan of this KV kind runs. fp8 K/V at head_dim 128 with tma=None: ragged K/V on a
         TMA-built twin (5.7-5.9% faster, fifty-first and fifty-second sessions), pages on this cp.async-only
-        kernel (a TMA build runs 16-token pages 1.6-4% slower). Every other kernel serves both kinds."""
+        kernel (a TMA build runs 16-token pages 1.6-4% slower). At head_dim 64 TMA lost on ragged K/V too (+1.0%).
+        Every other kernel serves both kinds."""
         if ragged and self.wgmma_fp8 and self.tma is None and self.spec.head_dim_qk == 128:
             return dataclasses.replace(self, tma=True)
         return self
