@@ -335,6 +335,25 @@ def test_fp8_kv_on_the_wgmma_kernel_stages_tiles_for_its_producer():
     assert "kFp8Stages = 0;" in plain_src and "constexpr float v_out_scale = 1.f;" in plain_src
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_the_widening_mapping_check_holds_for_the_kernels_and_catches_bank_conflicts(tmp_path):
+    """KVTileLoader::widen_mapping_holds (the static_assert of widen_sw128), evaluated on the host: it holds for
+    the producer's two loaders (head_dim 128 staged swizzled, 64 plain) and fails for 128-byte rows staged
+    plain, where a quarter-warp's eight loads of one column hit one bank group."""
+    from helpers import run_host_program
+    out = run_host_program(r"""
+#include <cstdio>
+#include "attnforge/kv_tile.cuh"
+template <int D, bool kSwizzled> using L = attnforge::KVTileLoader<attnforge::fp8e4m3, attnforge::fp16, D, 128, 128,
+                                                                  kSwizzled>;
+int main() {
+  std::printf("%d %d %d", int(L<128, true>::widen_mapping_holds()), int(L<64, false>::widen_mapping_holds()),
+              int(L<128, false>::widen_mapping_holds()));
+}
+""", tmp_path)
+    assert out.split() == ["1", "1", "0"]
+
+
 def test_ragged_fp8_plans_run_a_tma_built_twin_at_head_dim_128():
     """PrefillKernel.for_kv: fp8 K/V at head_dim 128 with tma=None stages ragged K/V by TMA boxes on a twin
     (measured 5.7-5.9% faster) and keeps pages on the cp.async-only kernel (a TMA build runs them slower);

@@ -319,17 +319,16 @@ class PrefillKernel:
     @property
     def has_tma(self) -> bool:
         """Whether the kernel is built with the TMA tile path (its params then carry the maps). fp8 K/V on
-        wgmma (boxes of whole rows into the staging ring): only with tma=True. Measured at head_dim 128
-        (docs/perf-notes.md, fifty-first session): ragged K/V 5.7% faster by TMA, but a TMA-built kernel
-        runs 16-token pages 3.5-4% slower than a cp.async-only one (by either path); head_dim 64 lost 5%."""
+        wgmma (boxes of whole rows into the staging ring): only with tma=True, which for_kv picks for ragged
+        plans where that measured faster (docs/perf-notes.md, fifty-first and fifty-second sessions)."""
         if self.wgmma_fp8:
             return self.tma is True
         return self.tma is not False and bool(self.producer)
 
     def for_kv(self, ragged: bool) -> "PrefillKernel":
         """The kernel a plan of this KV kind runs. fp8 K/V at head_dim 128 with tma=None: ragged K/V on a
-        TMA-built twin (5.7-5.9% faster, fifty-first and fifty-second sessions), pages on this cp.async-only
-        kernel (a TMA build runs 16-token pages 1.6-4% slower). At head_dim 64 TMA lost on ragged K/V too (+1.0%).
+        TMA-built twin (5.7-5.9% faster), pages on this cp.async-only kernel (a TMA build runs 16-token pages
+        3.5-4% slower, by either path). At head_dim 64 TMA lost on pages (+5.7%) and ragged K/V (+1.0%).
         Every other kernel serves both kinds."""
         if ragged and self.wgmma_fp8 and self.tma is None and self.spec.head_dim_qk == 128:
             return dataclasses.replace(self, tma=True)
