@@ -46,7 +46,7 @@ def merge_lanes(work: scheduler.StreamPlan) -> int:
     group would wait for one memory round trip per 8 chunks, hundreds of them in a row."""
     if work.batch_size == 0:
         return 1
-    return lanes_for_chunks(int((work.kv_end - work.kv_begin).max()) // work.span + 2)  # an item's most CTAs
+    return lanes_for_chunks(scheduler.longest_item(work) // work.span + 2)  # an item's most CTAs
 
 
 def graph_merge_lanes(batch: int, items_per_request: int, spans: int) -> int:

@@ -64,11 +64,10 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
         raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),
                    "Pass one entry per request.")
     # plan() is on the decode step's path and each numpy call costs ~1 us on 256-entry arrays, so the
-    # checks are folded: one unsigned maximum tests 0 <= last - 1 < page_size where a request has
-    # pages, and, where it has none, its page count (0 passes, a negative one is huge as unsigned)
+    # checks are folded: one unsigned maximum tests 0 <= page_size - last < page_size where a request
+    # has pages, and, where it has none, its page count (0 passes, a negative one is huge as unsigned)
     pages = indptr[1:] - indptr[:-1]  # (np.diff costs 3x this in Python overhead)
-    used = pages > 0
-    probe = np.where(used, last - 1, pages)
+    probe = np.where(pages > 0, page_size - last, pages)
     if np.maximum.reduce(probe.view(np.uint64), initial=0) >= page_size:
         _raise_bad_pages(indptr, pages, last, page_size)
     if indices.ndim != 1 or len(indices) != indptr[-1]:
@@ -77,8 +76,8 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     top = _max_page_id(indices)  # one pass: the check below and the plan's bound on the cache
     if len(indices) and top < 0:
         raise fail("kv_indices", "page ids >= 0", top, "Fix the page table.")
-    kv_len = pages * page_size + (probe + (1 - page_size))  # (pages - 1) * page_size + last where used
-    np.multiply(kv_len, used, out=kv_len)  # and 0 where not
+    kv_len = pages * page_size
+    kv_len -= probe  # (pages - 1) * page_size + last where a request has pages, 0 where it has none
     return PageTable(indptr, indices, kv_len, page_size, top)
 
 

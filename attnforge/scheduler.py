@@ -56,6 +56,7 @@ class StreamPlan:
     span: int
     total: int
     snap: int = 0  # 0, or CHUNK_FIXED_COST <= snap < span / 2: see span_cuts
+    longest: int = -1  # the most tokens any item reads (kv_end - kv_begin), found while planning; -1: not known
 
     @property
     def batch_size(self) -> int:
@@ -99,49 +100,56 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
                          f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")
-    item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
+    item_cost = kv_end - kv_begin
+    item_cost += CHUNK_FIXED_COST  # (in place: plan() is on the decode step's path, ~1 us a numpy call)
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
     total = int(prefix[-1])
     if total >= 2**31:
         raise ValueError(f"plan: {total} token-heads in one batch exceed the int32 stream; split the batch")
+    costliest = int(np.maximum.reduce(item_cost, initial=0))  # once: the branches, snap_pays and `longest`
+    longest = costliest - CHUNK_FIXED_COST if len(item_cost) else -1
     span = max(-(-total // num_ctas), MIN_SPAN + CHUNK_FIXED_COST)
     align_slack = max(align_slack, int(align_fraction * span))
     items = len(kv_end) * num_kv_heads
-    if align_equal_items and 0 < items <= num_ctas and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE:
+    if align_equal_items and 0 < items <= num_ctas and _equal_costs(item_cost, costliest):
         chunks = num_ctas // items
-        aligned = max(-(-int(item_cost.max()) // chunks), MIN_SPAN + CHUNK_FIXED_COST)
+        aligned = max(-(-costliest // chunks), MIN_SPAN + CHUNK_FIXED_COST)
         rounded = -(-aligned // align_tile) * align_tile if align_tile > 0 else aligned
-        if aligned < int(item_cost.max()) and rounded - span < align_slack:  # (items cut in chunks)
+        if aligned < costliest and rounded - span < align_slack:  # (items cut in chunks)
             aligned = rounded  # cut k at token k * aligned - CHUNK_FIXED_COST: a multiple of the tile
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * chunks * aligned, out=prefix)
-            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
-    elif (align_equal_items and whole_items_per_span and items > num_ctas
-          and int(np.ptp(item_cost)) <= EQUAL_ITEM_TOLERANCE):
-        stride = int(item_cost.max())  # every item padded to the costliest: span boundaries fall between items
+            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]),
+                              longest=longest)
+    elif align_equal_items and whole_items_per_span and items > num_ctas and _equal_costs(item_cost, costliest):
+        stride = costliest  # every item padded to the costliest: span boundaries fall between items
         aligned = max(-(-items // num_ctas), -(-(MIN_SPAN + CHUNK_FIXED_COST) // stride)) * stride
         if aligned - span < align_slack:
             np.multiply(np.arange(len(kv_end) + 1), num_kv_heads * stride, out=prefix)
-            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]))
-    if snap_where_it_pays and not snap_pays(item_cost, span, total // max(items, 1)):
+            return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, aligned, int(prefix[-1]),
+                              longest=longest)
+    if snap_where_it_pays and not snap_pays(costliest, span, total // max(items, 1)):
         snap = 0
     # cuts stay increasing: each moves by less than half a span (span >= MIN_SPAN + CHUNK_FIXED_COST keeps
     # the cap at or above CHUNK_FIXED_COST)
-    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total, min(snap, (span - 1) // 2))
+    return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total, min(snap, (span - 1) // 2),
+                      longest)
 
 
-def snap_pays(item_cost: np.ndarray, span: int, mean_cost: int) -> bool:
+def _equal_costs(item_cost: np.ndarray, costliest: int) -> bool:
+    """Every item within EQUAL_ITEM_TOLERANCE of the costliest (np.ptp costs three times one reduction)."""
+    return costliest - int(np.minimum.reduce(item_cost)) <= EQUAL_ITEM_TOLERANCE
+
+
+def snap_pays(costliest: int, span: int, mean_cost: int) -> bool:
     """Whether snapped cuts were measured to gain on a batch like this (H200, twenty-fourth session, in
     rotation against none): unequal items (the costliest more than EQUAL_ITEM_TOLERANCE above the mean:
     one reduction, not two, on plan()'s path) that each fit a span, where a boundary often leaves a
     sliver (random 64-1024 and 100-1500 tokens: -1.2..-1.6% at 128). Equal items are split evenly
     already and lost up to +0.9% (B200 L700, B256 L512); beside items longer than a span the moved cuts
     unbalanced the CTAs (B32 of 100-4000 tokens +0.6..+2.2%, skew mixed)."""
-    if len(item_cost) == 0:
-        return False
-    longest = int(item_cost.max())
-    return longest <= span and longest - mean_cost > EQUAL_ITEM_TOLERANCE
+    return costliest <= span and costliest - mean_cost > EQUAL_ITEM_TOLERANCE
 
 
 def span_cuts(plan: StreamPlan) -> np.ndarray:
@@ -200,7 +208,14 @@ def longest_merge_rows(plan: StreamPlan, item_heads: int) -> int:
     item's chunks of a span each, plus one at each end where it straddles span boundaries."""
     if plan.batch_size == 0:
         return 0
-    return (int((plan.kv_end - plan.kv_begin).max()) // plan.span + 2) * item_heads
+    return (longest_item(plan) // plan.span + 2) * item_heads
+
+
+def longest_item(plan: StreamPlan) -> int:
+    """The most tokens any of the plan's items reads (0 for an empty batch)."""
+    if plan.longest >= 0:
+        return plan.longest
+    return int((plan.kv_end - plan.kv_begin).max()) if plan.batch_size else 0
 
 
 def item_stride(plan: StreamPlan, request: int) -> int:
