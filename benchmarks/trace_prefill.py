@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnforge import AttentionSpec, BatchPrefill  # noqa: E402
 from attnforge.kernels import prefill as kprefill  # noqa: E402
 from trace_capture import build_traced, capture, save_json_if_asked  # noqa: E402
-from bench_prefill import HKV, HQ, D, ragged  # noqa: E402
+from bench_prefill import HKV, HQ, D, cases, ragged  # noqa: E402
 
 
 def trace_case(name, lengths, **kw):
@@ -27,8 +27,8 @@ def trace_case(name, lengths, **kw):
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True),
                      **kw)
     w.plan(indptr, indptr)
-    host, ms = capture(w, lambda: w.run(q, (k, v)))
-    n = w._plan["num_work"]
+    hosts, ms = capture(w, lambda: w.run(q, (k, v)), symbols=("af_trace", "af_cta_trace"))
+    host, n = hosts["af_trace"], w._plan["num_work"]
     t = host[:8 * n].reshape(n, 8).astype(np.int64)
     ok = (t[:, 0] > 0) & (t[:, 6] > 0)
     t = t[ok]
@@ -53,7 +53,8 @@ def trace_case(name, lengths, **kw):
            "item_total_mean": float(item_total.mean()), "gap_median": float(np.median(gaps)) if gaps else None,
            "gap_mean": float(np.mean(gaps)) if gaps else None,
            "sum_item_cycles_per_sm_mean": float(np.mean([item_total[sm == s].sum() for s in np.unique(sm)])),
-           "span_cycles_per_sm_mean": float(np.mean(cycles_per_sm))}
+           "span_cycles_per_sm_mean": float(np.mean(cycles_per_sm)),
+           "ctas": cta_tail(hosts["af_cta_trace"][:2 * w._plan["grid"]].reshape(-1, 2).astype(np.int64))}
     print(json.dumps(out, indent=1))
     return out
 
@@ -75,6 +76,21 @@ def trace_tiles(name, lengths, **kw):
            **summarize_tile_stamps(hosts["af_tile_trace"][:16 * n].reshape(n, 2, 8).astype(np.int64))}
     print(json.dumps(out, indent=1))
     return out
+
+
+def cta_tail(ns: np.ndarray) -> dict:
+    """ns [CTAs, 2]: each CTA's first-item start and last store (GPU-wide ns). The launch's load
+    imbalance: how long after the first CTA's start the CTAs end (mean, spread, last), and the share of
+    CTA-time idle before the last CTA ends (SMs a persistent grid leaves idle at its tail)."""
+    ns = ns[(ns[:, 0] > 0) & (ns[:, 1] > 0)]
+    if not len(ns):
+        return {}
+    t0 = ns[:, 0].min()
+    end = (ns[:, 1] - t0) / 1e3
+    return {"count": int(len(ns)), "start_spread_us": float((ns[:, 0].max() - t0) / 1e3),
+            "end_us": {"first": float(end.min()), "p10": float(np.percentile(end, 10)),
+                       "median": float(np.median(end)), "mean": float(end.mean()), "last": float(end.max())},
+            "idle_tail_share": float(1 - end.mean() / end.max())}
 
 
 def summarize_tile_stamps(st: np.ndarray) -> dict:
@@ -107,5 +123,6 @@ elif __name__ == "__main__":
     # the default kernel is persistent; "cta-per-item" is one CTA per work item
     results = [trace_case("B16 S2048", [2048] * 16), trace_case("B16 S2048 cta-per-item", [2048] * 16, persistent=False),
                trace_case("B1 S8192", [8192]), trace_case("B1 S8192 cta-per-item", [8192], persistent=False),
-               trace_case("ragged 16", torch.randint(128, 8193, (16,)).tolist())]
+               trace_case("ragged 16 random 128-8192", dict(cases())["ragged 16 random 128-8192"]),
+               trace_case("B1 S32768", [32768])]
     save_json_if_asked(results)

@@ -421,6 +421,19 @@ def test_prefill_tile_trace_phases(monkeypatch):
     assert mod.summarize_tile_stamps(st)["wg1_start_after_wg0"] == -50.0
 
 
+def test_prefill_cta_tail(monkeypatch):
+    """trace_prefill.cta_tail: CTA ends measured from the first CTA's start (GPU-wide ns; CTAs that ran no
+    item, all zeros, left out), and the share of CTA-time idle before the last one ends."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("trace_prefill")
+    got = mod.cta_tail(np.array([[1000, 5000], [1100, 6000], [0, 0], [1050, 9000]]))
+    assert got["count"] == 3 and got["start_spread_us"] == 0.1
+    assert got["end_us"]["first"] == 4.0 and got["end_us"]["last"] == 8.0 and got["end_us"]["median"] == 5.0
+    assert abs(got["idle_tail_share"] - (1 - (4 + 5 + 8) / 3 / 8)) < 1e-12
+    assert mod.cta_tail(np.zeros((4, 2), dtype=np.int64)) == {}
+
+
 def test_sustained_prefill_rows_become_a_record(monkeypatch, tmp_path):
     """clocks_under_load.write_record: the suites' results format (suite prefill_sustained, time and
     TFLOP/s as measured), each row's clock, power and temperature as a note, and the method's note."""

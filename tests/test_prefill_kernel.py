@@ -244,6 +244,7 @@ def test_trace_stamps_only_when_asked():
     traced = dataclasses.replace(m, context={**m.context, "trace": True}).source
     assert "__device__ unsigned long long af_trace" in traced and traced.count("AF_STAMP") >= 9
     assert "__device__ unsigned long long af_tile_trace" in traced
+    assert "af_cta_trace" not in m.source and traced.count("AF_CTA_STAMP(") == 3  # the macro, a CTA's start and end
     assert sorted(int(k) for k in re.findall(r"AF_TILE_STAMP\(t, (\d)\)", traced)) == [0, 1, 2, 3, 4, 5]
 
 
