@@ -1,8 +1,7 @@
 """Page-table inputs: validation and conversion to the CSR form the kernels read (host side)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -23,8 +22,7 @@ def host_int_array(name: str, x, widen: bool = True) -> np.ndarray:
     return arr.astype(np.int64, copy=False) if widen else arr
 
 
-@dataclass(frozen=True)
-class PageTable:
+class PageTable(NamedTuple):  # (immutable, and built in a third of a frozen dataclass's time: plan()'s path)
     indptr: np.ndarray  # [B + 1]
     indices: np.ndarray  # [indptr[-1]]
     kv_len: np.ndarray  # [B]

@@ -24,6 +24,7 @@ item, so slots never collide; the merge kernel recomputes the slots of each spli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,8 +47,7 @@ SPAN_SNAP = 128
 WHOLE_ITEM_SLACK = 0.04
 
 
-@dataclass(frozen=True)
-class StreamPlan:
+class StreamPlan(NamedTuple):  # (immutable, and built in a third of a frozen dataclass's time: plan()'s path)
     prefix: np.ndarray  # [B + 1] stream position where request r's first item starts
     kv_begin: np.ndarray  # [B]
     kv_end: np.ndarray  # [B]
