@@ -100,7 +100,8 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
                          f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")
-    item_cost = (kv_end - kv_begin) + CHUNK_FIXED_COST
+    item_cost = kv_end - kv_begin
+    item_cost += CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
     total = int(prefix[-1])

@@ -493,3 +493,20 @@ def test_align_tile_must_divide_the_fixed_cost():
     for bad in (48, -64, 128):
         with pytest.raises(ValueError, match="align_tile=...\\) \\(BatchMLADecode.align_tile\\): expected 0 or a positive divisor"):
             plan_stream(np.zeros_like(end), end, 1, 8, align_equal_items=True, align_tile=bad)
+
+
+@pytest.mark.parametrize("name,lengths", CASES + [("none", [])])
+def test_plans_carry_their_longest_item(name, lengths):
+    """plan_stream records the most tokens an item reads (StreamPlan.longest, which the merge bounds and MLA's
+    merge lanes read instead of another reduction) on plain, snapped, aligned and whole-item plans alike; a
+    plan built without it falls back to the reduction."""
+    end = np.asarray(lengths, dtype=np.int64)
+    begin = np.minimum(end, 5)  # (a window's first keys: the item reads end - begin)
+    expect = int((end - begin).max()) if len(end) else 0
+    for kw in ({}, {"snap": scheduler.SPAN_SNAP}, {"align_equal_items": True},
+               {"align_equal_items": True, "whole_items_per_span": True}):
+        p = plan_stream(begin, end, HKV, CTAS, **kw)
+        assert scheduler.longest_item(p) == expect and p.longest == (expect if len(end) else -1), kw
+    bare = p._replace(longest=-1)
+    assert scheduler.longest_item(bare) == expect
+    assert scheduler.longest_merge_rows(p, 4) == (0 if not len(end) else (expect // p.span + 2) * 4)
