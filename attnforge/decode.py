@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import checks, paged, scheduler, variants
+from . import checks, ops, paged, scheduler, variants
 from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel, whole_item_tiling
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -363,7 +363,10 @@ class BatchDecode:
         """q [B, Hq, D]; kv_cache [P, 2, page, Hkv, D] / [P, 2, Hkv, page, D] or a (K, V) pair.
 
         Returns out [B, Hq, D] (and lse [B, Hq] float32, natural log, if return_lse).
+        Under torch.compile the call is one custom op (attnforge.ops).
         """
+        if ops.compiling():
+            return ops.compiled_run(self, [q, *paged.cache_list(kv_cache)], out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
         s, b = self.spec, self._plan["batch"]
@@ -395,3 +398,11 @@ class BatchDecode:
                 rows = b * self._plan["stream_items"] * kernel.item_heads
                 lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
         return (out, lse) if return_lse else out
+
+    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) args: q, then the cache as listed
+        got = self.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
+        return got if return_lse else (got, None)
+
+    def _op_out_shape(self, args: list):
+        s = self.spec
+        return (args[0].shape[0], s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype]

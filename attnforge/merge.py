@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checks
+from . import checks, ops
 from .codegen import ParamField, ParamsLayout
 from .jit import JitModule, registry
 
@@ -83,6 +83,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
 
     Returns (out [N, H, D], lse [N, H] float32).
     """
+    if ops.compiling():
+        return ops.compiled_merge(ops.merge_states_op, (v, s), out, out_dtype)
     checks.check_cuda("v", v)
     checks.check_cuda("s", s, v.device)
     checks.check_dtype("v", v, _V_DTYPES)
@@ -103,6 +105,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Merge two states: v_* [N, H, D], s_* [N, H] float32 natural-log LSE. Returns (out, lse)."""
+    if ops.compiling():
+        return ops.compiled_merge(ops.merge_state_op, (v_a, s_a, v_b, s_b), out, out_dtype)
     for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
         checks.check_cuda(name, t, v_a.device if name != "v_a" else None)
     checks.check_dtype("v_a", v_a, _V_DTYPES)

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks, scheduler, variants
+from . import checks, ops, scheduler, variants
 from .decode import BatchDecode
 from .jit import registry
 from .kernels.mla import MLADecodeKernel, default_backend, rows_per_cta
@@ -332,7 +332,10 @@ class BatchMLADecode(BatchDecode):
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):
         """q_nope [B*q_len, H, 512], q_pe [B*q_len, H, 64]; ckv_cache [P, page, 512] with kpe_cache
         [P, page, 64], or one [P, page, 576] cache. Returns out [B*q_len, H, 512] (and lse
-        [B*q_len, H] float32, natural log, if return_lse)."""
+        [B*q_len, H] float32, natural log, if return_lse). Under torch.compile: one custom op (attnforge.ops)."""
+        if ops.compiling():
+            caches = [ckv_cache] + ([] if kpe_cache is None else [kpe_cache])
+            return ops.compiled_run(self, [q_nope, q_pe, *caches], out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchMLADecode.run: call plan(...) first (once per batch, outside graph capture).")
         s, b, q_len = self.spec, self._plan["batch"], self._plan["q_len"]
@@ -366,6 +369,13 @@ class BatchMLADecode(BatchDecode):
             if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)
                 self._launch_merge(lib, params)  # (a graph's plans keep its batch and q_len: plan() checks)
         return (out, lse) if return_lse else out
+
+    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) q_nope, q_pe, ckv[, kpe]
+        got = self.run(*args[:3], args[3] if len(args) == 4 else None, return_lse=return_lse)
+        return got if return_lse else (got, None)
+
+    def _op_out_shape(self, args: list):
+        return (args[0].shape[0], self.spec.num_qo_heads, MLA_HEAD_DIM_VO), checks.TORCH_DTYPES[self.spec.out_dtype]
 
     def merge_launch(self) -> tuple[str, tuple, tuple, int]:
         """The planned merge's (kernel, grid, block, dynamic shared memory): a block of two rows, or with lanes

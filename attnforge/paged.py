@@ -142,6 +142,11 @@ def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):
     return k, v, k.stride(0), k.stride(tok), k.stride(head)
 
 
+def cache_list(kv) -> list:
+    """A run's K/V argument as a flat list (attnforge::run's arguments): a cache alone, or a (K, V) pair's two."""
+    return list(kv) if isinstance(kv, (tuple, list)) else [kv]
+
+
 def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
                           kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, kv_layout: str = "NHD") -> None:
     """Write new tokens into their pages: token i of k/v [N, Hkv, D] belongs to request

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import blockmask, checks, paged, scheduler, variants
+from . import blockmask, checks, ops, paged, scheduler, variants
 from .jit import registry
 from .kernels.prefill import PrefillKernel, default_backend
 from .merge import merge_states
@@ -260,7 +260,9 @@ class BatchPrefill:
 
     def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, return_lse: bool = False):
         """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out (and lse
-        [total_q, Hq] float32, natural log, with return_lse)."""
+        [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op (attnforge.ops)."""
+        if ops.compiling():
+            return ops.compiled_run(self, [q, *paged.cache_list(kv)], out, None, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchPrefill.run: call plan(...) first")
         s, pl = self.spec, self._plan
@@ -304,6 +306,13 @@ class BatchPrefill:
                                              out_stride_slot=0, lse_stride_n=s.num_qo_heads, lse_stride_h=1,
                                              lse_stride_slot=0))
         return (out, lse) if return_lse else out
+
+    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) args: q, then the K/V as listed
+        got = self.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
+        return got if return_lse else (got, None)
+
+    def _op_out_shape(self, args: list):
+        return tuple(args[0].shape), checks.TORCH_DTYPES[self.spec.out_dtype]
 
     def _launch(self, q, k, v, out, lse, strides: dict) -> None:
         s, pl = self.spec, self._plan
@@ -350,21 +359,46 @@ def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
 
 
 def _mod_key(fn):
+    """What a built modifier depends on: the function, the objects in its closure and the tensors its globals
+    name now (a global rebound to a new tensor needs a new build: the old one holds the old tensor)."""
     if fn is None:
         return None
     cells = tuple(id(c.cell_contents) for c in (fn.__closure__ or ()))
-    return (fn, cells)
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    scope = getattr(fn, "__globals__", {})
+    tensors = tuple(id(scope[n]) for n in names if isinstance(scope.get(n), torch.Tensor))
+    return (fn, cells, tensors)
 
 
 _MODS: dict = {}
+
+
+def compiled_mod(score_mod, mask_mod):
+    """The C++ modifier of FlexAttention-style functions, built once per (function, captured objects)."""
+    from .mods import compile_mod
+    key = (_mod_key(score_mod), _mod_key(mask_mod))
+    if key not in _MODS:
+        _MODS[key] = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
+    return _MODS[key]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D]
     (and lse [B, Hq, Lq], natural log). score_mod / mask_mod follow FlexAttention's signatures;
-    q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk)."""
-    from .mods import compile_mod
+    q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk).
+    Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    if ops.compiling():
+        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)
+        return (out, lse) if return_lse else out
+    mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
+    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
+                       enable_gqa: bool, return_lse: bool = True):
+    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_cuda(name, t, q.device if name != "q" else None)
         if t.dim() != 4:
@@ -378,12 +412,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
         raise checks.fail("num heads", f"q heads == k heads ({hkv})", hq, "Pass enable_gqa=True for GQA/MQA.")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise checks.fail("k/v dtype", f"{q.dtype} (q's)", f"{k.dtype}/{v.dtype}", "Cast them to one dtype.")
-    mod = None
-    if score_mod is not None or mask_mod is not None:
-        key = (_mod_key(score_mod), _mod_key(mask_mod))
-        if key not in _MODS:
-            _MODS[key] = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
-        mod = _MODS[key]
     spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
                          score_mod=mod)
     q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]
@@ -404,8 +432,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
                                                 lse_stride_slot=1))
         rows = bq * hq * lq
         _, lse = merge_states(part.view(rows, slots, 1, d), part_lse.view(rows, slots, 1), out=out.view(rows, 1, d))
-        return (out, lse.view(bq, hq, lq)) if return_lse else out
+        return out, (lse.view(bq, hq, lq) if return_lse else None)
     lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
     w._launch(q, k, v, out, lse, dict(**kv_strides, out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
                                       lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
-    return (out, lse) if return_lse else out
+    return out, lse

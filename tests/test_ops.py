@@ -1,0 +1,172 @@
+"""attnforge.ops on the CPU: torch.compile(fullgraph=True) traces each public GPU call into one custom op,
+with fake CUDA tensors (no GPU, nothing launched); the op's fake outputs have the eager call's shapes."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attnforge
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, ops
+
+
+class Recorder:
+    """A torch.compile backend that keeps the traced graph and runs nothing (inputs are fake)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def op_nodes(self, name: str) -> list:
+        return [n for g in self.graphs for n in g.graph.nodes
+                if n.op == "call_function" and str(n.target).startswith(f"attnforge.{name}")]
+
+
+@pytest.fixture
+def fake():
+    """Fake CUDA tensors (this CPU build of torch makes them but runs no view op on them: no slicing)."""
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+@pytest.fixture
+def fake_mode():
+    return FakeTensorMode()  # entered by the test, after what must be real (plans) is built
+
+
+def compiled(fn, rec: Recorder):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=rec, fullgraph=True)
+
+
+def cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, device="cuda", dtype=dtype)
+
+
+def test_every_op_is_registered_with_its_schema():
+    schemas = {name: str(getattr(torch.ops.attnforge, name).default._schema)
+               for name in ("run", "attention", "merge_state", "merge_states")}
+    assert "run(SymInt wrapper, Tensor[] args, bool return_lse) -> (Tensor, Tensor)" in schemas["run"]
+    assert "SymInt mod, float? scale, bool enable_gqa, bool return_lse" in schemas["attention"]
+    assert "ScalarType? out_dtype" in schemas["merge_state"] and "ScalarType? out_dtype" in schemas["merge_states"]
+
+
+@pytest.mark.parametrize("hq,hkv,return_lse", [(8, 8, False), (8, 2, True)])
+def test_attention_is_one_node_of_one_graph(fake, hq, hkv, return_lse):
+    rec = Recorder()
+    q, k, v = cuda(2, hq, 100, 64), cuda(2, hkv, 300, 64), cuda(2, hkv, 300, 64)
+    got = compiled(lambda q, k, v: attnforge.attention(q, k, v, enable_gqa=hq != hkv, return_lse=return_lse,
+                                                       scale=0.1), rec)(q, k, v)
+    out, lse = got if return_lse else (got, None)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "cuda"
+    if return_lse:
+        assert lse.shape == (2, hq, 100) and lse.dtype == torch.float32
+    (node,) = rec.op_nodes("attention")
+    assert node.args[3:] == (0, 0.1, hq != hkv, return_lse)  # no modifier: handle 0
+
+
+SLOPES = torch.rand(8)  # a tensor outside the compiled function (a CPU one: nothing launches here)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def test_a_score_mod_is_built_when_the_graph_is_and_named_by_its_handle(fake):
+    rec = Recorder()
+    q = cuda(1, 8, 64, 128)
+    fn = compiled(lambda q, k, v: attnforge.attention(q, k, v, score_mod=alibi), rec)
+    assert fn(q, q, q).shape == q.shape
+    (node,) = rec.op_nodes("attention")
+    mod = ops.lookup(node.args[3])
+    assert isinstance(mod, attnforge.mods.variant.ScoreMod) and mod.tensors[0] is SLOPES
+    # the same function again: the same modifier object, the same handle, no second build
+    compiled(lambda q, k, v: attnforge.attention(q, k, v, score_mod=alibi), rec)(q, q, q)
+    assert rec.op_nodes("attention")[1].args[3] == node.args[3]
+
+
+def test_a_score_mod_capturing_a_tensor_of_the_graph_is_refused(fake):
+    inside = torch.rand(8)  # created under the fake mode: what a graph input is while dynamo traces
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + inside[h]
+
+    q = cuda(1, 8, 64, 128)
+    with pytest.raises(Exception, match="captured tensor #0: under torch.compile a modifier may capture only"):
+        compiled(lambda q: attnforge.attention(q, q, q, score_mod=mod), Recorder())(q)
+
+
+def decode_wrapper(**spec_kw) -> BatchDecode:
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, **spec_kw), max_batch_size=8)
+    w.plan(np.array([0, 3, 5], np.int32), np.arange(5, dtype=np.int32), np.array([16, 1], np.int32), page_size=16)
+    return w
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_a_decode_run_is_the_run_op_on_its_wrapper(fake_mode, pair):
+    w, rec = decode_wrapper(), Recorder()
+    with fake_mode:
+        q = cuda(2, 32, 128)
+        kv = (cuda(5, 16, 8, 128), cuda(5, 16, 8, 128)) if pair else cuda(5, 2, 16, 8, 128)
+        out, lse = compiled(lambda q, kv: w.run(q, kv, return_lse=True), rec)(q, kv)
+    assert out.shape == (2, 32, 128) and out.dtype == torch.bfloat16 and lse.shape == (2, 32)
+    (node,) = rec.op_nodes("run")
+    assert node.args[0] == ops.handle(w) and len(node.args[1]) == (3 if pair else 2)
+    assert ops.lookup(node.args[0]) is w
+
+
+def test_a_compiled_run_before_plan_fails_while_the_graph_is_made(fake_mode):
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=8)
+    with fake_mode, pytest.raises(Exception, match=r"BatchDecode.run: call plan\(...\) first, outside the compiled function"):
+        compiled(lambda q, c: w.run(q, c), Recorder())(cuda(2, 32, 128), cuda(5, 2, 16, 8, 128))
+
+
+@pytest.mark.parametrize("one_cache", [True, False])
+def test_an_mla_run_gives_512_wide_rows(fake_mode, one_cache):
+    w = BatchMLADecode.host_only(AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
+                                                     head_dim_vo=512), max_batch_size=4)
+    w.plan(np.array([0, 2, 3], np.int32), np.arange(3, dtype=np.int32), np.array([64, 5], np.int32), page_size=64)
+    rec = Recorder()
+    with fake_mode:
+        q_nope, q_pe = cuda(2, 16, 512), cuda(2, 16, 64)
+        caches = (cuda(3, 64, 576),) if one_cache else (cuda(3, 64, 512), cuda(3, 64, 64))
+        out = compiled(lambda a, b, *c: w.run(a, b, *c), rec)(q_nope, q_pe, *caches)
+    assert out.shape == (2, 16, 512) and out.dtype == torch.bfloat16
+    (node,) = rec.op_nodes("run")
+    assert len(node.args[1]) == 2 + len(caches)
+
+
+def test_merges_trace_to_their_ops_with_the_eager_shapes(fake):
+    rec = Recorder()
+    v, s = cuda(10, 3, 4, 64), cuda(10, 3, 4, dtype=torch.float32)
+    out, lse = compiled(lambda v, s: attnforge.merge_states(v, s, out_dtype=torch.float32), rec)(v, s)
+    assert out.shape == (10, 4, 64) and out.dtype == torch.float32 and lse.shape == (10, 4)
+    a, sa = cuda(10, 4, 64, dtype=torch.float16), cuda(10, 4, dtype=torch.float32)
+    out, lse = compiled(lambda *t: attnforge.merge_state(*t), rec)(a, sa, a, sa)
+    assert out.shape == (10, 4, 64) and out.dtype == torch.float16 and lse.shape == (10, 4)
+    assert len(rec.op_nodes("merge_states")) == 1 and len(rec.op_nodes("merge_state.")) == 1
+
+
+def test_a_handle_outlives_nothing():
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=2)
+    h = ops.handle(w)
+    assert ops.handle(w) == h and ops.lookup(h) is w
+    del w
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"handle {h}: the wrapper or score modifier it names was freed"):
+        ops.lookup(h)
+
+
+def test_a_global_tensor_rebound_gives_a_new_modifier():
+    from attnforge.prefill import compiled_mod
+    scope = {"BIAS": torch.rand(8)}
+    exec("def mod(score, b, h, q_idx, kv_idx):\n    return score + BIAS[h]", scope)
+    first = compiled_mod(scope["mod"], None)
+    assert compiled_mod(scope["mod"], None) is first and first.tensors[0] is scope["BIAS"]
+    scope["BIAS"] = torch.rand(8)  # the old build would read the old tensor: a new one is built
+    second = compiled_mod(scope["mod"], None)
+    assert second is not first and second.tensors[0] is scope["BIAS"]
