@@ -135,6 +135,7 @@ class BatchDecode:
         self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
+        ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
@@ -209,6 +210,7 @@ class BatchDecode:
         w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
         w._alloc_int_buffers(max_num_pages)
+        ops.handle(w)
         return w
 
     def _device_region(self, name: str) -> torch.Tensor:

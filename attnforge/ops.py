@@ -24,13 +24,14 @@ _OBJECTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictiona
 _HANDLE_ATTR = "_attnforge_op_handle"
 
 
-@torch._dynamo.assume_constant_result  # traced as its value: dynamo cannot trace the weak table's insert
 def handle(obj) -> int:
-    """The integer a compiled graph names `obj` by (a wrapper or a ScoreMod); the same for its lifetime."""
+    """The integer a compiled graph names `obj` by (a wrapper or a ScoreMod); the same for its lifetime. The
+    wrappers take theirs when built: dynamo (torch 2.11) traces neither the weak table's insert nor a call
+    that takes the wrapper as a constant, but it reads an int attribute."""
     h = obj.__dict__.get(_HANDLE_ATTR)
     if h is None:
         h = next(_NEXT_HANDLE)
-        obj.__dict__[_HANDLE_ATTR] = h
+        setattr(obj, _HANDLE_ATTR, h)
         _OBJECTS[h] = obj
     return h
 
@@ -73,7 +74,7 @@ def compiled_run(wrapper, args: list, out: Optional[torch.Tensor], lse: Optional
     if wrapper._plan is None:  # raised while the graph is made, not when it first runs
         raise RuntimeError(f"{type(wrapper).__name__}.run: call plan(...) first, outside the compiled function "
                            "(it reads host arrays); the compiled run then follows each new plan.")
-    o, l_ = run_op(handle(wrapper), args, return_lse or lse is not None)
+    o, l_ = run_op(getattr(wrapper, _HANDLE_ATTR), args, return_lse or lse is not None)
     if out is not None:
         o = out.copy_(o)
     if lse is not None:
@@ -83,7 +84,12 @@ def compiled_run(wrapper, args: list, out: Optional[torch.Tensor], lse: Optional
 
 # --- attention(), the SDPA/Flex-layout one-shot call ------------------------------------------------------
 
-@torch.library.custom_op("attnforge::attention", mutates_args=())
+# attention() plans at each call (host arrays copied to a wrapper shared by every call of its spec), which a
+# CUDA graph cannot replay: inductor's graphs (mode="reduce-overhead") leave the op outside
+_GRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("attnforge::attention", mutates_args=(), tags=_GRAPH_UNSAFE)
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: int, scale: Optional[float],
                  enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .prefill import attention_with_mod

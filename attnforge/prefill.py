@@ -75,6 +75,7 @@ class BatchPrefill:
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)
         self._plan = None
+        ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
         self.use_cuda_graph = use_cuda_graph
         self.capacity = {"batch": max_batch_size, "work": max_work_items, "pages": max_num_pages, "tiles": max_tiles}
         if use_cuda_graph:

@@ -53,6 +53,9 @@ def test_every_op_is_registered_with_its_schema():
     assert "run(SymInt wrapper, Tensor[] args, bool return_lse) -> (Tensor, Tensor)" in schemas["run"]
     assert "SymInt mod, float? scale, bool enable_gqa, bool return_lse" in schemas["attention"]
     assert "ScalarType? out_dtype" in schemas["merge_state"] and "ScalarType? out_dtype" in schemas["merge_states"]
+    if hasattr(torch.Tag, "cudagraph_unsafe"):  # attention plans at each call: kept out of inductor's graphs
+        assert torch.Tag.cudagraph_unsafe in torch.ops.attnforge.attention.default.tags
+        assert torch.Tag.cudagraph_unsafe not in torch.ops.attnforge.run.default.tags
 
 
 @pytest.mark.parametrize("hq,hkv,return_lse", [(8, 8, False), (8, 2, True)])

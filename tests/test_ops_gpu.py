@@ -146,3 +146,13 @@ def test_compiled_merges_and_append_equal_eager():
     inductor(lambda k, v, c: attnforge.append_paged_kv_cache(k, v, kv_cache=c, **idx))(k, v_new, cache)
     attnforge.append_paged_kv_cache(k, v_new, kv_cache=want, **idx)
     assert torch.equal(cache, want) and cache.abs().sum() > 0
+
+
+def test_attention_under_reduce_overhead_stays_right_as_shapes_alternate():
+    """attention() plans at every call into one wrapper per spec: its op is kept out of inductor's CUDA graphs
+    (a captured plan would replay host buffers a later call has rewritten)."""
+    step = inductor(lambda q, k, v: attnforge.attention(q, k, v) * 1.0, mode="reduce-overhead")
+    shapes = [(1, 8, 300, 128), (2, 8, 77, 128)] * 3
+    for i, shape in enumerate(shapes):
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        assert_same(step(q, k, v).clone(), attnforge.attention(q, k, v)), f"call {i}"
