@@ -368,7 +368,8 @@ class BatchDecode:
         Under torch.compile the call is one custom op (attnforge.ops).
         """
         if ops.compiling():
-            return ops.compiled_run(self, [q, *paged.cache_list(kv_cache)], out, lse, return_lse)
+            args = [q, *paged.cache_list(kv_cache)]
+            return ops.compiled_run(self, self._plan is not None, args, out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
         s, b = self.spec, self._plan["batch"]
@@ -400,10 +401,6 @@ class BatchDecode:
                 rows = b * self._plan["stream_items"] * kernel.item_heads
                 lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
         return (out, lse) if return_lse else out
-
-    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) args: q, then the cache as listed
-        got = self.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
-        return got if return_lse else (got, None)
 
     def _op_out_shape(self, args: list):
         s = self.spec

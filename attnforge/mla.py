@@ -335,7 +335,7 @@ class BatchMLADecode(BatchDecode):
         [B*q_len, H] float32, natural log, if return_lse). Under torch.compile: one custom op (attnforge.ops)."""
         if ops.compiling():
             caches = [ckv_cache] + ([] if kpe_cache is None else [kpe_cache])
-            return ops.compiled_run(self, [q_nope, q_pe, *caches], out, lse, return_lse)
+            return ops.compiled_run(self, self._plan is not None, [q_nope, q_pe, *caches], out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchMLADecode.run: call plan(...) first (once per batch, outside graph capture).")
         s, b, q_len = self.spec, self._plan["batch"], self._plan["q_len"]

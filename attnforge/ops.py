@@ -57,8 +57,14 @@ def _no_lse(like: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("attnforge::run", mutates_args=())
 def run_op(wrapper: int, args: list[torch.Tensor], return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A planned wrapper's run on its flattened tensor arguments (the wrapper's `_op_args`)."""
-    out, lse = lookup(wrapper)._run_op_args(args, return_lse)
+    """A planned wrapper's run on its tensor arguments, flattened: q, then the cache or the K and V of a pair."""
+    w = lookup(wrapper)
+    runner = getattr(w, "_run_op_args", None)  # (MLA's run takes its own arguments)
+    if runner is None:  # run(q, kv): a cache, or a (K, V) pair
+        got = w.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
+        out, lse = got if return_lse else (got, None)
+    else:
+        out, lse = runner(args, return_lse)
     return out, (lse if return_lse else _no_lse(out))
 
 
@@ -69,9 +75,10 @@ def _run_fake(wrapper, args, return_lse):
     return out, (args[0].new_empty(tuple(shape[:2]), dtype=torch.float32) if return_lse else _no_lse(out))
 
 
-def compiled_run(wrapper, args: list, out: Optional[torch.Tensor], lse: Optional[torch.Tensor], return_lse: bool):
+def compiled_run(wrapper, planned: bool, args: list, out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
+                 return_lse: bool):
     """What a wrapper's run returns under torch.compile; caller-given out / lse are filled by a copy."""
-    if wrapper._plan is None:  # raised while the graph is made, not when it first runs
+    if not planned:  # raised while the graph is made, not when it first runs
         raise RuntimeError(f"{type(wrapper).__name__}.run: call plan(...) first, outside the compiled function "
                            "(it reads host arrays); the compiled run then follows each new plan.")
     o, l_ = run_op(getattr(wrapper, _HANDLE_ATTR), args, return_lse or lse is not None)

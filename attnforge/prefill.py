@@ -263,7 +263,7 @@ class BatchPrefill:
         """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out (and lse
         [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op (attnforge.ops)."""
         if ops.compiling():
-            return ops.compiled_run(self, [q, *paged.cache_list(kv)], out, None, return_lse)
+            return ops.compiled_run(self, self._plan is not None, [q, *paged.cache_list(kv)], out, None, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchPrefill.run: call plan(...) first")
         s, pl = self.spec, self._plan
@@ -307,10 +307,6 @@ class BatchPrefill:
                                              out_stride_slot=0, lse_stride_n=s.num_qo_heads, lse_stride_h=1,
                                              lse_stride_slot=0))
         return (out, lse) if return_lse else out
-
-    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) args: q, then the K/V as listed
-        got = self.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
-        return got if return_lse else (got, None)
 
     def _op_out_shape(self, args: list):
         return tuple(args[0].shape), checks.TORCH_DTYPES[self.spec.out_dtype]

@@ -156,3 +156,27 @@ def test_attention_under_reduce_overhead_stays_right_as_shapes_alternate():
     for i, shape in enumerate(shapes):
         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         assert_same(step(q, k, v).clone(), attnforge.attention(q, k, v)), f"call {i}"
+
+
+def test_compiled_quest_and_cascade_equal_eager():
+    import test_quest_gpu as tq
+    import test_quest_heads_gpu as th
+    from attnforge.cascade import CascadeDecode
+    from attnforge.sparse import QuestDecode, QuestHeadDecode
+    cache, indptr, indices, last, index = tq.build([3000, 17, 900])
+    q = torch.randn(3, 32, 128, device="cuda").bfloat16()
+    quest = QuestDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=tq.HKV), index, budget_tokens=512, page_size=16)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    assert_same(inductor(lambda q, c: quest.run(q, c, return_lse=True))(q, cache), quest.run(q, cache, return_lse=True))
+    _, kv, indptr, indices, last, index = th.build([2000, 0, 700], "pair", seed=1)
+    q = torch.randn(3, th.HQ, th.D, device="cuda").bfloat16()
+    heads = QuestHeadDecode(th.SPEC, index, budget_tokens=256, page_size=th.PAGE)
+    heads.plan(indptr.cpu(), indices.cpu(), last)
+    assert_same(inductor(lambda q, k, v: heads.run(q, (k, v)))(q, *kv), heads.run(q, kv))
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    pool = torch.randn(40, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    c = CascadeDecode(spec)
+    c.plan(levels=[([0, 3], [0, 20], np.arange(20), [16])], suffix=([0, 5, 9, 20], np.arange(20, 40), [3, 16, 1]),
+           page_size=16)
+    q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
+    assert_same(inductor(lambda q, c_: c.run(q, c_, return_lse=True))(q, pool), c.run(q, pool, return_lse=True))

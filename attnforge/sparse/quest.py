@@ -16,7 +16,8 @@ import math
 import numpy as np
 import torch
 
-from ..checks import fail
+from .. import ops, paged
+from ..checks import TORCH_DTYPES, fail
 from . import summaries
 from .summaries import channel_scales, fp8_outward  # noqa: F401 (re-exported)
 
@@ -227,6 +228,7 @@ class QuestDecode:
         self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
                                  pin_memory=True)
         self._planned = None
+        ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
     def _plan_selection(self, kv_indptr, kv_indices, kv_last_page_len, rows_per_request: int = 1):
         """The host side of plan(): the validated page table, the row width of the selection and, per
@@ -337,7 +339,14 @@ class QuestDecode:
         return self.decode._device_region("kv_indices")
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        if ops.compiling():  # scoring, selection and decode as one custom op (attnforge.ops)
+            return ops.compiled_run(self, self._planned is not None, [q, *paged.cache_list(kv_cache)], out, None,
+                                    return_lse)
         if self._planned is None:
             raise RuntimeError("QuestDecode.run: call plan(...) first (once per step, outside graph capture).")
         self._select(self.scores(q))  # (scores checks q)
         return self.decode.run(q, kv_cache, out=out, return_lse=return_lse)
+
+    def _op_out_shape(self, args: list):
+        s = self.spec
+        return (args[0].shape[0], s.num_qo_heads, s.head_dim_vo), TORCH_DTYPES[s.out_dtype]

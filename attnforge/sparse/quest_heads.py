@@ -18,8 +18,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from .. import paged
-from ..checks import fail
+from .. import ops, paged
+from ..checks import TORCH_DTYPES, fail
 from .quest import QuestDecode, QuestIndex
 
 
@@ -113,6 +113,9 @@ class QuestHeadDecode(QuestDecode):
         self._planned = {"batch": b * hkv, "width": width, "copied": copied}
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        if ops.compiling():  # scoring, selection and decode as one custom op (attnforge.ops)
+            return ops.compiled_run(self, self._planned is not None, [q, *paged.cache_list(kv_cache)], out, None,
+                                    return_lse)
         if self._planned is None:
             raise RuntimeError("QuestHeadDecode.run: call plan(...) first (once per step, outside graph capture).")
         s, hkv = self.model_spec, self.num_kv_heads
@@ -134,3 +137,7 @@ class QuestHeadDecode(QuestDecode):
             o, lse = res
             return o.view(q.shape[0], s.num_qo_heads, -1), lse.view(q.shape[0], s.num_qo_heads)
         return res.view(q.shape[0], s.num_qo_heads, -1)
+
+    def _op_out_shape(self, args: list):
+        s = self.model_spec
+        return (args[0].shape[0], s.num_qo_heads, s.head_dim_vo), TORCH_DTYPES[s.out_dtype]
