@@ -6,8 +6,8 @@ switches to a custom op while dynamo traces it (`torch.compiler.is_compiling()`)
 implementation that gives the output shapes from the input shapes, so a model that calls attnforge compiles
 as one graph (`fullgraph=True`) with one opaque node per call. Eager calls never pass through these ops.
 
-An op reaches its wrapper, or a compiled score modifier, through an integer handle that the graph holds as a
-constant. plan() stays outside the compiled function, as in eager use: it reads host arrays, and its results
+An op reaches its wrapper, or a compiled score modifier, through a handle (a string such as "BatchDecode#3") that
+the graph holds as a constant: an int could turn symbolic under dynamic shapes. plan() stays outside the compiled function, as in eager use: it reads host arrays, and its results
 reach the compiled call through the wrapper's device buffers. The handle table holds weak references: a
 wrapper must outlive the compiled functions that call it.
 """
@@ -20,23 +20,23 @@ from typing import Optional
 import torch
 
 _NEXT_HANDLE = itertools.count(1)
-_OBJECTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_OBJECTS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _HANDLE_ATTR = "_attnforge_op_handle"
 
 
-def handle(obj) -> int:
-    """The integer a compiled graph names `obj` by (a wrapper or a ScoreMod); the same for its lifetime. The
+def handle(obj) -> str:
+    """The name a compiled graph gives `obj` (a wrapper or a ScoreMod); the same for its lifetime. The
     wrappers take theirs when built: dynamo (torch 2.11) traces neither the weak table's insert nor a call
-    that takes the wrapper as a constant, but it reads an int attribute."""
+    that takes the wrapper as a constant, but it reads a str attribute."""
     h = obj.__dict__.get(_HANDLE_ATTR)
     if h is None:
-        h = next(_NEXT_HANDLE)
+        h = f"{type(obj).__name__}#{next(_NEXT_HANDLE)}"
         setattr(obj, _HANDLE_ATTR, h)
         _OBJECTS[h] = obj
     return h
 
 
-def lookup(h: int):
+def lookup(h: str):
     obj = _OBJECTS.get(h)
     if obj is None:
         raise RuntimeError(f"attnforge op handle {h}: the wrapper or score modifier it names was freed. Keep it "
@@ -56,7 +56,7 @@ def _no_lse(like: torch.Tensor) -> torch.Tensor:
 # --- the wrappers' run ---------------------------------------------------------------------------------
 
 @torch.library.custom_op("attnforge::run", mutates_args=())
-def run_op(wrapper: int, args: list[torch.Tensor], return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_op(wrapper: str, args: list[torch.Tensor], return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A planned wrapper's run on its tensor arguments, flattened: q, then the cache or the K and V of a pair."""
     w = lookup(wrapper)
     runner = getattr(w, "_run_op_args", None)  # (MLA's run takes its own arguments)
@@ -97,7 +97,7 @@ _GRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_u
 
 
 @torch.library.custom_op("attnforge::attention", mutates_args=(), tags=_GRAPH_UNSAFE)
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: int, scale: Optional[float],
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, scale: Optional[float],
                  enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .prefill import attention_with_mod
     out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa)
@@ -111,11 +111,11 @@ def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse):
 
 
 @torch._dynamo.assume_constant_result
-def mod_handle(score_mod, mask_mod) -> int:
+def mod_handle(score_mod, mask_mod) -> str:
     """Traced as a constant: builds (or reuses) the C++ modifier of the Python functions when the graph is
-    made, so the compiled graph holds its handle (0: none) and not the tracing."""
+    made, so the compiled graph holds its handle ("": none) and not the tracing."""
     if score_mod is None and mask_mod is None:
-        return 0
+        return ""
     from .prefill import compiled_mod
     mod = compiled_mod(score_mod, mask_mod)
     for k, t in enumerate(mod.tensors):

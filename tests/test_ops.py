@@ -50,8 +50,8 @@ def cuda(*shape, dtype=torch.bfloat16):
 def test_every_op_is_registered_with_its_schema():
     schemas = {name: str(getattr(torch.ops.attnforge, name).default._schema)
                for name in ("run", "attention", "merge_state", "merge_states")}
-    assert "run(SymInt wrapper, Tensor[] args, bool return_lse) -> (Tensor, Tensor)" in schemas["run"]
-    assert "SymInt mod, float? scale, bool enable_gqa, bool return_lse" in schemas["attention"]
+    assert "run(str wrapper, Tensor[] args, bool return_lse) -> (Tensor, Tensor)" in schemas["run"]
+    assert "str mod, float? scale, bool enable_gqa, bool return_lse" in schemas["attention"]
     assert "ScalarType? out_dtype" in schemas["merge_state"] and "ScalarType? out_dtype" in schemas["merge_states"]
     if hasattr(torch.Tag, "cudagraph_unsafe"):  # attention plans at each call: kept out of inductor's graphs
         assert torch.Tag.cudagraph_unsafe in torch.ops.attnforge.attention.default.tags
@@ -69,7 +69,7 @@ def test_attention_is_one_node_of_one_graph(fake, hq, hkv, return_lse):
     if return_lse:
         assert lse.shape == (2, hq, 100) and lse.dtype == torch.float32
     (node,) = rec.op_nodes("attention")
-    assert node.args[3:] == (0, 0.1, hq != hkv, return_lse)  # no modifier: handle 0
+    assert node.args[3:] == ("", 0.1, hq != hkv, return_lse)  # no modifier: handle ""
 
 
 SLOPES = torch.rand(8)  # a tensor outside the compiled function (a CPU one: nothing launches here)
@@ -122,6 +122,17 @@ def test_a_decode_run_is_the_run_op_on_its_wrapper(fake_mode, pair):
     assert ops.lookup(node.args[0]) is w
 
 
+def test_a_dynamic_batch_is_one_graph_with_symbolic_output_rows(fake_mode):
+    w, rec = decode_wrapper(), Recorder()
+    step = torch.compile(lambda q, c: w.run(q, c), backend=rec, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    with fake_mode:
+        cache = cuda(7, 2, 16, 8, 128)
+        for batch in (3, 5):  # (batch sizes that equal no cache dimension: no duck-sized guard)
+            assert step(cuda(batch, 32, 128), cache).shape == (batch, 32, 128)
+    assert len(rec.graphs) == 1 and len(rec.op_nodes("run")) == 1
+
+
 def test_a_compiled_run_before_plan_fails_while_the_graph_is_made(fake_mode):
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=8)
     with fake_mode, pytest.raises(Exception, match=r"BatchDecode.run: call plan\(...\) first, outside the compiled function"):
@@ -160,6 +171,7 @@ def test_a_handle_outlives_nothing():
     assert ops.handle(w) == h and ops.lookup(h) is w
     del w
     gc.collect()
+    assert h.startswith("BatchDecode#")
     with pytest.raises(RuntimeError, match=f"handle {h}: the wrapper or score modifier it names was freed"):
         ops.lookup(h)
 
