@@ -180,3 +180,17 @@ def test_compiled_quest_and_cascade_equal_eager():
            page_size=16)
     q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
     assert_same(inductor(lambda q, c_: c.run(q, c_, return_lse=True))(q, pool), c.run(q, pool, return_lse=True))
+
+
+def test_a_dynamic_batch_compiles_once_and_follows_each_plan():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    cache = torch.randn(1024, 2, 16, 8, 128, device="cuda").bfloat16()
+    rng = np.random.default_rng(4)
+    w = BatchDecode(spec)
+    step, counter = counted_inductor(lambda q, c: w.run(q, c), dynamic=True)
+    for batch in (3, 5, 9, 5):
+        _, indptr, indices, last = random_page_table(rng, batch, 16, cache.shape[0], 1500)
+        w.plan(indptr, indices, last, page_size=16)
+        q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
+        assert_same(step(q, cache), w.run(q, cache))
+    assert counter.frame_count == 1
