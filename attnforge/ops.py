@@ -1,15 +1,17 @@
 """torch.compile support: attnforge's GPU calls as torch custom ops (namespace `attnforge`).
 
 Dynamo cannot trace a kernel launched through cuda-python. So each public call that launches one
-(`attention`, `merge_state`, `merge_states`, and the `run` of BatchDecode, BatchMLADecode and BatchPrefill)
-switches to a custom op while dynamo traces it (`torch.compiler.is_compiling()`). The op has a fake
-implementation that gives the output shapes from the input shapes, so a model that calls attnforge compiles
-as one graph (`fullgraph=True`) with one opaque node per call. Eager calls never pass through these ops.
+(`attention`, `merge_state`, `merge_states`, and the `run` of BatchDecode, BatchMLADecode, BatchPrefill and
+the Quest wrappers) switches to a custom op while dynamo traces it (`torch.compiler.is_compiling()`). The op
+has a fake implementation that gives the output shapes from the input shapes, so a model that calls attnforge
+compiles as one graph (`fullgraph=True`) with one opaque node per call. Eager calls never pass through these
+ops.
 
-An op reaches its wrapper, or a compiled score modifier, through a handle (a string such as "BatchDecode#3") that
-the graph holds as a constant: an int could turn symbolic under dynamic shapes. plan() stays outside the compiled function, as in eager use: it reads host arrays, and its results
-reach the compiled call through the wrapper's device buffers. The handle table holds weak references: a
-wrapper must outlive the compiled functions that call it.
+An op reaches its wrapper, or a compiled score modifier, through a handle (a string such as "BatchDecode#3")
+that the graph holds as a constant: an int could turn symbolic under dynamic shapes. plan() stays outside the
+compiled function, as in eager use: it reads host arrays, and its results reach the compiled call through the
+wrapper's device buffers. The handle table holds weak references: a wrapper must outlive the compiled
+functions that call it.
 """
 from __future__ import annotations
 
@@ -100,12 +102,14 @@ _GRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_u
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, scale: Optional[float],
                  enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .prefill import attention_with_mod
-    out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa)
+    out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa, return_lse)
     return out, (lse if return_lse else _no_lse(out))
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse):
+    from .prefill import check_attention_args
+    check_attention_args(q, k, v, enable_gqa)  # bad shapes fail while the graph is made
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, (q.new_empty(tuple(q.shape[:3]), dtype=torch.float32) if return_lse else _no_lse(out))
 

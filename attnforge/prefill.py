@@ -393,9 +393,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     return (out, lse) if return_lse else out
 
 
-def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
-                       enable_gqa: bool, return_lse: bool = True):
-    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None)."""
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
+    """attention()'s checks of devices, shapes and dtypes (no pointer: they also run on fake tensors)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_cuda(name, t, q.device if name != "q" else None)
         if t.dim() != 4:
@@ -409,6 +408,14 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
         raise checks.fail("num heads", f"q heads == k heads ({hkv})", hq, "Pass enable_gqa=True for GQA/MQA.")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise checks.fail("k/v dtype", f"{q.dtype} (q's)", f"{k.dtype}/{v.dtype}", "Cast them to one dtype.")
+
+
+def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
+                       enable_gqa: bool, return_lse: bool = True):
+    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None)."""
+    check_attention_args(q, k, v, enable_gqa)
+    bq, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
     spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, q_dtype=q.dtype,
                          score_mod=mod)
     q, k, v = (t.contiguous() for t in (q, k, v))  # a no-op for the usual contiguous [B, H, L, D]

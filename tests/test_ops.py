@@ -72,6 +72,12 @@ def test_attention_is_one_node_of_one_graph(fake, hq, hkv, return_lse):
     assert node.args[3:] == ("", 0.1, hq != hkv, return_lse)  # no modifier: handle ""
 
 
+def test_attention_with_bad_shapes_fails_while_the_graph_is_made(fake):
+    q, k = cuda(2, 8, 10, 64), cuda(2, 2, 10, 64)
+    with pytest.raises(Exception, match=r"num heads: expected q heads == k heads \(2\), got 8. Pass enable_gqa=True"):
+        compiled(lambda q, k: attnforge.attention(q, k, k), Recorder())(q, k)
+
+
 SLOPES = torch.rand(8)  # a tensor outside the compiled function (a CPU one: nothing launches here)
 
 
