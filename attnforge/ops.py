@@ -126,7 +126,8 @@ def mod_handle(score_mod, mask_mod) -> str:
         if isinstance(t, torch._subclasses.FakeTensor):
             raise ValueError(f"score_mod captured tensor #{k}: under torch.compile a modifier may capture only "
                              "tensors that live outside the compiled function (globals, a module's buffers read "
-                             "before compiling); got one of the graph's inputs. Build the tensor outside.")
+                             "before compiling); got one the graph traces (an input of the compiled function, or "
+                             "a tensor made inside it). Build the tensor outside.")
     return handle(mod)
 
 
