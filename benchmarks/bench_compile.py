@@ -2,7 +2,8 @@
 
 - `host B1 L512`: host time a call, many calls back to back on a decode so small that the host sets the
   pace: the eager run, the same run compiled by inductor (its custom op dispatched from the compiled graph),
-  and compiled with mode="reduce-overhead" (inductor replays a CUDA graph: one launch a call).
+  and compiled with mode="reduce-overhead" (inductor replays a CUDA graph: one launch a call), with the
+  cache a global of the compiled function or one of its inputs.
 - `B16 L8192`: device time a call (the suites' graph replay) of the eager and the compiled run: the same
   kernel, so the same time.
 """
@@ -51,7 +52,10 @@ def run(report, peers: bool = True) -> None:
     report.add("compile", case, "attnforge", host_us(lambda q, c: w.run(q, c), q, cache))
     report.add("compile", case, "attnforge-compiled",
                host_us(torch.compile(lambda q, c: w.run(q, c), fullgraph=True), q, cache))
+    # the cache a global of the compiled function (as an engine's is), or one of its inputs
     report.add("compile", case, "attnforge-compiled-graphs",
+               host_us(torch.compile(lambda q: g.run(q, cache), fullgraph=True, mode="reduce-overhead"), q))
+    report.add("compile", case, "attnforge-compiled-graphs-cache-input",
                host_us(torch.compile(lambda q, c: g.run(q, c), fullgraph=True, mode="reduce-overhead"), q, cache))
     w, q, cache = paged_batch(16, 8192, graph_mode=False)
     nbytes = cache.numel() * cache.element_size()
