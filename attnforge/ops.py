@@ -13,8 +13,6 @@ compiled function, as in eager use: it reads host arrays, and its results reach 
 wrapper's device buffers. The handle table holds weak references: a wrapper must outlive the compiled
 functions that call it.
 """
-from __future__ import annotations
-
 import itertools
 import weakref
 from typing import Optional
@@ -95,10 +93,12 @@ def compiled_run(wrapper, planned: bool, args: list, out: Optional[torch.Tensor]
 
 # attention() plans at each call (host arrays copied to a wrapper shared by every call of its spec), which a
 # CUDA graph cannot replay: inductor's graphs (mode="reduce-overhead") leave the op outside
-_GRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# (no `from __future__ import annotations` in this file: older torch reads the ops' annotations as objects; and
+# no tags argument where the tag is missing, as torch 2.4's custom_op takes none)
+_GRAPH_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
-@torch.library.custom_op("attnforge::attention", mutates_args=(), tags=_GRAPH_UNSAFE)
+@torch.library.custom_op("attnforge::attention", mutates_args=(), **_GRAPH_UNSAFE)
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, scale: Optional[float],
                  enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .prefill import attention_with_mod
