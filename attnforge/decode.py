@@ -402,6 +402,5 @@ class BatchDecode:
                 lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
         return (out, lse) if return_lse else out
 
-    def _op_out_shape(self, args: list):
-        s = self.spec
-        return (args[0].shape[0], s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype]
+    def _op_out_shape(self, args: list):  # (attnforge::run's fake; MLA's 512-wide rows are its head_dim_vo)
+        return ops.rows_out_shape(self.spec, args)

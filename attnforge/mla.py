@@ -370,12 +370,9 @@ class BatchMLADecode(BatchDecode):
                 self._launch_merge(lib, params)  # (a graph's plans keep its batch and q_len: plan() checks)
         return (out, lse) if return_lse else out
 
-    def _run_op_args(self, args: list, return_lse: bool):  # (attnforge::run) q_nope, q_pe, ckv[, kpe]
-        got = self.run(*args[:3], args[3] if len(args) == 4 else None, return_lse=return_lse)
-        return got if return_lse else (got, None)
-
-    def _op_out_shape(self, args: list):
-        return (args[0].shape[0], self.spec.num_qo_heads, MLA_HEAD_DIM_VO), checks.TORCH_DTYPES[self.spec.out_dtype]
+    @staticmethod
+    def _op_run_args(args: list) -> tuple:  # (attnforge::run) q_nope, q_pe, ckv[, kpe]
+        return (*args[:3], args[3] if len(args) == 4 else None)
 
     def merge_launch(self) -> tuple[str, tuple, tuple, int]:
         """The planned merge's (kernel, grid, block, dynamic shared memory): a block of two rows, or with lanes

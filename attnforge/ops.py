@@ -59,13 +59,21 @@ def _no_lse(like: torch.Tensor) -> torch.Tensor:
 def run_op(wrapper: str, args: list[torch.Tensor], return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A planned wrapper's run on its tensor arguments, flattened: q, then the cache or the K and V of a pair."""
     w = lookup(wrapper)
-    runner = getattr(w, "_run_op_args", None)  # (MLA's run takes its own arguments)
-    if runner is None:  # run(q, kv): a cache, or a (K, V) pair
-        got = w.run(args[0], args[1] if len(args) == 2 else tuple(args[1:]), return_lse=return_lse)
-        out, lse = got if return_lse else (got, None)
-    else:
-        out, lse = runner(args, return_lse)
+    split = getattr(w, "_op_run_args", _q_and_kv)  # the run's positional arguments from the flat list
+    got = w.run(*split(args), return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
     return out, (lse if return_lse else _no_lse(out))
+
+
+def _q_and_kv(args: list) -> tuple:
+    """run(q, kv)'s arguments: kv a cache alone, or a (K, V) pair (paged.cache_list flattened them)."""
+    return args[0], (args[1] if len(args) == 2 else tuple(args[1:]))
+
+
+def rows_out_shape(spec, args: list):
+    """(shape, dtype) of a run's output: a row of num_qo_heads x head_dim_vo per query row (args[0]'s rows)."""
+    from .checks import TORCH_DTYPES
+    return (args[0].shape[0], spec.num_qo_heads, spec.head_dim_vo), TORCH_DTYPES[spec.out_dtype]
 
 
 @run_op.register_fake

@@ -191,3 +191,16 @@ def test_a_global_tensor_rebound_gives_a_new_modifier():
     scope["BIAS"] = torch.rand(8)  # the old build would read the old tensor: a new one is built
     second = compiled_mod(scope["mod"], None)
     assert second is not first and second.tensors[0] is scope["BIAS"]
+
+
+def test_the_run_op_rebuilds_each_run_signature_from_its_flat_arguments():
+    """What the op's real side calls: run(*split(flat)) with the arguments the traced call flattened."""
+    from attnforge.paged import cache_list
+    q, cache, k, v, kpe = (torch.zeros(1) for _ in range(5))
+    same = lambda got, want: len(got) == len(want) and all(g is w for g, w in zip(got, want))  # noqa: E731
+    got_q, got_kv = ops._q_and_kv([q, *cache_list(cache)])  # decode, prefill and Quest: run(q, kv)
+    assert got_q is q and got_kv is cache
+    got_q, got_kv = ops._q_and_kv([q, *cache_list((k, v))])
+    assert got_q is q and isinstance(got_kv, tuple) and same(got_kv, (k, v))
+    assert same(BatchMLADecode._op_run_args([q, k, cache]), (q, k, cache, None))  # MLA: q_nope, q_pe, ckv[, kpe]
+    assert same(BatchMLADecode._op_run_args([q, k, cache, kpe]), (q, k, cache, kpe))
