@@ -1,7 +1,7 @@
 """Input checks shared by the wrappers: every failure says expected / got / how to fix."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -79,3 +79,44 @@ def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device
         if not lse.is_contiguous():
             raise fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
     return out, lse
+
+
+def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """All that the run checks read of a tensor: its address, shape, strides, dtype and device. Tensors with
+    equal keys pass or fail every check alike, whatever their contents."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+class RunMemo:
+    """A wrapper's run() inputs as last checked, with what was derived from them (pointers, strides, a
+    params template), one entry per role. Each plan() makes a new memo, because the checks read the plan.
+
+    On the GPU hosts a run's checks and its packing took as much host time as the launch. An engine calls
+    run() once per layer with the same cache and usually the same buffers, so those calls pay only for the
+    keys (~1 us a tensor). Derived values are plain numbers, never tensors: a memo must not keep a freed
+    cache alive."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, role: str, tensors: Sequence, derive: Callable[[], Any]):
+        """derive() (which checks the tensors and raises on bad input) once for each new set of keys."""
+        key = []
+        for t in tensors:
+            if t is not None and not isinstance(t, torch.Tensor):
+                return derive()  # not a tensor: derive() raises the error that says so
+            key.append(tensor_key(t))
+        key = tuple(key)
+        hit = self._entries.get(role)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = derive()
+        self._entries[role] = (key, value)
+        return value
+
+    def once(self, role: str, make: Callable[[], Any]):
+        """make()'s value, made at the first call of this plan (what depends on the plan alone)."""
+        hit = self._entries.get(role)
+        if hit is None:
+            hit = self._entries[role] = ((), make())
+        return hit[1]

@@ -12,11 +12,15 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import checks, ops, paged, scheduler, variants
+from . import checks, codegen, ops, paged, scheduler, variants
 from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel, whole_item_tiling
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
+
+# the decode params a run sets (its tensors and strides); plan() fixes the rest (BatchDecode._params_template)
+RUN_FIELDS = ("q", "k_cache", "v_cache", "out", "lse", "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
+              "stride_page", "stride_token", "stride_head")
 
 KVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -300,7 +304,7 @@ class BatchDecode:
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
                       "kernel": kernel, "ctas": ctas, "any_split": any_split, "stream_items": items_per_request,
-                      "merge_launch": merge_launch}
+                      "merge_launch": merge_launch, "memo": checks.RunMemo()}
 
     def _merge_launch_for(self, kernel, work: scheduler.StreamPlan) -> bool:
         """Whether this plan's split items are merged by batch_decode_merge_kernel (see merge_launch)."""
@@ -357,8 +361,24 @@ class BatchDecode:
         if q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:
             raise checks.fail("q", "16-byte aligned rows", f"strides {q.stride()}", "Call q.contiguous().")
 
-    def _split_cache(self, kv_cache: KVCache):
-        return paged.split_cache(self.spec, kv_cache, self._plan["page_size"], self._plan["max_page"], self.device)
+    def _cache_args(self, kv_cache: KVCache) -> tuple:
+        """(K address, V address, page / token / head strides) of a checked cache (plain numbers: RunMemo)."""
+        k, v, *strides = paged.split_cache(self.spec, kv_cache, self._plan["page_size"], self._plan["max_page"],
+                                           self.device)
+        return (k.data_ptr(), v.data_ptr(), *strides)
+
+    def _params_template(self) -> codegen.ParamsTemplate:
+        """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides and modifier values."""
+        s, kernel = self.spec, self._plan["kernel"]
+        mods = tuple(f.name for f in s.score_mod.param_fields()) if s.score_mod is not None else ()
+        return kernel.params.template(
+            RUN_FIELDS + mods, partial_o=self._partial_o.data_ptr(), partial_lse=self._partial_lse.data_ptr(),
+            kv_indptr=self._dev_ptr("kv_indptr"), kv_indices=self._dev_ptr("kv_indices"),
+            kv_len=self._dev_ptr("kv_len"), kv_begin=self._dev_ptr("kv_begin"),
+            stream_prefix=self._dev_ptr("stream_prefix"), meta=self._dev_ptr("meta"),
+            merge_count=self._merge_count.data_ptr(), page_size=self._plan["page_size"],
+            num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"], v_scale=self._plan["v_scale"],
+            merge_launch=int(self._plan["merge_launch"]), **variants.variant_values(s, self._plan["sm_scale"]))
 
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):
@@ -372,28 +392,20 @@ class BatchDecode:
             return ops.compiled_run(self, self._plan is not None, args, out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
-        s, b = self.spec, self._plan["batch"]
-        self._check_q(q)
-        k, v, stride_page, stride_token, stride_head = self._split_cache(kv_cache)
+        s, b, memo = self.spec, self._plan["batch"], self._plan["memo"]
+        memo.get("q", (q,), lambda: self._check_q(q))
+        k, v, stride_page, stride_token, stride_head = memo.get("kv", paged.cache_list(kv_cache),
+                                                                lambda: self._cache_args(kv_cache))
         out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")
         kernel, ctas = self._plan["kernel"], self._plan["ctas"]
-        lib = registry.get_library(kernel, kernel.module, self.device)
+        lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = kernel.params.pack(
-            q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
-            lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), kv_indptr=self._dev_ptr("kv_indptr"),
-            kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
-            kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
-            meta=self._dev_ptr("meta"), merge_count=self._merge_count.data_ptr(),
-            q_stride_b=q.stride(0), q_stride_h=q.stride(1),
-            out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page,
-            stride_token=stride_token, stride_head=stride_head, page_size=self._plan["page_size"],
-            num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"],
-            v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]),
-            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values)
+        params = memo.once("params", self._params_template).fill(
+            q=q.data_ptr(), k_cache=k, v_cache=v, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
+            q_stride_b=q.stride(0), q_stride_h=q.stride(1), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
+            stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values)
         with torch.cuda.device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks, ops, scheduler, variants
+from . import checks, codegen, ops, scheduler, variants
 from .decode import BatchDecode
 from .jit import registry
 from .kernels.mla import MLADecodeKernel, default_backend, rows_per_cta
@@ -25,6 +25,9 @@ from .spec import MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO, AttentionSpec
 
 ROPE_DIM = MLA_HEAD_DIM_QK - MLA_HEAD_DIM_VO
 MAX_Q_LEN = 4
+# the MLA params a run sets besides its cache's (BatchMLADecode._cache_args); plan() fixes the rest
+RUN_FIELDS = ("q_nope", "q_pe", "out", "lse", "q_nope_stride_t", "q_nope_stride_h", "q_pe_stride_t", "q_pe_stride_h",
+              "out_stride_t", "out_stride_h")
 DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # (qk_nope_head_dim + qk_rope_head_dim)^-1/2 in DeepSeek-V2/V3
 
 
@@ -322,6 +325,29 @@ class BatchMLADecode(BatchDecode):
                 ckv.stride()[:2]
         return ckv.data_ptr(), kpe.data_ptr(), ckv.stride()[:2], kpe.stride()[:2]
 
+    def _cache_args(self, ckv: torch.Tensor, kpe: Optional[torch.Tensor]) -> dict:
+        """The params a checked latent cache sets: addresses, strides and TMA maps (plain values: RunMemo)."""
+        ckv_ptr, kpe_ptr, ckv_strides, kpe_strides = self._split_latent_cache(ckv, kpe)
+        return {"ckv_cache": ckv_ptr, "kpe_cache": kpe_ptr, "ckv_stride_page": ckv_strides[0],
+                "ckv_stride_token": ckv_strides[1], "kpe_stride_page": kpe_strides[0],
+                "kpe_stride_token": kpe_strides[1],
+                **self.kernel.tma_values(*self._latent_views(ckv, kpe), self._plan["page_size"])}
+
+    def _params_template(self, cache_fields: tuple) -> codegen.ParamsTemplate:
+        """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides, cache fields and
+        modifier values."""
+        s, q_len, k = self.spec, self._plan["q_len"], self.kernel
+        mods = tuple(f.name for f in s.score_mod.param_fields()) if s.score_mod is not None else ()
+        return k.params.template(
+            RUN_FIELDS + cache_fields + mods, partial_o=self._partial_o.data_ptr(),
+            partial_lse=self._partial_lse.data_ptr(), partial_scale=self._partial_scale_ptr(),
+            kv_indptr=self._dev_ptr("kv_indptr"), kv_indices=self._dev_ptr("kv_indices"),
+            kv_len=self._dev_ptr("kv_len"), kv_begin=self._dev_ptr("kv_begin"),
+            stream_prefix=self._dev_ptr("stream_prefix"), meta=self._dev_ptr("meta"),
+            page_size=self._plan["page_size"], q_len=q_len, num_row_blocks=k.row_blocks(q_len),
+            side_blocks=k.side_blocks(k.row_blocks(q_len)), v_scale=self._plan["v_scale"],
+            **variants.variant_values(s, self._plan["sm_scale"]))
+
     @staticmethod
     def _latent_views(ckv: torch.Tensor, kpe: Optional[torch.Tensor]):
         """(latent [P, page, 512], rope [P, page, 64]): the two caches, or views of the one 576-wide cache."""
@@ -338,31 +364,21 @@ class BatchMLADecode(BatchDecode):
             return ops.compiled_run(self, self._plan is not None, [q_nope, q_pe, *caches], out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchMLADecode.run: call plan(...) first (once per batch, outside graph capture).")
-        s, b, q_len = self.spec, self._plan["batch"], self._plan["q_len"]
-        self._check_q("q_nope", q_nope, MLA_HEAD_DIM_VO)
-        self._check_q("q_pe", q_pe, ROPE_DIM)
-        ckv_ptr, kpe_ptr, ckv_strides, kpe_strides = self._split_latent_cache(ckv_cache, kpe_cache)
+        s, b, q_len, memo = self.spec, self._plan["batch"], self._plan["q_len"], self._plan["memo"]
+        memo.get("q", (q_nope, q_pe), lambda: (self._check_q("q_nope", q_nope, MLA_HEAD_DIM_VO),
+                                               self._check_q("q_pe", q_pe, ROPE_DIM)))
+        cache = memo.get("kv", (ckv_cache, kpe_cache), lambda: self._cache_args(ckv_cache, kpe_cache))
         out, lse = checks.output_buffers(out, lse, return_lse, (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]")
         checks.check_aligned_rows("out", out)  # rows leave the kernel as 16-byte vectors
-        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        lib = memo.once("lib", lambda: registry.get_library(self.kernel, self.kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = self.kernel.params.pack(
-            q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), ckv_cache=ckv_ptr, kpe_cache=kpe_ptr,
-            out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), partial_scale=self._partial_scale_ptr(),
-            kv_indptr=self._dev_ptr("kv_indptr"),
-            kv_indices=self._dev_ptr("kv_indices"), kv_len=self._dev_ptr("kv_len"),
-            kv_begin=self._dev_ptr("kv_begin"), stream_prefix=self._dev_ptr("stream_prefix"),
-            meta=self._dev_ptr("meta"), q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1),
-            q_pe_stride_t=q_pe.stride(0), q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0),
-            out_stride_h=out.stride(1), ckv_stride_page=ckv_strides[0], ckv_stride_token=ckv_strides[1],
-            kpe_stride_page=kpe_strides[0], kpe_stride_token=kpe_strides[1], page_size=self._plan["page_size"],
-            q_len=q_len, num_row_blocks=self.kernel.row_blocks(q_len),
-            side_blocks=self.kernel.side_blocks(self.kernel.row_blocks(q_len)), v_scale=self._plan["v_scale"],
-            **variants.variant_values(s, self._plan["sm_scale"]), **mod_values,
-            **self.kernel.tma_values(*self._latent_views(ckv_cache, kpe_cache), self._plan["page_size"]))
+        params = memo.once("params", lambda: self._params_template(tuple(cache))).fill(
+            q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
+            q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1), q_pe_stride_t=q_pe.stride(0),
+            q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0), out_stride_h=out.stride(1), **cache,
+            **mod_values)
         with torch.cuda.device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)

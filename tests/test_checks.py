@@ -1,4 +1,4 @@
-"""checks.output_buffers: allocation when absent, refusal of a wrong buffer before any launch (host only)."""
+"""checks: output_buffers (allocation when absent, refusal of a wrong buffer before any launch) and RunMemo (host only)."""
 import pytest
 import torch
 
@@ -58,3 +58,46 @@ def test_cuda_device_pins_the_current_index(monkeypatch):
     assert checks.cuda_device("cuda:1") == torch.device("cuda", 1)
     assert checks.cuda_device("cpu") == torch.device("cpu")
     assert BatchPrefill(AttentionSpec(family="prefill"), device="cuda").device == torch.device("cuda", 3)
+
+
+def test_run_memo_derives_again_for_any_change_a_check_reads():
+    memo, calls = checks.RunMemo(), []
+
+    def derive(t):
+        calls.append(t)
+        if t.dtype != torch.float32:
+            raise ValueError("bad dtype")
+        return t.data_ptr()
+
+    a = torch.zeros(4, 8)
+    assert memo.get("x", (a,), lambda: derive(a)) == a.data_ptr()
+    assert memo.get("x", (a,), lambda: derive(a)) == a.data_ptr() and len(calls) == 1  # the same tensor: kept
+    assert memo.get("x", (torch.zeros(4, 8).copy_(a)[:],), lambda: derive(a)) and len(calls) == 2  # new address
+    # the same address with another shape, strides or dtype is checked again, and a failure is not kept
+    for other in (a[:2], a.t(), a.view(8, 4), a.view(torch.int32)):
+        before = len(calls)
+        try:
+            memo.get("x", (other,), lambda: derive(other))
+        except ValueError:
+            pass
+        assert len(calls) == before + 1, other.shape
+    with pytest.raises(ValueError, match="bad dtype"):
+        memo.get("x", (a.view(torch.int32),), lambda: derive(a.view(torch.int32)))
+    assert memo.get("y", (a, None), lambda: derive(a)) == a.data_ptr()  # None is a key (an absent cache half)
+    assert memo.get("y", (a, None), lambda: derive(a)) and len(calls) == 8
+
+
+def test_run_memo_passes_non_tensors_to_the_check_every_time():
+    memo, seen = checks.RunMemo(), []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="expected a torch.Tensor, got list"):
+            memo.get("x", ([1, 2],), lambda: (seen.append(1), checks.check_cuda("x", [1, 2]))[1])
+    assert len(seen) == 2
+
+
+def test_run_memo_keeps_plain_values_only_per_role():
+    memo = checks.RunMemo()
+    made = []
+    assert memo.once("params", lambda: made.append(1) or "T") == "T"
+    assert memo.once("params", lambda: made.append(1) or "U") == "T" and made == [1]
+    assert memo.once("lib", lambda: 7) == 7  # another role: its own entry

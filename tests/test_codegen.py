@@ -144,3 +144,26 @@ def test_no_multidimensional_arrays_of_classes_with_default_members():
     offenders = {name: found for name, t in texts.items() if (found := _multidimensional_arrays_of(t, classes))}
     assert not offenders, (f"2D arrays of classes with default member initialisers: {offenders}; nvcc 13.0 "
                            f"value-initialises only their first row. Flatten them ([2 * i + j]).")
+
+
+def test_params_template_sets_only_a_runs_fields():
+    layout = ParamsLayout("P", [ParamField("q", "void*", "ptr"), ParamField("n", "int32_t", "i32"),
+                                ParamField("f", "float", "f32")])
+    template = layout.template(("q",), n=7, f=0.5)
+    a, b = template.fill(q=16), template.fill(q=32)
+    assert (a.q, a.n, a.f, b.q) == (16, 7, 0.5, 32)
+    assert bytes(template.fill(q=16)) == bytes(layout.pack(q=16, n=7, f=0.5))  # the same bytes a full pack gives
+    with pytest.raises(TypeError, match="a run sets exactly"):
+        template.fill(q=1, n=2)
+    with pytest.raises(TypeError, match="both fixed and per run"):
+        layout.template(("q",), q=1, n=7, f=0.5)
+    with pytest.raises(TypeError, match="missing"):
+        layout.template(("q",), n=7)
+
+
+def test_params_template_packs_per_run_tensor_maps():
+    layout = ParamsLayout("P", [ParamField("km", "TensorMap", "tmap"), ParamField("n", "int32_t", "i32")])
+    raw = bytes(range(128))
+    packed = layout.template(("km",), n=3).fill(km=raw)
+    assert bytes(packed)[:128] == raw and packed.n == 3
+    assert bytes(layout.template(("km",), n=3).fill(km=None))[:128] == bytes(128)

@@ -538,3 +538,27 @@ def test_bad_inputs_raise_before_launch():
         g1.plan(indptr, indices, last, page_size=16, sm_scale=0.5)
     with pytest.raises(ValueError, match="group sizes up to 16"):
         BatchDecode(AttentionSpec(num_qo_heads=64, num_kv_heads=2, pipeline="transposed"))
+
+
+def test_runs_recheck_what_differs_from_the_last_checked_inputs():
+    """run() skips the checks (and the params packing) for inputs whose address, shape, strides, dtype and device
+    equal the last run's (checks.RunMemo): a view at the same address with fewer pages, another dtype or another
+    cache must still be checked, and alternating inputs give what a fresh wrapper gives them, bitwise."""
+    spec = AttentionSpec()
+    w, _ = run_case(spec, [10, 300], 16)  # (checked against the reference)
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, [10, 300], 16)
+    for _ in range(2):  # the second run takes the memo's path
+        w.run(q, cache)
+    for bad, match in ((lambda: w.run(q, cache[: int(indices.max())]), "page ids <"),
+                       (lambda: w.run(q, cache.half()), "k_cache.dtype"), (lambda: w.run(q.half(), cache), "q.dtype"),
+                       (lambda: w.run(q[:1], cache), "q.shape"), (lambda: w.run(q.cpu(), cache), "CUDA tensor"),
+                       (lambda: w.run(q, cache, out=torch.empty_like(q)[:1]), "out.shape")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    other, q2 = torch.randn_like(cache), torch.randn_like(q)
+    for qq, kv in ((q2, other), (q, (cache[:, 0], cache[:, 1])), (q2, cache), (q2, (other[:, 0], other[:, 1])),
+                   (q, cache)):
+        fresh = BatchDecode(spec)
+        fresh.plan(indptr, indices, last, page_size=16)
+        out = poison(q.shape, q.dtype)
+        assert torch.equal(w.run(qq, kv, out=out), fresh.run(qq, kv))

@@ -772,3 +772,29 @@ def test_tiles_without_tests_are_bitwise_the_tested_path(heads, pipeline, backen
         w.plan(indptr, indices, last, page_size=64, q_len=2)
         outs.append(w.run(q_nope, q_pe, *caches, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("heads", [16, 128])  # (the transposed wgmma kernel with TMA maps, and the roles kernel)
+def test_runs_recheck_what_differs_from_the_last_checked_inputs(heads):
+    """run() reuses its checks, cache fields (TMA maps included) and params for inputs equal in address, shape,
+    strides and dtype to the last run's (checks.RunMemo): views at the same address, another dtype or another
+    cache are checked again, and alternating inputs give what a fresh wrapper gives them, bitwise."""
+    spec = mla_spec(heads)
+    q_nope, q_pe, (ckv, kpe), (indptr, indices, last), _ = make_case(spec, [10, 200, 700], 64)
+    _, _, (kv,), _, _ = make_case(spec, [10, 200, 700], 64, seed=1, unified=True)
+    w = BatchMLADecode(spec)
+    w.plan(indptr, indices, last, page_size=64)
+    for _ in range(2):
+        w.run(q_nope, q_pe, ckv, kpe)
+    for bad, match in ((lambda: w.run(q_nope, q_pe, ckv[:1], kpe[:1]), "page ids <"),
+                       (lambda: w.run(q_nope, q_pe, ckv, kpe.half()), "kpe_cache.dtype"),
+                       (lambda: w.run(q_nope.half(), q_pe, ckv, kpe), "q_nope.dtype"),
+                       (lambda: w.run(q_nope, q_pe[:, :8], ckv, kpe), "q_pe.shape")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    q2 = torch.randn_like(q_nope)
+    for qn, caches in ((q2, (kv,)), (q_nope, (ckv, kpe)), (q2, (ckv, kpe)), (q_nope, (kv,)), (q_nope, (ckv, kpe))):
+        fresh = BatchMLADecode(spec)
+        fresh.plan(indptr, indices, last, page_size=64)
+        out = poison(q_nope.shape, q_nope.dtype)
+        assert torch.equal(w.run(qn, q_pe, *caches, out=out), fresh.run(qn, q_pe, *caches))

@@ -109,6 +109,18 @@ class LoadedKernel:
     def __init__(self, library_name: str, name: str, function):
         self.library_name, self.name, self.function = library_name, name, function
         self._smem_limit = 48 * 1024
+        self._pdl_configs: dict[tuple, object] = {}  # (grid, block, smem, stream) -> CUlaunchConfig
+
+    def _pdl_config(self, grid, block, smem: int, handle: int):
+        """The launch's PDL config, built once per shape and stream (3-4 us of cuda-python objects a launch);
+        the driver reads it during the call, so one object serves every launch with these values."""
+        key = (grid, block, smem, handle)
+        config = self._pdl_configs.get(key)
+        if config is None:
+            if len(self._pdl_configs) >= 64:  # (a plan's grid changes with its batch only where planned so)
+                self._pdl_configs.clear()
+            config = self._pdl_configs[key] = pdl_launch_config(grid, block, smem, handle)
+        return config
 
     def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None, pdl: bool = False) -> None:
         """Launch with one by-value params struct on torch's current stream (graph-capturable).
@@ -138,7 +150,7 @@ class LoadedKernel:
             return  # an empty grid is a valid no-op, not a driver error
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         if pdl:
-            config = pdl_launch_config((gx, gy, gz), (bx, by, bz), smem, handle)
+            config = self._pdl_config((gx, gy, gz), (bx, by, bz), smem, handle)
             check(drv.cuLaunchKernelEx(config, self.function, ctypes.addressof(arg_ptrs), 0),
                   f"cuLaunchKernelEx({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem}, PDL)")
             return

@@ -292,7 +292,7 @@ class DecodeKernel:
                 return per_thread, fit - fit % 2
         raise AssertionError("unreachable")
 
-    @property
+    @cached_property  # (a run reads it; hashing its ~30 fields for params_for's cache cost ~10 us)
     def params(self) -> ParamsLayout:
         return variants.params_for("DecodeParams", BASE_FIELDS, self.spec)
 

@@ -453,7 +453,7 @@ class MLADecodeKernel:
         return rows * d * 2 + stages * tile * d * self.kv_bytes + wide + rows * tile * 2 + (2 * red + 3) * rows * 4 + \
             (k_split - 1) * rows * (tile + 8) * 4 + align  # split-K partials, rows padded by 8 floats
 
-    @property
+    @cached_property  # (a run reads it; hashing its ~30 fields for params_for's cache cost ~10 us)
     def params(self) -> ParamsLayout:
         return variants.params_for("MLAParams", (*TMA_FIELDS, *BASE_FIELDS) if self.uses_tma else BASE_FIELDS,
                                    self.spec)

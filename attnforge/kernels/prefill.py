@@ -311,7 +311,7 @@ class PrefillKernel:
     def kv_bytes(self) -> int:
         return 1 if self.fp8_kv else 2
 
-    @property
+    @cached_property  # (a run reads it; hashing its ~30 fields for params_for's cache cost ~10 us)
     def params(self) -> ParamsLayout:
         base = (*TMA_FIELDS, *BASE_FIELDS) if self.has_tma else BASE_FIELDS
         return variants.params_for("PrefillParams", (*base, *FP8_FIELDS) if self.fp8_kv else base, self.spec)

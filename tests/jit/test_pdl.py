@@ -211,3 +211,14 @@ def test_pdl_support_follows_the_compute_capability(monkeypatch):
         assert not loader.pdl_supported(0) and loader.pdl_supported(1)
     finally:
         loader._capability_major.cache_clear()
+
+
+def test_launch_configs_are_reused_per_shape_and_stream():
+    k = loader.LoadedKernel("lib", "batch_decode_kernel", None)
+    a = k._pdl_config((3, 1, 1), (128, 1, 1), 4096, 0)
+    assert k._pdl_config((3, 1, 1), (128, 1, 1), 4096, 0) is a
+    b = k._pdl_config((4, 1, 1), (128, 1, 1), 4096, 0)
+    assert b is not a and (b.gridDimX, a.gridDimX) == (4, 3)
+    for n in range(100):  # the table stays small
+        k._pdl_config((n + 5, 1, 1), (128, 1, 1), 0, 0)
+    assert len(k._pdl_configs) <= 64
