@@ -88,35 +88,48 @@ def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
 
 
 class RunMemo:
-    """A wrapper's run() inputs as last checked, with what was derived from them (pointers, strides, a
-    params template), one entry per role. Each plan() makes a new memo, because the checks read the plan.
+    """A wrapper's run() inputs as checked, with what was derived from them (pointers, strides), and what
+    each plan derives once (a params template).
 
-    On the GPU hosts a run's checks and its packing took as much host time as the launch. An engine calls
-    run() once per layer with the same cache and usually the same buffers, so those calls pay only for the
-    keys (~1 us a tensor). Derived values are plain numbers, never tensors: a memo must not keep a freed
-    cache alive."""
+    On the GPU hosts a run's checks and its packing took as much host time as the launch. An engine plans
+    once a step and calls run() once per layer, with that layer's cache and usually the same buffers: after
+    the first step each call pays only for the keys (~1 us a tensor). An input's key holds what its checks
+    read of it (tensor_key) and of the plan (`depends`, e.g. the batch size and page size); up to MAX_ENTRIES
+    inputs are kept (a model's layers' caches). Derived values are plain numbers, never tensors: a memo must
+    not keep a freed cache alive."""
+
+    MAX_ENTRIES = 1024
 
     def __init__(self):
-        self._entries: dict = {}
+        self._inputs: dict = {}
+        self._plan: dict = {}
 
-    def get(self, role: str, tensors: Sequence, derive: Callable[[], Any]):
+    def new_plan(self) -> None:
+        """Forget what the last plan derived (once()); checked inputs stay, keyed by what they depend on."""
+        self._plan = {}
+
+    def get(self, role: str, tensors: Sequence, derive: Callable[[], Any], *depends):
         """derive() (which checks the tensors and raises on bad input) once for each new set of keys."""
-        key = []
+        key = [role, depends]
         for t in tensors:
             if t is not None and not isinstance(t, torch.Tensor):
                 return derive()  # not a tensor: derive() raises the error that says so
             key.append(tensor_key(t))
         key = tuple(key)
-        hit = self._entries.get(role)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        try:
+            return self._inputs[key]
+        except KeyError:
+            pass
         value = derive()
-        self._entries[role] = (key, value)
+        if len(self._inputs) >= self.MAX_ENTRIES:  # (an engine's inputs repeat: a full table is unusual)
+            self._inputs.clear()
+        self._inputs[key] = value
         return value
 
     def once(self, role: str, make: Callable[[], Any]):
-        """make()'s value, made at the first call of this plan (what depends on the plan alone)."""
-        hit = self._entries.get(role)
-        if hit is None:
-            hit = self._entries[role] = ((), make())
-        return hit[1]
+        """make()'s value, made at the first call under the current plan (what depends on the plan alone)."""
+        try:
+            return self._plan[role]
+        except KeyError:
+            value = self._plan[role] = make()
+            return value

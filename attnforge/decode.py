@@ -139,6 +139,7 @@ class BatchDecode:
         self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
+        self._memo = checks.RunMemo()  # run()'s checked inputs and the plan's params template
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
@@ -208,7 +209,7 @@ class BatchDecode:
         w = cls.__new__(cls)
         w._host_only_defaults()
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
-        w.device, w.use_cuda_graph, w._plan = torch.device("cpu"), False, None
+        w.device, w.use_cuda_graph, w._plan, w._memo = torch.device("cpu"), False, None, checks.RunMemo()
         w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size
         w.whole_items, w._whole = None, w._make_whole_kernel(spec)
         w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
@@ -304,7 +305,8 @@ class BatchDecode:
         self._plan = {"batch": b, "page_size": page_size, "max_page": table.max_page_index,
                       "sm_scale": scale, "v_scale": float(v_scale), "work": work, "q_len": q_len,
                       "kernel": kernel, "ctas": ctas, "any_split": any_split, "stream_items": items_per_request,
-                      "merge_launch": merge_launch, "memo": checks.RunMemo()}
+                      "merge_launch": merge_launch}
+        self._memo.new_plan()
 
     def _merge_launch_for(self, kernel, work: scheduler.StreamPlan) -> bool:
         """Whether this plan's split items are merged by batch_decode_merge_kernel (see merge_launch)."""
@@ -362,10 +364,10 @@ class BatchDecode:
             raise checks.fail("q", "16-byte aligned rows", f"strides {q.stride()}", "Call q.contiguous().")
 
     def _cache_args(self, kv_cache: KVCache) -> tuple:
-        """(K address, V address, page / token / head strides) of a checked cache (plain numbers: RunMemo)."""
-        k, v, *strides = paged.split_cache(self.spec, kv_cache, self._plan["page_size"], self._plan["max_page"],
-                                           self.device)
-        return (k.data_ptr(), v.data_ptr(), *strides)
+        """(K address, V address, page / token / head strides, pages) of a checked cache (plain numbers: RunMemo;
+        run() checks the plan's page ids against the pages)."""
+        k, v, *strides = paged.split_cache(self.spec, kv_cache, self._plan["page_size"], -1, self.device)
+        return (k.data_ptr(), v.data_ptr(), *strides, k.shape[0])
 
     def _params_template(self) -> codegen.ParamsTemplate:
         """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides and modifier values."""
@@ -392,10 +394,11 @@ class BatchDecode:
             return ops.compiled_run(self, self._plan is not None, args, out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
-        s, b, memo = self.spec, self._plan["batch"], self._plan["memo"]
-        memo.get("q", (q,), lambda: self._check_q(q))
-        k, v, stride_page, stride_token, stride_head = memo.get("kv", paged.cache_list(kv_cache),
-                                                                lambda: self._cache_args(kv_cache))
+        s, b, memo = self.spec, self._plan["batch"], self._memo
+        memo.get("q", (q,), lambda: self._check_q(q), b)
+        k, v, stride_page, stride_token, stride_head, pages = memo.get(
+            "kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
+        paged.check_page_bound(self._plan["max_page"], pages)
         out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")

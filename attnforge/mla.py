@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks, codegen, ops, scheduler, variants
+from . import checks, codegen, ops, paged, scheduler, variants
 from .decode import BatchDecode
 from .jit import registry
 from .kernels.mla import MLADecodeKernel, default_backend, rows_per_cta
@@ -306,6 +306,8 @@ class BatchMLADecode(BatchDecode):
             raise checks.fail(name, "16-byte aligned rows", f"strides {t.stride()}", f"Call {name}.contiguous().")
 
     def _split_latent_cache(self, ckv: torch.Tensor, kpe: Optional[torch.Tensor]):
+        """(ckv address, kpe address, ckv strides, kpe strides, pages) of a checked latent cache (run() checks the
+        plan's page ids against the pages)."""
         s, ps = self.spec, self._plan["page_size"]
         parts = (("kv_cache", ckv, MLA_HEAD_DIM_QK),) if kpe is None else \
             (("ckv_cache", ckv, MLA_HEAD_DIM_VO), ("kpe_cache", kpe, ROPE_DIM))
@@ -317,36 +319,20 @@ class BatchMLADecode(BatchDecode):
             if (t.stride(0) * t.element_size()) % 16 or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16:
                 raise checks.fail(name, "16-byte aligned token rows", f"strides {t.stride()}",
                                   f"Call {name}.contiguous().")
-            if self._plan["max_page"] >= t.shape[0]:
-                raise checks.fail("kv_indices", f"page ids < {t.shape[0]} (pages in {name})",
-                                  f"max id {self._plan['max_page']}", "Fix the page table or pass the right cache.")
+        pages = min(t.shape[0] for _, t, _ in parts)
         if kpe is None:  # one [P, page, 576] cache: the rope part starts 512 elements into each row
             return ckv.data_ptr(), ckv.data_ptr() + MLA_HEAD_DIM_VO * ckv.element_size(), ckv.stride()[:2], \
-                ckv.stride()[:2]
-        return ckv.data_ptr(), kpe.data_ptr(), ckv.stride()[:2], kpe.stride()[:2]
+                ckv.stride()[:2], pages
+        return ckv.data_ptr(), kpe.data_ptr(), ckv.stride()[:2], kpe.stride()[:2], pages
 
-    def _cache_args(self, ckv: torch.Tensor, kpe: Optional[torch.Tensor]) -> dict:
-        """The params a checked latent cache sets: addresses, strides and TMA maps (plain values: RunMemo)."""
-        ckv_ptr, kpe_ptr, ckv_strides, kpe_strides = self._split_latent_cache(ckv, kpe)
+    def _cache_args(self, ckv: torch.Tensor, kpe: Optional[torch.Tensor]) -> tuple:
+        """The params a checked latent cache sets (addresses, strides, TMA maps; plain values: RunMemo), and its
+        pages."""
+        ckv_ptr, kpe_ptr, ckv_strides, kpe_strides, pages = self._split_latent_cache(ckv, kpe)
         return {"ckv_cache": ckv_ptr, "kpe_cache": kpe_ptr, "ckv_stride_page": ckv_strides[0],
                 "ckv_stride_token": ckv_strides[1], "kpe_stride_page": kpe_strides[0],
                 "kpe_stride_token": kpe_strides[1],
-                **self.kernel.tma_values(*self._latent_views(ckv, kpe), self._plan["page_size"])}
-
-    def _params_template(self, cache_fields: tuple) -> codegen.ParamsTemplate:
-        """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides, cache fields and
-        modifier values."""
-        s, q_len, k = self.spec, self._plan["q_len"], self.kernel
-        mods = tuple(f.name for f in s.score_mod.param_fields()) if s.score_mod is not None else ()
-        return k.params.template(
-            RUN_FIELDS + cache_fields + mods, partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), partial_scale=self._partial_scale_ptr(),
-            kv_indptr=self._dev_ptr("kv_indptr"), kv_indices=self._dev_ptr("kv_indices"),
-            kv_len=self._dev_ptr("kv_len"), kv_begin=self._dev_ptr("kv_begin"),
-            stream_prefix=self._dev_ptr("stream_prefix"), meta=self._dev_ptr("meta"),
-            page_size=self._plan["page_size"], q_len=q_len, num_row_blocks=k.row_blocks(q_len),
-            side_blocks=k.side_blocks(k.row_blocks(q_len)), v_scale=self._plan["v_scale"],
-            **variants.variant_values(s, self._plan["sm_scale"]))
+                **self.kernel.tma_values(*self._latent_views(ckv, kpe), self._plan["page_size"])}, pages
 
     @staticmethod
     def _latent_views(ckv: torch.Tensor, kpe: Optional[torch.Tensor]):
@@ -364,10 +350,12 @@ class BatchMLADecode(BatchDecode):
             return ops.compiled_run(self, self._plan is not None, [q_nope, q_pe, *caches], out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchMLADecode.run: call plan(...) first (once per batch, outside graph capture).")
-        s, b, q_len, memo = self.spec, self._plan["batch"], self._plan["q_len"], self._plan["memo"]
+        s, b, q_len, memo = self.spec, self._plan["batch"], self._plan["q_len"], self._memo
         memo.get("q", (q_nope, q_pe), lambda: (self._check_q("q_nope", q_nope, MLA_HEAD_DIM_VO),
-                                               self._check_q("q_pe", q_pe, ROPE_DIM)))
-        cache = memo.get("kv", (ckv_cache, kpe_cache), lambda: self._cache_args(ckv_cache, kpe_cache))
+                                               self._check_q("q_pe", q_pe, ROPE_DIM)), b * q_len)
+        cache, pages = memo.get("kv", (ckv_cache, kpe_cache), lambda: self._cache_args(ckv_cache, kpe_cache),
+                                self._plan["page_size"])
+        paged.check_page_bound(self._plan["max_page"], pages, "the latent cache")
         out, lse = checks.output_buffers(out, lse, return_lse, (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]")

@@ -135,11 +135,16 @@ def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):
     if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
         raise checks.fail("kv_cache", "K and V with the same shape and strides",
                           f"{list(k.shape)}/{k.stride()} vs {list(v.shape)}/{v.stride()}", "Allocate them alike.")
-    if max_page >= k.shape[0]:
-        raise checks.fail("kv_indices", f"page ids < {k.shape[0]} (pages in the cache)",
-                          f"max id {max_page}", "Fix the page table or pass the right cache.")
+    check_page_bound(max_page, k.shape[0])
     tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
     return k, v, k.stride(0), k.stride(tok), k.stride(head)
+
+
+def check_page_bound(max_page: int, num_pages: int, cache: str = "the cache") -> None:
+    """The plan's largest page id must index the cache passed to run()."""
+    if max_page >= num_pages:
+        raise checks.fail("kv_indices", f"page ids < {num_pages} (pages in {cache})", f"max id {max_page}",
+                          "Fix the page table or pass the right cache.")
 
 
 def cache_list(kv) -> list:

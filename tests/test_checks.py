@@ -101,3 +101,30 @@ def test_run_memo_keeps_plain_values_only_per_role():
     assert memo.once("params", lambda: made.append(1) or "T") == "T"
     assert memo.once("params", lambda: made.append(1) or "U") == "T" and made == [1]
     assert memo.once("lib", lambda: 7) == 7  # another role: its own entry
+
+
+def test_run_memo_keeps_each_layers_cache(monkeypatch):
+    memo, calls = checks.RunMemo(), []
+    layers = [torch.zeros(2, 3) for _ in range(40)]
+    for _ in range(3):  # three steps of 40 layers: each cache is checked once
+        for t in layers:
+            assert memo.get("kv", (t,), lambda: calls.append(1) or t.data_ptr()) == t.data_ptr()
+    assert len(calls) == 40
+    monkeypatch.setattr(checks.RunMemo, "MAX_ENTRIES", 4)  # a full table starts over, still right
+    small = checks.RunMemo()
+    for _ in range(2):
+        for t in layers[:6]:
+            assert small.get("kv", (t,), lambda: t.data_ptr()) == t.data_ptr()
+    assert len(small._inputs) <= 4
+
+
+def test_run_memo_new_plan_drops_plan_values_only():
+    memo, calls = checks.RunMemo(), []
+    t = torch.zeros(2, 3)
+    memo.get("kv", (t,), lambda: calls.append(1), 16)
+    assert memo.once("params", lambda: "A") == "A"
+    memo.new_plan()
+    assert memo.once("params", lambda: "B") == "B"  # made again for the new plan
+    memo.get("kv", (t,), lambda: calls.append(1), 16)  # the same input and page size: still checked
+    memo.get("kv", (t,), lambda: calls.append(1), 64)  # another page size: checked again
+    assert len(calls) == 2

@@ -555,6 +555,15 @@ def test_runs_recheck_what_differs_from_the_last_checked_inputs():
                        (lambda: w.run(q, cache, out=torch.empty_like(q)[:1]), "out.shape")):
         with pytest.raises(ValueError, match=match):
             bad()
+    # a plan whose page ids pass the end of a cache that an earlier plan's runs took
+    top = int(indices.max())
+    few = np.array([0, 1], dtype=np.int32), np.array([0], dtype=np.int32), np.array([5], dtype=np.int32)
+    w.plan(*few, page_size=16)
+    w.run(q[:1], cache[:top])
+    w.plan(np.array([0, 1], dtype=np.int32), np.array([top], dtype=np.int32), few[2], page_size=16)
+    with pytest.raises(ValueError, match="page ids <"):
+        w.run(q[:1], cache[:top])
+    w.plan(indptr, indices, last, page_size=16)
     other, q2 = torch.randn_like(cache), torch.randn_like(q)
     for qq, kv in ((q2, other), (q, (cache[:, 0], cache[:, 1])), (q2, cache), (q2, (other[:, 0], other[:, 1])),
                    (q, cache)):

@@ -792,6 +792,13 @@ def test_runs_recheck_what_differs_from_the_last_checked_inputs(heads):
                        (lambda: w.run(q_nope, q_pe[:, :8], ckv, kpe), "q_pe.shape")):
         with pytest.raises(ValueError, match=match):
             bad()
+    top = int(indices.max())  # a plan whose page ids pass the end of a cache that an earlier plan's runs took
+    w.plan(np.array([0, 1], dtype=np.int32), np.array([0], dtype=np.int32), np.array([5], dtype=np.int32), page_size=64)
+    w.run(q_nope[:1], q_pe[:1], ckv[:top], kpe[:top])
+    w.plan(np.array([0, 1], dtype=np.int32), np.array([top], dtype=np.int32), np.array([5], dtype=np.int32), page_size=64)
+    with pytest.raises(ValueError, match="page ids <"):
+        w.run(q_nope[:1], q_pe[:1], ckv[:top], kpe[:top])
+    w.plan(indptr, indices, last, page_size=64)
     q2 = torch.randn_like(q_nope)
     for qn, caches in ((q2, (kv,)), (q_nope, (ckv, kpe)), (q2, (ckv, kpe)), (q_nope, (kv,)), (q_nope, (ckv, kpe))):
         fresh = BatchMLADecode(spec)
