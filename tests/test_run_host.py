@@ -1,0 +1,94 @@
+"""run() of the decode and MLA wrappers on a machine without a GPU: the driver, the device checks and the
+library are stubbed, and the launched params struct is read back. Each run must carry its own tensors'
+addresses and strides over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate), and a new plan
+must rebuild the fixed ones."""
+import contextlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, checks
+from attnforge.jit import registry
+
+
+class Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, name):
+        rec = self
+
+        class Kernel:
+            def launch(self, grid, block, params, smem=0, stream=None, pdl=False):
+                rec.launches.append((name, params))
+        return Kernel()
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(registry, "get_library", lambda *a, **k: rec)
+    monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return rec
+
+
+def host_wrapper(cls, spec):
+    w = cls.host_only(spec)
+    w.pdl, w.launch_after_own_kernel = True, False
+    w._partial_o, w._partial_lse, w._merge_count = torch.zeros(64), torch.zeros(16), torch.zeros(4, dtype=torch.int32)
+    return w
+
+
+def plan(w, pages, page_size):
+    w.plan(np.array([0, pages], np.int32), np.arange(pages, dtype=np.int32), np.array([5], np.int32),
+           page_size=page_size)
+    w._upload.dev = torch.zeros(1 << 16, dtype=torch.int32)  # (the host-only upload has no device copy)
+
+
+def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
+    w = host_wrapper(BatchDecode, AttentionSpec(num_qo_heads=32, num_kv_heads=8))
+    plan(w, 4, 16)
+    q, caches = torch.randn(1, 32, 128).bfloat16(), [torch.randn(6, 2, 16, 8, 128).bfloat16() for _ in range(2)]
+    for cache in (caches[0], caches[1], caches[0]):
+        out = w.run(q, cache)
+        p = recorder.launches[-1][1]
+        assert (p.q, p.k_cache, p.v_cache, p.out) == (q.data_ptr(), cache[:, 0].data_ptr(), cache[:, 1].data_ptr(),
+                                                       out.data_ptr())
+        assert (p.q_stride_b, p.stride_page, p.stride_token, p.stride_head) == (32 * 128, 2 * 16 * 8 * 128, 8 * 128, 128)
+        assert (p.page_size, p.kv_indptr) == (16, w._dev_ptr("kv_indptr"))
+        assert p.sm_scale == pytest.approx(1 / math.sqrt(128))
+    k, v = caches[1][:, 0], caches[1][:, 1]
+    p = (w.run(q, (k, v)), recorder.launches[-1][1])[1]
+    assert (p.k_cache, p.v_cache) == (k.data_ptr(), v.data_ptr())
+    plan(w, 2, 32)  # a new plan: its own fixed fields; the 16-token caches no longer pass
+    with pytest.raises(ValueError, match="k_cache.shape"):
+        w.run(q, caches[0])
+    cache32 = torch.randn(3, 2, 32, 8, 128).bfloat16()
+    w.run(q, cache32)
+    p = recorder.launches[-1][1]
+    assert (p.page_size, p.k_cache, p.stride_token) == (32, cache32.data_ptr(), 8 * 128)
+    with pytest.raises(ValueError, match="q.dtype"):  # a checked input changed in place of another: checked again
+        w.run(q.half(), cache32)
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_mla_runs_carry_their_own_tensors_over_the_plans_fields(recorder, unified):
+    w = host_wrapper(BatchMLADecode, AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1,
+                                                   head_dim_qk=576, head_dim_vo=512, pipeline="normal",
+                                                   ))
+    plan(w, 2, 64)
+    q_nope, q_pe = torch.randn(1, 16, 512).bfloat16(), torch.randn(1, 16, 64).bfloat16()
+    kv = [torch.randn(3, 64, 576).bfloat16() for _ in range(2)]
+    for cache in (kv[0], kv[1]):
+        caches = (cache,) if unified else (cache[..., :512], cache[..., 512:])
+        out = w.run(q_nope, q_pe, *caches)
+        p = next(params for name, params in reversed(recorder.launches) if name == "mla_decode_kernel")
+        assert (p.q_nope, p.q_pe, p.out, p.ckv_cache) == (q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr(),
+                                                          cache.data_ptr())
+        assert p.kpe_cache == cache.data_ptr() + 512 * 2 and (p.ckv_stride_page, p.ckv_stride_token) == (64 * 576, 576)
+        assert (p.page_size, p.q_len, p.kv_len) == (64, 1, w._dev_ptr("kv_len"))
+    with pytest.raises(ValueError, match="page ids <"):
+        w.run(q_nope, q_pe, *((kv[0][:1],) if unified else (kv[0][:1, :, :512], kv[0][:1, :, 512:])))
