@@ -111,7 +111,7 @@ def _tmap(raw):
 
 
 class ParamsTemplate:
-    """A params struct packed once with a plan's fixed fields (wrappers build one after each plan()); each
+    """A params struct packed once with a plan's fixed fields (wrappers build one at a plan's first run); each
     run copies it and sets only its own fields (pointers, strides, modifier values): ~2 us where packing
     all ~30 fields took ~15 us of Python on the run's path."""
 

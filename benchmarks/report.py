@@ -152,7 +152,8 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
               "cascade": "Shared-prefix cascade (suite `cascade`)", "vmm": "VirtualKVCache decode (suite `vmm`)",
               "head_dims": "Head dims 64, 128, 256 and head layouts (suite `head_dims`)",
               "roofline": "The read roofline: a kernel that only streams its bytes (suite `roofline`)",
-              "compile": "Decode under torch.compile (suite `compile`: host time a call, then device time)"}
+              "compile": "Decode under torch.compile (suite `compile`: host time a call, then device time)",
+              "host": "Host time of eager calls (suite `host`)"}
     for suite, title in titles.items():
         if any(r["suite"] == suite for r in rows):
             lines += [f"## {title}", ""]
