@@ -92,3 +92,24 @@ def test_mla_runs_carry_their_own_tensors_over_the_plans_fields(recorder, unifie
         assert (p.page_size, p.q_len, p.kv_len) == (64, 1, w._dev_ptr("kv_len"))
     with pytest.raises(ValueError, match="page ids <"):
         w.run(q_nope, q_pe, *((kv[0][:1],) if unified else (kv[0][:1, :, :512], kv[0][:1, :, 512:])))
+
+
+def test_repeated_inputs_skip_the_checks_and_a_new_plan_keeps_them(recorder, monkeypatch):
+    """The fast path (the reason for RunMemo): a cache and a q seen before, under the same batch and page size,
+    are not checked again, across plans too; each layer's cache is checked once."""
+    from attnforge import paged
+    calls = {"split_cache": 0}
+    real = paged.split_cache
+
+    def counting(*args, **kwargs):
+        calls["split_cache"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(paged, "split_cache", counting)
+    w = host_wrapper(BatchDecode, AttentionSpec(num_qo_heads=32, num_kv_heads=8))
+    q, layers = torch.randn(1, 32, 128).bfloat16(), [torch.randn(6, 2, 16, 8, 128).bfloat16() for _ in range(4)]
+    for step in range(3):
+        plan(w, 4, 16)
+        for cache in layers:
+            w.run(q, cache)
+    assert calls["split_cache"] == len(layers)
+    assert len(recorder.launches) == 3 * len(layers)
