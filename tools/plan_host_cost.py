@@ -34,14 +34,19 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     print(f"plan B256, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
     if "--profile" in sys.argv:
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            w.plan(indptr, indices, last, page_size=16)
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        profile(lambda: w.plan(indptr, indices, last, page_size=16), 300)
+
+
+def profile(fn, calls: int) -> None:
+    """cProfile's 12 costliest functions over `calls` calls of fn."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

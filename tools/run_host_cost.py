@@ -52,14 +52,8 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     print(f"run B1 L512, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
     if "--profile" in sys.argv:
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            w.run(q, cache)
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        from plan_host_cost import profile  # (this folder is on sys.path when run as a script)
+        profile(lambda: w.run(q, cache), 2000)
 
 
 if __name__ == "__main__":
