@@ -21,6 +21,8 @@ from .spec import AttentionSpec
 # the decode params a run sets (its tensors and strides); plan() fixes the rest (BatchDecode._params_template)
 RUN_FIELDS = ("q", "k_cache", "v_cache", "out", "lse", "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h",
               "stride_page", "stride_token", "stride_head")
+# the device buffers plan() copies, read by the decode and MLA kernels (BatchDecode._plan_fields)
+PLAN_BUFFERS = ("kv_indptr", "kv_indices", "kv_len", "kv_begin", "stream_prefix", "meta")
 
 KVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -369,18 +371,25 @@ class BatchDecode:
         k, v, *strides = paged.split_cache(self.spec, kv_cache, self._plan["page_size"], -1, self.device)
         return (k.data_ptr(), v.data_ptr(), *strides, k.shape[0])
 
+    def _plan_fields(self) -> dict:
+        """The params a plan fixes in every stream kernel (decode's and MLA's): the partial states and the buffers
+        plan() copied."""
+        return {"partial_o": self._partial_o.data_ptr(), "partial_lse": self._partial_lse.data_ptr(),
+                **{name: self._dev_ptr(name) for name in PLAN_BUFFERS}}
+
+    def _per_run(self, fields: tuple) -> tuple:
+        """A run's params: `fields` and the score modifier's runtime values."""
+        mod = self.spec.score_mod
+        return fields + (tuple(f.name for f in mod.param_fields()) if mod is not None else ())
+
     def _params_template(self) -> codegen.ParamsTemplate:
         """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides and modifier values."""
-        s, kernel = self.spec, self._plan["kernel"]
-        mods = tuple(f.name for f in s.score_mod.param_fields()) if s.score_mod is not None else ()
-        return kernel.params.template(
-            RUN_FIELDS + mods, partial_o=self._partial_o.data_ptr(), partial_lse=self._partial_lse.data_ptr(),
-            kv_indptr=self._dev_ptr("kv_indptr"), kv_indices=self._dev_ptr("kv_indices"),
-            kv_len=self._dev_ptr("kv_len"), kv_begin=self._dev_ptr("kv_begin"),
-            stream_prefix=self._dev_ptr("stream_prefix"), meta=self._dev_ptr("meta"),
-            merge_count=self._merge_count.data_ptr(), page_size=self._plan["page_size"],
-            num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"], v_scale=self._plan["v_scale"],
-            merge_launch=int(self._plan["merge_launch"]), **variants.variant_values(s, self._plan["sm_scale"]))
+        s = self.spec
+        return self._plan["kernel"].params.template(
+            self._per_run(RUN_FIELDS), **self._plan_fields(), merge_count=self._merge_count.data_ptr(),
+            page_size=self._plan["page_size"], num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"],
+            v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]),
+            **variants.variant_values(s, self._plan["sm_scale"]))
 
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):

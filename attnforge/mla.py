@@ -337,17 +337,12 @@ class BatchMLADecode(BatchDecode):
     def _params_template(self, cache_fields: tuple) -> codegen.ParamsTemplate:
         """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides, cache fields and
         modifier values."""
-        s, q_len, k = self.spec, self._plan["q_len"], self.kernel
-        mods = tuple(f.name for f in s.score_mod.param_fields()) if s.score_mod is not None else ()
+        q_len, k = self._plan["q_len"], self.kernel
         return k.params.template(
-            RUN_FIELDS + cache_fields + mods, partial_o=self._partial_o.data_ptr(),
-            partial_lse=self._partial_lse.data_ptr(), partial_scale=self._partial_scale_ptr(),
-            kv_indptr=self._dev_ptr("kv_indptr"), kv_indices=self._dev_ptr("kv_indices"),
-            kv_len=self._dev_ptr("kv_len"), kv_begin=self._dev_ptr("kv_begin"),
-            stream_prefix=self._dev_ptr("stream_prefix"), meta=self._dev_ptr("meta"),
+            self._per_run(RUN_FIELDS + cache_fields), **self._plan_fields(), partial_scale=self._partial_scale_ptr(),
             page_size=self._plan["page_size"], q_len=q_len, num_row_blocks=k.row_blocks(q_len),
             side_blocks=k.side_blocks(k.row_blocks(q_len)), v_scale=self._plan["v_scale"],
-            **variants.variant_values(s, self._plan["sm_scale"]))
+            **variants.variant_values(self.spec, self._plan["sm_scale"]))
 
     @staticmethod
     def _latent_views(ckv: torch.Tensor, kpe: Optional[torch.Tensor]):

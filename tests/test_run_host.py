@@ -42,6 +42,14 @@ def host_wrapper(cls, spec):
     return w
 
 
+def assert_plan_fields(w, p):
+    """The fields plan() fixes in every stream kernel: its copied buffers and the partial states."""
+    from attnforge.decode import PLAN_BUFFERS
+    assert [getattr(p, n) for n in PLAN_BUFFERS] == [w._dev_ptr(n) for n in PLAN_BUFFERS]
+    assert (p.partial_o, p.partial_lse) == (w._partial_o.data_ptr(), w._partial_lse.data_ptr())
+    assert p.v_scale == 1.0 and p.sm_scale == pytest.approx(w._plan["sm_scale"])
+
+
 def plan(w, pages, page_size):
     w.plan(np.array([0, pages], np.int32), np.arange(pages, dtype=np.int32), np.array([5], np.int32),
            page_size=page_size)
@@ -58,8 +66,9 @@ def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
         assert (p.q, p.k_cache, p.v_cache, p.out) == (q.data_ptr(), cache[:, 0].data_ptr(), cache[:, 1].data_ptr(),
                                                        out.data_ptr())
         assert (p.q_stride_b, p.stride_page, p.stride_token, p.stride_head) == (32 * 128, 2 * 16 * 8 * 128, 8 * 128, 128)
-        assert (p.page_size, p.kv_indptr) == (16, w._dev_ptr("kv_indptr"))
+        assert (p.page_size, p.num_qo_heads, p.merge_count) == (16, 32, w._merge_count.data_ptr())
         assert p.sm_scale == pytest.approx(1 / math.sqrt(128))
+        assert_plan_fields(w, p)
     k, v = caches[1][:, 0], caches[1][:, 1]
     p = (w.run(q, (k, v)), recorder.launches[-1][1])[1]
     assert (p.k_cache, p.v_cache) == (k.data_ptr(), v.data_ptr())
@@ -70,6 +79,7 @@ def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
     w.run(q, cache32)
     p = recorder.launches[-1][1]
     assert (p.page_size, p.k_cache, p.stride_token) == (32, cache32.data_ptr(), 8 * 128)
+    assert_plan_fields(w, p)  # (the new plan's buffers)
     with pytest.raises(ValueError, match="q.dtype"):  # a checked input changed in place of another: checked again
         w.run(q.half(), cache32)
 
@@ -89,7 +99,8 @@ def test_mla_runs_carry_their_own_tensors_over_the_plans_fields(recorder, unifie
         assert (p.q_nope, p.q_pe, p.out, p.ckv_cache) == (q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr(),
                                                           cache.data_ptr())
         assert p.kpe_cache == cache.data_ptr() + 512 * 2 and (p.ckv_stride_page, p.ckv_stride_token) == (64 * 576, 576)
-        assert (p.page_size, p.q_len, p.kv_len) == (64, 1, w._dev_ptr("kv_len"))
+        assert (p.page_size, p.q_len, p.partial_scale) == (64, 1, w._partial_scale_ptr())
+        assert_plan_fields(w, p)
     with pytest.raises(ValueError, match="page ids <"):
         w.run(q_nope, q_pe, *((kv[0][:1],) if unified else (kv[0][:1, :, :512], kv[0][:1, :, 512:])))
 
@@ -113,3 +124,19 @@ def test_repeated_inputs_skip_the_checks_and_a_new_plan_keeps_them(recorder, mon
             w.run(q, cache)
     assert calls["split_cache"] == len(layers)
     assert len(recorder.launches) == 3 * len(layers)
+
+
+def test_a_modifiers_runtime_values_reach_each_launch(recorder):
+    """A modifier's captured scalar and tensor are kernel parameters, set by each run over the plan's template."""
+    from attnforge import mods
+    scale, slopes = torch.tensor(0.5), torch.rand(32)
+    mod = mods.compile_mod(score_mod=lambda s, b, h, q_idx, kv_idx: s * scale + slopes[h] * (kv_idx - q_idx))
+    w = host_wrapper(BatchDecode, AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=mod))
+    q, cache = torch.randn(1, 32, 128).bfloat16(), torch.randn(6, 2, 16, 8, 128).bfloat16()
+    for pages in (4, 5):  # two plans: each template takes the values again
+        plan(w, pages, 16)
+        for _ in range(2):
+            w.run(q, cache)
+            p = recorder.launches[-1][1]
+            assert (p.mod_s0, p.mod_t0, p.mod_t0_size0) == (0.5, slopes.data_ptr(), 32)
+            assert_plan_fields(w, p)
