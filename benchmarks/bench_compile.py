@@ -9,16 +9,13 @@
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import time_interleaved
+from harness import host_us, time_interleaved
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-HOST_CALLS = 2000
 
 
 def paged_batch(batch: int, length: int, graph_mode: bool):
@@ -31,17 +28,6 @@ def paged_batch(batch: int, length: int, graph_mode: bool):
     w.plan(indptr, np.arange(batch * pages, dtype=np.int32), np.full(batch, length - (pages - 1) * PAGE, np.int32),
            page_size=PAGE)
     return w, q, cache
-
-
-def host_us(fn, *args) -> float:
-    for _ in range(50):  # compile, warm up, and (reduce-overhead) record the graph
-        fn(*args)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(HOST_CALLS):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / HOST_CALLS
 
 
 def run(report, peers: bool = True) -> None:

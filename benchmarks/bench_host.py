@@ -11,27 +11,15 @@ Rows report microseconds of wall time a call (or a step), GPU synchronised befor
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.mla import DEEPSEEK_SM_SCALE
+from harness import host_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 LAYERS = 32
-
-
-def host_us(fn, calls: int) -> float:
-    for _ in range(max(10, calls // 40)):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / calls
 
 
 def csr(batch: int, length: int, page: int):
@@ -50,14 +38,14 @@ def run(report, peers: bool = True) -> None:
     one, layers = caches(1, 512, 1)[0], caches(8, 512, LAYERS)
     w = BatchDecode(AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV))
     w.plan(*csr(1, 512, PAGE), page_size=PAGE)
-    report.add("host", "decode B1 L512 run", "attnforge", host_us(lambda: w.run(q1, one), 2000))
+    report.add("host", "decode B1 L512 run", "attnforge", host_us(lambda: w.run(q1, one)))
     table8 = csr(8, 512, PAGE)
 
     def step():
         w.plan(*table8, page_size=PAGE)
         for c in layers:
             w.run(q8, c)
-    report.add("host", f"decode step B8 L512 x{LAYERS} layers", "attnforge", host_us(step, 200))
+    report.add("host", f"decode step B8 L512 x{LAYERS} layers", "attnforge", host_us(step, calls=200, warmup=10))
     mla_case(report, peers)
     if not peers:
         return
@@ -68,14 +56,14 @@ def run(report, peers: bool = True) -> None:
         cpu = lambda a: torch.as_tensor(a, dtype=torch.int32)  # noqa: E731
         plan_args = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         f.plan(*map(cpu, csr(1, 512, PAGE)), HQ, HKV, D, PAGE, **plan_args)
-        report.add("host", "decode B1 L512 run", "flashinfer", host_us(lambda: f.run(q1, one), 2000))
+        report.add("host", "decode B1 L512 run", "flashinfer", host_us(lambda: f.run(q1, one)))
         table8_cpu = tuple(map(cpu, table8))
 
         def fi_step():
             f.plan(*table8_cpu, HQ, HKV, D, PAGE, **plan_args)
             for c in layers:
                 f.run(q8, c)
-        report.add("host", f"decode step B8 L512 x{LAYERS} layers", "flashinfer", host_us(fi_step, 200))
+        report.add("host", f"decode step B8 L512 x{LAYERS} layers", "flashinfer", host_us(fi_step, calls=200, warmup=10))
     except Exception as e:
         report.note(f"host: flashinfer decode: {type(e).__name__}: {str(e)[:160]}")
 
@@ -89,7 +77,7 @@ def mla_case(report, peers: bool) -> None:
     q_pe = torch.randn(1, heads, 64, device="cuda", dtype=torch.bfloat16)
     m = BatchMLADecode(spec)
     m.plan(indptr, indices, last, page_size=page, sm_scale=DEEPSEEK_SM_SCALE)
-    report.add("host", case, "attnforge", host_us(lambda: m.run(q_nope, q_pe, kv), 2000))
+    report.add("host", case, "attnforge", host_us(lambda: m.run(q_nope, q_pe, kv)))
     if not peers:
         return
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -101,6 +89,6 @@ def mla_case(report, peers: bool) -> None:
             f.plan(dev([0, 1]), dev(indptr), dev(indices), dev([512]), heads, 512, 64, page, False, DEEPSEEK_SM_SCALE,
                    torch.bfloat16, torch.bfloat16)
             ckv, kpe = kv[..., :512], kv[..., 512:]
-            report.add("host", case, f"flashinfer-{backend}", host_us(lambda: f.run(q_nope, q_pe, ckv, kpe), 2000))
+            report.add("host", case, f"flashinfer-{backend}", host_us(lambda: f.run(q_nope, q_pe, ckv, kpe)))
         except Exception as e:
             report.note(f"host: flashinfer-{backend} MLA: {type(e).__name__}: {str(e)[:160]}")

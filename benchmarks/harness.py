@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -64,6 +65,20 @@ def fresh_allocator() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def host_us(fn: Callable[..., object], *args, calls: int = 2000, warmup: int = 50) -> float:
+    """Host wall time a call of fn(*args) over `calls` back-to-back calls (GPU synchronised around the loop),
+    after `warmup` calls (which also compile, or record a graph, where fn does): for calls whose host side sets
+    the pace."""
+    for _ in range(warmup):
+        fn(*args)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e6 / calls
 
 
 def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph: bool = True) -> float:
