@@ -118,7 +118,8 @@ class ParamsTemplate:
     def __init__(self, layout: ParamsLayout, per_run: Sequence[str], fixed: dict):
         self.layout, self.per_run = layout, frozenset(per_run)
         if self.per_run & fixed.keys():
-            raise TypeError(f"{layout.struct_name}: fields both fixed and per run: {sorted(self.per_run & fixed.keys())}")
+            both = sorted(self.per_run & fixed.keys())
+            raise TypeError(f"{layout.struct_name}: fields both fixed and per run: {both}")
         self._tmaps = self.per_run & set(layout._tmap_names)
         self._struct = layout.pack(**fixed, **{n: None if n in self._tmaps else 0 for n in self.per_run})
 

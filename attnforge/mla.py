@@ -373,7 +373,8 @@ class BatchMLADecode(BatchDecode):
         lib = memo.once("lib", lambda: registry.get_library(self.kernel, self.kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
         params = memo.once("params", lambda: self._params_template(tuple(cache))).fill(
-            q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
+            q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), out=out.data_ptr(),
+            lse=0 if lse is None else lse.data_ptr(),
             q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1), q_pe_stride_t=q_pe.stride(0),
             q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0), out_stride_h=out.stride(1), **cache,
             **mod_values)

@@ -63,7 +63,8 @@ def run(report, peers: bool = True) -> None:
             f.plan(*table8_cpu, HQ, HKV, D, PAGE, **plan_args)
             for c in layers:
                 f.run(q8, c)
-        report.add("host", f"decode step B8 L512 x{LAYERS} layers", "flashinfer", host_us(fi_step, calls=200, warmup=10))
+        report.add("host", f"decode step B8 L512 x{LAYERS} layers", "flashinfer",
+                   host_us(fi_step, calls=200, warmup=10))
     except Exception as e:
         report.note(f"host: flashinfer decode: {type(e).__name__}: {str(e)[:160]}")
 

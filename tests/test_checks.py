@@ -1,4 +1,5 @@
-"""checks: output_buffers (allocation when absent, refusal of a wrong buffer before any launch) and RunMemo (host only)."""
+"""checks (host only): output_buffers (allocation when absent, refusal of a wrong buffer before any launch) and
+RunMemo."""
 import pytest
 import torch
 

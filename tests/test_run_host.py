@@ -65,7 +65,8 @@ def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
         p = recorder.launches[-1][1]
         assert (p.q, p.k_cache, p.v_cache, p.out) == (q.data_ptr(), cache[:, 0].data_ptr(), cache[:, 1].data_ptr(),
                                                        out.data_ptr())
-        assert (p.q_stride_b, p.stride_page, p.stride_token, p.stride_head) == (32 * 128, 2 * 16 * 8 * 128, 8 * 128, 128)
+        strides = (p.q_stride_b, p.stride_page, p.stride_token, p.stride_head)
+        assert strides == (32 * 128, 2 * 16 * 8 * 128, 8 * 128, 128)
         assert (p.page_size, p.num_qo_heads, p.merge_count) == (16, 32, w._merge_count.data_ptr())
         assert p.sm_scale == pytest.approx(1 / math.sqrt(128))
         assert_plan_fields(w, p)
