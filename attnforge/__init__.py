@@ -19,5 +19,6 @@ if not _log.handlers:  # one line per cold build goes to stderr unless the app c
 from .decode import BatchDecode  # noqa: E402,F401
 from .mla import BatchMLADecode  # noqa: E402,F401
 from .paged import append_paged_kv_cache  # noqa: E402,F401
-from .prefill import BatchPrefill, attention, single_prefill  # noqa: E402,F401
+from .prefill import BatchPrefill, single_prefill  # noqa: E402,F401
+from .dense import attention  # noqa: E402,F401
 from . import mods  # noqa: E402,F401

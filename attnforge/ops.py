@@ -109,14 +109,14 @@ _GRAPH_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "c
 @torch.library.custom_op("attnforge::attention", mutates_args=(), **_GRAPH_UNSAFE)
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, scale: Optional[float],
                  enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .prefill import attention_with_mod
+    from .dense import attention_with_mod
     out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa, return_lse)
     return out, (lse if return_lse else _no_lse(out))
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse):
-    from .prefill import check_attention_args
+    from .dense import check_attention_args
     check_attention_args(q, k, v, enable_gqa)  # bad shapes fail while the graph is made
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, (q.new_empty(tuple(q.shape[:3]), dtype=torch.float32) if return_lse else _no_lse(out))
@@ -128,7 +128,7 @@ def mod_handle(score_mod, mask_mod) -> str:
     made, so the compiled graph holds its handle ("": none) and not the tracing."""
     if score_mod is None and mask_mod is None:
         return ""
-    from .prefill import compiled_mod
+    from .dense import compiled_mod
     mod = compiled_mod(score_mod, mask_mod)
     for k, t in enumerate(mod.tensors):
         if isinstance(t, torch._subclasses.FakeTensor):

@@ -6,6 +6,11 @@
   each layer with its own cache (32 caches), 200 steps; FlashInfer planned from CPU tensors (its host-side form).
 - `mla h16 B1 L512 run`: one MLA decode run (DeepSeek 576/512, page 64) against FlashInfer's
   BatchMLAPagedAttentionWrapper (fa2 and fa3 backends).
+- `prefill run q16 kv512`: a short ragged causal chunk's run after its plan, against FlashInfer's
+  BatchPrefillWithRaggedKVCacheWrapper.run (fa2 and fa3).
+- `attention L128` / `attention docmask L1024`: the one-shot SDPA-layout call on [1, 32, L, 128] queries, GQA 32/8,
+  against torch SDPA and FlexAttention (compiled; the document mask's block mask built once, as Flex users do);
+  attnforge's own mask call compares the mask's document ids with the plan's at each call.
 
 Rows report microseconds of wall time a call (or a step), GPU synchronised before and after the loop.
 """
@@ -47,6 +52,8 @@ def run(report, peers: bool = True) -> None:
             w.run(q8, c)
     report.add("host", f"decode step B8 L512 x{LAYERS} layers", "attnforge", host_us(step, calls=200, warmup=10))
     mla_case(report, peers)
+    prefill_case(report, peers)
+    attention_cases(report, peers)
     if not peers:
         return
     try:
@@ -93,3 +100,53 @@ def mla_case(report, peers: bool) -> None:
             report.add("host", case, f"flashinfer-{backend}", host_us(lambda: f.run(q_nope, q_pe, ckv, kpe)))
         except Exception as e:
             report.note(f"host: flashinfer-{backend} MLA: {type(e).__name__}: {str(e)[:160]}")
+
+
+def prefill_case(report, peers: bool) -> None:
+    from attnforge import BatchPrefill
+    case = "prefill run q16 kv512"
+    q = torch.randn(16, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(512, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, causal=True))
+    w.plan(np.array([0, 16], np.int32), np.array([0, 512], np.int32))
+    report.add("host", case, "attnforge", host_us(lambda: w.run(q, (k, v))))
+    if not peers:
+        return
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for backend in ("fa2", "fa3"):
+        try:
+            import flashinfer
+            f = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            indptr = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
+            f.plan(indptr(16), indptr(512), HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+            report.add("host", case, f"flashinfer-{backend}", host_us(lambda: f.run(q, k, v)))
+        except Exception as e:
+            report.note(f"host: flashinfer-{backend} prefill: {type(e).__name__}: {str(e)[:160]}")
+
+
+def attention_cases(report, peers: bool) -> None:
+    import attnforge
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flex = torch.compile(flex_attention)
+    for length, masked in ((128, False), (1024, True)):
+        case = f"attention docmask L{length}" if masked else f"attention L{length}"
+        q = torch.randn(1, HQ, length, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, HKV, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        docs = torch.arange(length, device="cuda") // (length // 8)
+
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+        mask = doc_causal if masked else None
+        report.add("host", case, "attnforge",
+                   host_us(lambda: attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True), calls=500))
+        if not peers:
+            continue
+        if not masked:
+            report.add("host", case, "sdpa", host_us(lambda: sdpa(q, k, v, enable_gqa=True), calls=500))
+        try:
+            bm = create_block_mask(doc_causal if masked else (lambda b, h, q_idx, kv_idx: q_idx >= 0), 1, 1, length,
+                                   length, device="cuda")
+            report.add("host", case, "flex", host_us(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), calls=500))
+        except Exception as e:
+            report.note(f"host: flex {case}: {type(e).__name__}: {str(e)[:160]}")

@@ -183,7 +183,7 @@ def test_a_handle_outlives_nothing():
 
 
 def test_a_global_tensor_rebound_gives_a_new_modifier():
-    from attnforge.prefill import compiled_mod
+    from attnforge.dense import compiled_mod
     scope = {"BIAS": torch.rand(8)}
     exec("def mod(score, b, h, q_idx, kv_idx):\n    return score + BIAS[h]", scope)
     first = compiled_mod(scope["mod"], None)

@@ -536,12 +536,44 @@ def test_functional_attention_matches_sdpa_and_flex():
     assert (ours.float() - flex.float()).abs().max().item() < 2e-2
 
 
+def test_functional_attention_follows_what_its_modifiers_read():
+    """attention() plans once per call signature (attnforge/dense.py): a mask input written in place (no version
+    bump), a captured 0-d scalar changed, and two modifiers of one expression over different tensors must each
+    give what the float64 reference gives for the values at that call."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    docs, cap = torch.arange(256, device="cuda") // 100, torch.tensor(20.0)
+
+    def mask(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+
+    def capped(s, b, h, qi, ki):
+        return cap * torch.tanh(s / cap)
+
+    def check(out, score_mod, mask_mod, what):
+        args = [t[0].transpose(0, 1) for t in (q, k, v)]  # one request: [L, H, D]
+        ref, _ = reference.attention(*args, score_mod=score_mod, mask_mod=mask_mod)
+        low, _ = reference.attention(*(t.float() for t in args), score_mod=score_mod, mask_mod=mask_mod,
+                                     dtype=torch.float32)
+        assert_attention_close(out[0].transpose(0, 1), ref, low.to(q.dtype), what)
+    changes = [("first call", lambda: None), ("repeat", lambda: None),
+               ("docs written through .data", lambda: docs.data.copy_(torch.arange(256, device="cuda") // 50)),
+               ("cap changed in place", lambda: cap.fill_(5.0))]
+    for what, change in changes:
+        change()
+        out = attnforge.attention(q, k, v, score_mod=capped, mask_mod=mask, enable_gqa=True)
+        check(out, lambda s, b, h, qi, ki: cap.item() * torch.tanh(s / cap.item()), mask, what)
+    for bias in (torch.randn(8, device="cuda"), torch.randn(8, device="cuda") * 4):
+        out = attnforge.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], enable_gqa=True)
+        check(out, lambda s, b, h, qi, ki, bias=bias: s + bias[h].to(s.dtype), None, "own bias")
+
+
 def test_functional_attention_copies_whole_tiles_by_tma():
     """attention()'s [B, Hkv, Lk, D] K/V with Lk a multiple of the tile: TMA boxes, page = request."""
     q, k, v = sdpa_checked_attention(2, 640, 1024)
-    from attnforge.prefill import _WRAPPERS
-    spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=4, head_dim_qk=128, q_dtype="bf16")
-    fields = _WRAPPERS[(spec, str(q.device))].kernel.tma_values(k, v, 0, True)
+    from attnforge.dense import dense_call
+    fields = dense_call(q, k, v, None, True).wrapper.kernel.tma_values(k, v, 0, True)
     assert fields["tma_box_rows"] == 128 and fields["tma_page_per_request"] == 1
 
 
@@ -553,9 +585,8 @@ def test_functional_attention_splits_long_keys(lq):
     k = torch.randn(2, 8, 20000, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
-    from attnforge.prefill import _WRAPPERS
-    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype="bf16")
-    assert _WRAPPERS[(spec, str(q.device))]._plan["num_slots"] > 1, "this shape must be split"
+    from attnforge.dense import dense_call
+    assert dense_call(q, k, v, None, True).wrapper._plan["num_slots"] > 1, "this shape must be split"
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
     assert (out.float() - ref).abs().max().item() < 2e-2
     ref_lse = torch.logsumexp((q.float() @ k.float().repeat_interleave(4, 1).transpose(-1, -2)) / math.sqrt(128), -1)

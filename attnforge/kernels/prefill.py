@@ -342,9 +342,15 @@ class PrefillKernel:
         block from one thread, not 16 cp.async per producer thread, which competed with the
         consumers' shuffles on the last tile (per-item trace: that tile took ~4300 cycles against
         ~2900 for the others)."""
-        if not self.has_tma:
-            return {}
-        return {**self._kv_tma_values(k, v, page_size, ragged), **self._q_tma_values(q)}
+        return {**self.kv_tma_values(k, v, page_size, ragged), **self.q_tma_values(q)}
+
+    def q_tma_values(self, q) -> dict:
+        """tma_values' query fields (none for a kernel without maps)."""
+        return self._q_tma_values(q) if self.has_tma else {}
+
+    def kv_tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
+        """tma_values' K/V fields (none for a kernel without maps)."""
+        return self._kv_tma_values(k, v, page_size, ragged) if self.has_tma else {}
 
     def _q_tma_values(self, q) -> dict:
         s = self.spec

@@ -39,7 +39,7 @@ class Tracer:
         self.tensors: list[torch.Tensor] = []
         self.scalars: list[float] = []
         self.slots: dict[int, graph.TensorSlot] = {}
-        self._scalar_sources: list[torch.Tensor] = []
+        self.scalar_sources: list[torch.Tensor] = []
 
     def tensor_slot(self, t: torch.Tensor) -> int:
         for i, known in enumerate(self.tensors):
@@ -56,10 +56,10 @@ class Tracer:
         return len(self.tensors) - 1
 
     def scalar_slot(self, t: torch.Tensor) -> int:
-        for i, known in enumerate(self._scalar_sources):
+        for i, known in enumerate(self.scalar_sources):
             if known is t:
                 return i
-        self._scalar_sources.append(t)
+        self.scalar_sources.append(t)
         self.scalars.append(float(t.item()))
         return len(self.scalars) - 1
 

@@ -82,6 +82,7 @@ class ScoreMod:
     raw_cpp: Optional[str] = None  # escape hatch: a C++ body for the variant struct
     name: str = "mod"
     sink: Optional[torch.Tensor] = None  # attention sink logits [Hq] (added to the softmax denominator)
+    scalar_sources: list = field(default_factory=list)  # the 0-d tensors the scalars were read from (traced mods)
 
     @property
     def cache_key(self) -> str:
@@ -230,6 +231,13 @@ struct {n}_Access {{
             vals["mod_sink"] = self.sink.data_ptr()
         return vals
 
+    def refresh_scalars(self) -> None:
+        """Read the scalars from their 0-d tensors again: attention() does at each call, so a tensor written in
+        place counts from the next call on (a CUDA tensor's read synchronises). A ScoreMod given to a wrapper
+        keeps the values read when it was built: build another for other values (the same kernel serves it)."""
+        for k, t in enumerate(self.scalar_sources):
+            self.scalars[k] = float(t.item())
+
     # -- reference ------------------------------------------------------------------------------
     def torch_score(self, score, b, h, q_idx, kv_idx):
         if self.score_root is None:
@@ -249,7 +257,7 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
     """Trace Python modifiers into a ScoreMod (the value AttentionSpec.score_mod takes)."""
     if score_mod is None and mask_mod is None and sink is None:
         raise ValueError("compile_mod: pass a score_mod, a mask_mod or a sink")
-    tensors, scalars, slots = [], [], {}
+    tensors, scalars, slots, sources = [], [], {}, []
     roots = {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
         if fn is None:
@@ -264,13 +272,14 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
             s = tracer.slots[k]
             slots[k + t_off] = graph.TensorSlot(k + t_off, s.kind, s.ndim, s.dtype)
         scalars += tracer.scalars
+        sources += tracer.scalar_sources
         roots[kind] = root
     if len(tensors) > MAX_TENSORS or len(scalars) > MAX_SCALARS:
         raise ModTraceError(f"modifiers capture {len(tensors)} tensors and {len(scalars)} scalars; at most "
                             f"{MAX_TENSORS} and {MAX_SCALARS} are supported")
     label = name or "_".join(getattr(f, "__name__", "mod") for f in (score_mod, mask_mod) if f is not None) or "sink"
     return ScoreMod(roots["score"], roots["mask"], tensors, scalars, slots, name=label,
-                    sink=None if sink is None else sink.float().contiguous())
+                    sink=None if sink is None else sink.float().contiguous(), scalar_sources=sources)
 
 
 def raw_mod(cpp_body: str, tensors: Sequence[torch.Tensor] = (), scalars: Sequence[float] = (),

@@ -1,0 +1,186 @@
+"""attention(): the one-shot call in SDPA / FlexAttention layout, on the prefill kernels.
+
+    out = attnforge.attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False)
+
+q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D] are a ragged batch whose request r starts r*H*L rows of D in.
+Models call it once per layer with the same shapes, so each call signature (the layouts of q, k and v,
+enable_gqa and the modifier) keeps a `DenseCall`: its spec's own wrapper, planned once and planned again only
+when the scale changes or, with a mask_mod, when the tensors and scalars the mask reads hold other values.
+Each call then pays for its tensors' keys, one launch and (with a mask_mod) one comparison of the mask's
+inputs, not for the spec, the plan and the block-sparse tile lists (2.2 ms at 128 tokens on the H200 host).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import checks, ops
+from .merge import merge_states
+from .prefill import BatchPrefill
+from .spec import AttentionSpec
+
+_MODS: dict = {}  # kept for good: compiled graphs name their modifiers by weak handles (attnforge.ops)
+_CALLS: dict = {}
+MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table starts over
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
+              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
+    """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D]
+    (and lse [B, Hq, Lq], natural log). score_mod / mask_mod follow FlexAttention's signatures;
+    q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk).
+    Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    if ops.compiling():
+        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)
+        return (out, lse) if return_lse else out
+    mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
+    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def compiled_mod(score_mod, mask_mod):
+    """The C++ modifier of FlexAttention-style functions, built once per (function, captured objects)."""
+    from .mods import compile_mod
+    key = (_mod_key(score_mod), _mod_key(mask_mod))
+    if key not in _MODS:
+        _MODS[key] = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
+    return _MODS[key]
+
+
+def _mod_key(fn):
+    """What a built modifier depends on: the function, the objects in its closure and the tensors its globals
+    name now (a global rebound to a new tensor needs a new build: the old one holds the old tensor)."""
+    if fn is None:
+        return None
+    cells = tuple(id(c.cell_contents) for c in (fn.__closure__ or ()))
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    scope = getattr(fn, "__globals__", {})
+    tensors = tuple(id(scope[n]) for n in names if isinstance(scope.get(n), torch.Tensor))
+    return (fn, cells, tensors)
+
+
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
+    """attention()'s checks of devices, shapes and dtypes (no pointer: they also run on fake tensors)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_cuda(name, t, q.device if name != "q" else None)
+        if t.dim() != 4:
+            raise checks.fail(f"{name}.shape", "[B, H, L, D]", list(t.shape), "Use SDPA's layout.")
+    bq, hq, lq, d = q.shape
+    bk, hkv, lk, dk = k.shape
+    if (bk, dk) != (bq, d) or v.shape != k.shape:
+        raise checks.fail("k/v shape", f"[{bq}, Hkv, Lk, {d}] each, k and v equal", f"{list(k.shape)}, {list(v.shape)}",
+                          "Match batch and head_dim; v must have k's shape.")
+    if hq != hkv and not enable_gqa:
+        raise checks.fail("num heads", f"q heads == k heads ({hkv})", hq, "Pass enable_gqa=True for GQA/MQA.")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise checks.fail("k/v dtype", f"{q.dtype} (q's)", f"{k.dtype}/{v.dtype}", "Cast them to one dtype.")
+
+
+class DenseCall:
+    """One call signature's wrapper (its own: its plan is this signature's) and what its plan was made for."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod):
+        hq, d = q.shape[1], q.shape[3]
+        self.mod = mod  # (held: the signature keys the modifier by identity)
+        self.contiguous = all(t.is_contiguous() for t in (q, k, v))
+        spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
+                             q_dtype=q.dtype, score_mod=mod)
+        self.wrapper = BatchPrefill(spec, device=q.device)
+        self.scale: object = None
+        self.mask_inputs: Optional[list] = None  # the mask's tensors and scalars as planned (MaskInputs)
+
+    def plan(self, bq: int, hq: int, hkv: int, lq: int, lk: int, scale) -> None:
+        """Plan unless the last plan was for this scale and mask inputs (the shapes are the signature's)."""
+        mask = self.mod is not None and self.mod.mask_root is not None
+        if self.wrapper._plan is not None and scale == self.scale and (not mask or self.mask_inputs.same()):
+            return
+        self.scale = None  # (a failed plan leaves no valid one to reuse)
+        self.mask_inputs = MaskInputs(self.mod) if mask else None  # snapshot before the plan reads them
+        self.wrapper.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale,
+                          q_offset=np.arange(bq) * hq * lq, kv_offset=np.arange(bq) * hkv * lk)
+        self.scale = scale
+
+
+class MaskInputs:
+    """The tensors and scalars a modifier's mask reads, copied when a plan's block-sparse tile lists were made
+    from them. same() compares the current values (one device comparison, a synchronisation, per tensor): a
+    write by any path, a kernel's or another library's included, makes the next call plan again."""
+
+    def __init__(self, mod):
+        tensors, scalars = set(), set()
+        _inputs_of(mod.mask_root, tensors, scalars)
+        self._tensors = [(t, t.clone()) for t in (mod.tensors[i] for i in sorted(tensors))]
+        self._scalars = [(mod.scalars, i, _scalar_value(mod.scalars[i])) for i in sorted(scalars)]
+
+    def same(self) -> bool:
+        return all(float(_scalar_value(s[i])) == value for s, i, value in self._scalars) and \
+            all(now.shape == was.shape and torch.equal(now, was) for now, was in self._tensors)
+
+
+def _scalar_value(x) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _inputs_of(node, tensors: set, scalars: set) -> None:
+    """The captured tensor and scalar slots an expression graph reads."""
+    if not isinstance(node, tuple):
+        return
+    if node[0] == "load":
+        tensors.add(node[1])
+    elif node[0] == "scalar":
+        scalars.add(node[1])
+    for arg in node[1:]:
+        _inputs_of(arg, tensors, scalars)
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool) -> tuple:
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, enable_gqa, id(mod))
+
+
+def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool) -> DenseCall:
+    """The DenseCall of these tensors' layouts, made (after the checks) at the signature's first call."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument)
+    sig = _signature(q, k, v, mod, enable_gqa)
+    call = _CALLS.get(sig)
+    if call is None or call.mod is not mod:
+        check_attention_args(q, k, v, enable_gqa)
+        call = DenseCall(q, k, v, mod)
+        if len(_CALLS) >= MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[sig] = call
+    return call
+
+
+def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
+                       enable_gqa: bool, return_lse: bool = True):
+    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None)."""
+    if mod is not None and mod.scalar_sources:
+        mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
+    call = dense_call(q, k, v, mod, enable_gqa)
+    if not call.contiguous:  # (the usual [B, H, L, D] is contiguous)
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    bq, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    call.plan(bq, hq, hkv, lq, lk, scale)
+    w = call.wrapper
+    fields = w._memo.get("dense", (q, k, v), lambda: w._dense_fields(q, k, v))
+    out = torch.empty_like(q)
+    slots = w._plan["num_slots"]
+    if slots > 1:  # split KV (few query tiles, long keys): partials [B, H, Lq, slots, D], merged by LSE
+        part = torch.empty((bq, hq, lq, slots, d), dtype=q.dtype, device=q.device)
+        part_lse = torch.full((bq, hq, lq, slots), -math.inf, dtype=torch.float32, device=q.device)
+        w._launch(q, part, part_lse, dict(**fields, out_stride_n=slots * d, out_stride_h=lq * slots * d,
+                                          out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,
+                                          lse_stride_slot=1))
+        rows = bq * hq * lq
+        _, lse = merge_states(part.view(rows, slots, 1, d), part_lse.view(rows, slots, 1), out=out.view(rows, 1, d))
+        return out, (lse.view(bq, hq, lq) if return_lse else None)
+    lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
+    w._launch(q, out, lse, dict(**fields, out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
+                                lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
+    return out, lse

@@ -1,0 +1,274 @@
+"""BatchPrefill.run() and attention() on a machine without a GPU: the driver, the device checks, pinned memory,
+the SM count and the TMA encoder are stubbed, and each launched params struct is read back. A run carries its
+own tensors over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate) with the bytes a full pack
+gives; attention() plans once per call signature and again only when the scale or the mask's inputs change."""
+import contextlib
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill, checks, dense, variants
+from attnforge.jit import registry
+from attnforge.jit import tma as tma_maps
+from attnforge.prefill import RAGGED_PAGE
+
+
+class Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def last(self, w):
+        """The last launch of w's planned kernel (a split plan's merge launches after it)."""
+        return next(p for name, _, p in reversed(self.launches) if name == w._plan["kernel"].kernel_name)
+
+    def __getitem__(self, name):
+        rec = self
+
+        class Kernel:
+            def launch(self, grid, block, params, smem=0, stream=None, pdl=False):
+                rec.launches.append((name, grid, params))
+        return Kernel()
+
+
+def fake_map(t, box) -> bytes:
+    """A 'map' that names its tensor and box, so a test sees which map reached which field."""
+    return (t.data_ptr().to_bytes(8, "little") + box.rows.to_bytes(8, "little")) * 8
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(registry, "get_library", lambda *a, **k: rec)
+    monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(tma_maps, "encode", fake_map)
+    return rec
+
+
+def full_pack(w, q, k, v, out, lse, strides):
+    """The params as every run packed them before the template: all fields, from the plan and the tensors."""
+    pl = w._plan
+    kernel = pl["kernel"]
+    mod = w.spec.score_mod.param_values(w.device) if w.spec.score_mod is not None else {}
+    return kernel.params.pack(
+        q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), out=out.data_ptr(),
+        lse=0 if lse is None else lse.data_ptr(), **pl["ptrs"], page_size=pl["page_size"], ragged=int(pl["ragged"]),
+        work_count=pl["num_work"], **strides, **variants.variant_values(w.spec, pl["sm_scale"]), **mod,
+        **kernel.tma_values(k, v, pl["page_size"], pl["ragged"], q=q),
+        **({"v_scale": pl["v_scale"]} if kernel.fp8_kv else {}))
+
+
+SPEC = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+
+
+def test_ragged_runs_carry_their_own_tensors_with_a_full_packs_bytes(recorder):
+    w = BatchPrefill(SPEC, device="cpu")
+    assert w.kernel.has_tma  # (the maps are per-run fields: each run must carry its own)
+    q = [torch.randn(80, 32, 128).bfloat16() for _ in range(2)]
+    kv = [(torch.randn(700, 8, 128).bfloat16(), torch.randn(700, 8, 128).bfloat16()) for _ in range(2)]
+    for plan_lengths in ((80, 100), (80, 120)):  # two plans: each template takes the plan's fields
+        w.plan(np.array([0, plan_lengths[0]]), np.array([0, plan_lengths[1]]))
+        assert w._plan["num_slots"] == 1
+        for qi, (k, v) in ((0, kv[0]), (1, kv[1]), (0, kv[1]), (0, kv[0])):
+            out, lse = w.run(q[qi], (k, v), return_lse=True)
+            p = recorder.last(w)
+            strides = dict(stride_page=0, stride_token=k.stride(0), stride_head=k.stride(1), q_stride_n=32 * 128,
+                           q_stride_h=128, out_stride_n=32 * 128, out_stride_h=128, out_stride_slot=0,
+                           lse_stride_n=32, lse_stride_h=1, lse_stride_slot=0)
+            assert bytes(p) == bytes(full_pack(w, q[qi], k, v, out, lse, strides))
+            assert (p.q, p.k_cache, p.v_cache, p.out, p.lse) == (q[qi].data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                                 out.data_ptr(), lse.data_ptr())
+            assert bytes(p.k_tmap)[:8] == k.data_ptr().to_bytes(8, "little")
+            assert bytes(p.v_tmap)[:8] == v.data_ptr().to_bytes(8, "little")
+            assert p.work_count == w._plan["num_work"] and p.page_size == RAGGED_PAGE
+    w.plan(np.array([0, 80]), np.array([0, 700]))  # long keys: split, partial states [rows, slots, Hq, D]
+    assert w._plan["num_slots"] == 2
+    out = w.run(q[1], kv[1])
+    p = recorder.last(w)
+    assert p.out != out.data_ptr() and (p.out_stride_n, p.out_stride_slot, p.k_cache) == (
+        2 * 32 * 128, 32 * 128, kv[1][0].data_ptr())
+    with pytest.raises(ValueError, match="k.shape"):  # fewer tokens than the plan's: refused though seen before
+        w.run(q[0], (kv[0][0][:600], kv[0][1][:600]))
+    with pytest.raises(ValueError, match="q.dtype"):
+        w.run(q[0].half(), kv[0])
+
+
+def test_paged_runs_recheck_page_ids_and_what_differs(recorder):
+    w = BatchPrefill(SPEC, device="cpu")
+    cache = torch.randn(10, 2, 16, 8, 128).bfloat16()
+    w.plan(np.array([0, 20]), np.array([0, 3]), np.array([4, 5, 6]), np.array([16]), page_size=16)
+    q = torch.randn(20, 32, 128).bfloat16()
+    out = torch.empty_like(q)
+    w.run(q, cache, out=out)
+    p = recorder.last(w)
+    k, v = cache[:, 0], cache[:, 1]
+    strides = dict(stride_page=k.stride(0), stride_token=k.stride(1), stride_head=k.stride(2), q_stride_n=32 * 128,
+                   q_stride_h=128, out_stride_n=32 * 128, out_stride_h=128, out_stride_slot=0, lse_stride_n=32,
+                   lse_stride_h=1, lse_stride_slot=0)
+    assert bytes(p) == bytes(full_pack(w, q, k, v, out, None, strides))
+    w.plan(np.array([0, 20]), np.array([0, 2]), np.array([4, 9]), np.array([16]), page_size=16)
+    w.run(q, cache, out=out)
+    with pytest.raises(ValueError, match="page ids <"):  # the cache passed before, but this plan reads page 9
+        w.run(q, cache[:8], out=out)
+    with pytest.raises(ValueError, match="out.shape"):
+        w.run(q, cache, out=out[:10])
+    with pytest.raises(ValueError, match="out.dtype"):
+        w.run(q, cache, out=out.half())
+
+
+def test_repeated_prefill_inputs_skip_their_checks_across_plans(recorder, monkeypatch):
+    from attnforge import paged
+    calls = {"split_cache": 0}
+    real = paged.split_cache
+
+    def counting(*args, **kwargs):
+        calls["split_cache"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(paged, "split_cache", counting)
+    w = BatchPrefill(SPEC, device="cpu")
+    q, layers = torch.randn(20, 32, 128).bfloat16(), [torch.randn(10, 2, 16, 8, 128).bfloat16() for _ in range(3)]
+    for step in range(3):
+        w.plan(np.array([0, 20]), np.array([0, 3]), np.array([step, 4, 5]), np.array([16]), page_size=16)
+        for cache in layers:
+            w.run(q, cache)
+    assert calls["split_cache"] == len(layers) and len(recorder.launches) == 9
+
+
+def sdpa_inputs(lq=64, lk=96, hq=8, hkv=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, hq, lq, 128, generator=g).bfloat16()
+    k, v = (torch.randn(2, hkv, lk, 128, generator=g).bfloat16() for _ in range(2))
+    return q, k, v
+
+
+def count_plans(monkeypatch) -> dict:
+    calls = {"plan": 0}
+    real = BatchPrefill.plan
+
+    def counting(self, *args, **kwargs):
+        calls["plan"] += 1
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(BatchPrefill, "plan", counting)
+    return calls
+
+
+def test_attention_plans_once_per_signature_and_scale(recorder, monkeypatch):
+    calls = count_plans(monkeypatch)
+    q, k, v = sdpa_inputs()
+    dense.attention(q, k, v, enable_gqa=True)
+    first = recorder.launches[-1][2]
+    for _ in range(3):
+        out = dense.attention(q, k, v, enable_gqa=True)
+    p = recorder.launches[-1][2]
+    assert calls["plan"] == 1 and p.out == out.data_ptr()
+    assert (p.q, p.k_cache, p.stride_token, p.stride_head, p.sm_scale) == (
+        q.data_ptr(), k.data_ptr(), 128, 96 * 128, pytest.approx(1 / math.sqrt(128)))
+    assert [getattr(p, n) for n in ("work", "kv_offset", "q_offset")] == \
+        [getattr(first, n) for n in ("work", "kv_offset", "q_offset")]
+    dense.attention(q, k, v, enable_gqa=True, scale=0.5)
+    assert calls["plan"] == 2 and recorder.launches[-1][2].sm_scale == 0.5
+    dense.attention(q, k, v, enable_gqa=True, scale=0.5)
+    q2, k2, v2 = sdpa_inputs(lq=32, lk=200)  # another signature: its own plan
+    dense.attention(q2, k2, v2, enable_gqa=True)
+    assert calls["plan"] == 3 and recorder.launches[-1][2].stride_head == 200 * 128
+    dense.attention(q, k, v, enable_gqa=True)  # the first signature kept its own plan (scale None now: a replan)
+    dense.attention(q2, k2, v2, enable_gqa=True)
+    assert calls["plan"] == 4
+
+
+def test_attention_checks_each_new_signature_and_each_address(recorder):
+    q, k, v = sdpa_inputs()
+    dense.attention(q, k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match="num heads"):
+        dense.attention(q, k, v)  # enable_gqa is part of the signature
+    with pytest.raises(ValueError, match="k/v dtype"):
+        dense.attention(q, k.half(), v.half(), enable_gqa=True)
+    with pytest.raises(ValueError, match="k/v shape"):
+        dense.attention(q, k, v[:, :, :50], enable_gqa=True)
+    with pytest.raises(ValueError, match="q.shape"):
+        dense.attention(q[0], k, v, enable_gqa=True)
+    buf = torch.randn(q.numel() + 1).bfloat16()
+    shifted = buf[1:].view(q.shape)  # a layout seen before, at an address that is not 16-byte aligned
+    with pytest.raises(ValueError, match="q"):
+        dense.attention(shifted, k, v, enable_gqa=True)
+
+
+def test_attention_copies_non_contiguous_inputs(recorder):
+    q, k, v = sdpa_inputs()
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, L, D] view of a [B, L, H, D] tensor
+    dense.attention(qt, k, v, enable_gqa=True)
+    p = recorder.launches[-1][2]
+    assert p.q != qt.data_ptr() and (p.q_stride_n, p.q_stride_h) == (128, 64 * 128)
+
+
+def test_each_modifier_object_launches_with_its_own_tensors(recorder):
+    """Two modifiers of one expression are equal specs (one kernel) but hold different tensors: each call must
+    launch with its own (a wrapper shared by spec launched the first modifier's tensors)."""
+    q, k, v = sdpa_inputs()
+    b1, b2 = torch.randn(8), torch.randn(8)
+    dense.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + b1[h], enable_gqa=True)
+    assert recorder.launches[-1][2].mod_t0 == b1.data_ptr()
+    dense.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + b2[h], enable_gqa=True)
+    assert recorder.launches[-1][2].mod_t0 == b2.data_ptr()
+
+
+def test_single_prefill_launches_each_modifiers_own_tensors(recorder):
+    from attnforge import mods
+    from attnforge.prefill import single_prefill
+    q, k, v = torch.randn(20, 8, 128).bfloat16(), torch.randn(40, 2, 128).bfloat16(), torch.randn(40, 2, 128).bfloat16()
+    for slopes in (torch.rand(8), torch.rand(8)):
+        single_prefill(q, k, v, score_mod=mods.alibi(slopes))
+        assert recorder.launches[-1][2].mod_t0 == slopes.data_ptr()
+
+
+def tile_lists(w) -> np.ndarray:
+    """The plan's block-sparse tile ids, as uploaded (host copy of the plan's int32 arrays)."""
+    host = w._plan["host"].numpy()
+    start = (w._plan["ptrs"]["kv_tiles"] - w._plan["dev"].data_ptr()) // 4
+    return host[start:]
+
+
+def test_attention_replans_a_mask_whose_inputs_changed_by_any_path(recorder, monkeypatch):
+    calls = count_plans(monkeypatch)
+    q, k, v = sdpa_inputs(lq=256, lk=256)
+    docs = torch.arange(256) // 128
+    window = torch.tensor(300)
+
+    def mask(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi - ki <= window)
+    dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    w = dense.dense_call(q, k, v, dense.compiled_mod(None, mask), True).wrapper
+    two_docs = tile_lists(w).copy()
+    dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    assert calls["plan"] == 1
+    docs.data.zero_()  # no version bump: only the comparison of values sees it
+    dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    one_doc = tile_lists(w).copy()
+    assert calls["plan"] == 2 and len(one_doc) > len(two_docs)  # one document: the off-diagonal tiles are seen
+    window.fill_(-1000)  # a captured 0-d tensor (a runtime scalar) the mask reads: no key visible
+    dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    assert calls["plan"] == 3 and len(tile_lists(w)) < len(one_doc)
+    dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    assert calls["plan"] == 3
+
+
+def test_a_score_only_modifiers_tensors_change_no_plan(recorder, monkeypatch):
+    calls = count_plans(monkeypatch)
+    q, k, v = sdpa_inputs()
+    bias, cap = torch.randn(8), torch.tensor(30.0)
+
+    def biased(s, b, h, qi, ki):
+        return cap * torch.tanh(s / cap) + bias[h]
+    for value in (30.0, 20.0):
+        bias.add_(1.0)  # read at run time by the kernel: no plan depends on it
+        cap.fill_(value)  # a runtime scalar: each call launches with its current value
+        dense.attention(q, k, v, score_mod=biased, enable_gqa=True)
+        p = recorder.launches[-1][2]
+        assert (p.mod_t0, p.mod_s0) == (bias.data_ptr(), value)
+    assert calls["plan"] == 1
