@@ -149,7 +149,8 @@ class BatchPrefill:
         parts = [qo, q_off, kvp, indices, kv_len, kv_off, work.ravel()]
         if tile_indptr is not None:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
-        if any(int(np.max(np.abs(x), initial=0)) >= 2**31 for x in parts):
+        flat = np.concatenate(parts)  # (int64: every part is an integer array; one range check, not one a part)
+        if int(np.abs(flat).max()) >= 2**31:
             raise ValueError("plan: an offset or index does not fit in int32; split the batch")
         d = self.spec.head_dim_qk
         scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
@@ -157,7 +158,7 @@ class BatchPrefill:
             ptrs, host, dev = self._fill_graph_buffers(parts, tile_indptr is not None, len(work), int(page), scale,
                                                        ragged, v_scale)
         else:
-            host = torch.from_numpy(np.concatenate([x.astype(np.int32) for x in parts])).pin_memory()
+            host = torch.from_numpy(flat.astype(np.int32)).pin_memory()
             dev = host.to(self.device, non_blocking=True)
             offsets = np.cumsum([0] + [len(x) for x in parts])
             ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
