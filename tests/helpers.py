@@ -224,3 +224,45 @@ def ptxas_log_of_async_wgmmas(module, entry: str, directory: Path) -> str:
         lines = "\n".join(x for x in log.splitlines() if code in x)
         assert code not in log, f"{module.name}: ptxas {code}:\n{lines}"
     return log.split(marker)[1]
+
+
+def count_calls(monkeypatch, owner, name: str) -> dict:
+    """Wrap owner.name (a function or method) so that calls["n"] counts its calls for the test's duration."""
+    calls, real = {"n": 0}, getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+class LaunchRecorder:
+    """Stands in for a loaded library: launches records (kernel name, grid, params) instead of launching."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, name):
+        rec = self
+
+        class Kernel:
+            def launch(self, grid, block, params, smem=0, stream=None, pdl=False):
+                rec.launches.append((name, grid, params))
+        return Kernel()
+
+    def last(self, w):
+        """The params of the last launch of w's planned kernel (a merge may launch after it)."""
+        return next(p for name, _, p in reversed(self.launches) if name == w._plan["kernel"].kernel_name)
+
+
+def stub_launches(monkeypatch) -> LaunchRecorder:
+    """Run wrappers' run() without a GPU: every library is a LaunchRecorder, device checks and guards pass."""
+    import contextlib
+    from attnforge import checks
+    from attnforge.jit import registry
+    rec = LaunchRecorder()
+    monkeypatch.setattr(registry, "get_library", lambda *a, **k: rec)
+    monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return rec

@@ -2,7 +2,6 @@
 the SM count and the TMA encoder are stubbed, and each launched params struct is read back. A run carries its
 own tensors over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate) with the bytes a full pack
 gives; attention() plans once per call signature and again only when the scale or the mask's inputs change."""
-import contextlib
 import math
 import types
 
@@ -10,27 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchPrefill, checks, dense, variants
-from attnforge.jit import registry
+from attnforge import AttentionSpec, BatchPrefill, dense, variants
 from attnforge.jit import tma as tma_maps
 from attnforge.prefill import RAGGED_PAGE
-
-
-class Recorder:
-    def __init__(self):
-        self.launches = []
-
-    def last(self, w):
-        """The last launch of w's planned kernel (a split plan's merge launches after it)."""
-        return next(p for name, _, p in reversed(self.launches) if name == w._plan["kernel"].kernel_name)
-
-    def __getitem__(self, name):
-        rec = self
-
-        class Kernel:
-            def launch(self, grid, block, params, smem=0, stream=None, pdl=False):
-                rec.launches.append((name, grid, params))
-        return Kernel()
+from helpers import count_calls, stub_launches
 
 
 def fake_map(t, box) -> bytes:
@@ -40,10 +22,7 @@ def fake_map(t, box) -> bytes:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    rec = Recorder()
-    monkeypatch.setattr(registry, "get_library", lambda *a, **k: rec)
-    monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    rec = stub_launches(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
         multi_processor_count=132))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
@@ -124,20 +103,14 @@ def test_paged_runs_recheck_page_ids_and_what_differs(recorder):
 
 def test_repeated_prefill_inputs_skip_their_checks_across_plans(recorder, monkeypatch):
     from attnforge import paged
-    calls = {"split_cache": 0}
-    real = paged.split_cache
-
-    def counting(*args, **kwargs):
-        calls["split_cache"] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(paged, "split_cache", counting)
+    calls = count_calls(monkeypatch, paged, "split_cache")
     w = BatchPrefill(SPEC, device="cpu")
     q, layers = torch.randn(20, 32, 128).bfloat16(), [torch.randn(10, 2, 16, 8, 128).bfloat16() for _ in range(3)]
     for step in range(3):
         w.plan(np.array([0, 20]), np.array([0, 3]), np.array([step, 4, 5]), np.array([16]), page_size=16)
         for cache in layers:
             w.run(q, cache)
-    assert calls["split_cache"] == len(layers) and len(recorder.launches) == 9
+    assert calls["n"] == len(layers) and len(recorder.launches) == 9
 
 
 def sdpa_inputs(lq=64, lk=96, hq=8, hkv=2, seed=0):
@@ -147,39 +120,28 @@ def sdpa_inputs(lq=64, lk=96, hq=8, hkv=2, seed=0):
     return q, k, v
 
 
-def count_plans(monkeypatch) -> dict:
-    calls = {"plan": 0}
-    real = BatchPrefill.plan
-
-    def counting(self, *args, **kwargs):
-        calls["plan"] += 1
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(BatchPrefill, "plan", counting)
-    return calls
-
-
 def test_attention_plans_once_per_signature_and_scale(recorder, monkeypatch):
-    calls = count_plans(monkeypatch)
+    calls = count_calls(monkeypatch, BatchPrefill, "plan")
     q, k, v = sdpa_inputs()
     dense.attention(q, k, v, enable_gqa=True)
     first = recorder.launches[-1][2]
     for _ in range(3):
         out = dense.attention(q, k, v, enable_gqa=True)
     p = recorder.launches[-1][2]
-    assert calls["plan"] == 1 and p.out == out.data_ptr()
+    assert calls["n"] == 1 and p.out == out.data_ptr()
     assert (p.q, p.k_cache, p.stride_token, p.stride_head, p.sm_scale) == (
         q.data_ptr(), k.data_ptr(), 128, 96 * 128, pytest.approx(1 / math.sqrt(128)))
     assert [getattr(p, n) for n in ("work", "kv_offset", "q_offset")] == \
         [getattr(first, n) for n in ("work", "kv_offset", "q_offset")]
     dense.attention(q, k, v, enable_gqa=True, scale=0.5)
-    assert calls["plan"] == 2 and recorder.launches[-1][2].sm_scale == 0.5
+    assert calls["n"] == 2 and recorder.launches[-1][2].sm_scale == 0.5
     dense.attention(q, k, v, enable_gqa=True, scale=0.5)
     q2, k2, v2 = sdpa_inputs(lq=32, lk=200)  # another signature: its own plan
     dense.attention(q2, k2, v2, enable_gqa=True)
-    assert calls["plan"] == 3 and recorder.launches[-1][2].stride_head == 200 * 128
+    assert calls["n"] == 3 and recorder.launches[-1][2].stride_head == 200 * 128
     dense.attention(q, k, v, enable_gqa=True)  # the first signature kept its own plan (scale None now: a replan)
     dense.attention(q2, k2, v2, enable_gqa=True)
-    assert calls["plan"] == 4
+    assert calls["n"] == 4
 
 
 def test_attention_checks_each_new_signature_and_each_address(recorder):
@@ -235,7 +197,7 @@ def tile_lists(w) -> np.ndarray:
 
 
 def test_attention_replans_a_mask_whose_inputs_changed_by_any_path(recorder, monkeypatch):
-    calls = count_plans(monkeypatch)
+    calls = count_calls(monkeypatch, BatchPrefill, "plan")
     q, k, v = sdpa_inputs(lq=256, lk=256)
     docs = torch.arange(256) // 128
     window = torch.tensor(300)
@@ -246,20 +208,20 @@ def test_attention_replans_a_mask_whose_inputs_changed_by_any_path(recorder, mon
     w = dense.dense_call(q, k, v, dense.compiled_mod(None, mask), True).wrapper
     two_docs = tile_lists(w).copy()
     dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
-    assert calls["plan"] == 1
+    assert calls["n"] == 1
     docs.data.zero_()  # no version bump: only the comparison of values sees it
     dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
     one_doc = tile_lists(w).copy()
-    assert calls["plan"] == 2 and len(one_doc) > len(two_docs)  # one document: the off-diagonal tiles are seen
+    assert calls["n"] == 2 and len(one_doc) > len(two_docs)  # one document: the off-diagonal tiles are seen
     window.fill_(-1000)  # a captured 0-d tensor (a runtime scalar) the mask reads: no key visible
     dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
-    assert calls["plan"] == 3 and len(tile_lists(w)) < len(one_doc)
+    assert calls["n"] == 3 and len(tile_lists(w)) < len(one_doc)
     dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
-    assert calls["plan"] == 3
+    assert calls["n"] == 3
 
 
 def test_a_score_only_modifiers_tensors_change_no_plan(recorder, monkeypatch):
-    calls = count_plans(monkeypatch)
+    calls = count_calls(monkeypatch, BatchPrefill, "plan")
     q, k, v = sdpa_inputs()
     bias, cap = torch.randn(8), torch.tensor(30.0)
 
@@ -271,4 +233,4 @@ def test_a_score_only_modifiers_tensors_change_no_plan(recorder, monkeypatch):
         dense.attention(q, k, v, score_mod=biased, enable_gqa=True)
         p = recorder.launches[-1][2]
         assert (p.mod_t0, p.mod_s0) == (bias.data_ptr(), value)
-    assert calls["plan"] == 1
+    assert calls["n"] == 1

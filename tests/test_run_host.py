@@ -2,37 +2,19 @@
 library are stubbed, and the launched params struct is read back. Each run must carry its own tensors'
 addresses and strides over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate), and a new plan
 must rebuild the fixed ones."""
-import contextlib
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, checks
-from attnforge.jit import registry
-
-
-class Recorder:
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, name):
-        rec = self
-
-        class Kernel:
-            def launch(self, grid, block, params, smem=0, stream=None, pdl=False):
-                rec.launches.append((name, params))
-        return Kernel()
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
+from helpers import count_calls, stub_launches
 
 
 @pytest.fixture
 def recorder(monkeypatch):
-    rec = Recorder()
-    monkeypatch.setattr(registry, "get_library", lambda *a, **k: rec)
-    monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    return rec
+    return stub_launches(monkeypatch)
 
 
 def host_wrapper(cls, spec):
@@ -62,7 +44,7 @@ def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
     q, caches = torch.randn(1, 32, 128).bfloat16(), [torch.randn(6, 2, 16, 8, 128).bfloat16() for _ in range(2)]
     for cache in (caches[0], caches[1], caches[0]):
         out = w.run(q, cache)
-        p = recorder.launches[-1][1]
+        p = recorder.launches[-1][2]
         assert (p.q, p.k_cache, p.v_cache, p.out) == (q.data_ptr(), cache[:, 0].data_ptr(), cache[:, 1].data_ptr(),
                                                        out.data_ptr())
         strides = (p.q_stride_b, p.stride_page, p.stride_token, p.stride_head)
@@ -71,14 +53,14 @@ def test_decode_runs_carry_their_own_tensors_over_the_plans_fields(recorder):
         assert p.sm_scale == pytest.approx(1 / math.sqrt(128))
         assert_plan_fields(w, p)
     k, v = caches[1][:, 0], caches[1][:, 1]
-    p = (w.run(q, (k, v)), recorder.launches[-1][1])[1]
+    p = (w.run(q, (k, v)), recorder.launches[-1][2])[1]
     assert (p.k_cache, p.v_cache) == (k.data_ptr(), v.data_ptr())
     plan(w, 2, 32)  # a new plan: its own fixed fields; the 16-token caches no longer pass
     with pytest.raises(ValueError, match="k_cache.shape"):
         w.run(q, caches[0])
     cache32 = torch.randn(3, 2, 32, 8, 128).bfloat16()
     w.run(q, cache32)
-    p = recorder.launches[-1][1]
+    p = recorder.launches[-1][2]
     assert (p.page_size, p.k_cache, p.stride_token) == (32, cache32.data_ptr(), 8 * 128)
     assert_plan_fields(w, p)  # (the new plan's buffers)
     with pytest.raises(ValueError, match="q.dtype"):  # a checked input changed in place of another: checked again
@@ -96,7 +78,7 @@ def test_mla_runs_carry_their_own_tensors_over_the_plans_fields(recorder, unifie
     for cache in (kv[0], kv[1]):
         caches = (cache,) if unified else (cache[..., :512], cache[..., 512:])
         out = w.run(q_nope, q_pe, *caches)
-        p = next(params for name, params in reversed(recorder.launches) if name == "mla_decode_kernel")
+        p = next(params for name, _, params in reversed(recorder.launches) if name == "mla_decode_kernel")
         assert (p.q_nope, p.q_pe, p.out, p.ckv_cache) == (q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr(),
                                                           cache.data_ptr())
         assert p.kpe_cache == cache.data_ptr() + 512 * 2 and (p.ckv_stride_page, p.ckv_stride_token) == (64 * 576, 576)
@@ -110,20 +92,14 @@ def test_repeated_inputs_skip_the_checks_and_a_new_plan_keeps_them(recorder, mon
     """The fast path (the reason for RunMemo): a cache and a q seen before, under the same batch and page size,
     are not checked again, across plans too; each layer's cache is checked once."""
     from attnforge import paged
-    calls = {"split_cache": 0}
-    real = paged.split_cache
-
-    def counting(*args, **kwargs):
-        calls["split_cache"] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(paged, "split_cache", counting)
+    calls = count_calls(monkeypatch, paged, "split_cache")
     w = host_wrapper(BatchDecode, AttentionSpec(num_qo_heads=32, num_kv_heads=8))
     q, layers = torch.randn(1, 32, 128).bfloat16(), [torch.randn(6, 2, 16, 8, 128).bfloat16() for _ in range(4)]
     for step in range(3):
         plan(w, 4, 16)
         for cache in layers:
             w.run(q, cache)
-    assert calls["split_cache"] == len(layers)
+    assert calls["n"] == len(layers)
     assert len(recorder.launches) == 3 * len(layers)
 
 
@@ -138,6 +114,6 @@ def test_a_modifiers_runtime_values_reach_each_launch(recorder):
         plan(w, pages, 16)
         for _ in range(2):
             w.run(q, cache)
-            p = recorder.launches[-1][1]
+            p = recorder.launches[-1][2]
             assert (p.mod_s0, p.mod_t0, p.mod_t0_size0) == (0.5, slopes.data_ptr(), 32)
             assert_plan_fields(w, p)
