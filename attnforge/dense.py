@@ -89,19 +89,20 @@ class DenseCall:
         spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
                              q_dtype=q.dtype, score_mod=mod)
         self.wrapper = BatchPrefill(spec, device=q.device)
-        self.scale: object = None
-        self.mask_inputs: Optional[list] = None  # the mask's tensors and scalars as planned (MaskInputs)
+        self.planned = False  # whether the wrapper's plan is this call's (a failed plan leaves none to reuse)
+        self.scale: Optional[float] = None
+        self.mask_inputs: Optional[MaskInputs] = None  # the mask's tensors and scalars as planned
 
     def plan(self, bq: int, hq: int, hkv: int, lq: int, lk: int, scale) -> None:
         """Plan unless the last plan was for this scale and mask inputs (the shapes are the signature's)."""
         mask = self.mod is not None and self.mod.mask_root is not None
-        if self.wrapper._plan is not None and scale == self.scale and (not mask or self.mask_inputs.same()):
+        if self.planned and scale == self.scale and (not mask or self.mask_inputs.same()):
             return
-        self.scale = None  # (a failed plan leaves no valid one to reuse)
+        self.planned = False
         self.mask_inputs = MaskInputs(self.mod) if mask else None  # snapshot before the plan reads them
         self.wrapper.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale,
                           q_offset=np.arange(bq) * hq * lq, kv_offset=np.arange(bq) * hkv * lk)
-        self.scale = scale
+        self.scale, self.planned = scale, True
 
 
 class MaskInputs:

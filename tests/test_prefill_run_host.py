@@ -234,3 +234,19 @@ def test_a_score_only_modifiers_tensors_change_no_plan(recorder, monkeypatch):
         p = recorder.launches[-1][2]
         assert (p.mod_t0, p.mod_s0) == (bias.data_ptr(), value)
     assert calls["n"] == 1
+
+
+def test_attention_plans_again_after_a_failed_plan(recorder, monkeypatch):
+    q, k, v = sdpa_inputs()
+    dense.attention(q, k, v, enable_gqa=True)
+    real = BatchPrefill.plan
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("plan failed")
+    monkeypatch.setattr(BatchPrefill, "plan", failing)
+    with pytest.raises(RuntimeError, match="plan failed"):
+        dense.attention(q, k, v, enable_gqa=True, scale=0.3)
+    monkeypatch.setattr(BatchPrefill, "plan", real)
+    calls = count_calls(monkeypatch, BatchPrefill, "plan")
+    dense.attention(q, k, v, enable_gqa=True)  # the first call's scale again, but its plan was given up
+    assert calls["n"] == 1 and recorder.launches[-1][2].sm_scale == pytest.approx(1 / math.sqrt(128))
