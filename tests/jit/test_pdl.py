@@ -222,3 +222,30 @@ def test_launch_configs_are_reused_per_shape_and_stream():
     for n in range(100):  # the table stays small
         k._pdl_config((n + 5, 1, 1), (128, 1, 1), 0, 0)
     assert len(k._pdl_configs) <= 64
+
+
+class _FailingDriver(_RecordingDriver):
+    """Every launch fails with CUDA_ERROR_INVALID_VALUE (the error's name and text without a GPU)."""
+
+    def cuLaunchKernel(self, *args):
+        return (self.real.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    cuLaunchKernelEx = cuLaunchKernel
+
+    def cuGetErrorName(self, err):
+        return (self.real.CUresult.CUDA_SUCCESS, b"CUDA_ERROR_INVALID_VALUE")
+
+    def cuGetErrorString(self, err):
+        return (self.real.CUresult.CUDA_SUCCESS, b"invalid argument")
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_failed_launch_names_the_kernel_and_its_shape(monkeypatch, pdl):
+    fake = _FailingDriver(loader.driver())
+    monkeypatch.setattr(loader, "driver", lambda: fake)
+    monkeypatch.setattr(loader, "pdl_supported", lambda device_index=None: True)
+    k = loader.LoadedKernel("lib", "quest_select_kernel", function=None)
+    call = "cuLaunchKernelEx" if pdl else "cuLaunchKernel"
+    with pytest.raises(loader.CudaDriverError, match=rf"{call}\(quest_select_kernel, grid=\(4, 1, 1\), block="
+                                                     r"\(128, 1, 1\), smem=0.*CUDA_ERROR_INVALID_VALUE: invalid arg"):
+        k.launch((4,), (128,), ctypes.c_int(0), stream=0, pdl=pdl)
