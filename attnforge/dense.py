@@ -113,16 +113,13 @@ class MaskInputs:
     def __init__(self, mod):
         tensors, scalars = set(), set()
         _inputs_of(mod.mask_root, tensors, scalars)
+        self._mod = mod
         self._tensors = [(t, t.clone()) for t in (mod.tensors[i] for i in sorted(tensors))]
-        self._scalars = [(mod.scalars, i, _scalar_value(mod.scalars[i])) for i in sorted(scalars)]
+        self._scalars = [(i, mod.scalars[i]) for i in sorted(scalars)]  # (floats: refresh_scalars keeps them so)
 
     def same(self) -> bool:
-        return all(float(_scalar_value(s[i])) == value for s, i, value in self._scalars) and \
+        return all(self._mod.scalars[i] == value for i, value in self._scalars) and \
             all(now.shape == was.shape and torch.equal(now, was) for now, was in self._tensors)
-
-
-def _scalar_value(x) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def _inputs_of(node, tensors: set, scalars: set) -> None:

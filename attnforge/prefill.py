@@ -150,8 +150,10 @@ class BatchPrefill:
         if tile_indptr is not None:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         flat = np.concatenate(parts)  # (int64: every part is an integer array; one range check, not one a part)
-        if int(np.abs(flat).max()) >= 2**31:
-            raise ValueError("plan: an offset or index does not fit in int32; split the batch")
+        largest = int(np.abs(flat).max())
+        if largest >= 2**31:
+            raise checks.fail("plan: offsets, lengths and page ids", "values that fit in int32 (< 2^31)", largest,
+                              "Split the batch into smaller plans (the kernels read these arrays as int32).")
         d = self.spec.head_dim_qk
         scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * float(k_scale)
         if self.use_cuda_graph:
@@ -346,8 +348,8 @@ class BatchPrefill:
                                        lse_stride_slot=0))
         return (out, lse) if return_lse else out
 
-    def _op_out_shape(self, args: list):
-        return tuple(args[0].shape), checks.TORCH_DTYPES[self.spec.out_dtype]
+    def _op_out_shape(self, args: list):  # (attnforge::run's fake)
+        return ops.rows_out_shape(self.spec, args)
 
     def _params_template(self) -> codegen.ParamsTemplate:
         """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides, TMA maps and modifier

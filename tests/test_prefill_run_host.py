@@ -101,6 +101,13 @@ def test_paged_runs_recheck_page_ids_and_what_differs(recorder):
         w.run(q, cache, out=out.half())
 
 
+def test_a_plan_whose_offsets_overflow_int32_is_refused_before_any_launch(recorder):
+    w = BatchPrefill(SPEC, device="cpu")
+    with pytest.raises(ValueError, match=r"fit in int32 \(< 2\^31\), got 2147483648\. Split the batch"):
+        w.plan(np.array([0, 16]), np.array([0, 64]), kv_offset=np.array([2**31]))
+    assert w._plan is None and not recorder.launches
+
+
 def test_repeated_prefill_inputs_skip_their_checks_across_plans(recorder, monkeypatch):
     from attnforge import paged
     calls = count_calls(monkeypatch, paged, "split_cache")
