@@ -44,6 +44,12 @@ def check(result, call: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def _failed(result) -> bool:
+    """Whether a driver call's result (a (CUresult, ...) tuple, or a bare CUresult) is an error (check() then says
+    which)."""
+    return (result[0] if isinstance(result, tuple) else result) != driver().CUresult.CUDA_SUCCESS
+
+
 _ctx_lock = threading.Lock()
 
 
@@ -110,6 +116,7 @@ class LoadedKernel:
         self.library_name, self.name, self.function = library_name, name, function
         self._smem_limit = 48 * 1024
         self._pdl_configs: dict[tuple, object] = {}  # (grid, block, smem, stream) -> CUlaunchConfig
+        self._pdl_ok: Optional[bool] = None  # pdl_supported() on this kernel's device, asked at its first PDL launch
 
     def _pdl_config(self, grid, block, smem: int, handle: int):
         """The launch's PDL config, built once per shape and stream (3-4 us of cuda-python objects a launch);
@@ -134,7 +141,9 @@ class LoadedKernel:
                              f"(expected one of loader.PDL_KERNELS {sorted(PDL_KERNELS)}, got {self.name!r}); "
                              f"launch it with pdl=False, or make wait_for_prior_grid() (attnforge/common.cuh) its "
                              f"first statement and add it to PDL_KERNELS")
-        pdl = pdl and pdl_supported()
+        if pdl and self._pdl_ok is None:
+            self._pdl_ok = pdl_supported()
+        pdl = pdl and self._pdl_ok
         drv = driver()
         if smem > self._smem_limit:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -149,14 +158,18 @@ class LoadedKernel:
         if gx * gy * gz == 0:
             return  # an empty grid is a valid no-op, not a driver error
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        # (the error's text is built only on failure: this is every launch's path)
         if pdl:
             config = self._pdl_config((gx, gy, gz), (bx, by, bz), smem, handle)
-            check(drv.cuLaunchKernelEx(config, self.function, ctypes.addressof(arg_ptrs), 0),
-                  f"cuLaunchKernelEx({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem}, PDL)")
+            result = drv.cuLaunchKernelEx(config, self.function, ctypes.addressof(arg_ptrs), 0)
+            if _failed(result):
+                check(result, f"cuLaunchKernelEx({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, "
+                              f"smem={smem}, PDL)")
             return
-        check(drv.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, smem,
-                                 drv.CUstream(handle), ctypes.addressof(arg_ptrs), 0),
-              f"cuLaunchKernel({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem})")
+        result = drv.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, smem, drv.CUstream(handle),
+                                    ctypes.addressof(arg_ptrs), 0)
+        if _failed(result):
+            check(result, f"cuLaunchKernel({self.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, smem={smem})")
 
 
 def pdl_launch_config(grid, block, smem: int, stream_handle: int):
