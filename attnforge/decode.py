@@ -15,6 +15,7 @@ import torch
 from . import checks, codegen, ops, paged, scheduler, variants
 from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel, whole_item_tiling
 from .jit import registry
+from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .spec import AttentionSpec
 
@@ -418,7 +419,7 @@ class BatchDecode:
             q=q.data_ptr(), k_cache=k, v_cache=v, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
             q_stride_b=q.stride(0), q_stride_h=q.stride(1), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
             stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values)
-        with torch.cuda.device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
+        with on_device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)
             if self._plan["merge_launch"]:  # a block a (request, item, query head) row; whole items' exit at once

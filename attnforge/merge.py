@@ -13,6 +13,7 @@ import torch
 from . import checks, ops
 from .codegen import ParamField, ParamsLayout
 from .jit import JitModule, registry
+from .jit.loader import on_device
 
 MERGE_PARAMS = ParamsLayout("MergeParams", [
     ParamField("v_a", "const void*", "ptr"), ParamField("lse_a", "const void*", "ptr"),
@@ -62,7 +63,7 @@ def _run(kernel: str, v_a, s_a, v_b, s_b, num_states, out, out_lse):
         v_a=v_a.data_ptr(), lse_a=s_a.data_ptr(), v_b=0 if v_b is None else v_b.data_ptr(),
         lse_b=0 if s_b is None else s_b.data_ptr(), out=out.data_ptr(), out_lse=out_lse.data_ptr(),
         num_rows=n * h, num_states=num_states, num_heads=h, head_dim=d)
-    with torch.cuda.device(v_a.device):
+    with on_device(v_a.device):
         lib[kernel].launch(grid, block, params)
 
 

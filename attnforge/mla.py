@@ -20,6 +20,7 @@ import torch
 from . import checks, codegen, ops, paged, scheduler, variants
 from .decode import BatchDecode
 from .jit import registry
+from .jit.loader import on_device
 from .kernels.mla import MLADecodeKernel, default_backend, rows_per_cta
 from .spec import MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO, AttentionSpec
 
@@ -378,7 +379,7 @@ class BatchMLADecode(BatchDecode):
             q_nope_stride_t=q_nope.stride(0), q_nope_stride_h=q_nope.stride(1), q_pe_stride_t=q_pe.stride(0),
             q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0), out_stride_h=out.stride(1), **cache,
             **mod_values)
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)
             if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)

@@ -17,6 +17,7 @@ import torch
 
 from . import blockmask, checks, codegen, ops, paged, scheduler, variants
 from .jit import registry
+from .jit.loader import on_device
 from .kernels.prefill import PrefillKernel, default_backend
 from .merge import merge_states
 from .spec import AttentionSpec
@@ -369,7 +370,7 @@ class BatchPrefill:
         params = memo.once("params", self._params_template).fill(
             q=q.data_ptr(), out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), **fields, **mod_values)
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             lib[kernel.kernel_name].launch((pl["grid"],), (kernel.threads,), params, smem=kernel.smem_bytes)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .. import ops, paged
 from ..checks import fail
+from ..jit.loader import on_device
 from . import summaries
 from .summaries import channel_scales, fp8_outward  # noqa: F401 (re-exported)
 
@@ -294,7 +295,7 @@ class QuestDecode:
                                          channel_scale=self._channel_scale.data_ptr(),
                                          scale_rows=self._channel_scale.shape[0])
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values
             lib["quest_score_kernel"].launch((sms * self.kernel.score_ctas_per_sm,), (SCORE_THREADS,), params,
                                              pdl=True)  # waits for P / N in-kernel
@@ -313,7 +314,7 @@ class QuestDecode:
             scores=scores.data_ptr(), kv_indptr=self._indptr.data_ptr(), kv_indices=self._pages.data_ptr(),
             meta=self._meta.data_ptr(), sel_indptr=self._sel_indptr.data_ptr(),
             out_indices=self._selection_out().data_ptr(), budget_pages=self.budget_pages)
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             lib["quest_select_kernel"].launch((self._planned["batch"],), (SELECT_THREADS,), params,
                                               pdl=True)  # waits for the scores in-kernel
 
