@@ -161,9 +161,26 @@ def test_params_template_sets_only_a_runs_fields():
         layout.template(("q",), n=7)
 
 
+def test_params_templates_are_kept_by_their_values():
+    """A plan whose fixed fields equal an earlier plan's reuses its template; any other value builds its own."""
+    layout = ParamsLayout("P", [ParamField("q", "void*", "ptr"), ParamField("n", "int32_t", "i32"),
+                                ParamField("f", "float", "f32")])
+    t7 = layout.template(("q",), n=7, f=0.5)
+    assert layout.template(("q",), n=7, f=0.5) is t7
+    t8 = layout.template(("q",), n=8, f=0.5)
+    assert t8 is not t7 and (t8.fill(q=1).n, t7.fill(q=1).n) == (8, 7)
+    assert layout.template(("n",), q=0, f=0.5) is not t7  # other per-run fields: another template
+    for n in range(3 * ParamsLayout.MAX_TEMPLATES):  # the table stays small
+        assert layout.template(("q",), n=n, f=0.25).fill(q=2).n == n
+    assert len(layout._templates) <= ParamsLayout.MAX_TEMPLATES
+
+
 def test_params_template_packs_per_run_tensor_maps():
     layout = ParamsLayout("P", [ParamField("km", "TensorMap", "tmap"), ParamField("n", "int32_t", "i32")])
     raw = bytes(range(128))
     packed = layout.template(("km",), n=3).fill(km=raw)
     assert bytes(packed)[:128] == raw and packed.n == 3
     assert bytes(layout.template(("km",), n=3).fill(km=None))[:128] == bytes(128)
+    fixed_map = layout.template(("n",), km=bytearray(raw))  # (an unhashable value: built, not kept)
+    assert bytes(fixed_map.fill(n=1))[:128] == raw and not any(isinstance(k[1][0][1], bytearray)
+                                                               for k in layout._templates)
