@@ -144,8 +144,8 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument)
     sig = _signature(q, k, v, mod, enable_gqa)
-    call = _CALLS.get(sig)
-    if call is None or call.mod is not mod:
+    call = _CALLS.get(sig)  # (a call holds its modifier, so the id in its signature is not reused meanwhile)
+    if call is None:
         check_attention_args(q, k, v, enable_gqa)
         call = DenseCall(q, k, v, mod)
         if len(_CALLS) >= MAX_CALLS:

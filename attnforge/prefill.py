@@ -295,11 +295,7 @@ class BatchPrefill:
         return k, v, 0, k.stride(0), k.stride(1)
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
-        dtype = checks.TORCH_DTYPES[self.spec.out_dtype]
-        checks.check_cuda("out", out, self.device)
-        checks.check_dtype("out", out, (dtype,))
-        checks.check_shape("out", out, tuple(shape), "like q")
-        checks.check_contiguous_last("out", out)
+        checks.check_out(out, tuple(shape), checks.TORCH_DTYPES[self.spec.out_dtype], self.device, "like q")
         checks.check_aligned_rows("out", out)
 
     def _dense_fields(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
@@ -397,9 +393,9 @@ _WRAPPERS: dict = {}
 
 
 def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
-    # specs compare a score modifier by its expression: its identity keys its captured tensors' wrapper
+    # specs compare a score modifier by its expression: its identity keys its captured tensors' wrapper (the
+    # wrapper holds the modifier, so its id is not reused while the entry lives)
     key = (spec, str(device), id(spec.score_mod))
-    w = _WRAPPERS.get(key)
-    if w is None or w.spec.score_mod is not spec.score_mod:
-        w = _WRAPPERS[key] = BatchPrefill(spec, device=device)
-    return w
+    if key not in _WRAPPERS:
+        _WRAPPERS[key] = BatchPrefill(spec, device=device)
+    return _WRAPPERS[key]

@@ -17,6 +17,7 @@ from attnforge.jit import loader
 from attnforge.kernels.decode import DecodeKernel
 from attnforge.kernels.mla import MLADecodeKernel
 from attnforge.kernels.quest import QuestScoreKernel
+from helpers import count_calls
 
 
 def test_launch_config_allows_programmatic_serialization():
@@ -202,6 +203,24 @@ def test_pdl_launch_is_an_ordinary_one_before_sm90(monkeypatch, major, expected)
     k.launch((4,), (128,), ctypes.c_int(0), stream=0, pdl=True)
     k.launch((4,), (128,), ctypes.c_int(0), stream=0)  # without pdl: always the ordinary call
     assert fake.calls == [expected, "cuLaunchKernel"]
+
+
+def test_a_kernel_asks_for_pdl_support_once_and_builds_no_error_text_on_success(monkeypatch):
+    fake = _RecordingDriver(loader.driver())
+    monkeypatch.setattr(loader, "driver", lambda: fake)
+    monkeypatch.setattr(loader, "pdl_supported", lambda device_index=None: True)  # (sm_90: no GPU here)
+    asked = count_calls(monkeypatch, loader, "pdl_supported")
+    texts = []
+    real_check = loader.check
+    monkeypatch.setattr(loader, "check", lambda result, call: texts.append(call) or real_check(result, call))
+    k = loader.LoadedKernel("lib", "quest_select_kernel", function=None)
+    for pdl in (True, True, False, True):
+        k.launch((4,), (128,), ctypes.c_int(0), stream=0, pdl=pdl)
+    assert asked["n"] == 1 and fake.calls == ["cuLaunchKernelEx"] * 2 + ["cuLaunchKernel", "cuLaunchKernelEx"]
+    assert texts == []  # (check() and its message only for a failed launch: test_a_failed_launch_names_...)
+    other = loader.LoadedKernel("lib", "quest_score_kernel", function=None)
+    other.launch((4,), (128,), ctypes.c_int(0), stream=0, pdl=True)
+    assert asked["n"] == 2  # (each kernel asks for its own device)
 
 
 def test_pdl_support_follows_the_compute_capability(monkeypatch):
