@@ -36,7 +36,7 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
         groups = paged.host_int_array(f"levels[{i}].group_indptr", level[0])
         if groups.ndim != 1 or len(groups) < 2 or groups[0] != 0 or groups[-1] != batch or np.any(np.diff(groups) < 0):
             raise checks.fail(f"levels[{i}].group_indptr", f"a non-decreasing array from 0 to the batch size {batch}",
-                              groups[:8], "Groups are contiguous runs of requests covering the whole batch.")
+                              paged.preview(groups), "Groups are contiguous runs of requests covering the whole batch.")
         kv = paged.host_int_array(f"levels[{i}].kv_indptr", level[1])
         if len(kv) != len(groups):
             raise checks.fail(f"levels[{i}].kv_indptr", f"{len(groups)} entries (one page range per group)", len(kv),

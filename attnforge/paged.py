@@ -22,6 +22,11 @@ def host_int_array(name: str, x, widen: bool = True) -> np.ndarray:
     return arr.astype(np.int64, copy=False) if widen else arr
 
 
+def preview(arr: np.ndarray, n: int = 8):
+    """An index array's first n entries for an error message; a scalar as it is (slicing one raises)."""
+    return arr[:n] if arr.ndim else arr
+
+
 class PageTable(NamedTuple):  # (immutable, and built in a third of a frozen dataclass's time: plan()'s path)
     indptr: np.ndarray  # [B + 1]
     indices: np.ndarray  # [indptr[-1]]
@@ -56,7 +61,7 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     indices = host_int_array("kv_indices", kv_indices, widen=False)  # only scanned: no widening copy
     last = host_int_array("kv_last_page_len", kv_last_page_len)
     if indptr.ndim != 1 or len(indptr) < 1 or indptr[0] != 0:
-        raise fail("kv_indptr", "a 1-D array [B+1] starting at 0", indptr[:4], "Build it as a prefix sum.")
+        raise fail("kv_indptr", "a 1-D array [B+1] starting at 0", preview(indptr, 4), "Build it as a prefix sum.")
     batch = len(indptr) - 1
     if last.shape != (batch,):
         raise fail("kv_last_page_len", f"shape [{batch}] (one per request)", list(last.shape),

@@ -17,12 +17,17 @@ import torch
 
 from . import blockmask, checks, codegen, ops, paged, scheduler, variants
 from .jit import registry
+from .jit.upload import HostOnlyUpload, StagedUpload
 from .jit.loader import on_device
 from .kernels.prefill import PrefillKernel, default_backend
 from .merge import merge_states
 from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
+MIN_UPLOAD_INT32 = 1 << 14  # the first upload buffers' size (64 KB each): most plans never grow them
+# plan()'s int32 arrays in the order it packs them, then the count graph mode reads from the device
+PLAN_ARRAYS = ("qo_indptr", "q_offset", "kv_indptr", "kv_indices", "kv_len", "kv_offset", "work", "kv_tile_indptr",
+               "kv_tiles", "num_work")
 
 
 class BatchPrefill:
@@ -76,6 +81,8 @@ class BatchPrefill:
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)
         self._plan = None
+        self._upload = None  # plan()'s staged uploads outside graph mode (made by the first plan)
+        self._num_sms = None
         self._memo = checks.RunMemo()  # run()'s checked inputs and the plan's params template
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
         self.use_cuda_graph = use_cuda_graph
@@ -83,9 +90,7 @@ class BatchPrefill:
         if use_cuda_graph:
             b, w = max_batch_size, max_work_items
             # regions, in the order plan() fills them: (name, int32 entries)
-            self._regions = [("qo_indptr", b + 1), ("q_offset", b), ("kv_indptr", b + 1), ("kv_indices", max_num_pages),
-                             ("kv_len", b), ("kv_offset", b), ("work", 6 * w), ("kv_tile_indptr", w + 1),
-                             ("kv_tiles", max_tiles), ("num_work", 1)]
+            self._regions = list(zip(PLAN_ARRAYS, (b + 1, b, b + 1, max_num_pages, b, b, 6 * w, w + 1, max_tiles, 1)))
             total = sum(-(-n // 4) * 4 for _, n in self._regions)
             self._graph_host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
             self._graph_dev = torch.zeros(total, dtype=torch.int32, device=self.device)
@@ -98,16 +103,18 @@ class BatchPrefill:
         k_scale folds into sm_scale, v_scale scales each output row (16-bit K/V take v_scale 1 only)."""
         v_scale = self._check_scales(k_scale, v_scale)
         qo = paged.host_int_array("qo_indptr", qo_indptr)
-        if qo.ndim != 1 or len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
-            raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", qo[:8],
+        qo_len = qo[1:] - qo[:-1] if qo.ndim == 1 else None  # (np.diff costs 3x this in Python overhead)
+        if qo_len is None or len(qo) < 1 or qo[0] != 0 or np.minimum.reduce(qo_len, initial=0) < 0:
+            raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", paged.preview(qo),
                               "Build it as the prefix sum of query lengths.")
-        b = len(qo) - 1
+        b = len(qo_len)
         if kv_indices is None:
             kvp = paged.host_int_array("kv_indptr", kv_indptr)
-            if kvp.shape != (b + 1,) or kvp[0] != 0 or np.any(np.diff(kvp) < 0):
+            kv_len = kvp[1:] - kvp[:-1] if kvp.shape == (b + 1,) else None
+            if kv_len is None or kvp[0] != 0 or np.minimum.reduce(kv_len, initial=0) < 0:
                 raise checks.fail("kv_indptr", f"a non-decreasing array [{b + 1}] starting at 0 (token offsets)",
-                                  kvp[:8], "For paged KV also pass kv_indices and kv_last_page_len.")
-            kv_len, ragged, indices, page = np.diff(kvp), True, np.zeros(1, dtype=np.int64), RAGGED_PAGE
+                                  paged.preview(kvp), "For paged KV also pass kv_indices and kv_last_page_len.")
+            ragged, indices, page = True, np.zeros(1, dtype=np.int64), RAGGED_PAGE
             kv_off = kvp[:-1] if kv_offset is None else paged.host_int_array("kv_offset", kv_offset)
             max_page = -1
         else:
@@ -122,7 +129,6 @@ class BatchPrefill:
             kv_len, ragged, indices, kvp = table.kv_len, False, table.indices, table.indptr
             kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index
         q_off = qo[:-1] if q_offset is None else paged.host_int_array("q_offset", q_offset)
-        qo_len = np.diff(qo)
         tile_q, tile_kv = self.kernel.tile_q, self.kernel.tile_kv
         # Work: one CTA per (request, kv head, tile_q packed query rows); the longest KV range first.
         work, cost = scheduler.prefill_work(qo_len, kv_len, self.spec.group_size, self.spec.num_kv_heads, tile_q,
@@ -161,14 +167,14 @@ class BatchPrefill:
             ptrs, host, dev = self._fill_graph_buffers(parts, tile_indptr is not None, len(work), int(page), scale,
                                                        ragged, v_scale)
         else:
-            host = torch.from_numpy(flat.astype(np.int32)).pin_memory()
-            dev = host.to(self.device, non_blocking=True)
-            offsets = np.cumsum([0] + [len(x) for x in parts])
-            ptr = lambda i: dev.data_ptr() + 4 * int(offsets[i])  # noqa: E731
-            names = ["qo_indptr", "q_offset", "kv_indptr", "kv_indices", "kv_len", "kv_offset", "work",
-                     "kv_tile_indptr", "kv_tiles"]
-            ptrs = {n: (ptr(i) if i < len(parts) else 0) for i, n in enumerate(names)}
-            ptrs["num_work"] = 0
+            upload = self._staged_upload(len(flat))
+            host = upload.host()[:len(flat)]  # (waits for that buffer's copy of two plans ago)
+            host[:] = flat
+            upload.upload(len(flat))
+            dev = upload.dev
+            ptrs, at = dict.fromkeys(PLAN_ARRAYS, 0), dev.data_ptr()  # (absent arrays: null)
+            for name, part in zip(PLAN_ARRAYS, parts):
+                ptrs[name], at = at, at + 4 * len(part)
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
                       "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "v_scale": v_scale,
@@ -176,11 +182,22 @@ class BatchPrefill:
                       "grid": self._grid(len(work))}
         self._memo.new_plan()
 
+    def _staged_upload(self, num_int32: int) -> StagedUpload:
+        """The plan's upload buffers, grown (doubling) when a plan outgrows them; a CPU device plans
+        host-only (tests, host-cost timing): its 'device' buffer is host memory."""
+        upload = self._upload
+        if upload is None or upload.dev.numel() < num_int32:
+            size = max(num_int32, 2 * upload.dev.numel() if upload is not None else MIN_UPLOAD_INT32)
+            if upload is not None:
+                upload.drain()  # its pinned buffers go back to torch's allocator: no copy may still read them
+            upload = self._upload = HostOnlyUpload(size) if self.device.type == "cpu" else StagedUpload(size, self.device)
+        return upload
+
     def _grid(self, num_work: int) -> int:
         """CTAs to launch: one per item, or (persistent) one per resident slot; graph mode sizes for
         the capacity and the kernel reads the planned count from device memory."""
         if self.kernel.persistent:
-            slots = torch.cuda.get_device_properties(self.device).multi_processor_count * self.kernel.ctas_per_sm
+            slots = self._sms() * self.kernel.ctas_per_sm
             return slots if self.use_cuda_graph else max(1, min(num_work, slots))
         return self.capacity["work"] if self.use_cuda_graph else num_work
 
@@ -189,13 +206,19 @@ class BatchPrefill:
         s, k = self.spec, self.kernel
         if not (self.split_kv and splittable):
             return scheduler.unsplit_prefill_work(work)
-        req = work[:, 0]
         if s.window_left >= 0:  # the first KV token the item's first row may see
+            req = work[:, 0]
             kv_lo = np.maximum(0, kv_len[req] - qo_len[req] + work[:, 2] // s.group_size - s.window_left)
         else:
-            kv_lo = np.zeros(len(work), dtype=np.int64)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, sms * k.ctas_per_sm)
+            kv_lo = None  # (every range from 0)
+        return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm)
+
+    def _sms(self) -> int:
+        """The device's SM count, asked once (up to three times a plan otherwise; not at construction,
+        which a machine without a GPU runs too)."""
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return self._num_sms
 
     def _check_scales(self, k_scale, v_scale) -> float:
         """The plan's v_scale, after checking both scales: finite and positive; v_scale 1 for 16-bit K/V
@@ -241,7 +264,7 @@ class BatchPrefill:
         self._graph_dev.copy_(self._graph_host, non_blocking=True)
         self._graph_copy = torch.cuda.Event()
         self._graph_copy.record(torch.cuda.current_stream(self.device))
-        return ptrs, self._graph_host, self._graph_dev
+        return ptrs, host, self._graph_dev
 
     # -- run -----------------------------------------------------------------------------------------
     def _q_fields(self, q: torch.Tensor) -> dict:

@@ -23,8 +23,9 @@ item, so slots never collide; the merge kernel recomputes the slots of each spli
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -293,13 +294,21 @@ def prefill_work(qo_len: np.ndarray, kv_len: np.ndarray, group: int, num_kv_head
     up to its last token's position, queries aligned to the end of the keys). Unsorted.
     """
     tiles = -(-(qo_len * group) // tile_q)
-    per_request = tiles * num_kv_heads
-    req = np.repeat(np.arange(len(qo_len)), per_request)
-    within = np.arange(len(req)) - np.repeat(np.cumsum(per_request) - per_request, per_request)
-    head, tile = within % num_kv_heads, within // num_kv_heads
-    last_tok = np.minimum(qo_len[req] - 1, ((tile + 1) * tile_q - 1) // group)
-    cost = np.minimum(kv_len[req], kv_len[req] - qo_len[req] + last_tok + 1) if causal else kv_len[req]
-    return np.stack([req, head, tile * tile_q], axis=1), cost
+    # one entry per (request, query tile), then the kv heads as the innermost axis: [tiles, heads]
+    req = np.repeat(np.arange(len(qo_len)), tiles)
+    row0 = (np.arange(len(req)) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * tile_q
+    kv = kv_len[req]
+    if causal:  # up to the tile's last token, queries end-aligned: kv - qo + min(qo - 1, last row's token) + 1
+        qo = qo_len[req]
+        cost = kv - qo + 1 + np.minimum(qo - 1, (row0 + (tile_q - 1)) // group)
+        np.minimum(cost, kv, out=cost)
+    else:
+        cost = kv
+    work = np.empty((len(req), num_kv_heads, 3), dtype=np.int64)
+    work[:, :, 0] = req[:, None]
+    work[:, :, 1] = np.arange(num_kv_heads)
+    work[:, :, 2] = row0[:, None]
+    return work.reshape(-1, 3), np.repeat(cost, num_kv_heads)
 
 
 PREFILL_ITEM_FIXED_COST = 2  # an item's fixed cost, x tile_q token-equivalents (load Q, write O: the 2*qo term)
@@ -316,13 +325,13 @@ class PrefillSplit:
 
 def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
     """Every item [N, 3] whole: an unbounded KV chunk, slot 0 (rows written straight to the output)."""
-    n = len(work)
-    cols = [np.asarray(work, np.int64).reshape(n, 3), np.zeros((n, 1), np.int64), np.full((n, 1), 2**31 - 1),
-            np.zeros((n, 1), np.int64)]
-    return PrefillSplit(np.concatenate(cols, axis=1).astype(np.int64), 1, 0)
+    out = np.zeros((len(work), 6), np.int64)
+    out[:, :3] = work
+    out[:, 4] = 2**31 - 1
+    return PrefillSplit(out, 1, 0)
 
 
-def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: np.ndarray, tile_q: int, tile_kv: int,
+def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.ndarray], tile_q: int, tile_kv: int,
                        num_ctas: int) -> PrefillSplit:
     """Split prefill items [N, 3] whose KV range [kv_lo, kv_hi) exceeds a fair share of the GPU.
 
@@ -332,16 +341,21 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: np.ndarray, t
     from its own tile-aligned start: a 2.05-share item becomes two chunks, not two and a sliver that
     would start a second wave. Chunk c of an item writes partial slot c, merged afterwards by LSE.
     When no item is cut every item writes its rows directly (slot 0, range unbounded). Input order is
-    kept; the chunks of one item are adjacent.
+    kept; the chunks of one item are adjacent. kv_lo None: every range starts at 0.
     """
     n = len(work)
-    lo = (kv_lo // tile_kv) * tile_kv
-    tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)
+    if kv_lo is None:
+        lo, tiles = 0, -(-kv_hi // tile_kv)
+    else:
+        lo = (kv_lo // tile_kv) * tile_kv
+        tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)
     total = int(tiles.sum()) * tile_kv + PREFILL_ITEM_FIXED_COST * tile_q * n
     share_tiles = max(SPLIT_SLACK * total / max(num_ctas, 1) / tile_kv, MIN_PREFILL_CHUNK_TILES)
-    pieces = np.maximum(np.ceil(tiles / share_tiles).astype(np.int64), 1)
-    if n == 0 or int(pieces.max()) == 1:
+    if n == 0 or math.ceil(int(tiles.max()) / share_tiles) <= 1:  # (the costliest item's count: one test)
         return unsplit_prefill_work(work)
+    if kv_lo is None:
+        lo = np.zeros(n, dtype=np.int64)
+    pieces = np.maximum(np.ceil(tiles / share_tiles).astype(np.int64), 1)
     per_chunk = -(-tiles // pieces)  # tiles per chunk of each item
     pieces = np.maximum(-(-tiles // np.maximum(per_chunk, 1)), 1)  # rounding may leave a chunk empty: drop it
     item = np.repeat(np.arange(n), pieces)
@@ -363,6 +377,8 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
     on a causal batch gave some CTAs whole rounds of the longest items (B1 S8192: 1128 vs 911 us
     for one CTA per item)."""
     n = len(cost)
+    if n <= ctas:  # one round on idle CTAs: costliest first is the whole answer (no trade changes a load)
+        return np.argsort(-cost, kind="stable")
     perm = np.empty(n, dtype=np.int64)
     load = np.zeros(ctas, dtype=np.float64)
     for start in range(0, n, ctas):
@@ -428,8 +444,8 @@ def order_prefill_work(work: np.ndarray, cost: np.ndarray, mode: str) -> np.ndar
         raise ValueError(f"order_prefill_work: mode must be one of {WORK_ORDERS}, got {mode!r}")
     if len(work) == 0:
         return np.zeros(0, dtype=np.int64)
-    key = work[:, 0].astype(np.int64) * (int(work[:, 1].max()) + 1) + work[:, 1]
-    _, group = np.unique(key, return_inverse=True)
+    # the (request, kv head) key itself names the group: ordered as its rank would be, no np.unique needed
+    group = work[:, 0].astype(np.int64) * (int(work[:, 1].max()) + 1) + work[:, 1]
     group_max = np.zeros(int(group.max()) + 1, dtype=np.int64)
     np.maximum.at(group_max, group, cost)
     # lexsort: last key is primary -> longest group first, then by group, then longest item first

@@ -15,6 +15,8 @@ def test_level_bookkeeping_errors():
         check_levels(4, [([0, 2, 4], [0, 5], list(range(5)), [4])])
     with pytest.raises(ValueError, match="group_indptr, kv_indptr"):
         check_levels(4, [([0, 4], [0, 5])])
+    with pytest.raises(ValueError, match=r"group_indptr: expected .* batch size 4, got 4\."):  # a scalar
+        check_levels(4, [(4, [0, 5], list(range(5)), [4])])
 
 
 @pytest.mark.gpu

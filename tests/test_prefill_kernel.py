@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -395,6 +396,26 @@ def test_plan_refuses_bad_scales_before_any_work(spec, kw, match):
     w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
     with pytest.raises(ValueError, match=match):
         w.plan([0, 4], [0, 9], **kw)
+
+
+@pytest.mark.parametrize("qo,kv,match", [
+    (5, [0, 9], r"qo_indptr: expected a non-decreasing 1-D array \[B\+1\] starting at 0, got 5\."),
+    ([[0, 4]], [0, 9], r"qo_indptr: expected .*, got \[\[0 4\]\]"),
+    (np.zeros(0, np.int64), [0, 9], r"qo_indptr: expected .*, got \[\]"),
+    ([1, 4], [0, 9], r"qo_indptr: expected .*, got \[1 4\]"),
+    ([0, 5, 3], [0, 9, 9], r"qo_indptr: expected .*, got \[0 5 3\]"),
+    ([0, 4], 9, r"kv_indptr: expected a non-decreasing array \[2\] starting at 0 \(token offsets\), got 9\."),
+    ([0, 4], [0, 9, 12], r"kv_indptr: expected a non-decreasing array \[2\]"),
+    ([0, 4, 6], [0, 9, 7], r"kv_indptr: expected .*, got \[0 9 7\]"),
+    ([0, 4], [2, 9], r"kv_indptr: expected .*, got \[2 9\]")])
+def test_plan_refuses_bad_index_arrays_with_what_it_got(qo, kv, match):
+    """A scalar where an array belongs gets the same message as any bad array (not an IndexError)."""
+    from attnforge import BatchPrefill
+    w = BatchPrefill(SPEC, device="cuda:0")
+    with pytest.raises(ValueError, match=match):
+        w.plan(qo, kv)
+    with pytest.raises(ValueError, match=r"kv_indptr: expected a 1-D array \[B\+1\] starting at 0, got 3\."):
+        w.plan([0, 4], 3, [0], [1], page_size=16)
 
 
 def test_plan_takes_scales_of_any_real_type_but_bool():

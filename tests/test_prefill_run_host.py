@@ -196,9 +196,41 @@ def test_single_prefill_launches_each_modifiers_own_tensors(recorder):
         assert recorder.launches[-1][2].mod_t0 == slopes.data_ptr()
 
 
+def test_plans_upload_through_two_staged_buffers_that_grow_when_outgrown(recorder):
+    """Outside graph mode a plan's int32 arrays go through two reused staging buffers (jit/upload.py),
+    not a fresh pinned and device tensor a plan; a plan larger than the buffers gets new, larger ones,
+    after every copy from the old ones is waited for."""
+    from attnforge.jit.upload import HostOnlyUpload
+    from attnforge.prefill import MIN_UPLOAD_INT32
+    w = BatchPrefill(SPEC, device="cpu")
+
+    def region(name: str, n: int) -> list:
+        dev = w._upload.dev
+        assert w._plan["dev"] is dev
+        off = (w._plan["ptrs"][name] - dev.data_ptr()) // 4
+        return dev[off:off + n].tolist()
+    for kv in (100, 120, 140):
+        w.plan(np.array([0, 80]), np.array([0, kv]))
+        assert region("qo_indptr", 2) == [0, 80] and region("kv_indptr", 2) == [0, kv] and region("kv_len", 1) == [kv]
+        work = np.array(region("work", 6 * w._plan["num_work"])).reshape(-1, 6)
+        tile_q = w.kernel.tile_q  # 80 queries x group 4 = 320 packed rows a kv head
+        assert sorted(map(tuple, work[:, :3].tolist())) == [(0, h, r) for h in range(8) for r in range(0, 320, tile_q)]
+    first = w._upload
+    assert isinstance(first, HostOnlyUpload) and first.dev.numel() == MIN_UPLOAD_INT32
+    # buffers in turn: the third plan waits for the first plan's copy before it refills that buffer
+    assert first.log == [("record", 0), ("record", 1), ("wait", 0), ("record", 0)]
+    w.plan(np.array([0, 16384]), np.array([0, 16384]))  # 4096 items: 24576 work values alone
+    assert w._upload is not first and w._upload.dev.numel() >= max(2 * MIN_UPLOAD_INT32, len(w._plan["host"]))
+    assert first.log[-2:] == [("wait", 0), ("wait", 1)]  # drained before its buffers were dropped
+    assert region("qo_indptr", 2) == [0, 16384] and len(w._plan["host"]) > MIN_UPLOAD_INT32
+    grown = w._upload
+    w.plan(np.array([0, 80]), np.array([0, 100]))  # smaller again: the grown buffers serve it
+    assert w._upload is grown and region("kv_len", 1) == [100]
+
+
 def tile_lists(w) -> np.ndarray:
     """The plan's block-sparse tile ids, as uploaded (host copy of the plan's int32 arrays)."""
-    host = w._plan["host"].numpy()
+    host = w._plan["host"]  # (the int32 values this plan uploaded)
     start = (w._plan["ptrs"]["kv_tiles"] - w._plan["dev"].data_ptr()) // 4
     return host[start:]
 

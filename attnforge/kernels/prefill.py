@@ -231,7 +231,8 @@ class PrefillKernel:
         """fp8 K/V on the wgmma kernel (staged as stored, widened by the producer)."""
         return self.backend == "wgmma" and self.fp8_kv
 
-    @property
+    # the sizes below are cached: the fields are final once __post_init__ has run, and plan() and run() read them
+    @cached_property
     def _shape(self) -> tuple[int, int, int]:
         if self.wgmma_fp8:
             return _SHAPES["wgmma64_fp8" if self.spec.head_dim_qk == 64 else "wgmma_fp8"]
@@ -248,25 +249,25 @@ class PrefillKernel:
         matrices keep the leads three shared stages (six) give."""
         return self.backend == "wgmma" and bool(self.producer) and self.stages == 2
 
-    @property
+    @cached_property
     def tile_q(self) -> int:
         return self._shape[0] * (self.m_tiles if self.backend == "mma" else 1)
 
-    @property
+    @cached_property
     def tile_kv(self) -> int:
         return self.kv_tile or self._shape[1]
 
-    @property
+    @cached_property
     def stages(self) -> int:
         return self.num_stages if self.num_stages is not None else self._shape[2]
 
-    @property
+    @cached_property
     def threads(self) -> int:
         if self.backend == "wgmma":
             return 2 * self.tile_q + (128 if self.producer else 0)
         return 32 * (self.tile_q // (16 * self.m_tiles))
 
-    @property
+    @cached_property
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM (the split planner's and the persistent grid's unit): as shared memory
         and registers allow. One for the wgmma kernel, built with __launch_bounds__(threads, 1): ptxas
