@@ -390,7 +390,7 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
     return _swap_within_rounds(perm, cost, ctas)
 
 
-SWAP_PASSES = 4  # x ctas trades at most (each one round's pair: ~10 us of numpy)
+SWAP_PASSES = 4  # x ctas trades at most (each ~5-10 us: two numpy scans and a loop over the rounds)
 SWAP_SLACK = 0.005  # the most loaded CTA's excess over the mean load that is left alone
 
 
@@ -408,21 +408,25 @@ def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.nda
     load = c.sum(axis=0)
     if n > full * ctas:
         load[:n - full * ctas] += cost[perm[full * ctas:]]
-    good_enough = (1 + SWAP_SLACK) * load.mean()  # trades cost ~10 us each: stop within this of the mean
+    good_enough = (1 + SWAP_SLACK) * load.mean()  # stop within this of the mean
+    cols = c.T.tolist()  # cols[b][r]: CTA b's item cost in round r (a few rounds: Python beats numpy calls)
     for _ in range(SWAP_PASSES * ctas):
-        a, b = int(np.argmax(load)), int(np.argmin(load))
-        if load[a] <= good_enough:
+        a, b = int(load.argmax()), int(load.argmin())
+        top = load[a].item()
+        if top <= good_enough:
             break
-        gap = load[a] - load[b]
-        d = c[:, a] - c[:, b]  # a trade in round r moves d from CTA a to CTA b
-        useful = (d > 0) & (d < gap)
-        if not useful.any():
+        gap = top - load[b].item()
+        half, best, r = gap / 2, math.inf, -1
+        for i, (ca, cb) in enumerate(zip(cols[a], cols[b])):  # a trade in round i moves d from a to b
+            d = ca - cb
+            if 0 < d < gap and abs(d - half) < best:
+                best, r = abs(d - half), i
+        if r < 0:
             break
-        r = int(np.argmin(np.where(useful, np.abs(d - gap / 2), np.inf)))
-        grid[r, [a, b]] = grid[r, [b, a]]
-        c[r, [a, b]] = c[r, [b, a]]
-        load[a] -= d[r]
-        load[b] += d[r]
+        grid[r, a], grid[r, b] = grid[r, b], grid[r, a]
+        cols[a][r], cols[b][r] = cols[b][r], cols[a][r]
+        load[a] -= cols[b][r] - cols[a][r]  # (the trade's d, read after the swap)
+        load[b] += cols[b][r] - cols[a][r]
     out = perm.copy()
     out[:full * ctas] = grid.reshape(-1)
     return out
