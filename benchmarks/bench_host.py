@@ -8,6 +8,8 @@
   BatchMLAPagedAttentionWrapper (fa2 and fa3 backends).
 - `prefill run q16 kv512`: a short ragged causal chunk's run after its plan, against FlashInfer's
   BatchPrefillWithRaggedKVCacheWrapper.run (fa2 and fa3).
+- `prefill plan q16 kv512`: that chunk's plan() from host arrays (FlashInfer's from CPU tensors, its host-side
+  form), 2000 back to back: what an engine pays once a step before the layers' runs.
 - `attention L128` / `attention docmask L1024`: the one-shot SDPA-layout call on [1, 32, L, 128] queries, GQA 32/8,
   against torch SDPA and FlexAttention (compiled; the document mask's block mask built once, as Flex users do);
   attnforge's own mask call compares the mask's document ids with the plan's at each call.
@@ -102,6 +104,9 @@ def mla_case(report, peers: bool) -> None:
             report.note(f"host: flashinfer-{backend} MLA: {type(e).__name__}: {str(e)[:160]}")
 
 
+PREFILL_PLAN = "prefill plan q16 kv512"
+
+
 def prefill_case(report, peers: bool) -> None:
     from attnforge import BatchPrefill
     case = "prefill run q16 kv512"
@@ -110,6 +115,8 @@ def prefill_case(report, peers: bool) -> None:
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, causal=True))
     w.plan(np.array([0, 16], np.int32), np.array([0, 512], np.int32))
     report.add("host", case, "attnforge", host_us(lambda: w.run(q, (k, v))))
+    qo_kv = (np.array([0, 16], np.int32), np.array([0, 512], np.int32))
+    report.add("host", PREFILL_PLAN, "attnforge", host_us(lambda: w.plan(*qo_kv)))
     if not peers:
         return
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -117,9 +124,11 @@ def prefill_case(report, peers: bool) -> None:
         try:
             import flashinfer
             f = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-            indptr = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
-            f.plan(indptr(16), indptr(512), HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+            qo_t, kv_t = (torch.tensor([0, n], dtype=torch.int32) for n in (16, 512))  # (built once, as ours)
+            fi_plan = lambda: f.plan(qo_t, kv_t, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)  # noqa: E731
+            fi_plan()
             report.add("host", case, f"flashinfer-{backend}", host_us(lambda: f.run(q, k, v)))
+            report.add("host", PREFILL_PLAN, f"flashinfer-{backend}", host_us(fi_plan))
         except Exception as e:
             report.note(f"host: flashinfer-{backend} prefill: {type(e).__name__}: {str(e)[:160]}")
 
