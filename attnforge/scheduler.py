@@ -345,7 +345,7 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.n
     """
     n = len(work)
     if kv_lo is None:
-        lo, tiles = 0, -(-kv_hi // tile_kv)
+        lo, tiles = 0, -(-np.maximum(kv_hi, 0) // tile_kv)  # (a causal item's range may be empty: kv < q)
     else:
         lo = (kv_lo // tile_kv) * tile_kv
         tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)

@@ -168,6 +168,25 @@ def test_prefill_split_covers_each_items_kv_range_once_and_balances(num_ctas, wi
             assert len(seen[(r, h, row0)]) <= max(1, math.ceil(t * tile_kv / bound))
 
 
+def test_prefill_split_without_window_starts_every_range_at_zero():
+    """kv_lo None (no window: plan()'s usual case, one array fewer) plans as all-zero starts do, including
+    causal items with no visible key (fewer keys than queries: a negative KV end)."""
+    rng = np.random.default_rng(5)
+    split = 0
+    for _ in range(300):
+        b = int(rng.integers(1, 8))
+        qo_len = rng.integers(1, 300, size=b)
+        kv_len = qo_len + rng.integers(0, 40000, size=b)
+        kv_len[rng.integers(0, b)] = int(rng.integers(0, 200))  # (may be shorter than its queries)
+        work, kv_hi = scheduler.prefill_work(qo_len, kv_len, 4, 2, 128, causal=True)
+        ctas = int(rng.choice([1, 7, 132]))
+        a = scheduler.split_prefill_work(work, kv_hi, None, 128, 64, ctas)
+        z = scheduler.split_prefill_work(work, kv_hi, np.zeros(len(work), np.int64), 128, 64, ctas)
+        assert (a.work == z.work).all() and (a.num_slots, a.chunk) == (z.num_slots, z.chunk)
+        split += a.num_slots > 1
+    assert split > 50, "most draws must split, or the comparison covers only the early exit"
+
+
 def test_prefill_split_leaves_busy_batches_whole():
     qo_len = np.full(4, 8192)
     work, kv_hi = scheduler.prefill_work(qo_len, qo_len, 4, 8, 128, causal=True)
