@@ -190,7 +190,8 @@ class BatchPrefill:
             size = max(num_int32, 2 * upload.dev.numel() if upload is not None else MIN_UPLOAD_INT32)
             if upload is not None:
                 upload.drain()  # its pinned buffers go back to torch's allocator: no copy may still read them
-            upload = self._upload = HostOnlyUpload(size) if self.device.type == "cpu" else StagedUpload(size, self.device)
+            cpu = self.device.type == "cpu"
+            upload = self._upload = HostOnlyUpload(size) if cpu else StagedUpload(size, self.device)
         return upload
 
     def _grid(self, num_work: int) -> int:

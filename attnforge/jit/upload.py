@@ -7,12 +7,13 @@ up in its caching host allocator and records an event of its own, on every plan.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
 import torch
 
-from .loader import check, current_stream_handle, driver, ensure_context
+from .loader import check, current_stream_handle, driver, ensure_context, on_device
 
 
 class StagedUpload:
@@ -36,10 +37,11 @@ class StagedUpload:
         if num_int32 > self.dev.numel():  # a planner bug, not a user error: never copy past the buffers
             raise ValueError(f"StagedUpload.upload: {num_int32} values exceed the {self.dev.numel()}-value buffers")
         turn = self._turn
-        stream = self._stream()
-        if num_int32:
-            self._copy(self.dev.data_ptr(), self._hosts[turn].data_ptr(), 4 * num_int32, stream)
-        self._events[turn] = self._record(self._events[turn], stream)
+        with self._on_device():  # (the copy and its event go on the buffer's device, in its context)
+            stream = self._stream()
+            if num_int32:
+                self._copy(self.dev.data_ptr(), self._hosts[turn].data_ptr(), 4 * num_int32, stream)
+            self._events[turn] = self._record(self._events[turn], stream)
         self._turn ^= 1
 
     def drain(self) -> None:
@@ -49,6 +51,9 @@ class StagedUpload:
                 self._wait(event)
 
     # -- the CUDA calls (HostOnlyUpload replaces these) ---------------------------------------------
+    def _on_device(self):
+        return on_device(self.device)
+
     def _stream(self) -> int:
         return current_stream_handle(self.device.index)
 
@@ -80,6 +85,9 @@ class HostOnlyUpload(StagedUpload):
         self.log: list = []
         self._next_event = 0
         super().__init__(num_int32, torch.device("cpu"))
+
+    def _on_device(self):
+        return contextlib.nullcontext()
 
     def _stream(self) -> int:
         return 0

@@ -1,5 +1,5 @@
-"""loader.on_device: the device guard around every wrapper's launch is skipped only where torch's current device
-already is the wrapper's (torch's own guard would change nothing then); any other device gets the guard."""
+"""loader.on_device: the device guard around every wrapper's launch (and plan upload) is skipped only where torch's
+current device already is the wrapper's (torch's own guard would change nothing then); any other device gets it."""
 import torch
 
 from attnforge.jit import loader
@@ -29,3 +29,40 @@ def test_a_device_without_an_index_is_guarded(monkeypatch):
     guarded = _fake_cuda(monkeypatch, current=0)
     loader.on_device(torch.device("cuda"))
     assert guarded == [torch.device("cuda")]
+
+
+def test_plan_uploads_enqueue_on_their_own_device(monkeypatch):
+    """A plan's staged copy and its event go on the wrapper's device (its stream, in its context) whatever
+    device is current; on the current device no guard is entered."""
+    import contextlib
+    from attnforge.jit.upload import StagedUpload
+    events = []
+
+    class Recorded(StagedUpload):  # the CUDA calls recorded, in host memory
+        def _alloc(self, n):
+            return torch.zeros(n, dtype=torch.int32), [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
+
+        def _stream(self):
+            events.append("stream")
+            return 0
+
+        def _copy(self, dst, src, nbytes, stream):
+            events.append(f"copy {nbytes}")
+
+        def _record(self, event, stream):
+            events.append("record")
+            return 1
+
+    @contextlib.contextmanager
+    def guard(d):
+        events.append(("enter", d))
+        yield
+        events.append(("exit", d))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", guard)
+    Recorded(8, torch.device("cuda", 1)).upload(4)
+    one = torch.device("cuda", 1)
+    assert events == [("enter", one), "stream", "copy 16", "record", ("exit", one)]
+    events.clear()
+    Recorded(8, torch.device("cuda", 0)).upload(4)
+    assert events == ["stream", "copy 16", "record"]
