@@ -25,6 +25,11 @@ from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
 MIN_UPLOAD_INT32 = 1 << 14  # the first upload buffers' size (64 KB each): most plans never grow them
+# graph mode's regions: the fixed-size ones first, so that one copy covers them with the used part of `work`
+# (a copy of the whole capacity, ~6 MB at the defaults, took the stream ~0.3 ms a plan)
+GRAPH_REGIONS = ("num_work", "qo_indptr", "q_offset", "kv_indptr", "kv_len", "kv_offset", "work", "kv_indices",
+                 "kv_tile_indptr", "kv_tiles")
+GRAPH_COPY_GAP = 1024  # int32 values of unfilled capacity a copy may span rather than start another (~3 us)
 # plan()'s int32 arrays in the order it packs them, then the count graph mode reads from the device
 PLAN_ARRAYS = ("qo_indptr", "q_offset", "kv_indptr", "kv_indices", "kv_len", "kv_offset", "work", "kv_tile_indptr",
                "kv_tiles", "num_work")
@@ -87,13 +92,11 @@ class BatchPrefill:
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
         self.use_cuda_graph = use_cuda_graph
         self.capacity = {"batch": max_batch_size, "work": max_work_items, "pages": max_num_pages, "tiles": max_tiles}
-        if use_cuda_graph:
+        if use_cuda_graph:  # fixed regions (a captured launch keeps their addresses): (name, int32 entries)
             b, w = max_batch_size, max_work_items
-            # regions, in the order plan() fills them: (name, int32 entries)
-            self._regions = list(zip(PLAN_ARRAYS, (b + 1, b, b + 1, max_num_pages, b, b, 6 * w, w + 1, max_tiles, 1)))
-            total = sum(-(-n // 4) * 4 for _, n in self._regions)
-            self._graph_host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
-            self._graph_dev = torch.zeros(total, dtype=torch.int32, device=self.device)
+            caps = dict(zip(PLAN_ARRAYS, (b + 1, b, b + 1, max_num_pages, b, b, 6 * w, w + 1, max_tiles, 1)))
+            self._regions = [(name, caps[name]) for name in GRAPH_REGIONS]
+            self._staged_upload(sum(-(-n // 4) * 4 for _, n in self._regions))
 
     def plan(self, qo_indptr, kv_indptr, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              sm_scale: Optional[float] = None, q_offset=None, kv_offset=None, k_scale: float = 1.0,
@@ -235,7 +238,7 @@ class BatchPrefill:
 
     def _fill_graph_buffers(self, parts, has_tiles: bool, num_work: int, page: int, scale: float, ragged: bool,
                             v_scale: float):
-        """Write the plan into the persistent buffers (graph mode) and copy them with one async memcpy."""
+        """Write the plan into the fixed regions (graph mode) of a staged buffer and copy what it filled."""
         first = getattr(self, "_graph_fixed", None)
         fixed = (page, scale, ragged, has_tiles, v_scale)
         if first is not None and first != fixed:
@@ -245,27 +248,29 @@ class BatchPrefill:
         self._graph_fixed = fixed
         caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 6 * self.capacity["work"],
                 "kv_indices": self.capacity["pages"], "kv_tiles": self.capacity["tiles"]}
-        names = [n for n, _ in self._regions]
-        values = dict(zip(names, parts))
+        values = dict(zip(PLAN_ARRAYS, parts))
         values["num_work"] = np.array([num_work])
-        if getattr(self, "_graph_copy", None) is not None:
-            self._graph_copy.synchronize()  # the previous plan's copy may still read the pinned buffer
-        host, ptrs, off = self._graph_host.numpy(), {}, 0
+        for name, n in self._regions:  # (all checked before the buffer is touched)
+            if name in values and len(values[name]) > n:
+                raise checks.fail(f"plan: {name} in CUDA-graph mode", f"at most {caps.get(name, n)} entries",
+                                  len(values[name]), "Construct BatchPrefill with larger max_* capacities.")
+        upload = self._upload
+        host, dev = upload.host(), upload.dev.data_ptr()  # (host() waits for that buffer's copy of two plans ago)
+        ptrs, copies, off = {}, [], 0
         for name, n in self._regions:
             v = values.get(name)
-            if v is not None and len(v) > n:
-                raise checks.fail(f"plan: {name} in CUDA-graph mode", f"at most {caps.get(name, n)} entries",
-                                  len(v), "Construct BatchPrefill with larger max_* capacities.")
             if v is not None:
                 host[off:off + len(v)] = v
-            ptrs[name] = self._graph_dev.data_ptr() + 4 * off if (v is not None or name == "num_work") else 0
+                if copies and off - sum(copies[-1]) <= GRAPH_COPY_GAP:  # one copy over a short gap
+                    copies[-1] = (copies[-1][0], off + len(v) - copies[-1][0])
+                else:
+                    copies.append((off, len(v)))
+            ptrs[name] = dev + 4 * off if v is not None else 0
             off += -(-n // 4) * 4
         if not has_tiles:
             ptrs["kv_tile_indptr"] = ptrs["kv_tiles"] = 0
-        self._graph_dev.copy_(self._graph_host, non_blocking=True)
-        self._graph_copy = torch.cuda.Event()
-        self._graph_copy.record(torch.cuda.current_stream(self.device))
-        return ptrs, host, self._graph_dev
+        upload.upload_ranges(copies)
+        return ptrs, host[:off], upload.dev
 
     # -- run -----------------------------------------------------------------------------------------
     def _q_fields(self, q: torch.Tensor) -> dict:

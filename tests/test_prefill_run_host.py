@@ -228,6 +228,42 @@ def test_plans_upload_through_two_staged_buffers_that_grow_when_outgrown(recorde
     assert w._upload is grown and region("kv_len", 1) == [100]
 
 
+def test_graph_mode_plans_keep_their_addresses_and_copy_only_what_they_filled(recorder):
+    """Graph mode: every array keeps its address across plans (a captured launch holds them), each plan
+    copies the regions it filled (a few ranges, not the ~6 MB of capacity), and those hold its arrays."""
+    w = BatchPrefill(SPEC, device="cpu", use_cuda_graph=True, max_batch_size=8, max_num_pages=4096)
+    up = w._upload
+    copies = []
+    plain_copy = up._copy
+    up._copy = lambda dst, src, nbytes, stream: copies.append(nbytes) or plain_copy(dst, src, nbytes, stream)
+    up.dev.fill_(-7)  # (poison: what no plan wrote stays -7)
+    first = None
+    for qo_lens, pages in (([80, 3], [9, 40]), ([200, 1, 17], [13, 2, 60])):
+        b = len(qo_lens)
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+        kvp = np.concatenate([[0], np.cumsum(pages)])
+        indices = np.random.default_rng(b).permutation(4096)[:kvp[-1]]
+        last = np.full(b, 5)
+        copies.clear()
+        w.plan(qo, kvp, indices, last, page_size=16)
+        ptrs, dev = w._plan["ptrs"], up.dev
+
+        def region(name: str, n: int) -> list:
+            off = (ptrs[name] - dev.data_ptr()) // 4
+            return dev[off:off + n].tolist()
+        assert region("qo_indptr", b + 1) == qo.tolist() and region("kv_indptr", b + 1) == kvp.tolist()
+        assert region("kv_indices", kvp[-1]) == indices.tolist()
+        assert region("kv_len", b) == [(p - 1) * 16 + 5 for p in pages]
+        assert region("num_work", 1) == [w._plan["num_work"]]
+        work = np.array(region("work", 6 * w._plan["num_work"])).reshape(-1, 6)
+        assert sorted(set(work[:, 0].tolist())) == list(range(b))
+        assert region("work", 6 * w._plan["num_work"] + 1)[-1] == -7, "past the plan's items: never copied"
+        assert ptrs["kv_tile_indptr"] == ptrs["kv_tiles"] == 0  # (no mask: no tile lists)
+        assert len(copies) == 2 and sum(copies) < 4 * (300 + 6 * w._plan["num_work"] + kvp[-1])
+        first = first or dict(ptrs)
+        assert ptrs == first, "a captured launch keeps the addresses of the first plan"
+
+
 def tile_lists(w) -> np.ndarray:
     """The plan's block-sparse tile ids, as uploaded (host copy of the plan's int32 arrays)."""
     host = w._plan["host"]  # (the int32 values this plan uploaded)

@@ -34,13 +34,22 @@ class StagedUpload:
 
     def upload(self, num_int32: int) -> None:
         """Enqueue the copy of the first num_int32 values of host() on torch's current stream."""
-        if num_int32 > self.dev.numel():  # a planner bug, not a user error: never copy past the buffers
-            raise ValueError(f"StagedUpload.upload: {num_int32} values exceed the {self.dev.numel()}-value buffers")
+        self.upload_ranges(((0, num_int32),))
+
+    def upload_ranges(self, ranges) -> None:
+        """Enqueue the copies of host()[start:start + n] for each (start, n), then one event: a buffer
+        of fixed regions (graph mode) copies only what a plan filled."""
+        for start, n in ranges:  # a planner bug, not a user error: never copy past the buffers
+            if start < 0 or start + n > self.dev.numel():
+                raise ValueError(f"StagedUpload.upload: values [{start}, {start + n}) exceed the "
+                                 f"{self.dev.numel()}-value buffers")
         turn = self._turn
         with self._on_device():  # (the copy and its event go on the buffer's device, in its context)
             stream = self._stream()
-            if num_int32:
-                self._copy(self.dev.data_ptr(), self._hosts[turn].data_ptr(), 4 * num_int32, stream)
+            dev, host = self.dev.data_ptr(), self._hosts[turn].data_ptr()
+            for start, n in ranges:
+                if n:
+                    self._copy(dev + 4 * start, host + 4 * start, 4 * n, stream)
             self._events[turn] = self._record(self._events[turn], stream)
         self._turn ^= 1
 
