@@ -264,6 +264,53 @@ def test_graph_mode_plans_keep_their_addresses_and_copy_only_what_they_filled(re
         assert ptrs == first, "a captured launch keeps the addresses of the first plan"
 
 
+def _uploaded(w, name: str, n: int) -> list:
+    """n int32 values of one planned array, read back from the plan's (host-only) device buffer."""
+    dev = w._upload.dev
+    off = (w._plan["ptrs"][name] - dev.data_ptr()) // 4
+    return dev[off:off + n].tolist()
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged", "window", "mask"])
+def test_graph_mode_uploads_the_arrays_an_eager_plan_uploads(recorder, kind):
+    """On random batches a graph-mode plan's regions hold exactly the arrays the eager plan (the same wrapper
+    options, no split) uploads contiguously: the fixed-region path and its partial copies lose nothing."""
+    from attnforge import mods
+    kw = {"window_left": 300} if kind == "window" else {}
+    if kind == "mask":
+        kw["score_mod"] = mods.compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx // 64) % 3 != (kv_idx // 64) % 3)
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True, **kw)
+    eager = BatchPrefill(spec, device="cpu", split_kv=False)
+    graph = BatchPrefill(spec, device="cpu", use_cuda_graph=True, max_batch_size=8, max_num_pages=8192,
+                         max_work_items=4096, max_tiles=1 << 16)
+    rng = np.random.default_rng(len(kind))
+    for _ in range(12):
+        b = int(rng.integers(1, 9))
+        qo = np.concatenate([[0], np.cumsum(rng.integers(1, 400, size=b))])
+        kv_lens = np.diff(qo) + rng.integers(0, 1500, size=b)
+        if kind == "paged":
+            pages = -(-kv_lens // 16)
+            kvp = np.concatenate([[0], np.cumsum(pages)])
+            args = (qo, kvp, rng.permutation(8192)[:kvp[-1]], kv_lens - (pages - 1) * 16)
+            kw_plan = {"page_size": 16}
+        else:
+            args, kw_plan = (qo, np.concatenate([[0], np.cumsum(kv_lens)])), {}
+        for w in (eager, graph):
+            w.plan(*args, **kw_plan)
+        n = eager._plan["num_work"]
+        assert graph._plan["num_work"] == n and _uploaded(graph, "num_work", 1) == [n]
+        sizes = {"qo_indptr": b + 1, "q_offset": b, "kv_indptr": b + 1, "kv_len": b, "kv_offset": b, "work": 6 * n,
+                 "kv_indices": len(args[2]) if kind == "paged" else 1}
+        if kind == "mask":
+            sizes["kv_tile_indptr"] = n + 1
+            sizes["kv_tiles"] = _uploaded(eager, "kv_tile_indptr", n + 1)[-1]
+            assert sizes["kv_tiles"] > 0
+        else:
+            assert graph._plan["ptrs"]["kv_tiles"] == eager._plan["ptrs"]["kv_tiles"] == 0
+        for name, size in sizes.items():
+            assert _uploaded(graph, name, size) == _uploaded(eager, name, size), name
+
+
 def tile_lists(w) -> np.ndarray:
     """The plan's block-sparse tile ids, as uploaded (host copy of the plan's int32 arrays)."""
     host = w._plan["host"]  # (the int32 values this plan uploaded)
