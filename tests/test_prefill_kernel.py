@@ -414,6 +414,11 @@ def test_plan_refuses_bad_index_arrays_with_what_it_got(qo, kv, match):
     w = BatchPrefill(SPEC, device="cuda:0")
     with pytest.raises(ValueError, match=match):
         w.plan(qo, kv)
+
+
+def test_paged_plan_refuses_a_scalar_page_table_indptr():
+    from attnforge import BatchPrefill
+    w = BatchPrefill(SPEC, device="cuda:0")
     with pytest.raises(ValueError, match=r"kv_indptr: expected a 1-D array \[B\+1\] starting at 0, got 3\."):
         w.plan([0, 4], 3, [0], [1], page_size=16)
 
