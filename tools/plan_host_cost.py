@@ -1,6 +1,7 @@
-"""Host-side cost of BatchDecode.plan on a machine without a GPU: the CUDA calls (copy, event, stream,
-pinned memory) are replaced by HostOnlyUpload, so this times the numpy and Python part alone. The GPU number is the
-decode suite's `plan B256` row; the difference is what the driver calls cost there.
+"""Host-side cost of BatchDecode.plan and BatchPrefill.plan on a machine without a GPU: the CUDA calls (copy,
+event, stream, pinned memory) are replaced by HostOnlyUpload, so this times the numpy and Python part alone. The GPU
+numbers are the decode suite's `plan B256` row and suite host's `prefill plan q16 kv512`; the difference is what
+the driver calls cost there.
 
     python tools/plan_host_cost.py [--profile]
 """
@@ -35,6 +36,34 @@ def main() -> None:
     print(f"plan B256, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
     if "--profile" in sys.argv:
         profile(lambda: w.plan(indptr, indices, last, page_size=16), 300)
+    prefill_plans()
+
+
+def prefill_plans() -> None:
+    """BatchPrefill.plan on a host-only wrapper (device "cpu"), GQA 32/8, d128, causal, 132 SMs: a short
+    ragged chunk (suite host's row) and a B8 paged batch of mixed lengths (the persistent grid's trades)."""
+    from attnforge import BatchPrefill
+    w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True), device="cpu")
+    w._num_sms = 132  # (asked of the GPU otherwise)
+    rng = np.random.default_rng(0)
+    q8 = rng.integers(64, 512, size=8)
+    kv8 = q8 + rng.integers(0, 4096, size=8)
+    pages = -(-kv8 // 16)
+    kvp = np.concatenate([[0], np.cumsum(pages)])
+    cases = {"ragged q16 kv512": ((np.array([0, 16]), np.array([0, 512])), {}),
+             "paged B8 mixed": ((np.concatenate([[0], np.cumsum(q8)]), kvp, np.arange(kvp[-1]), kv8 - (pages - 1) * 16),
+                                {"page_size": 16})}
+    for name, (args, kw) in cases.items():
+        for _ in range(20):
+            w.plan(*args, **kw)
+        times = []
+        for _ in range(200):
+            t = time.perf_counter()
+            w.plan(*args, **kw)
+            times.append(time.perf_counter() - t)
+        print(f"prefill plan {name}, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
+        if "--profile" in sys.argv:
+            profile(lambda: w.plan(*args, **kw), 200)
 
 
 def profile(fn, calls: int) -> None:
