@@ -94,7 +94,8 @@ class BatchPrefill:
         self.capacity = {"batch": max_batch_size, "work": max_work_items, "pages": max_num_pages, "tiles": max_tiles}
         if use_cuda_graph:  # fixed regions (a captured launch keeps their addresses): (name, int32 entries)
             b, w = max_batch_size, max_work_items
-            caps = dict(zip(PLAN_ARRAYS, (b + 1, b, b + 1, max_num_pages, b, b, 6 * w, w + 1, max_tiles, 1)))
+            caps = dict(zip(PLAN_ARRAYS, (b + 1, b, b + 1, max(max_num_pages, 1), b, b, 6 * w, w + 1, max(max_tiles, 1),
+                                          1)))
             self._regions = [(name, caps[name]) for name in GRAPH_REGIONS]
             self._staged_upload(sum(-(-n // 4) * 4 for _, n in self._regions))
 
@@ -245,15 +246,19 @@ class BatchPrefill:
             raise checks.fail("plan in CUDA-graph mode",
                               f"page_size, sm_scale*k_scale, KV kind, mask and v_scale as captured {first}",
                               fixed, "Capture one graph per configuration (these are baked into the launch).")
+        # what the plan needs against each capacity (every region then fits: they are sized from these)
+        needs = {"batch": (len(parts[0]) - 1, "requests", "max_batch_size"),
+                 "work": (num_work, "work items", "max_work_items"),
+                 "pages": (0 if ragged else len(parts[3]), "page ids", "max_num_pages"),
+                 "tiles": (len(parts[8]) if has_tiles else 0, "KV tiles (block mask)", "max_tiles")}
+        for key, (need, what, arg) in needs.items():
+            if need > self.capacity[key]:
+                raise checks.fail(f"plan in CUDA-graph mode: {what}", f"at most {arg}={self.capacity[key]}", need,
+                                  f"Construct BatchPrefill with a larger {arg} (the buffers a graph captures are "
+                                  "sized at construction).")
         self._graph_fixed = fixed
-        caps = {"qo_indptr": self.capacity["batch"] + 1, "work": 6 * self.capacity["work"],
-                "kv_indices": self.capacity["pages"], "kv_tiles": self.capacity["tiles"]}
         values = dict(zip(PLAN_ARRAYS, parts))
         values["num_work"] = np.array([num_work])
-        for name, n in self._regions:  # (all checked before the buffer is touched)
-            if name in values and len(values[name]) > n:
-                raise checks.fail(f"plan: {name} in CUDA-graph mode", f"at most {caps.get(name, n)} entries",
-                                  len(values[name]), "Construct BatchPrefill with larger max_* capacities.")
         upload = self._upload
         host, dev = upload.host(), upload.dev.data_ptr()  # (host() waits for that buffer's copy of two plans ago)
         ptrs, copies, off = {}, [], 0

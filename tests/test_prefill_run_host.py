@@ -196,6 +196,14 @@ def test_single_prefill_launches_each_modifiers_own_tensors(recorder):
         assert recorder.launches[-1][2].mod_t0 == slopes.data_ptr()
 
 
+def _uploaded(w, name: str, n: int) -> list:
+    """n int32 values of one planned array, read back from the plan's (host-only) device buffer."""
+    dev = w._upload.dev
+    assert w._plan["dev"] is dev
+    off = (w._plan["ptrs"][name] - dev.data_ptr()) // 4
+    return dev[off:off + n].tolist()
+
+
 def test_plans_upload_through_two_staged_buffers_that_grow_when_outgrown(recorder):
     """Outside graph mode a plan's int32 arrays go through two reused staging buffers (jit/upload.py),
     not a fresh pinned and device tensor a plan; a plan larger than the buffers gets new, larger ones,
@@ -203,12 +211,7 @@ def test_plans_upload_through_two_staged_buffers_that_grow_when_outgrown(recorde
     from attnforge.jit.upload import HostOnlyUpload
     from attnforge.prefill import MIN_UPLOAD_INT32
     w = BatchPrefill(SPEC, device="cpu")
-
-    def region(name: str, n: int) -> list:
-        dev = w._upload.dev
-        assert w._plan["dev"] is dev
-        off = (w._plan["ptrs"][name] - dev.data_ptr()) // 4
-        return dev[off:off + n].tolist()
+    region = lambda name, n: _uploaded(w, name, n)  # noqa: E731
     for kv in (100, 120, 140):
         w.plan(np.array([0, 80]), np.array([0, kv]))
         assert region("qo_indptr", 2) == [0, 80] and region("kv_indptr", 2) == [0, kv] and region("kv_len", 1) == [kv]
@@ -246,11 +249,8 @@ def test_graph_mode_plans_keep_their_addresses_and_copy_only_what_they_filled(re
         last = np.full(b, 5)
         copies.clear()
         w.plan(qo, kvp, indices, last, page_size=16)
-        ptrs, dev = w._plan["ptrs"], up.dev
-
-        def region(name: str, n: int) -> list:
-            off = (ptrs[name] - dev.data_ptr()) // 4
-            return dev[off:off + n].tolist()
+        ptrs = w._plan["ptrs"]
+        region = lambda name, n: _uploaded(w, name, n)  # noqa: E731
         assert region("qo_indptr", b + 1) == qo.tolist() and region("kv_indptr", b + 1) == kvp.tolist()
         assert region("kv_indices", kvp[-1]) == indices.tolist()
         assert region("kv_len", b) == [(p - 1) * 16 + 5 for p in pages]
@@ -264,11 +264,26 @@ def test_graph_mode_plans_keep_their_addresses_and_copy_only_what_they_filled(re
         assert ptrs == first, "a captured launch keeps the addresses of the first plan"
 
 
-def _uploaded(w, name: str, n: int) -> list:
-    """n int32 values of one planned array, read back from the plan's (host-only) device buffer."""
-    dev = w._upload.dev
-    off = (w._plan["ptrs"][name] - dev.data_ptr()) // 4
-    return dev[off:off + n].tolist()
+def test_graph_mode_refuses_a_plan_past_its_capacities_or_captured_values_before_touching_its_buffers(recorder):
+    """A plan that needs more than the constructor's capacities, or changes a value baked into the captured
+    launch, is refused with what to do, and the buffers keep the last good plan (a graph may replay it)."""
+    w = BatchPrefill(SPEC, device="cpu", use_cuda_graph=True, max_batch_size=4, max_work_items=64)
+    w.plan(np.array([0, 80]), np.array([0, 100]))
+    good, up, planned = _uploaded(w, "work", 6 * w._plan["num_work"]), w._upload, w._plan
+    log = list(up.log)
+    with pytest.raises(ValueError, match=r"plan in CUDA-graph mode: work items: expected at most max_work_items=64, "
+                                         r"got 1024\. Construct BatchPrefill with a larger max_work_items"):
+        w.plan(np.array([0, 4096]), np.array([0, 4096]))  # 4096 x 4 packed rows / 128-row tiles x 8 kv heads
+    with pytest.raises(ValueError, match=r"CUDA-graph mode: requests: expected at most max_batch_size=4, got 5"):
+        w.plan(np.arange(6) * 10, np.arange(6) * 20)
+    paged = BatchPrefill(SPEC, device="cpu", use_cuda_graph=True, max_num_pages=8)
+    with pytest.raises(ValueError, match=r"page ids: expected at most max_num_pages=8, got 9\. .*larger max_num_pages"):
+        paged.plan(np.array([0, 80]), np.array([0, 9]), np.arange(9), np.array([1]), page_size=16)
+    with pytest.raises(ValueError, match=r"plan in CUDA-graph mode: expected page_size, .* as captured .*"
+                                         r"Capture one graph per configuration"):
+        w.plan(np.array([0, 80]), np.array([0, 100]), sm_scale=0.5)
+    assert up.log == log, "no refused plan copied a buffer"
+    assert w._plan is planned and _uploaded(w, "work", len(good)) == good
 
 
 @pytest.mark.parametrize("kind", ["ragged", "paged", "window", "mask"])
