@@ -231,6 +231,16 @@ def test_plans_upload_through_two_staged_buffers_that_grow_when_outgrown(recorde
     assert w._upload is grown and region("kv_len", 1) == [100]
 
 
+def test_a_wrapper_asks_the_sm_count_once_across_plans(recorder, monkeypatch):
+    """plan() needs the SM count up to three times (split, persistent grid, launch grid): asked of torch once."""
+    calls = count_calls(monkeypatch, torch.cuda, "get_device_properties")
+    w = BatchPrefill(SPEC, device="cpu")
+    assert calls["n"] == 0  # (not at construction: a machine without a GPU builds wrappers too)
+    for kv in (100, 5000, 40000):  # the last splits its long keys
+        w.plan(np.array([0, 80]), np.array([0, kv]))
+    assert calls["n"] == 1 and w._plan["num_slots"] > 1 and w._plan["grid"] <= 132
+
+
 def test_graph_mode_plans_keep_their_addresses_and_copy_only_what_they_filled(recorder):
     """Graph mode: every array keeps its address across plans (a captured launch holds them), each plan
     copies the regions it filled (a few ranges, not the ~6 MB of capacity), and those hold its arrays."""
