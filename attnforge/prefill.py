@@ -17,7 +17,7 @@ import torch
 
 from . import blockmask, checks, codegen, ops, paged, scheduler, variants
 from .jit import registry
-from .jit.upload import HostOnlyUpload, StagedUpload
+from .jit.upload import HostOnlyUpload, StagedUpload, coalesce
 from .jit.loader import on_device
 from .kernels.prefill import PrefillKernel, default_backend
 from .merge import merge_states
@@ -29,7 +29,6 @@ MIN_UPLOAD_INT32 = 1 << 14  # the first upload buffers' size (64 KB each): most 
 # (the whole capacity, ~6.3 MB at the defaults, was copied every plan: ~0.25 ms of the stream at ~25 GB/s)
 GRAPH_REGIONS = ("num_work", "qo_indptr", "q_offset", "kv_indptr", "kv_len", "kv_offset", "work", "kv_indices",
                  "kv_tile_indptr", "kv_tiles")
-GRAPH_COPY_GAP = 1024  # int32 values of unfilled capacity a copy may span rather than start another (~3 us)
 # plan()'s int32 arrays in the order it packs them, then the count graph mode reads from the device
 PLAN_ARRAYS = ("qo_indptr", "q_offset", "kv_indptr", "kv_indices", "kv_len", "kv_offset", "work", "kv_tile_indptr",
                "kv_tiles", "num_work")
@@ -266,15 +265,12 @@ class BatchPrefill:
             v = values.get(name)
             if v is not None:
                 host[off:off + len(v)] = v
-                if copies and off - sum(copies[-1]) <= GRAPH_COPY_GAP:  # one copy over a short gap
-                    copies[-1] = (copies[-1][0], off + len(v) - copies[-1][0])
-                else:
-                    copies.append((off, len(v)))
+                copies.append((off, len(v)))
             ptrs[name] = dev + 4 * off if v is not None else 0
             off += -(-n // 4) * 4
         if not has_tiles:
             ptrs["kv_tile_indptr"] = ptrs["kv_tiles"] = 0
-        upload.upload_ranges(copies)
+        upload.upload_ranges(coalesce(copies))  # one copy over a short gap
         return ptrs, host[:off], upload.dev
 
     # -- run -----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, scheduler
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
+from conftest import rel_error
 from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
 
 pytestmark = pytest.mark.gpu
@@ -187,6 +188,34 @@ def test_one_selection_per_sm_decodes_whole_items_under_cuda_graphs():
         assert decode.planned_kernel == (decode._whole, sms) and scheduler.is_whole_item_plan(decode._plan["work"])
         ref = selection_reference(spec, q, cache, indptr, indices, last, index, 1024 // PAGE, quest)  # (whole items too)
         assert torch.equal(out, ref), f"replay {i}"
+
+
+def test_plans_queued_back_to_back_stage_each_table_at_fixed_addresses():
+    """plan() stages its arrays through two reused pinned buffers and never waits for the GPU: four
+    plans and runs queued without a synchronisation each decode their own table (full budget: dense
+    decode of the table), and the tables live at the addresses a graph would have captured."""
+    rng = np.random.default_rng(5)
+    pages_total = 512
+    spec, cache, index, _, _, _ = graph_case(pages_total, 1, 64)
+    quest = QuestDecode(spec, index, budget_tokens=1 << 20, page_size=PAGE, max_batch_size=8,
+                        max_num_pages=pages_total)
+    addresses = [t.data_ptr() for t in (quest._meta, quest._indptr, quest._sel_indptr, quest._pages)]
+    tables = [random_page_table(rng, b, PAGE, pages_total, 400)[1:] for b in (3, 8, 1, 5)]
+    q = torch.randn(8, 32, D, device="cuda").bfloat16()
+    outs = []
+    for indptr, indices, last in tables:
+        quest.plan(indptr, indices, last)
+        outs.append(quest.run(q[:len(last)], cache))
+    for i, ((indptr, indices, last), out) in enumerate(zip(tables, outs)):
+        dense = BatchDecode(spec)
+        dense.plan(indptr, indices, last, page_size=PAGE)
+        ref = dense.run(q[:len(last)], cache)
+        assert rel_error(out, ref) < 1e-2, f"plan {i}"
+    indptr, indices, last = tables[-1]
+    assert quest._meta.tolist() == [len(last), len(indices)]
+    assert quest._indptr[:len(indptr)].tolist() == indptr.tolist()
+    assert quest._pages[:len(indices)].tolist() == indices.tolist()
+    assert [t.data_ptr() for t in (quest._meta, quest._indptr, quest._sel_indptr, quest._pages)] == addresses
 
 
 def test_bad_arguments_raise():

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, reference
+from attnforge import AttentionSpec, BatchDecode, reference
 from attnforge.sparse import QuestHeadDecode, QuestIndex, expand_per_head, page_scores, select_pages
+from conftest import rel_error
 from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
 
 pytestmark = pytest.mark.gpu
@@ -164,6 +165,35 @@ def test_cuda_graph_replay_after_replans():
                                                                refresh, 6):
         ref = reference_per_head(q, cache, indptr, indices, list(lengths), index, 512 // PAGE, quest)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"replay {i}")
+
+
+def test_plans_queued_back_to_back_expand_each_table():
+    """plan() stages the request-level table and expands it per head on the device, never waiting for the
+    GPU: four plans and runs queued without a synchronisation each decode their own table (full budget:
+    dense decode of the table), and the last plan's expanded table is expand_per_head's."""
+    rng = np.random.default_rng(6)
+    pages_total = 256
+    cache = torch.randn(pages_total, 2, HKV, PAGE, D, device="cuda").bfloat16()
+    index = QuestIndex(pages_total, HKV, D, device="cuda")
+    index.append(cache[:, 0].permute(0, 2, 1, 3).reshape(-1, HKV, D),
+                 torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
+    quest = QuestHeadDecode(SPEC, index, budget_tokens=1 << 20, page_size=PAGE, max_batch_size=6,
+                            max_num_pages=pages_total)
+    tables = [random_page_table(rng, b, PAGE, pages_total, 300)[1:] for b in (3, 6, 1, 4)]
+    q = torch.randn(6, HQ, D, device="cuda").bfloat16()
+    outs = []
+    for indptr, indices, last in tables:
+        quest.plan(indptr, indices, last)
+        outs.append(quest.run(q[:len(last)], cache))
+    for i, ((indptr, indices, last), out) in enumerate(zip(tables, outs)):
+        dense = BatchDecode(SPEC)
+        dense.plan(indptr, indices, last, page_size=PAGE)
+        assert rel_error(out, dense.run(q[:len(last)], cache)) < 1e-2, f"plan {i}"
+    indptr, indices, last = tables[-1]
+    row_indptr, head_ids = expand_per_head(torch.as_tensor(indptr), torch.as_tensor(indices), HKV)
+    assert quest._meta.tolist() == [len(last) * HKV, len(indices) * HKV]
+    assert quest._indptr[:len(row_indptr)].tolist() == row_indptr.tolist()
+    assert quest._pages[:len(head_ids)].tolist() == head_ids.tolist()
 
 
 def test_bad_specs_and_plans_are_refused():

@@ -15,6 +15,20 @@ import torch
 
 from .loader import check, current_stream_handle, driver, ensure_context, on_device
 
+COPY_GAP = 1024  # int32 values of unfilled capacity one copy may span rather than start another (~3 us a copy)
+
+
+def coalesce(ranges, gap: int = COPY_GAP) -> list:
+    """(start, n) ranges in ascending order -> fewer ranges: neighbours at most `gap` values apart become one
+    copy over the gap (what lies in it is copied too, unread)."""
+    merged: list = []
+    for start, n in ranges:
+        if merged and start - sum(merged[-1]) <= gap:
+            merged[-1] = (merged[-1][0], start + n - merged[-1][0])
+        else:
+            merged.append((start, n))
+    return merged
+
 
 class StagedUpload:
     """host() -> the numpy buffer to fill; upload(n) copies its first n values to `dev`."""

@@ -19,6 +19,7 @@ import torch
 from .. import ops, paged
 from ..checks import fail
 from ..jit.loader import on_device
+from ..jit.upload import StagedUpload, coalesce
 from . import summaries
 from .summaries import channel_scales, fp8_outward  # noqa: F401 (re-exported)
 
@@ -215,10 +216,12 @@ class QuestDecode:
         self.kernel = QuestScoreKernel(spec.q_dtype, index.format, spec.head_dim_qk, spec.num_kv_heads,
                                        spec.group_size)
         n = max_num_pages
-        self._pages = torch.zeros(n + 1, dtype=torch.int32, device=self.device)  # all listed pages (+1: dump)
-        self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self._sel_indptr = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
-        self._meta = torch.zeros(2, dtype=torch.int32, device=self.device)
+        # the plan's int32 arrays: regions of one device buffer, filled through two reused pinned buffers
+        # (StagedUpload): a plan enqueues two copies and waits only for the copy of two plans ago
+        self._regions = self._plan_regions(max_batch_size, n)
+        self._upload = StagedUpload(sum(size for _, size in self._regions.values()), self.device)
+        self._meta, self._indptr, self._sel_indptr, self._pages = (self._region(name) for name in (
+            "meta", "indptr", "sel_indptr", "pages"))  # (pages: all listed pages, +1 a dump slot)
         self._scores = torch.zeros(n, dtype=torch.float32, device=self.device)
         # per request and KV head: the sums of the group's positive and negative query values
         self._q_split = torch.zeros(2, max_batch_size, spec.num_kv_heads, spec.head_dim_qk, dtype=torch.float32,
@@ -226,8 +229,6 @@ class QuestDecode:
         self._channel_scale = index.channel_scale_table(self.device)  # folded into the query sums
         # int4 summaries: the sums as int8 (in _q_split's bytes) and their scale per request and KV head
         self._q_scale = torch.zeros(max_batch_size * spec.num_kv_heads, 2, dtype=torch.float32, device=self.device)
-        self._host = torch.zeros(2 + (max_batch_size + 1) + max_batch_size * 2 + n, dtype=torch.int64,
-                                 pin_memory=True)
         self._planned = None
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
@@ -261,21 +262,39 @@ class QuestDecode:
         b, n = table.batch_size, len(table.indices)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
         self.decode._plan["max_page"] = table.max_page_index  # run() checks the cache against the real ids
-        if self._planned is not None:
-            self._planned["copied"].synchronize()  # the previous plan's copy may still read the pinned buffer
-        host = self._host.numpy()
-        host[:2] = (b, n)
-        host[2:3 + b] = table.indptr
-        host[3 + b:3 + 2 * b] = sel_indptr[:-1]
-        host[3 + 2 * b:3 + 2 * b + n] = table.indices
-        dev = self._host[:3 + 2 * b + n].to(self.device, non_blocking=True)
-        self._meta.copy_(dev[:2])
-        self._indptr[:b + 1].copy_(dev[2:3 + b])
-        self._sel_indptr[:b].copy_(dev[3 + b:3 + 2 * b])
-        self._pages[:n].copy_(dev[3 + 2 * b:])
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(self.device))
-        self._planned = {"batch": b, "width": width, "copied": copied}
+        self._stage({"meta": (b, n), "indptr": table.indptr, "sel_indptr": sel_indptr[:-1], "pages": table.indices})
+        self._planned = {"batch": b, "width": width}
+
+    # -- the plan's device buffer ----------------------------------------------------------------------
+    def _plan_regions(self, max_batch_size: int, max_num_pages: int) -> dict:
+        """name -> (start, size) in int32 values, each region 16-byte aligned (the kernels read them in
+        vectors); the small arrays first, so one copy can cover them."""
+        sizes = {"meta": 2, "indptr": max_batch_size + 1, "sel_indptr": max_batch_size, "pages": max_num_pages + 1,
+                 **self._extra_regions(max_batch_size, max_num_pages)}
+        regions, start = {}, 0
+        for name, size in sizes.items():
+            regions[name] = (start, -(-size // 4) * 4)
+            start += regions[name][1]
+        return regions
+
+    def _extra_regions(self, max_batch_size: int, max_num_pages: int) -> dict:
+        """Regions a subclass adds after the pages (QuestHeadDecode: the page table before its expansion)."""
+        return {}
+
+    def _stage(self, values: dict) -> None:
+        """Copy each named array into the start of its region: one pinned buffer filled, the filled extents
+        copied (two plans in flight at most: host() waits for the copy of two plans ago)."""
+        host, ranges = self._upload.host(), []
+        for name, (start, _) in self._regions.items():
+            if name in values:
+                v = values[name]
+                host[start:start + len(v)] = v
+                ranges.append((start, len(v)))
+        self._upload.upload_ranges(coalesce(ranges))
+
+    def _region(self, name: str) -> torch.Tensor:
+        start, size = self._regions[name]
+        return self._upload.dev[start:start + size]
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """Quest bound of every listed page of the plan, [max_num_pages] float32 (the kernel)."""

@@ -101,16 +101,18 @@ class QuestHeadDecode(QuestDecode):
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
         self.decode._plan["max_page"] = -1  # ids are virtual; run() checks the real ones against the cache
         self._max_page = table.max_page_index
-        dev = torch.as_tensor(np.concatenate([table.indptr, table.indices, sel_indptr[:-1]]).astype(np.int64))
-        dev = dev.pin_memory().to(self.device, non_blocking=True)
-        row_indptr, head_ids = expand_per_head(dev[:b + 1], dev[b + 1:b + 1 + n], hkv)
-        self._meta.copy_(torch.tensor([b * hkv, n * hkv], dtype=torch.int32).pin_memory(), non_blocking=True)
+        self._stage({"meta": (b * hkv, n * hkv), "sel_indptr": sel_indptr[:-1], "raw_indptr": table.indptr,
+                     "raw_pages": table.indices})
+        row_indptr, head_ids = expand_per_head(self._region("raw_indptr")[:b + 1], self._region("raw_pages")[:n], hkv)
         self._indptr[:b * hkv + 1].copy_(row_indptr)
-        self._sel_indptr[:b * hkv].copy_(dev[b + 1 + n:])
         self._pages[:n * hkv].copy_(head_ids)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(self.device))
-        self._planned = {"batch": b * hkv, "width": width, "copied": copied}
+        self._planned = {"batch": b * hkv, "width": width}
+
+    def _extra_regions(self, max_batch_size: int, max_num_pages: int) -> dict:
+        # the request-level page table, staged as given and expanded per head on the device (expand_per_head);
+        # the base regions are sized for the head-expanded batch (Hkv rows and Hkv ids per request and page)
+        hkv = self.num_kv_heads
+        return {"raw_indptr": max_batch_size // hkv + 1, "raw_pages": max_num_pages // hkv}
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
         if ops.compiling():  # scoring, selection and decode as one custom op (attnforge.ops)
