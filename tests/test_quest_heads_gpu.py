@@ -196,6 +196,32 @@ def test_plans_queued_back_to_back_expand_each_table():
     assert quest._pages[:len(head_ids)].tolist() == head_ids.tolist()
 
 
+@pytest.mark.parametrize("max_ctas", [1024, 3])
+def test_expansion_kernel_matches_expand_per_head(monkeypatch, max_ctas):
+    """plan()'s quest_expand_heads_kernel against its torch definition, on random tables with empty
+    requests, one CTA a request and (max_ctas=3) CTAs striding over requests."""
+    import attnforge.kernels.quest as kq
+    monkeypatch.setattr(kq, "EXPAND_MAX_CTAS", max_ctas)
+    rng = np.random.default_rng(7)
+    pages_total = 600
+    index = QuestIndex(pages_total, HKV, D, device="cuda")
+    quest = QuestHeadDecode(SPEC, index, budget_tokens=64, page_size=PAGE, max_batch_size=40,
+                            max_num_pages=pages_total)
+    for batch in (1, 7, 40, 2):
+        lengths, indptr, indices, last = random_page_table(rng, batch, PAGE, pages_total, 200)
+        lengths[rng.integers(batch)] = 0  # an empty request (its rows are empty too)
+        n = -(-lengths // PAGE)
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        indices = rng.permutation(pages_total)[: indptr[-1]]
+        last = np.where(n > 0, lengths - (n - 1) * PAGE, 0)
+        quest._indptr.fill_(-7)
+        quest._pages.fill_(-7)  # poison: every value the plan lists is written by the kernel
+        quest.plan(indptr, indices, last)
+        row_indptr, head_ids = expand_per_head(torch.as_tensor(indptr), torch.as_tensor(indices), HKV)
+        assert quest._indptr[:len(row_indptr)].tolist() == row_indptr.tolist(), f"batch {batch}"
+        assert quest._pages[:len(head_ids)].tolist() == head_ids.tolist(), f"batch {batch}"
+
+
 def test_bad_specs_and_plans_are_refused():
     cache, kv, indptr, indices, last, index = build([100], "pair")
     with pytest.raises(ValueError, match="'HND'"):

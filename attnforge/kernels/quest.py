@@ -23,6 +23,13 @@ SELECT_FIELDS = (ParamField("scores", "const float*", "ptr"),
                  *ptrs("kv_indptr", "kv_indices", "meta", "sel_indptr"), ParamField("out_indices", "int32_t*", "ptr"),
                  ParamField("budget_pages", "int32_t", "i32"))
 SELECT_LAYOUT = ParamsLayout("QuestSelectParams", SELECT_FIELDS)
+# quest_expand_heads_kernel: the request-level table (kv_indptr [batch + 1], kv_indices) in, the table per
+# (request, KV head) out (row_indptr [batch * num_heads + 1], head_ids)
+EXPAND_FIELDS = (*ptrs("kv_indptr", "kv_indices"), *ptrs("row_indptr", "head_ids", cpp="int32_t*"),
+                 *scalars("i32", "int32_t", "batch", "num_heads"))
+EXPAND_LAYOUT = ParamsLayout("QuestExpandParams", EXPAND_FIELDS)
+EXPAND_THREADS = 256  # quest_expand_heads_kernel's CTA, one per request (grid-stride past EXPAND_MAX_CTAS)
+EXPAND_MAX_CTAS = 1024
 SELECT_THREADS = 1024  # quest_select_kernel's CTA, one per request: up to 8 keys per thread in registers
 SCORE_THREADS = 256  # quest_score_kernel's CTA: up to 256 threads share one page's summary
 
@@ -47,6 +54,7 @@ class QuestScoreKernel:
 
     params = LAYOUT
     select_params = SELECT_LAYOUT
+    expand_params = EXPAND_LAYOUT
 
     def module(self) -> JitModule:
         ctx = {"q_dtype": _CPP[self.q_dtype], "meta_dtype": _CPP[self.meta_dtype], "head_dim": self.head_dim,
@@ -54,6 +62,8 @@ class QuestScoreKernel:
                "values_per_vector": VALUES_PER_VECTOR[self.meta_dtype], "int4_codes": self.meta_dtype == "int4",
                "score_ctas_per_sm": self.score_ctas_per_sm, "score_threads": SCORE_THREADS,
                "select_threads": SELECT_THREADS, "params_struct": LAYOUT.cpp(),
-               "select_params_struct": SELECT_LAYOUT.cpp(), "trace": False}
+               "select_params_struct": SELECT_LAYOUT.cpp(), "expand_params_struct": EXPAND_LAYOUT.cpp(),
+               "trace": False}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
-        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel"))
+        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel",
+                                                       "quest_expand_heads_kernel"))

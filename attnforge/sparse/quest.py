@@ -219,7 +219,8 @@ class QuestDecode:
         # the plan's int32 arrays: regions of one device buffer, filled through two reused pinned buffers
         # (StagedUpload): a plan enqueues two copies and waits only for the copy of two plans ago
         self._regions = self._plan_regions(max_batch_size, n)
-        self._upload = StagedUpload(sum(size for _, size in self._regions.values()), self.device)
+        end = max(start + size for start, size in self._regions.values())
+        self._upload = StagedUpload(end, self.device)
         self._meta, self._indptr, self._sel_indptr, self._pages = (self._region(name) for name in (
             "meta", "indptr", "sel_indptr", "pages"))  # (pages: all listed pages, +1 a dump slot)
         self._scores = torch.zeros(n, dtype=torch.float32, device=self.device)
@@ -273,8 +274,8 @@ class QuestDecode:
                  **self._extra_regions(max_batch_size, max_num_pages)}
         regions, start = {}, 0
         for name, size in sizes.items():
-            regions[name] = (start, -(-size // 4) * 4)
-            start += regions[name][1]
+            regions[name] = (start, size)
+            start += -(-size // 4) * 4
         return regions
 
     def _extra_regions(self, max_batch_size: int, max_num_pages: int) -> dict:
@@ -285,9 +286,11 @@ class QuestDecode:
         """Copy each named array into the start of its region: one pinned buffer filled, the filled extents
         copied (two plans in flight at most: host() waits for the copy of two plans ago)."""
         host, ranges = self._upload.host(), []
-        for name, (start, _) in self._regions.items():
+        for name, (start, size) in self._regions.items():
             if name in values:
                 v = values[name]
+                if len(v) > size:  # a planner bug, not a user error (plan() checks the capacities first)
+                    raise ValueError(f"{type(self).__name__}: {len(v)} values for the {size}-value region {name}")
                 host[start:start + len(v)] = v
                 ranges.append((start, len(v)))
         self._upload.upload_ranges(coalesce(ranges))

@@ -9,7 +9,8 @@ with KV head h's summaries and its group of query heads, and keeps its own top p
 - an HND cache ([P, Hkv, page, D] per K and V) is read as single-head pages: page p of head h is
   virtual page p * r + h with r = stride_page / stride_head, so decode runs unchanged with one KV head
   over B * Hkv rows (the selection writes ids p * Hkv + h; run() rewrites them when r != Hkv).
-The head-expanded page lists are built on the device in plan() (no host loop over B * Hkv * pages).
+The head-expanded page lists are built on the device in plan(), by one kernel (quest_expand_heads_kernel;
+expand_per_head below is its torch definition): no host loop over B * Hkv * pages.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 from .. import ops, paged
 from ..checks import fail
+from ..jit.loader import on_device
 from .quest import QuestDecode, QuestIndex
 
 
@@ -103,10 +105,21 @@ class QuestHeadDecode(QuestDecode):
         self._max_page = table.max_page_index
         self._stage({"meta": (b * hkv, n * hkv), "sel_indptr": sel_indptr[:-1], "raw_indptr": table.indptr,
                      "raw_pages": table.indices})
-        row_indptr, head_ids = expand_per_head(self._region("raw_indptr")[:b + 1], self._region("raw_pages")[:n], hkv)
-        self._indptr[:b * hkv + 1].copy_(row_indptr)
-        self._pages[:n * hkv].copy_(head_ids)
+        self._expand_on_device(b)
         self._planned = {"batch": b * hkv, "width": width}
+
+    def _expand_on_device(self, batch: int) -> None:
+        """The staged request-level table -> the table per (request, KV head) in the scoring kernel's regions:
+        one launch (expand_per_head, its torch definition, took ~15 torch ops: ~150-250 us of plan())."""
+        from ..jit import registry
+        from ..kernels.quest import EXPAND_MAX_CTAS, EXPAND_THREADS
+        lib = registry.get_library(self.kernel, self.kernel.module, self.device)
+        params = self.kernel.expand_params.pack(
+            kv_indptr=self._region("raw_indptr").data_ptr(), kv_indices=self._region("raw_pages").data_ptr(),
+            row_indptr=self._indptr.data_ptr(), head_ids=self._pages.data_ptr(), batch=batch,
+            num_heads=self.num_kv_heads)
+        with on_device(self.device):  # (one CTA at batch 0 writes the table's end, row_indptr[0] = 0)
+            lib["quest_expand_heads_kernel"].launch((max(1, min(batch, EXPAND_MAX_CTAS)),), (EXPAND_THREADS,), params)
 
     def _extra_regions(self, max_batch_size: int, max_num_pages: int) -> dict:
         # the request-level page table, staged as given and expanded per head on the device (expand_per_head);
