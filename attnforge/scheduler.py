@@ -379,14 +379,21 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
     n = len(cost)
     if n <= ctas:  # one round on idle CTAs: costliest first is the whole answer (no trade changes a load)
         return np.argsort(-cost, kind="stable")
-    perm = np.empty(n, dtype=np.int64)
+    full, m = divmod(n, ctas)  # whole rounds, then a last one with positions for CTAs 0..m-1 only
+    rounds = cost[:full * ctas].reshape(full, ctas)
+    items = np.argsort(-rounds, axis=1, kind="stable")  # each round's items, costliest first (one call)
+    item_cost = np.take_along_axis(rounds, items, axis=1)
+    takers = np.empty((full, ctas), dtype=np.int64)
     load = np.zeros(ctas, dtype=np.float64)
-    for start in range(0, n, ctas):
-        m = min(ctas, n - start)  # the last round has positions for CTAs 0..m-1 only
-        items = start + np.argsort(-cost[start:start + m], kind="stable")  # costliest first
-        takers = np.argsort(load[:m], kind="stable")  # least loaded first
-        perm[start + takers] = items
-        load[takers] += cost[items]
+    for r in range(full):  # the loads carry from round to round: two numpy calls a round (B8 mixed: ~44)
+        takers[r] = np.argsort(load, kind="stable")  # least loaded first
+        load[takers[r]] += item_cost[r]
+    perm = np.empty(n, dtype=np.int64)
+    base = np.arange(full)[:, None] * ctas
+    perm[(base + takers).reshape(-1)] = (base + items).reshape(-1)
+    if m:
+        last = full * ctas + np.argsort(-cost[full * ctas:], kind="stable")
+        perm[full * ctas + np.argsort(load[:m], kind="stable")] = last
     return _swap_within_rounds(perm, cost, ctas)
 
 
@@ -452,5 +459,14 @@ def order_prefill_work(work: np.ndarray, cost: np.ndarray, mode: str) -> np.ndar
     group = work[:, 0].astype(np.int64) * (int(work[:, 1].max()) + 1) + work[:, 1]
     group_max = np.zeros(int(group.max()) + 1, dtype=np.int64)
     np.maximum.at(group_max, group, cost)
-    # lexsort: last key is primary -> longest group first, then by group, then longest item first
-    return np.lexsort((-cost, group, -group_max[group]))
+    # longest group first, then by group, then longest item first: as one stable sort of a composite key
+    # (integer costs, 512+ items: 2-3x faster than the three-key lexsort, whose order it gives; fewer calls below)
+    if len(cost) < 512 or not np.issubdtype(cost.dtype, np.integer):
+        return np.lexsort((-cost, group, -group_max[group]))  # (last key primary)
+    top = int(cost.max())
+    span = top - min(int(cost.min()), 0) + 1
+    if len(group_max) * span < 2**62:
+        rank = np.empty(len(group_max), dtype=np.int64)  # of each group in (longest item desc, key asc) order
+        rank[np.lexsort((np.arange(len(group_max)), -group_max))] = np.arange(len(group_max))
+        return np.argsort(rank[group] * span + (top - cost), kind="stable")
+    return np.lexsort((-cost, group, -group_max[group]))  # (last key primary)

@@ -223,6 +223,28 @@ def test_prefill_orders_are_permutations_with_their_rule(mode):
         scheduler.order_prefill_work(work, cost, "random")
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_grouped_order_is_the_three_key_sort_ties_included(dtype):
+    """The grouped order as one sort of a composite key (integer costs) or the lexsort (others): both the
+    stable lexsort by (longest item of the group desc, group, cost desc), on batches with tied groups and
+    tied items (equal requests; split chunks of equal length)."""
+    rng = np.random.default_rng(11)
+    sizes = []
+    for _ in range(30):
+        b, heads = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        qo = rng.choice([64, 128, 640, 2048, 8192], size=b)  # 16-4096 items a batch: both sides of 512
+        work, cost = scheduler.prefill_work(qo, qo + rng.choice([0, 256], size=b), 4, heads, 128,
+                                            causal=bool(rng.integers(2)))
+        cost = (cost // int(rng.choice([1, 512]))).astype(dtype)  # coarse costs: many ties
+        group = work[:, 0] * (heads + 1) + work[:, 1]
+        group_max = np.zeros(int(group.max()) + 1, dtype)
+        np.maximum.at(group_max, group, cost)
+        want = np.lexsort((-cost, group, -group_max[group]))
+        assert (scheduler.order_prefill_work(work, cost, "grouped") == want).all()
+        sizes.append(len(work))
+    assert min(sizes) < 512 <= max(sizes), "draws on both sides of the composite key's threshold"
+
+
 def _cta_loads(cost, ctas):
     """Work per CTA when CTA b runs positions b, b + ctas, ... of a launch order."""
     return np.bincount(np.arange(len(cost)) % ctas, weights=cost, minlength=ctas)
@@ -245,6 +267,31 @@ def test_persistent_rounds_keep_their_items_and_balance_the_ctas(lengths, ctas):
     assert balanced.max() - balanced.min() <= 2 * c.max(), "no CTA more than two items behind the others"
     if lengths == [8192] and ctas == 132:  # the causal case static round-robin left unbalanced
         assert balanced.max() < 0.9 * static.max()
+
+
+def _greedy_by_rule(cost: np.ndarray, ctas: int) -> np.ndarray:
+    """The round-by-round greedy of scheduler.balance_persistent_rounds, one round at a time: round r's
+    items, costliest first (stable), go to its CTAs in order of their load so far, least first (stable);
+    the last, partial round to CTAs 0..m-1 only."""
+    perm, load = np.empty(len(cost), dtype=np.int64), np.zeros(ctas)
+    for start in range(0, len(cost), ctas):
+        m = min(ctas, len(cost) - start)
+        items = start + np.argsort(-cost[start:start + m], kind="stable")
+        takers = np.argsort(load[:m], kind="stable")
+        perm[start + takers] = items
+        load[takers] += cost[items]
+    return perm
+
+
+@pytest.mark.parametrize("ctas", [7, 132])
+def test_greedy_rounds_follow_their_rule(ctas, monkeypatch):
+    """The planner assigns all rounds' items in one sort and the loads round by round: the same launch
+    order as the rule, ties included (integer costs repeat), with and without a partial last round."""
+    rng = np.random.default_rng(ctas + 1)
+    monkeypatch.setattr(scheduler, "SWAP_PASSES", 0)  # the greedy alone (the trades have their own test)
+    for n in (ctas + 1, 2 * ctas, 5 * ctas + 3, 40 * ctas, 40 * ctas + ctas - 1):
+        for cost in (rng.integers(0, 6, size=n) * 128 + 256, rng.random(n) * 9000, np.full(n, 512.0)):
+            assert (scheduler.balance_persistent_rounds(cost, ctas) == _greedy_by_rule(cost, ctas)).all(), n
 
 
 def test_trades_within_rounds_lower_the_most_loaded_cta(monkeypatch):
