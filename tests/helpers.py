@@ -158,6 +158,22 @@ def replays_after_replans(run, replan, refresh, rounds: int):
         yield i, planned
 
 
+def queued_plans_match_dense(quest, spec: AttentionSpec, cache, q, tables, page_size: int) -> None:
+    """Quest plans and runs of each (indptr, indices, last) table queued back to back, no synchronisation
+    between them (plan() must never wait for the GPU nor reuse a staging buffer still being copied), then
+    each full-budget output compared with a dense BatchDecode of its own table."""
+    from attnforge import BatchDecode
+    from conftest import rel_error
+    outs = []
+    for indptr, indices, last in tables:
+        quest.plan(indptr, indices, last)
+        outs.append(quest.run(q[:len(last)], cache))
+    for i, ((indptr, indices, last), out) in enumerate(zip(tables, outs)):
+        dense = BatchDecode(spec)
+        dense.plan(indptr, indices, last, page_size=page_size)
+        assert rel_error(out, dense.run(q[:len(last)], cache)) < 1e-2, f"plan {i}"
+
+
 def int4_kernel_scores(q, index, indptr, indices):
     """The int4 path's arithmetic in torch: codes times P and N rounded to int8 steps of (largest |sum|
     of the request and KV head) / 127, summed over written (page, head)s."""

@@ -5,8 +5,8 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, scheduler
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
-from conftest import rel_error
-from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
+from helpers import (int4_kernel_scores, queued_plans_match_dense, random_page_table, replays_after_replans,
+                     summary_format)
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -202,15 +202,7 @@ def test_plans_queued_back_to_back_stage_each_table_at_fixed_addresses():
     addresses = [t.data_ptr() for t in (quest._meta, quest._indptr, quest._sel_indptr, quest._pages)]
     tables = [random_page_table(rng, b, PAGE, pages_total, 400)[1:] for b in (3, 8, 1, 5)]
     q = torch.randn(8, 32, D, device="cuda").bfloat16()
-    outs = []
-    for indptr, indices, last in tables:
-        quest.plan(indptr, indices, last)
-        outs.append(quest.run(q[:len(last)], cache))
-    for i, ((indptr, indices, last), out) in enumerate(zip(tables, outs)):
-        dense = BatchDecode(spec)
-        dense.plan(indptr, indices, last, page_size=PAGE)
-        ref = dense.run(q[:len(last)], cache)
-        assert rel_error(out, ref) < 1e-2, f"plan {i}"
+    queued_plans_match_dense(quest, spec, cache, q, tables, PAGE)
     indptr, indices, last = tables[-1]
     assert quest._meta.tolist() == [len(last), len(indices)]
     assert quest._indptr[:len(indptr)].tolist() == indptr.tolist()

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode, reference
+from attnforge import AttentionSpec, reference
 from attnforge.sparse import QuestHeadDecode, QuestIndex, expand_per_head, page_scores, select_pages
-from conftest import rel_error
-from helpers import int4_kernel_scores, random_page_table, replays_after_replans, summary_format
+from helpers import (int4_kernel_scores, queued_plans_match_dense, random_page_table, replays_after_replans,
+                     summary_format)
 
 pytestmark = pytest.mark.gpu
 PAGE, HQ, HKV, D = 16, 32, 8, 128
@@ -181,14 +181,7 @@ def test_plans_queued_back_to_back_expand_each_table():
                             max_num_pages=pages_total)
     tables = [random_page_table(rng, b, PAGE, pages_total, 300)[1:] for b in (3, 6, 1, 4)]
     q = torch.randn(6, HQ, D, device="cuda").bfloat16()
-    outs = []
-    for indptr, indices, last in tables:
-        quest.plan(indptr, indices, last)
-        outs.append(quest.run(q[:len(last)], cache))
-    for i, ((indptr, indices, last), out) in enumerate(zip(tables, outs)):
-        dense = BatchDecode(SPEC)
-        dense.plan(indptr, indices, last, page_size=PAGE)
-        assert rel_error(out, dense.run(q[:len(last)], cache)) < 1e-2, f"plan {i}"
+    queued_plans_match_dense(quest, SPEC, cache, q, tables, PAGE)
     indptr, indices, last = tables[-1]
     row_indptr, head_ids = expand_per_head(torch.as_tensor(indptr), torch.as_tensor(indices), HKV)
     assert quest._meta.tolist() == [len(last) * HKV, len(indices) * HKV]
