@@ -65,5 +65,5 @@ class QuestScoreKernel:
                "select_params_struct": SELECT_LAYOUT.cpp(), "expand_params_struct": EXPAND_LAYOUT.cpp(),
                "trace": False}
         name = f"quest_score_{self.q_dtype}_{self.meta_dtype}_d{self.head_dim}_h{self.num_kv_heads}g{self.group_size}"
-        return JitModule(name, "quest_score.cu.jinja", ctx, ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel",
-                                                       "quest_expand_heads_kernel"))
+        kernels = ("quest_qsplit_kernel", "quest_score_kernel", "quest_select_kernel", "quest_expand_heads_kernel")
+        return JitModule(name, "quest_score.cu.jinja", ctx, kernels)

@@ -217,7 +217,7 @@ class QuestDecode:
                                        spec.group_size)
         n = max_num_pages
         # the plan's int32 arrays: regions of one device buffer, filled through two reused pinned buffers
-        # (StagedUpload): a plan enqueues two copies and waits only for the copy of two plans ago
+        # (StagedUpload): a plan copies only the extents it filled and waits only for the copy of two plans ago
         self._regions = self._plan_regions(max_batch_size, n)
         end = max(start + size for start, size in self._regions.values())
         self._upload = StagedUpload(end, self.device)
