@@ -17,7 +17,7 @@ import torch
 
 from . import blockmask, checks, codegen, ops, paged, scheduler, variants
 from .jit import registry
-from .jit.upload import HostOnlyUpload, StagedUpload, coalesce
+from .jit.upload import HostOnlyUpload, StagedUpload
 from .jit.loader import on_device
 from .kernels.prefill import PrefillKernel, default_backend
 from .merge import merge_states
@@ -171,9 +171,7 @@ class BatchPrefill:
                                                        ragged, v_scale)
         else:
             upload = self._staged_upload(len(flat))
-            host = upload.host()[:len(flat)]  # (waits for that buffer's copy of two plans ago)
-            host[:] = flat
-            upload.upload(len(flat))
+            host = upload.stage([(0, flat)])[:len(flat)]  # (waits for that buffer's copy of two plans ago)
             dev = upload.dev
             ptrs, at = dict.fromkeys(PLAN_ARRAYS, 0), dev.data_ptr()  # (absent arrays: null)
             for name, part in zip(PLAN_ARRAYS, parts):
@@ -258,19 +256,16 @@ class BatchPrefill:
         self._graph_fixed = fixed
         values = dict(zip(PLAN_ARRAYS, parts))
         values["num_work"] = np.array([num_work])
-        upload = self._upload
-        host, dev = upload.host(), upload.dev.data_ptr()  # (host() waits for that buffer's copy of two plans ago)
-        ptrs, copies, off = {}, [], 0
+        upload, ptrs, pieces, off = self._upload, {}, [], 0
         for name, n in self._regions:
             v = values.get(name)
             if v is not None:
-                host[off:off + len(v)] = v
-                copies.append((off, len(v)))
-            ptrs[name] = dev + 4 * off if v is not None else 0
+                pieces.append((off, v))
+            ptrs[name] = upload.dev.data_ptr() + 4 * off if v is not None else 0
             off += -(-n // 4) * 4
         if not has_tiles:
             ptrs["kv_tile_indptr"] = ptrs["kv_tiles"] = 0
-        upload.upload_ranges(coalesce(copies))  # one copy over a short gap
+        host = upload.stage(pieces)  # (waits for that buffer's copy of two plans ago; copies only what it filled)
         return ptrs, host[:off], upload.dev
 
     # -- run -----------------------------------------------------------------------------------------

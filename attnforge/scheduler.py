@@ -461,12 +461,11 @@ def order_prefill_work(work: np.ndarray, cost: np.ndarray, mode: str) -> np.ndar
     np.maximum.at(group_max, group, cost)
     # longest group first, then by group, then longest item first: as one stable sort of a composite key
     # (integer costs, 512+ items: 2-3x faster than the three-key lexsort, whose order it gives; fewer calls below)
-    if len(cost) < 512 or not np.issubdtype(cost.dtype, np.integer):
-        return np.lexsort((-cost, group, -group_max[group]))  # (last key primary)
-    top = int(cost.max())
-    span = top - min(int(cost.min()), 0) + 1
-    if len(group_max) * span < 2**62:
-        rank = np.empty(len(group_max), dtype=np.int64)  # of each group in (longest item desc, key asc) order
-        rank[np.lexsort((np.arange(len(group_max)), -group_max))] = np.arange(len(group_max))
-        return np.argsort(rank[group] * span + (top - cost), kind="stable")
+    if len(cost) >= 512 and np.issubdtype(cost.dtype, np.integer):
+        top = int(cost.max())
+        span = top - min(int(cost.min()), 0) + 1
+        if len(group_max) * span < 2**62:  # (the key fits int64)
+            rank = np.empty(len(group_max), dtype=np.int64)  # of each group in (longest item desc, key asc) order
+            rank[np.lexsort((np.arange(len(group_max)), -group_max))] = np.arange(len(group_max))
+            return np.argsort(rank[group] * span + (top - cost), kind="stable")
     return np.lexsort((-cost, group, -group_max[group]))  # (last key primary)

@@ -291,3 +291,34 @@ def test_channel_scales_refuse_keys_without_heads_and_unscaled_formats():
         channel_scales(torch.randn(8))
     with pytest.raises(ValueError, match="float32 / bfloat16 summaries take no scale"):
         channel_scales(keys, torch.float32)
+
+
+def staged_quest(cls, max_batch_size: int, max_num_pages: int, **fields):
+    """A QuestDecode (or subclass) holding only its plan buffer: regions as its constructor lays them out, a
+    host-only upload (no GPU), poisoned."""
+    from attnforge.jit.upload import HostOnlyUpload
+    q = cls.__new__(cls)
+    q.__dict__.update(fields)
+    q._regions = q._plan_regions(max_batch_size, max_num_pages)
+    q._upload = HostOnlyUpload(max(start + size for start, size in q._regions.values()))
+    q._upload.dev.fill_(-7)
+    return q
+
+
+def test_plan_regions_are_aligned_and_staged_in_place():
+    """QuestDecode's plan arrays are regions of one staged buffer: 16-byte aligned, the small arrays first, each
+    plan's values written at its region's start and only the filled extents copied; a plan that outgrew a
+    region (a planner bug: plan() checks the capacities first) is refused before any copy."""
+    from attnforge.sparse import QuestDecode
+    q = staged_quest(QuestDecode, max_batch_size=5, max_num_pages=3000)
+    assert list(q._regions) == ["meta", "indptr", "sel_indptr", "pages"]
+    assert all(start % 4 == 0 for start, _ in q._regions.values())
+    assert [size for _, size in q._regions.values()] == [2, 6, 5, 3001]
+    indptr, pages = np.array([0, 2, 2, 5]), np.array([9, 4, 7, 1, 0])
+    q._stage({"meta": (3, 5), "indptr": indptr, "sel_indptr": np.array([0, 2, 2]), "pages": pages})
+    assert q._region("meta").tolist() == [3, 5] and q._region("indptr")[:4].tolist() == indptr.tolist()
+    assert q._region("pages")[:5].tolist() == pages.tolist()
+    assert (q._region("pages")[5:] == -7).all(), "past the plan's pages: never copied"
+    with pytest.raises(ValueError, match="6 values for the 5-value region sel_indptr"):
+        q._stage({"sel_indptr": np.arange(6)})
+    assert q._upload.log == [("record", 0)], "the refused plan enqueued nothing"

@@ -71,3 +71,17 @@ def test_scoring_the_viewed_summaries_and_selecting_per_row_is_quest_per_head():
             got = sel[sel_ptr[row]:sel_ptr[row + 1]]
             assert torch.equal(got // hkv, want[want_ptr[b]:want_ptr[b + 1]].to(got.dtype)), (b, h)
             assert torch.all(got % hkv == h)
+
+
+def test_head_wise_plans_stage_the_request_table_beside_the_expanded_regions():
+    """QuestHeadDecode sizes its base regions for the head-expanded batch and stages the request-level
+    table as given in two regions of its own, which its expansion kernel reads."""
+    from attnforge.sparse import QuestHeadDecode
+    from test_quest import staged_quest
+    hkv = 4
+    q = staged_quest(QuestHeadDecode, max_batch_size=3 * hkv, max_num_pages=50 * hkv, num_kv_heads=hkv)
+    sizes = {name: size for name, (_, size) in q._regions.items()}
+    assert sizes == {"meta": 2, "indptr": 3 * hkv + 1, "sel_indptr": 3 * hkv, "pages": 50 * hkv + 1,
+                     "raw_indptr": 4, "raw_pages": 50}
+    q._stage({"raw_indptr": np.array([0, 30, 50]), "raw_pages": np.arange(50)})
+    assert q._region("raw_indptr")[:3].tolist() == [0, 30, 50] and q._region("raw_pages").tolist() == list(range(50))

@@ -243,6 +243,14 @@ def test_grouped_order_is_the_three_key_sort_ties_included(dtype):
         assert (scheduler.order_prefill_work(work, cost, "grouped") == want).all()
         sizes.append(len(work))
     assert min(sizes) < 512 <= max(sizes), "draws on both sides of the composite key's threshold"
+    # 1024 items whose composite key would pass int64: the lexsort again, the same order
+    work, cost = scheduler.prefill_work(np.array([8192, 8192]), np.array([8192, 8192]), 4, 2, 128, causal=True)
+    huge = (cost + 2**61).astype(dtype)
+    group = work[:, 0] * 3 + work[:, 1]
+    group_max = np.zeros(int(group.max()) + 1, dtype)
+    np.maximum.at(group_max, group, huge)
+    assert len(work) >= 512
+    assert (scheduler.order_prefill_work(work, huge, "grouped") == np.lexsort((-huge, group, -group_max[group]))).all()
 
 
 def _cta_loads(cost, ctas):

@@ -50,6 +50,15 @@ class StagedUpload:
         """Enqueue the copy of the first num_int32 values of host() on torch's current stream."""
         self.upload_ranges(((0, num_int32),))
 
+    def stage(self, pieces) -> np.ndarray:
+        """Write each (start, values) into host() at start and enqueue the copies of those extents (neighbours
+        within COPY_GAP as one copy). Returns the buffer written (the next host() is the other one)."""
+        host = self.host()
+        for start, values in pieces:
+            host[start:start + len(values)] = values
+        self.upload_ranges(coalesce([(start, len(values)) for start, values in pieces]))
+        return host
+
     def upload_ranges(self, ranges) -> None:
         """Enqueue the copies of host()[start:start + n] for each (start, n), then one event: a buffer
         of fixed regions (graph mode) copies only what a plan filled."""

@@ -19,7 +19,7 @@ import torch
 from .. import ops, paged
 from ..checks import fail
 from ..jit.loader import on_device
-from ..jit.upload import StagedUpload, coalesce
+from ..jit.upload import StagedUpload
 from . import summaries
 from .summaries import channel_scales, fp8_outward  # noqa: F401 (re-exported)
 
@@ -285,15 +285,14 @@ class QuestDecode:
     def _stage(self, values: dict) -> None:
         """Copy each named array into the start of its region: one pinned buffer filled, the filled extents
         copied (two plans in flight at most: host() waits for the copy of two plans ago)."""
-        host, ranges = self._upload.host(), []
+        pieces = []
         for name, (start, size) in self._regions.items():
             if name in values:
-                v = values[name]
-                if len(v) > size:  # a planner bug, not a user error (plan() checks the capacities first)
-                    raise ValueError(f"{type(self).__name__}: {len(v)} values for the {size}-value region {name}")
-                host[start:start + len(v)] = v
-                ranges.append((start, len(v)))
-        self._upload.upload_ranges(coalesce(ranges))
+                if len(values[name]) > size:  # a planner bug, not a user error (plan() checks the capacities first)
+                    raise ValueError(f"{type(self).__name__}: {len(values[name])} values for the {size}-value "
+                                     f"region {name}")
+                pieces.append((start, values[name]))
+        self._upload.stage(pieces)
 
     def _region(self, name: str) -> torch.Tensor:
         start, size = self._regions[name]

@@ -1,4 +1,4 @@
-"""attnforge.jit.upload.coalesce: which filled extents of a staged buffer one copy covers."""
+"""attnforge.jit.upload: which filled extents of a staged buffer one copy covers, and what stage() copies."""
 import numpy as np
 import pytest
 
@@ -25,11 +25,14 @@ def test_copies_cover_every_filled_value_and_stay_inside_the_extents(seed):
     assert copies == [] or (copies[0][0] >= ranges[0][0] and sum(copies[-1]) <= max(s + n for s, n in ranges))
 
 
-def test_a_staged_copy_moves_exactly_its_ranges():
-    up = HostOnlyUpload(64)
-    host = up.host()
-    host[:] = np.arange(64)
-    up.upload_ranges(coalesce([(0, 3), (10, 2), (40, 4)], gap=7))
+def test_stage_writes_its_pieces_and_copies_only_their_extents():
+    up = HostOnlyUpload(2048)
+    up.dev.fill_(-7)  # poison: what no copy covers keeps it
+    far = 8 + COPY_GAP + 1  # past the gap: a second copy
+    host = up.stage([(0, [1, 2, 3]), (6, [4, 5]), (far, np.array([6, 7]))])
+    assert host is up._host_nps[0] and up.host() is up._host_nps[1], "the next plan fills the other buffer"
     dev = up.dev.numpy()
-    assert dev[:12].tolist() == list(range(12)) and dev[40:44].tolist() == [40, 41, 42, 43]
-    assert not dev[12:40].any() and not dev[44:].any()
+    assert dev[:8].tolist() == [1, 2, 3, 0, 0, 0, 4, 5], "neighbours 3 apart: one copy over the gap"
+    assert dev[far:far + 2].tolist() == [6, 7]
+    assert (dev[8:far] == -7).all() and (dev[far + 2:] == -7).all()
+    assert up.log == [("record", 0)], "one event for the plan's copies"
