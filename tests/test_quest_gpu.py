@@ -5,8 +5,8 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, scheduler
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
-from helpers import (int4_kernel_scores, queued_plans_match_dense, random_page_table, replays_after_replans,
-                     summary_format)
+from helpers import (count_calls, int4_kernel_scores, queued_plans_match_dense, random_page_table,
+                     replays_after_replans, summary_format)
 
 pytestmark = pytest.mark.gpu
 PAGE, HKV, D = 16, 8, 128
@@ -208,6 +208,20 @@ def test_plans_queued_back_to_back_stage_each_table_at_fixed_addresses():
     assert quest._indptr[:len(indptr)].tolist() == indptr.tolist()
     assert quest._pages[:len(indices)].tolist() == indices.tolist()
     assert [t.data_ptr() for t in (quest._meta, quest._indptr, quest._sel_indptr, quest._pages)] == addresses
+
+
+def test_plans_neither_synchronise_nor_make_torch_events(monkeypatch):
+    """plan() stages through two reused pinned buffers with driver events: no torch event is made, recorded or
+    waited for, and nothing synchronises the device (the plan before this one synchronised on the last
+    plan's event, which waits for whatever the stream ran before it)."""
+    rng = np.random.default_rng(8)
+    spec, cache, index, _, _, quest = graph_case(256, 4, 64)
+    waits = [count_calls(monkeypatch, torch.cuda.Event, name) for name in ("record", "synchronize", "wait")]
+    syncs = count_calls(monkeypatch, torch.cuda, "synchronize")
+    for _ in range(3):
+        _, indptr, indices, last = random_page_table(rng, 4, PAGE, 256, 900)
+        quest.plan(indptr, indices, last)
+    assert [c["n"] for c in waits] == [0, 0, 0] and syncs["n"] == 0
 
 
 def test_bad_arguments_raise():
