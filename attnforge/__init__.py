@@ -18,7 +18,7 @@ if not _log.handlers:  # one line per cold build goes to stderr unless the app c
 
 from .decode import BatchDecode  # noqa: E402,F401
 from .mla import BatchMLADecode  # noqa: E402,F401
-from .paged import append_paged_kv_cache  # noqa: E402,F401
+from .append import append_kv_by_slots, append_paged_kv_cache, append_paged_mla_kv_cache  # noqa: E402,F401
 from .prefill import BatchPrefill, single_prefill  # noqa: E402,F401
 from .dense import attention  # noqa: E402,F401
 from . import mods  # noqa: E402,F401

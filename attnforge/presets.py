@@ -30,7 +30,14 @@ def _merge():
             for o in (torch.bfloat16, torch.float16)]
 
 
-PRESETS = {"merge": _merge, "llama-decode": _llama_decode, "llama-prefill": _llama_prefill}
+def _append():
+    """The KV-cache append kernels: each 16-bit type into its own cache or into fp8, and fp8 into fp8."""
+    from .append import AppendSpec
+    fp8 = torch.float8_e4m3fn
+    return [AppendSpec(s, c) for s in (torch.bfloat16, torch.float16) for c in (s, fp8)] + [AppendSpec(fp8, fp8)]
+
+
+PRESETS = {"merge": _merge, "append": _append, "llama-decode": _llama_decode, "llama-prefill": _llama_prefill}
 
 
 def load_spec_file(path: str | Path) -> list[AttentionSpec]:

@@ -108,3 +108,56 @@ def gather_paged(cache_k: torch.Tensor, cache_v: torch.Tensor, kv_layout: str, i
             shape = (0, cache_k.shape[2 if kv_layout == "NHD" else 1], cache_k.shape[-1])
             out.append((cache_k.new_empty(shape), cache_v.new_empty(shape)))
     return out
+
+
+# -- KV-cache appends (attnforge.append): the torch formulation, also what torch.compile traces ----------
+def quantize_rows(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: unchanged where the types match, else e4m3 codes of x / scale
+    (fp32 division, rounded to nearest, saturated to +-448)."""
+    if x.dtype == dtype:
+        return x
+    return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+
+
+def _kv_pair(kv_cache, kv_layout: str):
+    kc, vc = (kv_cache[:, 0], kv_cache[:, 1]) if isinstance(kv_cache, torch.Tensor) else kv_cache
+    if kv_layout == "HND":  # written through [P, page, H, D] views of the same memory
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    return kc, vc
+
+
+def _csr_rows(batch_indices, positions, kv_indices, kv_indptr, page_size: int):
+    pos = positions.to(torch.int64)
+    slot = kv_indptr.to(torch.int64)[batch_indices.to(torch.int64)] + pos // page_size
+    return kv_indices.to(torch.int64)[slot], pos % page_size
+
+
+def append_paged_kv(k, v, batch_indices, positions, kv_cache, kv_indices, kv_indptr, kv_layout: str = "NHD",
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """append_paged_kv_cache in torch indexing (in place; every index assumed valid)."""
+    kc, vc = _kv_pair(kv_cache, kv_layout)
+    pages, offs = _csr_rows(batch_indices, positions, kv_indices, kv_indptr, kc.shape[1])
+    kc[pages, offs] = quantize_rows(k, k_scale, kc.dtype)
+    vc[pages, offs] = quantize_rows(v, v_scale, vc.dtype)
+
+
+def append_kv_slots(k, v, slot_mapping, kv_cache, kv_layout: str = "NHD", k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
+    """append_kv_by_slots in torch indexing: negative slots skipped."""
+    kc, vc = _kv_pair(kv_cache, kv_layout)
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    pages, offs = slots // kc.shape[1], slots % kc.shape[1]
+    kc[pages, offs] = quantize_rows(k[keep], k_scale, kc.dtype)
+    vc[pages, offs] = quantize_rows(v[keep], v_scale, vc.dtype)
+
+
+def append_paged_mla(ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices, kv_indptr,
+                     kv_scale: float = 1.0) -> None:
+    """append_paged_mla_kv_cache in torch indexing (kpe_cache None: one [P, page, 576] cache)."""
+    latent = ckv.shape[-1]
+    ckv_dst, kpe_dst = (ckv_cache[..., :latent], ckv_cache[..., latent:]) if kpe_cache is None else (ckv_cache, kpe_cache)
+    pages, offs = _csr_rows(batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
+    ckv_dst[pages, offs] = quantize_rows(ckv, kv_scale, ckv_dst.dtype)
+    kpe_dst[pages, offs] = quantize_rows(kpe, kv_scale, kpe_dst.dtype)

@@ -209,6 +209,9 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [DecodeKernel(AttentionSpec(), qk_chains=1).module(),
              DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), qk_chains=4).module()]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
+    from attnforge.presets import PRESETS  # the append kernels: a copy, a quantizing one and an fp8 copy
+    mods += [s.module() for s in PRESETS["append"]() if s.name in (
+        "append_kv_bf16_to_bf16", "append_kv_fp16_to_fp8e4m3", "append_kv_fp8e4m3_to_fp8e4m3")]
     from attnforge.kernels.quest import QuestScoreKernel
     mods += [QuestScoreKernel("bf16", "fp32", 128, 8, 4).module(), QuestScoreKernel("fp16", "bf16", 64, 32, 1).module(),
              QuestScoreKernel("bf16", "fp8", 128, 8, 4).module()] + [k.module() for k in QUEST_SPLITS]
