@@ -209,6 +209,26 @@ def _kv_views(kv_cache, kv_layout: str):
     return kc, vc, strides(kc), strides(vc), kc.shape[token_dim], kc.shape[head_dim_axis], kc.shape[3]
 
 
+def _kv_streams(k, v, kv_cache, kv_layout: str, k_scale, v_scale):
+    """(the K and V streams, heads, page size, pages) of a paged K/V append, its tokens and cache checked."""
+    kc, vc, k_strides, v_strides, page, hkv, d = _kv_views(kv_cache, kv_layout)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise checks.fail(name, "a torch.Tensor", type(t).__name__, "Pass the new tokens as a tensor.")
+        checks.check_shape(name, t, (k.shape[0], hkv, d), f"[tokens, {hkv}, {d}] matching the cache")
+    return ([_stream("k", k, kc, k_strides, k_scale, "k_scale"), _stream("v", v, vc, v_strides, v_scale, "v_scale")],
+            hkv, page, kc.shape[0])
+
+
+def _check_csr(batch_indices, positions, kv_indices, kv_indptr, n: int) -> None:
+    _check_index("batch_indices", batch_indices, n)
+    _check_index("positions", positions, n)
+    _check_index("kv_indices", kv_indices, None)
+    _check_index("kv_indptr", kv_indptr, None)
+    if kv_indptr.shape[0] < 1:
+        raise checks.fail("kv_indptr.shape", "[batch + 1]", list(kv_indptr.shape), "Pass the page table's CSR offsets.")
+
+
 def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
                           kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, kv_layout: str = "NHD", *,
                           k_scale: float = 1.0, v_scale: float = 1.0, check_indices: bool = False) -> None:
@@ -220,19 +240,9 @@ def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch
     if ops.compiling():
         return reference.append_paged_kv(k, v, batch_indices, positions, kv_cache, kv_indices, kv_indptr, kv_layout,
                                          k_scale, v_scale)
-    kc, vc, k_strides, v_strides, page, hkv, d = _kv_views(kv_cache, kv_layout)
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise checks.fail(name, "a torch.Tensor", type(t).__name__, "Pass the new tokens as a tensor.")
-        checks.check_shape(name, t, (k.shape[0], hkv, d), f"[tokens, {hkv}, {d}] matching the cache")
-    _check_index("batch_indices", batch_indices, k.shape[0])
-    _check_index("positions", positions, k.shape[0])
-    _check_index("kv_indices", kv_indices, None)
-    _check_index("kv_indptr", kv_indptr, None)
-    if kv_indptr.shape[0] < 1:
-        raise checks.fail("kv_indptr.shape", "[batch + 1]", list(kv_indptr.shape), "Pass the page table's CSR offsets.")
-    streams = [_stream("k", k, kc, k_strides, k_scale, "k_scale"), _stream("v", v, vc, v_strides, v_scale, "v_scale")]
-    _launch(streams, hkv, page, kc.shape[0], batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
+    streams, hkv, page, num_pages = _kv_streams(k, v, kv_cache, kv_layout, k_scale, v_scale)
+    _check_csr(batch_indices, positions, kv_indices, kv_indptr, k.shape[0])
+    _launch(streams, hkv, page, num_pages, batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
             kv_indptr=kv_indptr, check_indices=check_indices)
 
 
@@ -244,14 +254,9 @@ def append_kv_by_slots(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     as append_paged_kv_cache."""
     if ops.compiling():
         return reference.append_kv_slots(k, v, slot_mapping, kv_cache, kv_layout, k_scale, v_scale)
-    kc, vc, k_strides, v_strides, page, hkv, d = _kv_views(kv_cache, kv_layout)
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise checks.fail(name, "a torch.Tensor", type(t).__name__, "Pass the new tokens as a tensor.")
-        checks.check_shape(name, t, (k.shape[0], hkv, d), f"[tokens, {hkv}, {d}] matching the cache")
+    streams, hkv, page, num_pages = _kv_streams(k, v, kv_cache, kv_layout, k_scale, v_scale)
     _check_index("slot_mapping", slot_mapping, k.shape[0])
-    streams = [_stream("k", k, kc, k_strides, k_scale, "k_scale"), _stream("v", v, vc, v_strides, v_scale, "v_scale")]
-    _launch(streams, hkv, page, kc.shape[0], slot_mapping=slot_mapping, check_indices=check_indices)
+    _launch(streams, hkv, page, num_pages, slot_mapping=slot_mapping, check_indices=check_indices)
 
 
 def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indices: torch.Tensor,
@@ -283,12 +288,7 @@ def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indice
         if not isinstance(t, torch.Tensor):
             raise checks.fail(name, "a torch.Tensor", type(t).__name__, "Pass the new tokens as a tensor.")
         checks.check_shape(name, t, (ckv.shape[0], width), f"[tokens, {width}]")
-    _check_index("batch_indices", batch_indices, ckv.shape[0])
-    _check_index("positions", positions, ckv.shape[0])
-    _check_index("kv_indices", kv_indices, None)
-    _check_index("kv_indptr", kv_indptr, None)
-    if kv_indptr.shape[0] < 1:
-        raise checks.fail("kv_indptr.shape", "[batch + 1]", list(kv_indptr.shape), "Pass the page table's CSR offsets.")
+    _check_csr(batch_indices, positions, kv_indices, kv_indptr, ckv.shape[0])
     # (one head: a token's row is its single "head", the cache's head stride unused)
     streams = [_stream(name, src.unsqueeze(1), dst.unsqueeze(2), (dst.stride(0), dst.stride(1), 0), kv_scale,
                        "kv_scale")

@@ -157,7 +157,10 @@ def append_paged_mla(ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache, k
                      kv_scale: float = 1.0) -> None:
     """append_paged_mla_kv_cache in torch indexing (kpe_cache None: one [P, page, 576] cache)."""
     latent = ckv.shape[-1]
-    ckv_dst, kpe_dst = (ckv_cache[..., :latent], ckv_cache[..., latent:]) if kpe_cache is None else (ckv_cache, kpe_cache)
+    if kpe_cache is None:  # one cache: latent, then rope
+        ckv_dst, kpe_dst = ckv_cache[..., :latent], ckv_cache[..., latent:]
+    else:
+        ckv_dst, kpe_dst = ckv_cache, kpe_cache
     pages, offs = _csr_rows(batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
     ckv_dst[pages, offs] = quantize_rows(ckv, kv_scale, ckv_dst.dtype)
     kpe_dst[pages, offs] = quantize_rows(kpe, kv_scale, kpe_dst.dtype)
