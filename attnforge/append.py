@@ -157,7 +157,8 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
             checks.check_cuda(name, t, device)
             wide |= (t.dtype == torch.int64) << wide_bit[name]
     n = a.src.shape[0]
-    if n * num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT >= 2 ** 31 or num_pages >= 2 ** 40:
+    units = n * num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT
+    if units >= 2 ** 31:  # (the kernel divides 32-bit unit indices)
         raise checks.fail("new tokens", "fewer than 2^31 8-element units in one call", n, "Append in several calls.")
     spec = AppendSpec(a.src.dtype, a.dst.dtype)
     lib = registry.get_library(spec, spec.module, device)
@@ -172,7 +173,6 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
         scale1=b.scale, num_tokens=n, num_heads=num_heads, chunks0=a.src.shape[-1] // UNIT,
         chunks1=b.src.shape[-1] // UNIT, page_size=page_size,
         batch_size=0 if kv_indptr is None else kv_indptr.shape[0] - 1, index_wide=wide)
-    units = n * num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT
     if units:
         with on_device(device):
             lib["append_kv_kernel"].launch((min(MAX_CTAS, -(-units // THREADS)),), (THREADS,), params)
