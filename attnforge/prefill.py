@@ -19,7 +19,7 @@ from . import blockmask, checks, codegen, ops, paged, scheduler, variants
 from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .jit.loader import on_device
-from .kernels.prefill import PrefillKernel, default_backend
+from .kernels.prefill import PrefillKernel, default_backend, split_dims
 from .merge import merge_states
 from .spec import AttentionSpec
 
@@ -120,6 +120,11 @@ class BatchPrefill:
             ragged, indices, page = True, np.zeros(1, dtype=np.int64), RAGGED_PAGE
             kv_off = kvp[:-1] if kv_offset is None else paged.host_int_array("kv_offset", kv_offset)
             max_page = -1
+        elif split_dims(self.spec):
+            raise checks.fail("plan(kv_indices=...)", "ragged K/V (kv_indices None) for head_dim_vo "
+                              f"{self.spec.head_dim_vo} < head_dim_qk {self.spec.head_dim_qk}", "a page table",
+                              "Narrower values run on ragged K/V only: gather the pages into k [tokens, Hkv, "
+                              "head_dim_qk] and v [tokens, Hkv, head_dim_vo] (DeepSeek's prefill computes them).")
         else:
             page = page_size if page_size is not None else self.spec.page_size
             if page is None:
@@ -292,8 +297,9 @@ class BatchPrefill:
         for name, t in (("k", k), ("v", v)):
             checks.check_aligned_rows(name, t)
         pl = self._plan
+        v_strides = {"v_stride_token": v.stride(0), "v_stride_head": v.stride(1)} if split_dims(self.spec) else {}
         return {"k_cache": k.data_ptr(), "v_cache": v.data_ptr(), "stride_page": stride_page,
-                "stride_token": stride_token, "stride_head": stride_head,
+                "stride_token": stride_token, "stride_head": stride_head, **v_strides,
                 **pl["kernel"].kv_tma_values(k, v, pl["page_size"], pl["ragged"])}, k.shape[0]
 
     def _kv(self, kv):
@@ -306,14 +312,15 @@ class BatchPrefill:
             raise checks.fail("kv", "a (k, v) pair of ragged [tokens, Hkv, D] tensors (planned without kv_indices)",
                               type(kv).__name__, "Or plan with a page table for a paged cache.")
         k, v = kv
-        for name, t in (("k", k), ("v", v)):
+        for name, t, d in (("k", k, s.head_dim_qk), ("v", v, s.head_dim_vo)):
             checks.check_cuda(name, t, self.device)
             checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
-            checks.check_shape(name, t, (None, s.num_kv_heads, s.head_dim_qk), "[tokens, Hkv, D]")
+            checks.check_shape(name, t, (None, s.num_kv_heads, d), "[tokens, Hkv, D]" if not split_dims(s) else
+                               f"[tokens, Hkv, {'head_dim_qk' if name == 'k' else 'head_dim_vo'}]")
             checks.check_contiguous_last(name, t)
-        if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
-            raise checks.fail("kv", "k and v with equal shapes and strides", f"{k.stride()} vs {v.stride()}",
-                              "Allocate them alike.")
+        if k.shape[0] != v.shape[0] or (not split_dims(s) and k.stride() != v.stride()):
+            raise checks.fail("kv", "k and v with equal token counts" + ("" if split_dims(s) else " and strides"),
+                              f"{tuple(k.shape)} {k.stride()} vs {tuple(v.shape)} {v.stride()}", "Allocate them alike.")
         if k.shape[0] < pl["kv_tokens"]:
             raise checks.fail("k.shape[0]", f"at least kv_indptr[-1]={pl['kv_tokens']} tokens", k.shape[0],
                               "Pass the whole ragged K/V.")
@@ -334,8 +341,8 @@ class BatchPrefill:
                 **pl["kernel"].q_tma_values(q), **pl["kernel"].kv_tma_values(k, v, pl["page_size"], pl["ragged"])}
 
     def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, return_lse: bool = False):
-        """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out (and lse
-        [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op (attnforge.ops).
+        """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out [total_q, Hq, Dv]
+        (and lse [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op (attnforge.ops).
         Inputs are checked once per address, shape, strides and dtype under the plan (checks.RunMemo)."""
         if ops.compiling():
             return ops.compiled_run(self, self._plan is not None, [q, *paged.cache_list(kv)], out, None, return_lse)
@@ -347,14 +354,15 @@ class BatchPrefill:
                                     pl["page_size"], pl["kv_tokens"])
         if not pl["ragged"]:
             paged.check_page_bound(pl["max_page"], pages)
+        out_shape = (q.shape[0], s.num_qo_heads, s.head_dim_vo)
         if out is None:
-            out = torch.empty(q.shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
         else:
-            memo.get("out", (out,), lambda: self._check_out(out, q.shape), tuple(q.shape))
+            memo.get("out", (out,), lambda: self._check_out(out, out_shape), out_shape)
         fields = {**q_fields, **kv_fields}
         slots = pl["num_slots"]
         if slots > 1:  # split KV: partial states [rows, slots, Hq, D] (unwritten slots keep LSE -inf), merged
-            n, h, d = q.shape
+            n, h, d = out_shape
             part = torch.empty((n, slots, h, d), dtype=out.dtype, device=self.device)
             part_lse = torch.full((n, slots, h), -math.inf, dtype=torch.float32, device=self.device)
             self._launch(q, part, part_lse, dict(**fields, out_stride_n=slots * h * d, out_stride_h=d,
@@ -398,8 +406,9 @@ class BatchPrefill:
 def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                    sm_scale: Optional[float] = None, return_lse: bool = False, k_scale: float = 1.0,
                    v_scale: float = 1.0, **spec_kwargs):
-    """One request: q [Lq, Hq, D]; k, v [Lk, Hkv, D] of q's dtype, or fp8 e4m3 with the cache's per-tensor
-    k_scale / v_scale (the K/V dtype is k's). Returns out [Lq, Hq, D], and lse [Lq, Hq] with return_lse."""
+    """One request: q [Lq, Hq, D]; k [Lk, Hkv, D], v [Lk, Hkv, Dv] of q's dtype (Dv = D, or narrower: see
+    spec.PREFILL_QK_VO_DIMS), or fp8 e4m3 with the cache's per-tensor k_scale / v_scale (the K/V dtype is k's).
+    Returns out [Lq, Hq, Dv], and lse [Lq, Hq] with return_lse."""
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -408,7 +417,7 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     for name, t in named:
         checks.check_cuda(name, t, q.device)
     spec = AttentionSpec(family="prefill", num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
-                         q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype), causal=causal, **spec_kwargs)
+                         head_dim_vo=v.shape[2], q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype), causal=causal, **spec_kwargs)
     w = _cached_wrapper(spec, q.device)
     w.plan([0, q.shape[0]], [0, k.shape[0]], sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     return w.run(q, (k, v), return_lse=return_lse)

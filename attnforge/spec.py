@@ -47,6 +47,9 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16") -> st
 
 
 HEAD_DIMS = (64, 128, 256)
+# prefill with narrower values than keys, (head_dim_qk, head_dim_vo): DeepSeek-V2/V3's prefill before
+# absorption is 192 (128 nope + 64 rope) by 128; the Hopper prefill kernel takes these (sm_90a)
+PREFILL_QK_VO_DIMS = ((192, 128), (128, 64), (256, 128))
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
 MLA_HEADS = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 64
@@ -132,12 +135,18 @@ class AttentionSpec:
         if hq // hkv > MAX_GROUP_SIZE:
             raise _bad("num_qo_heads", hq, f"at most {MAX_GROUP_SIZE} query heads per KV head "
                        f"(num_kv_heads={hkv})", "Split the heads over several calls.")
+        dims = (self.head_dim_qk, self.head_dim_vo)
+        if self.family == "prefill" and dims in PREFILL_QK_VO_DIMS:
+            return
         if self.head_dim_qk not in HEAD_DIMS:
-            raise _bad("head_dim_qk", self.head_dim_qk, f"one of {HEAD_DIMS}",
+            pairs = f" (prefill also takes (head_dim_qk, head_dim_vo) in {PREFILL_QK_VO_DIMS})"
+            raise _bad("head_dim_qk", self.head_dim_qk, f"one of {HEAD_DIMS}{pairs}",
                        "Pad the head dimension to a supported size.")
         if self.head_dim_vo != self.head_dim_qk:
-            raise _bad("head_dim_vo", self.head_dim_vo, f"equal to head_dim_qk={self.head_dim_qk} "
-                       "outside MLA", "Use family='mla_decode' for 576/512 heads, else drop head_dim_vo.")
+            allowed = f"equal to head_dim_qk={self.head_dim_qk}, or for prefill a pair in {PREFILL_QK_VO_DIMS}"
+            raise _bad("head_dim_vo", self.head_dim_vo, allowed,
+                       "Use family='mla_decode' for 576/512 heads, family='prefill' for DeepSeek's 192/128, "
+                       "else drop head_dim_vo.")
 
     def _check_dtypes(self) -> None:
         if self.q_dtype not in DTYPES_16:

@@ -80,7 +80,9 @@ BASE_FIELDS = (
 # box, 16-token pages took 1458 us.) 8 rows is also the least a box may hold, so the default now
 # equals tma=True; the knob stays for the next kernel whose boxes are not always a gain.
 TMA_AUTO_MIN_ROWS = 8
-FP8_FIELDS = (ParamField("v_scale", "float", "f32"),)  # fp8 KV: V's per-tensor scale, applied to each output row
+FP8_FIELDS = (ParamField("v_scale", "float", "f32"),)
+# narrower values (split_dims): ragged V's own element strides (K's are stride_token / stride_head)
+V_STRIDE_FIELDS = scalars("i64", "int64_t", "v_stride_token", "v_stride_head")  # fp8 KV: V's per-tensor scale, applied to each output row
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               ParamField("q_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request", "tma_q_tokens"))
@@ -102,8 +104,19 @@ def sfu_core_per_score(spec: AttentionSpec) -> bool:
     return spec.logits_soft_cap > 0 or (mod is not None and graph.applies_function_to_score(mod.score_root))
 
 
+def split_dims(spec: AttentionSpec) -> bool:
+    """Values narrower than keys (head_dim_vo < head_dim_qk, e.g. DeepSeek's 192/128): the wgmma kernel alone,
+    16-bit ragged K/V (V's strides are its own)."""
+    return spec.head_dim_vo != spec.head_dim_qk
+
+
 def wgmma_applies(spec: AttentionSpec) -> Optional[str]:
     """None when the Hopper kernel can run this spec, else why not."""
+    if split_dims(spec):
+        if spec.kv_dtype == "fp8_e4m3":
+            return (f"kv_dtype fp8_e4m3 with head_dim_qk {spec.head_dim_qk} != head_dim_vo {spec.head_dim_vo} "
+                    "(narrower values: 16-bit K/V only)")
+        return None
     if spec.head_dim_qk not in WGMMA_HEAD_DIMS:
         return f"head_dim {spec.head_dim_qk} (the wgmma kernel takes {WGMMA_HEAD_DIMS})"
     if spec.kv_dtype == "fp8_e4m3" and spec.head_dim_qk not in WGMMA_FP8_HEAD_DIMS:
@@ -119,6 +132,8 @@ def default_backend(spec: AttentionSpec, archs: Optional[tuple] = None) -> str:
     forced = env.PREFILL_BACKEND.value
     if forced != "auto":
         return forced
+    if split_dims(spec):  # (the only kernel that takes them)
+        return "wgmma"
     archs = arch.arch_list() if archs is None else archs
     hopper = any(a.startswith(WGMMA_ARCH) for a in archs)  # "9.0a" or "9.0a+PTX"
     return "wgmma" if wgmma_applies(spec) is None and hopper else "mma"
@@ -166,6 +181,10 @@ class PrefillKernel:
         if self.backend not in BACKENDS:
             raise ValueError(f"PrefillKernel.backend: expected one of {BACKENDS}, got {self.backend!r}; "
                              "or pass backend=None to BatchPrefill to pick the best one here")
+        if self.backend == "mma" and split_dims(self.spec):
+            raise ValueError(f"PrefillKernel: the mma backend takes head_dim_vo == head_dim_qk, got "
+                             f"{self.spec.head_dim_qk}/{self.spec.head_dim_vo}; use backend='wgmma' (sm_90a), "
+                             "the kernel for narrower values")
         if self.backend == "wgmma" and (why := wgmma_applies(self.spec)) is not None:
             raise ValueError(f"PrefillKernel: the wgmma backend does not take {why}; use backend='mma' "
                              "(or ATTNFORGE_PREFILL_BACKEND=auto)")
@@ -234,6 +253,8 @@ class PrefillKernel:
     # the sizes below are cached: the fields are final once __post_init__ has run, and plan() and run() read them
     @cached_property
     def _shape(self) -> tuple[int, int, int]:
+        if split_dims(self.spec):
+            return self._split_dims_shape()
         if self.wgmma_fp8:
             return _SHAPES["wgmma64_fp8" if self.spec.head_dim_qk == 64 else "wgmma_fp8"]
         if self.backend == "wgmma" and self.spec.head_dim_qk == 256:
@@ -241,6 +262,14 @@ class PrefillKernel:
         if self.backend == "wgmma" and self.spec.head_dim_qk == 64 and self.producer:
             return _SHAPES["wgmma64"]
         return _SHAPES[self.backend]
+
+    def _split_dims_shape(self) -> tuple[int, int, int]:
+        """Narrower values: 128-token tiles in three shared stages where they fit (128/64), else 64-token
+        tiles in four or three (192/128: Q 48 KB + 4 x (24 + 16) KB; 256/128: three)."""
+        for tile, stages in ((128, 3), (64, 4), (64, 3)):
+            if self._ring_bytes(128, tile, stages, False, 0) <= SMEM_LIMIT:
+                return 128, tile, stages
+        raise AssertionError(f"no prefill tile fits head dims {self.spec.head_dim_qk}/{self.spec.head_dim_vo}")
 
     @property
     def split_ring(self) -> bool:
@@ -292,17 +321,22 @@ class PrefillKernel:
 
     def _smem_bytes(self, fp8_stages: int) -> int:
         d = self.spec.head_dim_qk
-        # wgmma: sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
-        # and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)
         if self.backend != "wgmma":  # Q, the ring of K and V tiles as stored, and fp8's widened K and V
             wide = 2 * self.tile_kv * d * 2 if self.fp8_kv else 0
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * self.kv_bytes + wide
-        mats = 2 * self.stages + (1 if self.split_ring and not self.fp8_kv else 0)  # K and V tiles in the ring
-        bars = 16 * (mats if self.split_ring else self.stages)  # full and empty mbarriers (per matrix when split)
-        ws = bars + 8 * self.tile_kv + (8 if self.persistent else 0) + 8 * fp8_stages  # + q_empty, fp8's staged
+        return self._ring_bytes(self.tile_q, self.tile_kv, self.stages, self.split_ring, fp8_stages)
+
+    def _ring_bytes(self, tile_q: int, tile_kv: int, stages: int, split_ring: bool, fp8_stages: int) -> int:
+        """The wgmma kernel's shared memory: Q, the ring of K [tile_kv][head_dim_qk] and V [tile_kv][head_dim_vo]
+        tiles, fp8 staging; sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
+        and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)."""
+        dk, dv = self.spec.head_dim_qk, self.spec.head_dim_vo
+        v_mats = stages + (1 if split_ring and not self.fp8_kv else 0)  # a split ring's V is held one more
+        bars = 16 * (stages + v_mats if split_ring else stages)  # full and empty mbarriers (per matrix when split)
+        ws = bars + 8 * tile_kv + (8 if self.persistent else 0) + 8 * fp8_stages  # + q_empty, fp8's staged
         extra = 1024 + 128 + (ws if self.producer else 0)
-        staging = fp8_stages * 2 * self.tile_kv * d  # fp8 {K, V} tiles as stored
-        return self.tile_q * d * 2 + mats * self.tile_kv * d * 2 + staging + extra
+        staging = fp8_stages * 2 * tile_kv * dk  # fp8 {K, V} tiles as stored
+        return tile_q * dk * 2 + tile_kv * 2 * (stages * dk + v_mats * dv) + staging + extra
 
     @property
     def fp8_kv(self) -> bool:
@@ -315,6 +349,7 @@ class PrefillKernel:
     @cached_property  # (a run reads it; hashing its ~30 fields for params_for's cache cost ~10 us)
     def params(self) -> ParamsLayout:
         base = (*TMA_FIELDS, *BASE_FIELDS) if self.has_tma else BASE_FIELDS
+        base = (*base, *V_STRIDE_FIELDS) if split_dims(self.spec) else base
         return variants.params_for("PrefillParams", (*base, *FP8_FIELDS) if self.fp8_kv else base, self.spec)
 
     @property
@@ -365,8 +400,15 @@ class PrefillKernel:
         return {"q_tmap": tma_maps.encode(q, box), "tma_q_tokens": box.rows}
 
     def _kv_tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
-        s, box, per_request, plain = self.spec, None, False, self.fp8_kv  # fp8: unswizzled rows into staging
-        if ragged and k.dim() == 3:
+        s, box, v_box, per_request, plain = self.spec, None, None, False, self.fp8_kv  # fp8: unswizzled rows
+        if ragged and k.dim() == 3 and split_dims(s):  # V's box from its own width and strides: same rows
+            box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
+                                            k.element_size(), self.tile_kv, plain)
+            v_box, _ = tma_maps.ragged_kv_box(s.head_dim_vo, s.num_kv_heads, v.shape[0], v.stride(0), v.stride(1),
+                                              v.element_size(), self.tile_kv, plain)
+            same = None not in (box, v_box) and (v_box.rows, v_box.heads_inner) == (box.rows, box.heads_inner)
+            box = box if same else None
+        elif ragged and k.dim() == 3:
             box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
                                             k.element_size(), self.tile_kv, plain)
         elif ragged and k.dim() == 4:
@@ -377,16 +419,17 @@ class PrefillKernel:
             tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
             box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
                                            k.stride(tok), k.stride(head), k.element_size(), self.tile_kv, plain)
+        v_box = v_box if split_dims(s) else box
         small = box is not None and self.tma is None and box.rows < TMA_AUTO_MIN_ROWS
         if box is None or small or k.data_ptr() % 16 or v.data_ptr() % 16:
             return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0, "tma_page_per_request": 0}
-        return {"k_tmap": tma_maps.encode(k, box), "v_tmap": tma_maps.encode(v, box), "tma_box_rows": box.rows,
+        return {"k_tmap": tma_maps.encode(k, box), "v_tmap": tma_maps.encode(v, v_box), "tma_box_rows": box.rows,
                 "tma_heads_inner": int(box.heads_inner), "tma_page_per_request": int(per_request)}
 
     def module(self) -> JitModule:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
-               "head_dim": s.head_dim_qk, "group_size": s.group_size, "causal": s.causal,
+               "head_dim": s.head_dim_qk, "head_dim_vo": s.head_dim_vo, "group_size": s.group_size, "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages, "m_tiles": self.m_tiles,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
@@ -394,7 +437,7 @@ class PrefillKernel:
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen,
                "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
-                         f"d{s.head_dim_qk}", s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
+                         f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else ""), s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),

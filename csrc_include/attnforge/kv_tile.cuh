@@ -344,4 +344,20 @@ struct Sw128KVLoader : KVTileLoader<TKV, TKV, kHeadDim, kTileKV, kThreads> {
   }
 };
 
+// Ragged rows [t0, t0 + kTileKV) of one matrix of kCols 16-bit columns (any multiple of 64) into an sw128
+// tile, rows past kv_end zero-filled; `head` points at the request's first token of this KV head.
+// For widths whose rows do not map onto a warp's lanes (Sw128KVLoader needs 32 % (kCols / 8) == 0:
+// 192-column K beside 128-column V); it serves an item's edge tile, TMA boxes the others.
+template <class T, int kCols, int kTileKV, int kThreads>
+AF_DEVICE void load_rows_sw128(const T* head, int64_t stride_token, int kv_end, int t0, char* tile) {
+  static_assert(sizeof(T) == 2 && kCols % 64 == 0, "sw128 tiles hold 16-bit values in 64-column blocks");
+  constexpr int kChunks = kCols / 8;  // 16-byte chunks a row
+  for (int i = threadIdx.x % kThreads; i < kTileKV * kChunks; i += kThreads) {
+    const int row = i / kChunks, ch = i % kChunks;
+    const bool valid = t0 + row < kv_end;
+    cp_async_16(tile + sw128_offset(row, ch, kTileKV), head + (valid ? int64_t(t0 + row) * stride_token + ch * 8 : 0),
+                valid);
+  }
+}
+
 }  // namespace attnforge

@@ -167,6 +167,11 @@ VARIANT_MATRIX = [  # one representative per template option, not the cross prod
 ]
 
 
+# DeepSeek's prefill before absorption: values narrower than keys (the wgmma kernel alone)
+SPLIT_DIMS = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128,
+                           causal=True)
+
+
 def _mod_specs():
     import attnforge.mods as m
     return [AttentionSpec(score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
@@ -202,6 +207,7 @@ def test_nvcc_compiles_the_variant_matrix():
     fp8 = AttentionSpec(family="prefill", kv_dtype="fp8_e4m3", causal=True)  # its options, and d64's shared ring
     mods += [PrefillKernel(fp8, "wgmma", tma=True).module(), PrefillKernel(fp8, "wgmma", fp8_int_widen=True).module(),
              PrefillKernel(dataclasses.replace(fp8, head_dim_qk=64, head_dim_vo=64, q_dtype="fp16"), "wgmma").module()]
+    mods += [PrefillKernel(SPLIT_DIMS, "wgmma").module(), PrefillKernel(SPLIT_DIMS, "wgmma", producer=False).module()]
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
     mods += [k.module() for k in _wgmma_mla_kernels(mla)]
@@ -246,6 +252,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     kernels += _wgmma_mla_kernels(normal)
     prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
     kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(s, "mma") for s in prefill]
+    kernels.append(PrefillKernel(SPLIT_DIMS, "wgmma"))
     paths = build_many([k.module() for k in kernels], ARCHS)
     checked, problems = 0, []
     for k, path in zip(kernels, paths):

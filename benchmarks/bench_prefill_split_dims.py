@@ -1,0 +1,53 @@
+"""Suite `prefill_split_dims`: DeepSeek-V3's prefill before absorption, keys 192 wide (128 nope + 64 rope) and
+values 128, MHA, bf16, causal, ragged K/V. Cases `d192x128 h{H} B{B} S{L}`: 128 heads (one GPU) and 16 (TP8).
+TFLOP/s of the causal half, 2 (192 + 128) FLOPs a head a visible pair. Peers in the same run: FlashInfer's
+ragged prefill (fa2, fa3) and cuDNN SDPA (which takes a V narrower than K)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill
+from harness import Report, sdpa_backends, time_sdpa_peers, time_us
+
+DQK, DVO = 192, 128
+CASES = ((128, 1, 8192), (16, 1, 32768), (16, 8, 4096))  # (heads, batch, length)
+
+
+def run(report: Report, peers: bool = True) -> None:
+    for h, b, length in CASES:
+        case = f"d{DQK}x{DVO} h{h} B{b} S{length}"
+        flops = b * 2 * (DQK + DVO) * h * length * (length + 1) / 2
+        q = torch.randn(b * length, h, DQK, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b * length, h, DQK, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b * length, h, DVO, device="cuda", dtype=torch.bfloat16)
+        indptr = np.arange(b + 1) * length
+        w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=h, num_kv_heads=h, head_dim_qk=DQK,
+                                       head_dim_vo=DVO, causal=True))
+        w.plan(indptr, indptr)
+        report.add("prefill_split_dims", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None,
+                   flops)
+        if not peers:
+            continue
+        flashinfer_peer(report, case, q, k, v, indptr, h, flops)
+        dense = [t.view(b, length, h, -1).transpose(1, 2).contiguous() for t in (q, k, v)]
+        time_sdpa_peers(report, "prefill_split_dims", case, *dense, True, sdpa_backends("cudnn-sdpa"), None, flops,
+                        calls=2, reps=10)
+
+
+def flashinfer_peer(report, case, q, k, v, indptr, h, flops):
+    try:
+        import flashinfer
+    except Exception as e:
+        report.note(f"flashinfer unavailable: {e}")
+        return
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
+    for backend in ("fa2", "fa3"):
+        try:
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(ind, ind, h, h, DQK, head_dim_vo=DVO, causal=True, q_data_type=torch.bfloat16)
+            report.add("prefill_split_dims", case, f"flashinfer-{backend}",
+                       time_us(lambda: w.run(q, k, v), calls=2, reps=10), None, flops)
+        except Exception as e:
+            report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")

@@ -1,0 +1,110 @@
+"""Prefill with values narrower than keys (head_dim_vo < head_dim_qk), host side: the spec's pairs, the kernel's
+shape and shared memory, the refusals, and what a run launches (no GPU: launches are recorded)."""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchPrefill
+from attnforge.jit import tma as tma_maps
+from attnforge.kernels.prefill import SMEM_LIMIT, PrefillKernel, default_backend
+from attnforge.spec import PREFILL_QK_VO_DIMS
+from helpers import stub_launches
+from test_prefill_run_host import fake_map, full_pack
+
+DEEPSEEK = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128,
+                         causal=True)
+
+
+@pytest.mark.parametrize("dims", PREFILL_QK_VO_DIMS)
+def test_each_pair_is_a_prefill_spec_whose_kernel_fits(dims):
+    spec = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=8, head_dim_qk=dims[0], head_dim_vo=dims[1])
+    assert spec.name.startswith(f"prefill_mha_d{dims[0]}x{dims[1]}_")
+    assert default_backend(spec, ("8.0",)) == "wgmma"  # (the only kernel that takes them)
+    k = PrefillKernel(spec, "wgmma")
+    assert k.smem_bytes <= SMEM_LIMIT and k.stages >= 3 and k.tile_q == 128
+    # Q [128][dqk] and every stage's K [tile][dqk] + V [tile][dvo], 16-bit, are inside the total
+    assert k.smem_bytes >= 2 * (128 * dims[0] + k.stages * k.tile_kv * sum(dims))
+    names = [f.name for f in k.params.fields]
+    assert "v_stride_token" in names and "v_stride_head" in names
+    assert f"d{dims[0]}x{dims[1]}" in k.module().name
+    assert k.module().context["head_dim_vo"] == dims[1]
+
+
+def test_deepseek_shape_is_64_token_tiles_in_four_stages():
+    """192/128: 128-token tiles in three stages need 48 + 3 x 80 KB (too much); 64-token tiles take four."""
+    k = PrefillKernel(DEEPSEEK, "wgmma")
+    assert (k.tile_kv, k.stages, k.split_ring) == (64, 4, False)
+    assert PrefillKernel(DEEPSEEK, "wgmma", num_stages=2).split_ring  # K and V on rings of their own
+
+
+@pytest.mark.parametrize("kwargs,field,words", [
+    (dict(family="decode", head_dim_qk=192, head_dim_vo=128), "head_dim_qk", "prefill also takes"),
+    (dict(family="prefill", head_dim_qk=192, head_dim_vo=192), "head_dim_qk", "(192, 128)"),
+    (dict(family="prefill", head_dim_qk=128, head_dim_vo=96), "head_dim_vo", "a pair in"),
+    (dict(family="decode", head_dim_qk=128, head_dim_vo=64), "head_dim_vo", "family='prefill'"),
+])
+def test_other_pairs_are_refused_with_the_supported_ones(kwargs, field, words):
+    with pytest.raises(ValueError, match=f"AttentionSpec.{field}") as e:
+        AttentionSpec(**kwargs)
+    assert words in str(e.value)
+
+
+def test_mma_and_fp8_are_refused_before_any_build():
+    with pytest.raises(ValueError, match="backend='wgmma'"):
+        PrefillKernel(DEEPSEEK, "mma")
+    fp8 = AttentionSpec(family="prefill", head_dim_qk=192, head_dim_vo=128, kv_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="16-bit K/V only"):
+        PrefillKernel(fp8, "wgmma")
+
+
+def test_paged_plans_are_refused_with_the_ragged_form():
+    w = BatchPrefill(DEEPSEEK, device="cpu")
+    with pytest.raises(ValueError, match="ragged K/V only"):
+        w.plan([0, 4], [0, 1], kv_indices=[0], kv_last_page_len=[4], page_size=16)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(tma_maps, "encode", fake_map)
+    return rec
+
+
+def test_run_launches_v_strides_and_v_map_and_returns_vo_rows(recorder):
+    """V sliced out of a fused projection: the params carry its own strides and a map of V (not K's)."""
+    w = BatchPrefill(DEEPSEEK, device="cpu", split_kv=False)  # (one launch, straight into out)
+    w.plan(np.array([0, 70]), np.array([0, 300]))
+    q = torch.randn(70, 16, 192).bfloat16()
+    k = torch.randn(300, 16, 192).bfloat16()
+    v = torch.randn(300, 16, 320).bfloat16()[..., 192:]
+    out, lse = w.run(q, (k, v), return_lse=True)
+    assert out.shape == (70, 16, 128) and lse.shape == (70, 16)
+    strides = dict(stride_page=0, stride_token=16 * 192, stride_head=192, v_stride_token=16 * 320, v_stride_head=320,
+                   q_stride_n=16 * 192, q_stride_h=192, out_stride_n=16 * 128, out_stride_h=128, out_stride_slot=0,
+                   lse_stride_n=16, lse_stride_h=1, lse_stride_slot=0)
+    assert bytes(recorder.last(w)) == bytes(full_pack(w, q, k, v, out, lse, strides))
+    values = w._plan["kernel"].tma_values(k, v, w._plan["page_size"], True)
+    assert values["v_tmap"] == fake_map(v, tma_maps.ragged_kv_box(128, 16, 300, 16 * 320, 320, 2, 64, False)[0])
+    assert values["k_tmap"] != values["v_tmap"]
+
+
+@pytest.mark.parametrize("bad,words", [
+    (lambda k, v: (k, torch.randn(300, 16, 192).bfloat16()), "v.shape"),
+    (lambda k, v: (k, v[:299]), "equal token counts"),
+    (lambda k, v: (k[..., :128], v), "k.shape"),
+])
+def test_run_refuses_k_and_v_of_the_wrong_widths(recorder, bad, words):
+    w = BatchPrefill(DEEPSEEK, device="cpu")
+    w.plan(np.array([0, 70]), np.array([0, 300]))
+    k, v = torch.randn(300, 16, 192).bfloat16(), torch.randn(300, 16, 128).bfloat16()
+    with pytest.raises(ValueError, match=words):
+        w.run(torch.randn(70, 16, 192).bfloat16(), bad(k, v))
+    out_wrong = torch.empty(70, 16, 192).bfloat16()
+    with pytest.raises(ValueError, match="out"):
+        w.run(torch.randn(70, 16, 192).bfloat16(), (k, v), out=out_wrong)
+    assert not recorder.launches
