@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, sdpa_backends, time_sdpa_peers, time_us
+from harness import Report, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
 
 DQK, DVO = 192, 128
 CASES = ((128, 1, 8192), (16, 1, 32768), (16, 8, 4096))  # (heads, batch, length)
@@ -22,11 +22,18 @@ def run(report: Report, peers: bool = True) -> None:
         k = torch.randn(b * length, h, DQK, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b * length, h, DVO, device="cuda", dtype=torch.bfloat16)
         indptr = np.arange(b + 1) * length
-        w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=h, num_kv_heads=h, head_dim_qk=DQK,
-                                       head_dim_vo=DVO, causal=True))
-        w.plan(indptr, indptr)
-        report.add("prefill_split_dims", case, "attnforge", time_us(lambda: w.run(q, (k, v)), calls=2, reps=10), None,
-                   flops)
+        spec = AttentionSpec(family="prefill", num_qo_heads=h, num_kv_heads=h, head_dim_qk=DQK, head_dim_vo=DVO,
+                             causal=True)
+        # ATTNFORGE_BENCH_SPLIT_DIMS_TWINS="kv_tile=128,num_stages=2;...": BatchPrefill arguments, one
+        # `attnforge-twin<i>` row each, timed in rotation with the default
+        wrappers = {"attnforge": BatchPrefill(spec)}
+        for i, fields in enumerate(kernel_twins("ATTNFORGE_BENCH_SPLIT_DIMS_TWINS")):
+            wrappers[f"attnforge-twin{i}"] = BatchPrefill(spec, **fields)
+        for w in wrappers.values():
+            w.plan(indptr, indptr)
+        fns = {name: (lambda w=w: w.run(q, (k, v))) for name, w in wrappers.items()}
+        for name, us in time_interleaved(fns, calls=2, reps=10).items():
+            report.add("prefill_split_dims", case, name, us, None, flops)
         if not peers:
             continue
         flashinfer_peer(report, case, q, k, v, indptr, h, flops)

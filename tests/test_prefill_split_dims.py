@@ -23,20 +23,26 @@ def test_each_pair_is_a_prefill_spec_whose_kernel_fits(dims):
     assert spec.name.startswith(f"prefill_mha_d{dims[0]}x{dims[1]}_")
     assert default_backend(spec, ("8.0",)) == "wgmma"  # (the only kernel that takes them)
     k = PrefillKernel(spec, "wgmma")
-    assert k.smem_bytes <= SMEM_LIMIT and k.stages >= 3 and k.tile_q == 128
-    # Q [128][dqk] and every stage's K [tile][dqk] + V [tile][dvo], 16-bit, are inside the total
-    assert k.smem_bytes >= 2 * (128 * dims[0] + k.stages * k.tile_kv * sum(dims))
+    assert k.smem_bytes <= SMEM_LIMIT and k.stages >= (2 if k.split_ring else 3) and k.tile_q == 128
+    # Q [128][dqk] and every slot's K [tile][dqk] or V [tile][dvo], 16-bit, are inside the total
+    assert k.smem_bytes >= 2 * (128 * dims[0] + k.tile_kv * (k.stages * dims[0] + k.v_slots * dims[1]))
+    assert PrefillKernel(spec, "wgmma", producer=False).stages >= 3  # (a split ring is the producer's)
     names = [f.name for f in k.params.fields]
     assert "v_stride_token" in names and "v_stride_head" in names
     assert f"d{dims[0]}x{dims[1]}" in k.module().name
     assert k.module().context["head_dim_vo"] == dims[1]
 
 
-def test_deepseek_shape_is_64_token_tiles_in_four_stages():
-    """192/128: 128-token tiles in three stages need 48 + 3 x 80 KB (too much); 64-token tiles take four."""
+def test_deepseek_shape_is_a_split_ring_of_128_token_tiles():
+    """192/128: 128-token tiles in three shared stages need 48 + 3 x 80 KB (too much); a split ring of two K
+    (48 KB) and two V slots (32 KB) fits, a third V slot would not. Without a producer: 64-token tiles."""
     k = PrefillKernel(DEEPSEEK, "wgmma")
-    assert (k.tile_kv, k.stages, k.split_ring) == (64, 4, False)
-    assert PrefillKernel(DEEPSEEK, "wgmma", num_stages=2).split_ring  # K and V on rings of their own
+    assert (k.tile_kv, k.stages, k.split_ring, k.v_slots) == (128, 2, True, 2)
+    assert k.smem_bytes <= SMEM_LIMIT < k.smem_bytes + 128 * 128 * 2
+    assert k.module().context["v_slots"] == 2
+    assert (lambda p: (p.tile_kv, p.stages))(PrefillKernel(DEEPSEEK, "wgmma", producer=False)) == (64, 4)
+    two = PrefillKernel(DEEPSEEK, "wgmma", kv_tile=64, num_stages=2)  # 64-token tiles: room for V's extra slot
+    assert two.split_ring and two.v_slots == 3
 
 
 @pytest.mark.parametrize("kwargs,field,words", [
@@ -89,7 +95,8 @@ def test_run_launches_v_strides_and_v_map_and_returns_vo_rows(recorder):
                    lse_stride_n=16, lse_stride_h=1, lse_stride_slot=0)
     assert bytes(recorder.last(w)) == bytes(full_pack(w, q, k, v, out, lse, strides))
     values = w._plan["kernel"].tma_values(k, v, w._plan["page_size"], True)
-    assert values["v_tmap"] == fake_map(v, tma_maps.ragged_kv_box(128, 16, 300, 16 * 320, 320, 2, 64, False)[0])
+    box, _ = tma_maps.ragged_kv_box(128, 16, 300, 16 * 320, 320, 2, w.kernel.tile_kv, False)
+    assert values["v_tmap"] == fake_map(v, box)
     assert values["k_tmap"] != values["v_tmap"]
 
 

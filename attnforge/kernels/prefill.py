@@ -264,12 +264,27 @@ class PrefillKernel:
         return _SHAPES[self.backend]
 
     def _split_dims_shape(self) -> tuple[int, int, int]:
-        """Narrower values: 128-token tiles in three shared stages where they fit (128/64), else 64-token
-        tiles in four or three (192/128: Q 48 KB + 4 x (24 + 16) KB; 256/128: three)."""
-        for tile, stages in ((128, 3), (64, 4), (64, 3)):
-            if self._ring_bytes(128, tile, stages, False, 0) <= SMEM_LIMIT:
+        """Narrower values: 128-token tiles in three shared stages where they fit (128/64); else (with a producer)
+        in a split ring of two K and two V slots (192/128: Q 48 KB + 2 x 48 + 2 x 32 KB); else 64-token tiles
+        in four or three shared stages (256/128: three). At 192/128 the split ring measured 600-653 TFLOP/s
+        against 507-546 for 64-token tiles in four stages (H200, suite prefill_split_dims, in rotation)."""
+        for tile, stages in ((128, 3), (128, 2), (64, 4), (64, 3)):
+            split = stages == 2
+            if split and not self.producer:
+                continue
+            if self._ring_bytes(128, tile, stages, split, 0, stages) <= SMEM_LIMIT:
                 return 128, tile, stages
         raise AssertionError(f"no prefill tile fits head dims {self.spec.head_dim_qk}/{self.spec.head_dim_vo}")
+
+    @cached_property
+    def v_slots(self) -> int:
+        """A split ring's V slots: one more than K's (V(t) is held until P.V(t) retired) where it fits; as many
+        as K's with fp8 (widened within an iteration) or where the extra tile would not fit (192/128 at
+        128-token tiles: Q 48 KB + 2 x 48 + 2 x 32 KB)."""
+        if not self.split_ring or self.fp8_kv:
+            return self.stages
+        extra = self._ring_bytes(self.tile_q, self.tile_kv, self.stages, True, 0, self.stages + 1)
+        return self.stages + (0 if extra > SMEM_LIMIT else 1)
 
     @property
     def split_ring(self) -> bool:
@@ -324,14 +339,15 @@ class PrefillKernel:
         if self.backend != "wgmma":  # Q, the ring of K and V tiles as stored, and fp8's widened K and V
             wide = 2 * self.tile_kv * d * 2 if self.fp8_kv else 0
             return self.tile_q * d * 2 + self.stages * 2 * self.tile_kv * d * self.kv_bytes + wide
-        return self._ring_bytes(self.tile_q, self.tile_kv, self.stages, self.split_ring, fp8_stages)
+        return self._ring_bytes(self.tile_q, self.tile_kv, self.stages, self.split_ring, fp8_stages, self.v_slots)
 
-    def _ring_bytes(self, tile_q: int, tile_kv: int, stages: int, split_ring: bool, fp8_stages: int) -> int:
+    def _ring_bytes(self, tile_q: int, tile_kv: int, stages: int, split_ring: bool, fp8_stages: int,
+                    v_slots: Optional[int] = None) -> int:
         """The wgmma kernel's shared memory: Q, the ring of K [tile_kv][head_dim_qk] and V [tile_kv][head_dim_vo]
         tiles, fp8 staging; sw128 tiles need 1024-byte alignment, plus 128 scratch bytes (a scheduling anchor)
         and, with a producer, two mbarriers per stage and an int64 offset per KV row (paged loads)."""
         dk, dv = self.spec.head_dim_qk, self.spec.head_dim_vo
-        v_mats = stages + (1 if split_ring and not self.fp8_kv else 0)  # a split ring's V is held one more
+        v_mats = v_slots or stages  # (v_slots: a split ring's)
         bars = 16 * (stages + v_mats if split_ring else stages)  # full and empty mbarriers (per matrix when split)
         ws = bars + 8 * tile_kv + (8 if self.persistent else 0) + 8 * fp8_stages  # + q_empty, fp8's staged
         extra = 1024 + 128 + (ws if self.producer else 0)
@@ -434,7 +450,7 @@ class PrefillKernel:
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
-               "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen,
+               "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
                "params_struct": self.params.cpp(), "trace": False}
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else ""), s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
