@@ -20,7 +20,7 @@ import torch
 from . import checks, ops
 from .merge import merge_states
 from .prefill import BatchPrefill
-from .spec import AttentionSpec
+from .spec import PREFILL_QK_VO_DIMS, AttentionSpec
 
 _MODS: dict = {}  # kept for good: compiled graphs name their modifiers by weak handles (attnforge.ops)
 _CALLS: dict = {}
@@ -29,8 +29,8 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
-    """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> out [B, Hq, Lq, D]
-    (and lse [B, Hq, Lq], natural log). score_mod / mask_mod follow FlexAttention's signatures;
+    """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
+    (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128). score_mod / mask_mod follow FlexAttention's signatures;
     q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     if ops.compiling():
@@ -70,9 +70,11 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enab
             raise checks.fail(f"{name}.shape", "[B, H, L, D]", list(t.shape), "Use SDPA's layout.")
     bq, hq, lq, d = q.shape
     bk, hkv, lk, dk = k.shape
-    if (bk, dk) != (bq, d) or v.shape != k.shape:
-        raise checks.fail("k/v shape", f"[{bq}, Hkv, Lk, {d}] each, k and v equal", f"{list(k.shape)}, {list(v.shape)}",
-                          "Match batch and head_dim; v must have k's shape.")
+    dv = v.shape[3]
+    if (bk, dk) != (bq, d) or v.shape[:3] != k.shape[:3] or (dv != d and (d, dv) not in PREFILL_QK_VO_DIMS):
+        raise checks.fail("k/v shape", f"[{bq}, Hkv, Lk, {d}] each (v may be narrower: (D, Dv) in "
+                          f"{PREFILL_QK_VO_DIMS})", f"{list(k.shape)}, {list(v.shape)}",
+                          "Match batch, heads, lengths and head_dim; v must have k's shape but its last dim.")
     if hq != hkv and not enable_gqa:
         raise checks.fail("num heads", f"q heads == k heads ({hkv})", hq, "Pass enable_gqa=True for GQA/MQA.")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -87,7 +89,7 @@ class DenseCall:
         self.mod = mod  # (held: the signature keys the modifier by identity)
         self.contiguous = all(t.is_contiguous() for t in (q, k, v))
         spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
-                             q_dtype=q.dtype, score_mod=mod)
+                             head_dim_vo=v.shape[3], q_dtype=q.dtype, score_mod=mod)
         self.wrapper = BatchPrefill(spec, device=q.device)
         self.planned = False  # whether the wrapper's plan is this call's (a failed plan leaves none to reuse)
         self.scale: Optional[float] = None
@@ -162,12 +164,12 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     call = dense_call(q, k, v, mod, enable_gqa)
     if not call.contiguous:  # (the usual [B, H, L, D] is contiguous)
         q, k, v = (t.contiguous() for t in (q, k, v))
-    bq, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    bq, hq, lq, _ = q.shape
+    hkv, lk, d = k.shape[1], k.shape[2], v.shape[3]  # (d: the output's, V's width)
     call.plan(bq, hq, hkv, lq, lk, scale)
     w = call.wrapper
     fields = w._memo.get("dense", (q, k, v), lambda: w._dense_fields(q, k, v))
-    out = torch.empty_like(q)
+    out = q.new_empty((bq, hq, lq, d))
     slots = w._plan["num_slots"]
     if slots > 1:  # split KV (few query tiles, long keys): partials [B, H, Lq, slots, D], merged by LSE
         part = torch.empty((bq, hq, lq, slots, d), dtype=q.dtype, device=q.device)

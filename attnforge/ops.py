@@ -118,7 +118,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, sc
 def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse):
     from .dense import check_attention_args
     check_attention_args(q, k, v, enable_gqa)  # bad shapes fail while the graph is made
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # (V's width: it may be narrower than q's)
     return out, (q.new_empty(tuple(q.shape[:3]), dtype=torch.float32) if return_lse else _no_lse(out))
 
 

@@ -331,13 +331,14 @@ class BatchPrefill:
         checks.check_aligned_rows("out", out)
 
     def _dense_fields(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
-        """attention()'s contiguous q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D] as params: one page a request (plain
+        """attention()'s contiguous q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D or Dv] as params: one page a request (plain
         values: RunMemo; shapes, dtypes and devices were checked by the caller)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             checks.check_aligned_rows(name, t)
         pl = self._plan
+        v_strides = {"v_stride_token": v.stride(2), "v_stride_head": v.stride(1)} if split_dims(self.spec) else {}
         return {"q_stride_n": q.stride(2), "q_stride_h": q.stride(1), "k_cache": k.data_ptr(), "v_cache": v.data_ptr(),
-                "stride_page": 0, "stride_token": k.stride(2), "stride_head": k.stride(1),
+                "stride_page": 0, "stride_token": k.stride(2), "stride_head": k.stride(1), **v_strides,
                 **pl["kernel"].q_tma_values(q), **pl["kernel"].kv_tma_values(k, v, pl["page_size"], pl["ragged"])}
 
     def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, return_lse: bool = False):

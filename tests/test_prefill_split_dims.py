@@ -115,3 +115,25 @@ def test_run_refuses_k_and_v_of_the_wrong_widths(recorder, bad, words):
     with pytest.raises(ValueError, match="out"):
         w.run(torch.randn(70, 16, 192).bfloat16(), (k, v), out=out_wrong)
     assert not recorder.launches
+
+
+def test_attention_refuses_a_v_width_without_a_kernel(recorder):
+    import attnforge
+    q, k = torch.randn(1, 8, 16, 192).bfloat16(), torch.randn(1, 8, 16, 192).bfloat16()
+    with pytest.raises(ValueError, match=r"k/v shape.*\(192, 128\)"):
+        attnforge.attention(q, k, torch.randn(1, 8, 16, 64).bfloat16())
+    with pytest.raises(ValueError, match="k/v shape"):
+        attnforge.attention(q, k, torch.randn(1, 8, 15, 128).bfloat16())  # (lengths must agree)
+    assert not recorder.launches
+
+
+def test_compiled_attention_output_takes_v_width():
+    """Under torch.compile the op's fake output is V's width (the graph's later ops see [B, H, Lq, Dv])."""
+    from attnforge.ops import _attention_fake
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 16, 192, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 8, 40, 192, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(1, 8, 40, 128, dtype=torch.bfloat16, device="cuda")
+        out, lse = _attention_fake(q, k, v, "", None, False, True)
+    assert tuple(out.shape) == (1, 8, 16, 128) and tuple(lse.shape) == (1, 8, 16)

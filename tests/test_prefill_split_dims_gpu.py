@@ -161,3 +161,25 @@ def test_cuda_graph_replays_after_replans():
                                                    v[kv[b]:kv[b + 1]].float(), causal=True, dtype=torch.float32)
             from helpers import assert_attention_close
             assert_attention_close(out[rows], ref, low.bfloat16(), f"graph replay request {b}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_takes_a_narrower_v(causal):
+    """The SDPA-layout call: q, k [B, H, L, 192], v [B, H, L, 128] (one page a request: the 4-D TMA maps of K and
+    V, each its own width), with a causal mask_mod, against torch SDPA's own layout in float64."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 16, 300, 192, generator=g).bfloat16().cuda()
+    k = torch.randn(2, 4, 700, 192, generator=g).bfloat16().cuda()
+    v = torch.randn(2, 4, 700, 128, generator=g).bfloat16().cuda()
+    mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
+    out, lse = attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert out.shape == (2, 16, 300, 128) and lse.shape == (2, 16, 300)
+    from helpers import assert_attention_close, assert_lse_close
+    for b in range(2):
+        rows = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+        ref, ref_lse = attnforge.reference.attention(*rows, causal=causal)
+        low, _ = attnforge.reference.attention(*(t.float() for t in rows), causal=causal, dtype=torch.float32)
+        allowance = lazy_rescale_allowance(torch.bfloat16, v.abs().max().item())
+        assert_attention_close(out[b].transpose(0, 1), ref, low.bfloat16(), f"attention() batch {b}", allowance)
+        assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"attention() batch {b}")

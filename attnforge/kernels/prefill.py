@@ -416,31 +416,33 @@ class PrefillKernel:
         return {"q_tmap": tma_maps.encode(q, box), "tma_q_tokens": box.rows}
 
     def _kv_tma_values(self, k, v, page_size: int, ragged: bool) -> dict:
-        s, box, v_box, per_request, plain = self.spec, None, None, False, self.fp8_kv  # fp8: unswizzled rows
-        if ragged and k.dim() == 3 and split_dims(s):  # V's box from its own width and strides: same rows
-            box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
-                                            k.element_size(), self.tile_kv, plain)
-            v_box, _ = tma_maps.ragged_kv_box(s.head_dim_vo, s.num_kv_heads, v.shape[0], v.stride(0), v.stride(1),
-                                              v.element_size(), self.tile_kv, plain)
+        s, per_request = self.spec, ragged and k.dim() == 4
+        box = self._kv_box(k, s.head_dim_qk, page_size, ragged)
+        if split_dims(s):  # V's box from its own width and strides: the same rows, or no maps
+            v_box = self._kv_box(v, s.head_dim_vo, page_size, ragged)
             same = None not in (box, v_box) and (v_box.rows, v_box.heads_inner) == (box.rows, box.heads_inner)
             box = box if same else None
-        elif ragged and k.dim() == 3:
-            box, _ = tma_maps.ragged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[0], k.stride(0), k.stride(1),
-                                            k.element_size(), self.tile_kv, plain)
-        elif ragged and k.dim() == 4:
-            box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, k.shape[2], k.shape[0], k.stride(0),
-                                           k.stride(2), k.stride(1), k.element_size(), self.tile_kv, plain)
-            per_request = True
-        elif not ragged:
-            tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
-            box, _ = tma_maps.paged_kv_box(s.head_dim_qk, s.num_kv_heads, page_size, k.shape[0], k.stride(0),
-                                           k.stride(tok), k.stride(head), k.element_size(), self.tile_kv, plain)
-        v_box = v_box if split_dims(s) else box
+        else:
+            v_box = box
         small = box is not None and self.tma is None and box.rows < TMA_AUTO_MIN_ROWS
         if box is None or small or k.data_ptr() % 16 or v.data_ptr() % 16:
             return {"k_tmap": None, "v_tmap": None, "tma_box_rows": 0, "tma_heads_inner": 0, "tma_page_per_request": 0}
         return {"k_tmap": tma_maps.encode(k, box), "v_tmap": tma_maps.encode(v, v_box), "tma_box_rows": box.rows,
                 "tma_heads_inner": int(box.heads_inner), "tma_page_per_request": int(per_request)}
+
+    def _kv_box(self, t, head_dim: int, page_size: int, ragged: bool):
+        """The TMA box of K or V (`t`, `head_dim` wide) as this plan holds it, or None: ragged [tokens, Hkv, D],
+        the SDPA layout [B, Hkv, Lk, D] (a cache of one Lk-token page per request), or the paged cache."""
+        s, plain = self.spec, self.fp8_kv  # fp8: unswizzled rows into staging
+        if ragged and t.dim() == 3:
+            return tma_maps.ragged_kv_box(head_dim, s.num_kv_heads, t.shape[0], t.stride(0), t.stride(1),
+                                          t.element_size(), self.tile_kv, plain)[0]
+        if ragged and t.dim() == 4:
+            return tma_maps.paged_kv_box(head_dim, s.num_kv_heads, t.shape[2], t.shape[0], t.stride(0), t.stride(2),
+                                         t.stride(1), t.element_size(), self.tile_kv, plain)[0]
+        tok, head = (1, 2) if s.kv_layout == "NHD" else (2, 1)
+        return tma_maps.paged_kv_box(head_dim, s.num_kv_heads, page_size, t.shape[0], t.stride(0), t.stride(tok),
+                                     t.stride(head), t.element_size(), self.tile_kv, plain)[0]
 
     def module(self) -> JitModule:
         s = self.spec
