@@ -137,9 +137,45 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+# An eager call whose arguments repeat (an engine appends into the same cache from the same buffers every layer of
+# every step) launches the params its first call packed, its checks not run again: what a launch depends on is
+# each tensor's address, shape, strides, dtype and device and the plain arguments, which key the table.
+_LAUNCHES: dict = {}
+MAX_LAUNCHES = 1024  # signatures kept (a model's layers times its buffers); past it the table starts over
+
+
+def _call_key(entry: str, tensors: tuple, *values):
+    """The signature of a call (None, not memoised, when an argument is not a tensor: the checks name it).
+    Values keep their type, so scale=True does not find the entry of scale=1.0 (the check refuses bools)."""
+    key = [entry, *((type(x), x) for x in values)]
+    for t in tensors:
+        if isinstance(t, (tuple, list)):  # a (K, V) cache pair
+            if len(t) != 2 or not all(isinstance(x, torch.Tensor) for x in t):
+                return None
+            key += ["pair", *((x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) for x in t)]
+        elif t is None or isinstance(t, torch.Tensor):
+            key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    return tuple(key)
+
+
+def _launch_memoised(key) -> bool:
+    """Launch the params of an earlier call with this signature; False when there was none."""
+    if key is None or key not in _LAUNCHES:
+        return False
+    hit = _LAUNCHES[key]
+    if hit is not None:  # (None: a call of no tokens, nothing to launch)
+        kernel, grid, params, device = hit
+        with on_device(device):
+            kernel.launch(grid, (THREADS,), params)
+    return True
+
+
 def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, batch_indices=None, positions=None,
-            kv_indices=None, kv_indptr=None, slot_mapping=None, check_indices: bool = False) -> None:
-    """Device checks, then one launch; with check_indices, the kernel's count of skipped tokens is read back."""
+            kv_indices=None, kv_indptr=None, slot_mapping=None, check_indices: bool = False, key=None) -> None:
+    """Device checks, then one launch; with check_indices, the kernel's count of skipped tokens is read back.
+    key: the call's signature, under which its launch is kept (none with check_indices: its buffer is per call)."""
     a, b = streams
     device = a.src.device
     for s in streams:
@@ -173,9 +209,14 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
         scale1=b.scale, num_tokens=n, num_heads=num_heads, chunks0=a.src.shape[-1] // UNIT,
         chunks1=b.src.shape[-1] // UNIT, page_size=page_size,
         batch_size=0 if kv_indptr is None else kv_indptr.shape[0] - 1, index_wide=wide)
-    if units:
+    launch = (lib["append_kv_kernel"], (min(MAX_CTAS, -(-units // THREADS)),), params, device) if units else None
+    if key is not None and not check_indices:
+        if len(_LAUNCHES) >= MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    if launch is not None:
         with on_device(device):
-            lib["append_kv_kernel"].launch((min(MAX_CTAS, -(-units // THREADS)),), (THREADS,), params)
+            launch[0].launch(launch[1], (THREADS,), params)
     if error is not None:
         skipped, first = error.tolist()
         if skipped:
@@ -240,10 +281,14 @@ def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch
     if ops.compiling():
         return reference.append_paged_kv(k, v, batch_indices, positions, kv_cache, kv_indices, kv_indptr, kv_layout,
                                          k_scale, v_scale)
+    key = None if check_indices else _call_key("paged", (k, v, batch_indices, positions, kv_cache, kv_indices,
+                                                                        kv_indptr), kv_layout, k_scale, v_scale)
+    if _launch_memoised(key):
+        return
     streams, hkv, page, num_pages = _kv_streams(k, v, kv_cache, kv_layout, k_scale, v_scale)
     _check_csr(batch_indices, positions, kv_indices, kv_indptr, k.shape[0])
     _launch(streams, hkv, page, num_pages, batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
-            kv_indptr=kv_indptr, check_indices=check_indices)
+            kv_indptr=kv_indptr, check_indices=check_indices, key=key)
 
 
 def append_kv_by_slots(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache,
@@ -254,9 +299,12 @@ def append_kv_by_slots(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     as append_paged_kv_cache."""
     if ops.compiling():
         return reference.append_kv_slots(k, v, slot_mapping, kv_cache, kv_layout, k_scale, v_scale)
+    key = None if check_indices else _call_key("slots", (k, v, slot_mapping, kv_cache), kv_layout, k_scale, v_scale)
+    if _launch_memoised(key):
+        return
     streams, hkv, page, num_pages = _kv_streams(k, v, kv_cache, kv_layout, k_scale, v_scale)
     _check_index("slot_mapping", slot_mapping, k.shape[0])
-    _launch(streams, hkv, page, num_pages, slot_mapping=slot_mapping, check_indices=check_indices)
+    _launch(streams, hkv, page, num_pages, slot_mapping=slot_mapping, check_indices=check_indices, key=key)
 
 
 def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indices: torch.Tensor,
@@ -270,6 +318,10 @@ def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indice
     if ops.compiling():
         return reference.append_paged_mla(ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
                                           kv_indptr, kv_scale)
+    key = None if check_indices else _call_key("mla", (ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache,
+                                                        kv_indices, kv_indptr), kv_scale)
+    if _launch_memoised(key):
+        return
     latent, rope = MLA_HEAD_DIM_VO, MLA_HEAD_DIM_QK - MLA_HEAD_DIM_VO
     if not isinstance(ckv_cache, torch.Tensor) or ckv_cache.dim() != 3:
         raise checks.fail("ckv_cache", "a [P, page, 512] tensor (or [P, page, 576] with kpe_cache=None)",
@@ -294,4 +346,4 @@ def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indice
                        "kv_scale")
                for name, src, dst in (("ckv", ckv, ckv_dst), ("kpe", kpe, kpe_dst))]
     _launch(streams, 1, ckv_cache.shape[1], ckv_cache.shape[0], batch_indices=batch_indices, positions=positions,
-            kv_indices=kv_indices, kv_indptr=kv_indptr, check_indices=check_indices)
+            kv_indices=kv_indices, kv_indptr=kv_indptr, check_indices=check_indices, key=key)

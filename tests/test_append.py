@@ -154,3 +154,48 @@ def test_mla_bad_inputs(change, msg):
     args.update(change)
     with pytest.raises(ValueError, match=msg):
         attnforge.append_paged_mla_kv_cache(**args)
+
+
+def test_a_repeated_call_launches_its_first_params_without_the_checks(monkeypatch):
+    """An engine appends from the same buffers into the same cache every layer: the second call with an equal
+    signature launches the packed params again and skips the checks; another scale, a bool scale (refused),
+    another tensor or check_indices=True take the full path."""
+    from attnforge import append
+    from helpers import stub_launches
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(append, "_LAUNCHES", {})
+    checked = []
+    real = append._kv_streams
+    monkeypatch.setattr(append, "_kv_streams", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    args = cpu_case()
+    attnforge.append_paged_kv_cache(**args)
+    attnforge.append_paged_kv_cache(**args)
+    assert len(checked) == 1 and len(rec.launches) == 2
+    assert bytes(rec.launches[0][2]) == bytes(rec.launches[1][2]) and rec.launches[0][1] == rec.launches[1][1]
+    attnforge.append_paged_kv_cache(**{**args, "k": args["k"].clone()})  # another address: checked, launched
+    assert len(checked) == 2 and bytes(rec.launches[2][2]) != bytes(rec.launches[0][2])
+    with pytest.raises(ValueError, match="k_scale"):
+        attnforge.append_paged_kv_cache(**args, k_scale=True)
+    with pytest.raises(ValueError, match="k_scale: expected 1.0"):
+        attnforge.append_paged_kv_cache(**args, k_scale=2.0)
+    assert len(rec.launches) == 3
+
+
+def test_slots_and_mla_calls_repeat_too(monkeypatch):
+    from attnforge import append
+    from helpers import stub_launches
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(append, "_LAUNCHES", {})
+    c = cpu_case()
+    slots = torch.tensor([0, 3, -1, 5])
+    for _ in range(2):
+        attnforge.append_kv_by_slots(c["k"], c["v"], slots, c["kv_cache"])
+    indptr, indices, batch, pos = table([2], 2, 4)
+    mla = dict(ckv=torch.zeros(2, 512).bfloat16(), kpe=torch.zeros(2, 64).bfloat16(), batch_indices=batch,
+               positions=pos, ckv_cache=torch.zeros(4, 2, 576).bfloat16(), kpe_cache=None, kv_indices=indices,
+               kv_indptr=indptr)
+    for _ in range(2):
+        attnforge.append_paged_mla_kv_cache(**mla)
+    assert len(append._LAUNCHES) == 2 and len(rec.launches) == 4
+    assert bytes(rec.launches[0][2]) == bytes(rec.launches[1][2])
+    assert bytes(rec.launches[2][2]) == bytes(rec.launches[3][2])
