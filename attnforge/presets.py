@@ -24,6 +24,13 @@ def _llama_prefill():
             for dt in ("bf16", "fp16") for kv in (dt, "fp8_e4m3")]
 
 
+def _deepseek_prefill():
+    """DeepSeek-V2/V3's prefill before absorption: keys 192 wide, values 128, MHA, causal (the kernel is the
+    same for any head count: specialised on the group, 1 here)."""
+    return [AttentionSpec(family="prefill", num_qo_heads=128, num_kv_heads=128, head_dim_qk=192, head_dim_vo=128,
+                          q_dtype=dt, causal=True) for dt in ("bf16", "fp16")]
+
+
 def _merge():
     from .merge import MergeSpec
     return [MergeSpec(d, o) for d in (torch.bfloat16, torch.float16, torch.float32)
@@ -37,7 +44,8 @@ def _append():
     return [AppendSpec(s, c) for s in (torch.bfloat16, torch.float16) for c in (s, fp8)] + [AppendSpec(fp8, fp8)]
 
 
-PRESETS = {"merge": _merge, "append": _append, "llama-decode": _llama_decode, "llama-prefill": _llama_prefill}
+PRESETS = {"merge": _merge, "append": _append, "llama-decode": _llama_decode, "llama-prefill": _llama_prefill,
+           "deepseek-prefill": _deepseek_prefill}
 
 
 def load_spec_file(path: str | Path) -> list[AttentionSpec]:

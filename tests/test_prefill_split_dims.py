@@ -137,3 +137,15 @@ def test_compiled_attention_output_takes_v_width():
         v = torch.empty(1, 8, 40, 128, dtype=torch.bfloat16, device="cuda")
         out, lse = _attention_fake(q, k, v, "", None, False, True)
     assert tuple(out.shape) == (1, 8, 16, 128) and tuple(lse.shape) == (1, 8, 16)
+
+
+def test_the_deepseek_prefill_preset_builds_what_batch_prefill_launches():
+    """`python -m attnforge build --preset deepseek-prefill`: 192/128 in bf16 and fp16, the module a ragged plan
+    launches (the only kind these specs plan)."""
+    from attnforge import presets
+    specs = presets.PRESETS["deepseek-prefill"]()
+    assert {(s.head_dim_qk, s.head_dim_vo, s.q_dtype) for s in specs} == {(192, 128, "bf16"), (192, 128, "fp16")}
+    for spec in specs:
+        w = BatchPrefill(spec, device="cpu")
+        assert [m.name for m in presets.modules_for(spec)] == [w._kernel_for_kv[True].module().name]
+        assert "wgmma" in w._kernel_for_kv[True].module().name
