@@ -146,7 +146,8 @@ def _compiled_flex(flex_attention):
     return _FLEX["fn"]
 
 
-def bench_flashinfer(report, case, q, k, v, indptr, flops):
+def bench_flashinfer(report, case, q, k, v, indptr, flops, suite="prefill"):
+    """FlashInfer's ragged prefill (fa2, fa3) on the same q, k, v (heads and widths read from them)."""
     try:
         import flashinfer
     except Exception as e:
@@ -157,8 +158,9 @@ def bench_flashinfer(report, case, q, k, v, indptr, flops):
     for backend in ("fa2", "fa3"):
         try:
             w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(ind, ind, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
-            report.add("prefill", case, f"flashinfer-{backend}", time_us(lambda: w.run(q, k, v), calls=2, reps=10),
+            w.plan(ind, ind, q.shape[1], k.shape[1], k.shape[2], head_dim_vo=v.shape[2], causal=True,
+                   q_data_type=torch.bfloat16)
+            report.add(suite, case, f"flashinfer-{backend}", time_us(lambda: w.run(q, k, v), calls=2, reps=10),
                        None, flops)
         except Exception as e:
             report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from bench_prefill import bench_flashinfer
+from harness import Report, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers
 
 DQK, DVO = 192, 128
 CASES = ((128, 1, 8192), (16, 1, 32768), (16, 8, 4096))  # (heads, batch, length)
@@ -36,25 +37,8 @@ def run(report: Report, peers: bool = True) -> None:
             report.add("prefill_split_dims", case, name, us, None, flops)
         if not peers:
             continue
-        flashinfer_peer(report, case, q, k, v, indptr, h, flops)
+        bench_flashinfer(report, case, q, k, v, indptr, flops, suite="prefill_split_dims")
         dense = [t.view(b, length, h, -1).transpose(1, 2).contiguous() for t in (q, k, v)]
         time_sdpa_peers(report, "prefill_split_dims", case, *dense, True, sdpa_backends("cudnn-sdpa"), None, flops,
                         calls=2, reps=10)
 
-
-def flashinfer_peer(report, case, q, k, v, indptr, h, flops):
-    try:
-        import flashinfer
-    except Exception as e:
-        report.note(f"flashinfer unavailable: {e}")
-        return
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
-    for backend in ("fa2", "fa3"):
-        try:
-            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(ind, ind, h, h, DQK, head_dim_vo=DVO, causal=True, q_data_type=torch.bfloat16)
-            report.add("prefill_split_dims", case, f"flashinfer-{backend}",
-                       time_us(lambda: w.run(q, k, v), calls=2, reps=10), None, flops)
-        except Exception as e:
-            report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")

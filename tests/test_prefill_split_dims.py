@@ -1,7 +1,5 @@
 """Prefill with values narrower than keys (head_dim_vo < head_dim_qk), host side: the spec's pairs, the kernel's
 shape and shared memory, the refusals, and what a run launches (no GPU: launches are recorded)."""
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -10,8 +8,7 @@ from attnforge import AttentionSpec, BatchPrefill
 from attnforge.jit import tma as tma_maps
 from attnforge.kernels.prefill import SMEM_LIMIT, PrefillKernel, default_backend
 from attnforge.spec import PREFILL_QK_VO_DIMS
-from helpers import stub_launches
-from test_prefill_run_host import fake_map, full_pack
+from test_prefill_run_host import fake_map, full_pack, recorder  # noqa: F401 (a fixture)
 
 DEEPSEEK = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128,
                          causal=True)
@@ -69,16 +66,6 @@ def test_paged_plans_are_refused_with_the_ragged_form():
     w = BatchPrefill(DEEPSEEK, device="cpu")
     with pytest.raises(ValueError, match="ragged K/V only"):
         w.plan([0, 4], [0, 1], kv_indices=[0], kv_last_page_len=[4], page_size=16)
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    rec = stub_launches(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
-        multi_processor_count=132))
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(tma_maps, "encode", fake_map)
-    return rec
 
 
 def test_run_launches_v_strides_and_v_map_and_returns_vo_rows(recorder):
