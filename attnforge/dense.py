@@ -30,8 +30,9 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
-    (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128). score_mod / mask_mod follow FlexAttention's signatures;
-    q_idx is the query's position aligned to the end of the keys (Flex's q_idx when Lq == Lk).
+    (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
+    score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
+    the keys (Flex's q_idx when Lq == Lk).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     if ops.compiling():
         out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)

@@ -343,8 +343,9 @@ class BatchPrefill:
 
     def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, return_lse: bool = False):
         """q [total_q, Hq, D] (ragged); kv a ragged (k, v) pair or a paged cache. Returns out [total_q, Hq, Dv]
-        (and lse [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op (attnforge.ops).
-        Inputs are checked once per address, shape, strides and dtype under the plan (checks.RunMemo)."""
+        (and lse [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op
+        (attnforge.ops). Inputs are checked once per address, shape, strides and dtype under the plan
+        (checks.RunMemo)."""
         if ops.compiling():
             return ops.compiled_run(self, self._plan is not None, [q, *paged.cache_list(kv)], out, None, return_lse)
         if self._plan is None:
@@ -418,7 +419,8 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     for name, t in named:
         checks.check_cuda(name, t, q.device)
     spec = AttentionSpec(family="prefill", num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
-                         head_dim_vo=v.shape[2], q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype), causal=causal, **spec_kwargs)
+                         head_dim_vo=v.shape[2], q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype),
+                         causal=causal, **spec_kwargs)
     w = _cached_wrapper(spec, q.device)
     w.plan([0, q.shape[0]], [0, k.shape[0]], sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     return w.run(q, (k, v), return_lse=return_lse)

@@ -80,9 +80,9 @@ BASE_FIELDS = (
 # box, 16-token pages took 1458 us.) 8 rows is also the least a box may hold, so the default now
 # equals tma=True; the knob stays for the next kernel whose boxes are not always a gain.
 TMA_AUTO_MIN_ROWS = 8
-FP8_FIELDS = (ParamField("v_scale", "float", "f32"),)
+FP8_FIELDS = (ParamField("v_scale", "float", "f32"),)  # fp8 KV: V's per-tensor scale, applied to each output row
 # narrower values (split_dims): ragged V's own element strides (K's are stride_token / stride_head)
-V_STRIDE_FIELDS = scalars("i64", "int64_t", "v_stride_token", "v_stride_head")  # fp8 KV: V's per-tensor scale, applied to each output row
+V_STRIDE_FIELDS = scalars("i64", "int64_t", "v_stride_token", "v_stride_head")
 TMA_FIELDS = (ParamField("k_tmap", "TensorMap", "tmap"), ParamField("v_tmap", "TensorMap", "tmap"),
               ParamField("q_tmap", "TensorMap", "tmap"),
               *scalars("i32", "int32_t", "tma_box_rows", "tma_heads_inner", "tma_page_per_request", "tma_q_tokens"))
@@ -447,15 +447,17 @@ class PrefillKernel:
     def module(self) -> JitModule:
         s = self.spec
         ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
-               "head_dim": s.head_dim_qk, "head_dim_vo": s.head_dim_vo, "group_size": s.group_size, "causal": s.causal,
+               "head_dim": s.head_dim_qk, "head_dim_vo": s.head_dim_vo, "group_size": s.group_size,
+               "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages, "m_tiles": self.m_tiles,
                "smem_bytes": self.smem_bytes, "variant_decl": variants.variant_decl(s),
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
                "params_struct": self.params.cpp(), "trace": False}
+        dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
-                         f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else ""), s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
+                         dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),
