@@ -397,3 +397,33 @@ def test_attention_plans_again_after_a_failed_plan(recorder, monkeypatch):
     calls = count_calls(monkeypatch, BatchPrefill, "plan")
     dense.attention(q, k, v, enable_gqa=True)  # the first call's scale again, but its plan was given up
     assert calls["n"] == 1 and recorder.launches[-1][2].sm_scale == pytest.approx(1 / math.sqrt(128))
+
+
+@pytest.mark.parametrize("form", ["ragged", "sdpa", "paged NHD", "paged HND"])
+def test_kv_maps_describe_each_kv_form(recorder, monkeypatch, form):
+    """PrefillKernel's K/V maps for each form the plans take, against the boxes jit.tma builds from the
+    form's own (extent, stride) order: ragged [tokens, Hkv, D]; attention()'s [B, Hkv, Lk, D] (one page a
+    request); pages [P, page, Hkv, D] (NHD) or [P, Hkv, page, D] (HND)."""
+    layout = "HND" if form == "paged HND" else "NHD"
+    kernel = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, kv_layout=layout),
+                          device="cpu").kernel
+    tile = kernel.tile_kv
+    if form == "ragged":
+        k = torch.randn(700, 8, 128).bfloat16()
+        box = tma_maps.ragged_kv_box(128, 8, 700, k.stride(0), k.stride(1), 2, tile, False)[0]
+        ragged, page, per_request = True, RAGGED_PAGE, 0
+    elif form == "sdpa":
+        k = torch.randn(2, 8, 512, 128).bfloat16()  # (Lk a multiple of the tile: a box per tile)
+        box = tma_maps.paged_kv_box(128, 8, 512, 2, k.stride(0), k.stride(2), k.stride(1), 2, tile, False)[0]
+        ragged, page, per_request = True, RAGGED_PAGE, 1
+    else:
+        k = torch.randn(10, 16, 8, 128).bfloat16() if layout == "NHD" else torch.randn(10, 8, 16, 128).bfloat16()
+        tok, head = (1, 2) if layout == "NHD" else (2, 1)
+        box = tma_maps.paged_kv_box(128, 8, 16, 10, k.stride(0), k.stride(tok), k.stride(head), 2, tile, False)[0]
+        ragged, page, per_request = False, 16, 0
+    v = k.clone()
+    monkeypatch.setattr(tma_maps, "encode", lambda t, b: (t.data_ptr(), b))  # the whole box: extents, strides
+    values = kernel.kv_tma_values(k, v, page, ragged)
+    assert box is not None and values["tma_box_rows"] == box.rows > 0
+    assert values["k_tmap"] == (k.data_ptr(), box) and values["v_tmap"] == (v.data_ptr(), box)
+    assert values["tma_page_per_request"] == per_request and values["tma_heads_inner"] == int(box.heads_inner)
