@@ -183,3 +183,24 @@ def test_attention_takes_a_narrower_v(causal):
         allowance = lazy_rescale_allowance(torch.bfloat16, v.abs().max().item())
         assert_attention_close(out[b].transpose(0, 1), ref, low.bfloat16(), f"attention() batch {b}", allowance)
         assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"attention() batch {b}")
+
+
+def test_attention_merges_split_kv_at_v_width():
+    """attention() with few query rows over long keys: the plan cuts each request's keys across CTAs, so the
+    partials ([B, H, Lq, slots, Dv]) and their merge run at V's width (128), not Q's (192)."""
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 8, 40, 192, generator=g).bfloat16().cuda()
+    k = torch.randn(1, 2, 24000, 192, generator=g).bfloat16().cuda()
+    v = torch.randn(1, 2, 24000, 128, generator=g).bfloat16().cuda()
+    out, lse = attnforge.attention(q, k, v, enable_gqa=True, return_lse=True)
+    torch.cuda.synchronize()
+    call = attnforge.dense.dense_call(q, k, v, None, True)
+    assert call.wrapper._plan["num_slots"] > 1, "the plan split no KV range: the merge went untested"
+    assert out.shape == (1, 8, 40, 128)
+    from helpers import assert_attention_close, assert_lse_close
+    rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+    ref, ref_lse = attnforge.reference.attention(*rows, causal=False)
+    low, _ = attnforge.reference.attention(*(t.float() for t in rows), causal=False, dtype=torch.float32)
+    allowance = lazy_rescale_allowance(torch.bfloat16, v.abs().max().item())
+    assert_attention_close(out[0].transpose(0, 1), ref, low.bfloat16(), "attention() split KV", allowance)
+    assert_lse_close(lse[0].transpose(0, 1), ref_lse, "attention() split KV")
