@@ -7,8 +7,9 @@ GPU over a long prefill can look faster there than under a server's steady load.
 median SM clock and power over its windows (the first 0.3 s of each, the ramp, dropped).
 
     python benchmarks/clocks_under_load.py [--cases "B1 S32768,ragged 16 random 128-8192"]
-        [--seconds 2] [--rounds 2] [--out clocks.json]   (--out: the suites' results format, suite
-        `prefill_sustained`, for `python benchmarks/report.py merge clocks.json`)
+        [--seconds 2] [--rounds 2] [--split-dims] [--out clocks.json]
+    (--split-dims: suite prefill_split_dims's 192/128 cases instead; --out: the suites' results format, suite
+    `prefill_sustained`, for `python benchmarks/report.py merge clocks.json`)
 
 Needs nvidia-smi on PATH; FlashInfer's fa3 joins where it imports (PYTHONPATH=.anchors/flashinfer).
 ATTNFORGE_BENCH_PREFILL_TWINS (as in bench_prefill: "pingpong=True;num_stages=2") adds an
@@ -64,9 +65,30 @@ class Sampler:
 
 
 def impls(case: str, lengths: list[int], only: str = "") -> dict:
-    """{name: fn} for one case: attnforge's default, and fa3 where FlashInfer imports (only: that one)."""
+    """{name: fn} for one case of suite prefill: attnforge's default, and fa3 where FlashInfer imports (only:
+    that one)."""
     q, k, v, indptr = bp.ragged(lengths)
     spec = AttentionSpec(family="prefill", num_qo_heads=bp.HQ, num_kv_heads=bp.HKV, head_dim_qk=bp.D, causal=True)
+    return impls_of(case, spec, q, k, v, indptr, only)
+
+
+def split_dims_cases() -> list:
+    """Suite prefill_split_dims's cases (keys 192 wide, values 128, MHA): [(case, flops, impls thunk)]."""
+    from bench_prefill_split_dims import CASES, DQK, DVO
+    out = []
+    for h, b, n in CASES:
+        def make(h=h, b=b, n=n):
+            q, k = (torch.randn(b * n, h, DQK, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            v = torch.randn(b * n, h, DVO, device="cuda", dtype=torch.bfloat16)
+            spec = AttentionSpec(family="prefill", num_qo_heads=h, num_kv_heads=h, head_dim_qk=DQK, head_dim_vo=DVO,
+                                 causal=True)
+            return impls_of(f"d{DQK}x{DVO} h{h} B{b} S{n}", spec, q, k, v, [b_ * n for b_ in range(b + 1)])
+        out.append((f"d{DQK}x{DVO} h{h} B{b} S{n}", b * 2 * (DQK + DVO) * h * n * (n + 1) / 2, make))
+    return out
+
+
+def impls_of(case: str, spec: AttentionSpec, q, k, v, indptr, only: str = "") -> dict:
+    """{name: fn}: attnforge's default for the spec, its twins, and fa3 on the same ragged q, k, v."""
     w = BatchPrefill(spec)
     w.plan(indptr, indptr)
     out = {"attnforge": lambda: w.run(q, (k, v))}
@@ -81,7 +103,8 @@ def impls(case: str, lengths: list[int], only: str = "") -> dict:
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
         fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-        fw.plan(ind, ind, bp.HQ, bp.HKV, bp.D, causal=True, q_data_type=torch.bfloat16)
+        fw.plan(ind, ind, q.shape[1], k.shape[1], k.shape[2], head_dim_vo=v.shape[2], causal=True,
+                q_data_type=torch.bfloat16)
         out["flashinfer-fa3"] = lambda: fw.run(q, k, v)
     except Exception as e:  # noqa: BLE001 - a missing peer leaves attnforge's row
         print(f"fa3 unavailable on {case}: {type(e).__name__}: {str(e)[:120]}")
@@ -110,15 +133,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--split-dims", action="store_true", help="suite prefill_split_dims's 192/128 cases instead")
     a = ap.parse_args()
     wanted = a.cases.split(",")
     sampler = Sampler()
     rows = []
-    for case, lengths in bp.cases():
-        if case not in wanted or "paged" in case:
-            continue
-        flops = bp.causal_flops(lengths)
-        runs = {name: prepare(fn, 2) for name, fn in impls(case, lengths).items()}
+    todo = split_dims_cases() if a.split_dims else [
+        (case, bp.causal_flops(lengths), lambda case=case, lengths=lengths: impls(case, lengths))
+        for case, lengths in bp.cases() if case in wanted and "paged" not in case]
+    for case, flops, make in todo:
+        runs = {name: prepare(fn, 2) for name, fn in make().items()}
         got = {name: {"us": [], "mhz": [], "w": [], "temp": [], "reasons": set()} for name in runs}
         for r in range(a.rounds):
             names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]

@@ -4,9 +4,9 @@ and this script prints per-case medians of each phase, the interior and last til
 between consecutive items on one SM (launch and drain of the CTA before).
 
     python benchmarks/trace_prefill.py [--json out.json]
-    python benchmarks/trace_prefill.py --tiles [--fields pingpong=True,persistent=True] [--json out.json]
+    python benchmarks/trace_prefill.py --tiles [--split-dims] [--fields pingpong=True,persistent=True] [--json out.json]
         (one interior tile's phases per consumer warpgroup: softmax, P.V wait and pack, tile wait,
-        ping-pong turn, issue and S wait)
+        ping-pong turn, issue and S wait; --split-dims: suite prefill_split_dims's 192/128 cases)
 """
 import json
 import sys
@@ -63,12 +63,20 @@ TILE_PHASES = {"softmax": (0, 1), "pv_wait_and_pack": (1, 2), "tile_wait": (2, 3
                "issue_and_s_wait": (4, 5), "whole": (0, 5)}
 
 
-def trace_tiles(name, lengths, **kw):
+def trace_tiles(name, lengths, dims=(D, D), heads=(HQ, HKV), **kw):
     """One interior tile of every long enough item (af_tile_trace), per consumer warpgroup: median
-    cycles of each phase, and how far warpgroup 1's tile starts after warpgroup 0's."""
-    q, k, v, indptr = ragged(lengths)
-    w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True),
-                     **kw)
+    cycles of each phase, and how far warpgroup 1's tile starts after warpgroup 0's. dims: (qk, vo) head
+    dims; heads: (qo, kv)."""
+    if (dims, heads) == ((D, D), (HQ, HKV)):
+        q, k, v, indptr = ragged(lengths)
+    else:
+        n = sum(lengths)
+        q = torch.randn(n, heads[0], dims[0], device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, heads[1], dims[0], device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, heads[1], dims[1], device="cuda", dtype=torch.bfloat16)
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+    w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=dims[0],
+                                   head_dim_vo=dims[1], causal=True), **kw)
     w.plan(indptr, indptr)
     hosts, ms = capture(w, lambda: w.run(q, (k, v)), symbols=("af_trace", "af_tile_trace"))
     n = w._plan["num_work"]
@@ -115,7 +123,12 @@ def kw_option() -> dict:
 
 if __name__ == "__main__":
     build_traced(kprefill.PrefillKernel)  # every prefill module this process builds: traced (not on import)
-if __name__ == "__main__" and "--tiles" in sys.argv:
+if __name__ == "__main__" and "--tiles" in sys.argv and "--split-dims" in sys.argv:
+    # python benchmarks/trace_prefill.py --tiles --split-dims [--fields ...]: suite prefill_split_dims's cases
+    from bench_prefill_split_dims import CASES, DQK, DVO
+    save_json_if_asked([trace_tiles(f"d{DQK}x{DVO} h{h} B{b} S{n}", [n] * b, (DQK, DVO), (h, h), **kw_option())
+                        for h, b, n in CASES])
+elif __name__ == "__main__" and "--tiles" in sys.argv:
     # python benchmarks/trace_prefill.py --tiles [--fields pingpong=True,persistent=True] [--json out.json]
     save_json_if_asked([trace_tiles(c, lens, **kw_option()) for c, lens in (("B1 S8192", [8192]), ("B1 S32768", [32768]),
                                                                             ("B16 S2048", [2048] * 16))])
