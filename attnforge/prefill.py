@@ -45,7 +45,8 @@ class BatchPrefill:
                  kv_tile: Optional[int] = None, producer: Optional[bool] = None, pingpong: bool = False,
                  split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
                  tma: Optional[bool] = None, fma_exp_every: Optional[int] = None, m_tiles: Optional[int] = None,
-                 fp8_stages: Optional[int] = None, fp8_int_widen: bool = False, **spec_kwargs):
+                 fp8_stages: Optional[int] = None, fp8_int_widen: bool = False, k_ahead: Optional[bool] = None,
+                 **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -62,7 +63,8 @@ class BatchPrefill:
         # exponential of the softmax on the FMA pipe (None: as measured, by head_dim and whether a
         # function of the score such as soft-cap's tanh shares the SFU; kernels/prefill.py). m_tiles: the
         # mma kernel's m16 row tiles a warp (None: as measured, kernels.prefill.mma_m_tiles). fp8_stages /
-        # fp8_int_widen: fp8 K/V on the wgmma kernel, its staging slots and how its producer widens.
+        # fp8_int_widen: fp8 K/V on the wgmma kernel, its staging slots and how its producer widens. k_ahead:
+        # with values narrower than keys, the producer copies K(t+1) before V(t) (None: on there).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the
@@ -80,7 +82,7 @@ class BatchPrefill:
             flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
-                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen)
+                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
         # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)

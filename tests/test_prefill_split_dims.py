@@ -137,3 +137,22 @@ def test_the_deepseek_prefill_preset_builds_what_batch_prefill_launches():
         w = BatchPrefill(spec, device="cpu")
         assert [m.name for m in presets.modules_for(spec)] == [w._kernel_for_kv[True].module().name]
         assert "wgmma" in w._kernel_for_kv[True].module().name
+
+
+def test_k_goes_a_tile_ahead_of_v_on_split_dims_alone():
+    """K(t+1) is copied before V(t) (and freed as S(t) retires) on split dims' split ring, which loads ragged K/V
+    only; other split rings copy paged rows K resolved for V, so they keep K beside V, and the option says so."""
+    import dataclasses
+    spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128)
+    ahead, beside = PrefillKernel(spec, "wgmma"), PrefillKernel(spec, "wgmma", k_ahead=False)
+    assert ahead.k_ahead and ahead.module().context["k_ahead"] and not beside.module().context["k_ahead"]
+    assert beside.module().name == ahead.module().name.replace("_s2", "_kb_s2")
+    assert "if (t > 0) load_v(t - 1);" in ahead.module().source and "load_v" not in beside.module().source
+    assert BatchPrefill(spec, device="cuda:0", k_ahead=False).kernel.k_ahead is False
+    d256 = dataclasses.replace(spec, num_kv_heads=2, head_dim_qk=256, head_dim_vo=256)
+    assert PrefillKernel(d256, "wgmma").split_ring and not PrefillKernel(d256, "wgmma").k_ahead
+    for other, kw in ((d256, {}), (spec, {"kv_tile": 64, "num_stages": 4}),
+                      (dataclasses.replace(spec, head_dim_qk=128, head_dim_vo=128), {"num_stages": 2})):
+        assert not PrefillKernel(other, "wgmma", **kw).k_ahead
+        with pytest.raises(ValueError, match="k_ahead: K one tile ahead of V needs a split ring"):
+            PrefillKernel(other, "wgmma", k_ahead=True, **kw)

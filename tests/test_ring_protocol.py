@@ -32,11 +32,12 @@ class Barrier:
         return self.completed == phase + 1
 
 
-def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
+def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True, k_ahead=False):
     """The producer warpgroup as one agent (its 128 threads run the same sequence). Each thread
     issues a tile's copies and a cp.async.mbarrier.arrive on the stage's full barrier, which fires
     once its copies (and all its earlier ones, Q included) have landed: the copy engine agent below.
-    A split ring issues K(t), then V(t), each into its own slot after waiting on its own empty barrier."""
+    A split ring issues K(t), then V(t) (k_ahead: K(t), then V(t-1), and the item's last V after its
+    loop), each into its own slot after waiting on its own empty barrier."""
     tiles_done = q_loads = 0
     for k, n in enumerate(items):
         if n > 0 or q_for_empty:  # only items with tiles load Q, and only they count q_empty's phases
@@ -46,18 +47,22 @@ def producer(s, items, stages, persistent, q_for_empty=False, wait_empty=True):
             assert s["q_readers"] == 0, "Q overwritten while a consumer warp reads it"
             s["q"] = k
             q_loads += 1
-        for t in range(n):
+        if k_ahead:
+            order = [x for t in range(1, n) for x in (("K", t), ("V", t - 1))]
+            order = [("K", 0)] + order + [("V", n - 1)] if n > 0 else []
+        else:
+            order = [(mat, t) for t in range(n) for mat in s["mats"]]
+        for mat, t in order:
             g = tiles_done + t
-            for mat in s["mats"]:
-                n_slots = s["slots"][mat]
-                if g >= n_slots and wait_empty:
-                    bar, phase = s["empty"][mat][g % n_slots], g // n_slots - 1
-                    while not bar.ready(phase & 1, phase):
-                        yield
-                assert s["readers"][mat][g % n_slots] == 0, "stage overwritten while a consumer warp reads it"
-                s["stage"][mat][g % n_slots] = g
-                s["in_flight"].append((mat, g))
-                yield
+            n_slots = s["slots"][mat]
+            if g >= n_slots and wait_empty:
+                bar, phase = s["empty"][mat][g % n_slots], g // n_slots - 1
+                while not bar.ready(phase & 1, phase):
+                    yield
+            assert s["readers"][mat][g % n_slots] == 0, "stage overwritten while a consumer warp reads it"
+            s["stage"][mat][g % n_slots] = g
+            s["in_flight"].append((mat, g))
+            yield
         tiles_done += n
     s["producer_done"] = True
 
@@ -72,11 +77,13 @@ def copy_engine(s, stages):
         yield
 
 
-def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early=False):
+def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early=False, k_ahead=False,
+             k_early=False):
     """One consumer warp (8 of them arrive on empty[] and q_empty); q_early > 0 releases Q that many
-    S products before the item's last, v_early frees a split ring's V(t) as it lands (bugs the model
-    must catch). The shared ring reads stage t from S(t) to P.V(t); a split ring reads K(t) from S(t)
-    until step 3 of iteration t, and V(t) from there until P.V(t) retired, an iteration later."""
+    S products before the item's last, v_early frees a split ring's V(t) as it lands, k_early (with
+    k_ahead) its K(t+1) as S(t+1) is issued (bugs the model must catch). The shared ring reads stage t
+    from S(t) to P.V(t); a split ring reads K(t) until step 3 of iteration t (k_ahead: until S(t)
+    retired, freed there before softmax(t)), and V(t) from there until P.V(t) retired, an iteration later."""
     split = s["mats"] == ("K", "V")
     k_mat, v_mat = s["mats"][0], s["mats"][-1]
     tiles_done = 0
@@ -112,9 +119,12 @@ def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early
             yield  # S(0)
             if max(1, n - q_early) == 1:  # S products done: 1
                 release_q()
+            if split and k_ahead:
+                release("K", 0)
         for t in range(n):
-            if split:  # step 3: S(t) retired, P.V(t-1) retired
-                release("K", t)
+            if split:  # step 3: P.V(t-1) retired (and S(t), where K(t) is still held)
+                if not k_ahead:
+                    release("K", t)
                 if t > 0:
                     (unread if v_early else release)("V", t - 1)
             elif t > 0:
@@ -127,9 +137,13 @@ def consumer(s, items, stages, persistent, q_for_empty=False, q_early=0, v_early
                 if v_early:  # the bug: V(t) freed with K(t), before P.V(t) even ran
                     free("V", t)
             if t + 1 < n:
+                if split and k_early:  # the bug: K(t+1) freed while S(t+1) still reads it
+                    free("K", t + 1)
                 yield  # S(t+1) in flight under P.V(t)
                 if t + 2 == max(1, n - q_early):
                     release_q()
+                if split and k_ahead:  # S(t+1) retired
+                    (unread if k_early else release)("K", t + 1)
             yield
         if n > 0:
             (unread if v_early else release)(v_mat, n - 1)
@@ -152,7 +166,7 @@ def interleave(agents, seed):
 
 
 def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=True, q_early=0, split=False,
-        v_early=False, v_slots=None):
+        v_early=False, v_slots=None, k_ahead=False, k_early=False):
     """split: K in `stages` slots, V in v_slots (default stages + 1, the kernel's) slots."""
     slots = {"K": stages, "V": v_slots or stages + 1} if split else {"KV": stages}
     mats = tuple(slots)
@@ -161,26 +175,30 @@ def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=Tr
          "q_empty": Barrier(warps), "stage": {m: [None] * n for m, n in slots.items()},
          "readers": {m: [0] * n for m, n in slots.items()}, "q": None, "q_readers": 0,
          "in_flight": [], "producer_done": False}
-    agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty), copy_engine(s, stages)]
-    agents += [consumer(s, items, stages, persistent, q_for_empty, q_early, v_early) for _ in range(warps)]
+    agents = [producer(s, items, stages, persistent, q_for_empty, wait_empty, k_ahead), copy_engine(s, stages)]
+    agents += [consumer(s, items, stages, persistent, q_for_empty, q_early, v_early, k_ahead, k_early)
+               for _ in range(warps)]
     interleave(agents, seed)
     assert all(r == 0 for m in mats for r in s["readers"][m]) and s["q_readers"] == 0
 
 
-@pytest.mark.parametrize("stages,split,v_slots", [(3, False, None), (4, False, None), (6, False, None), (2, True, None),
-                                                  (3, True, None), (1, True, None), (2, True, 2)])
+@pytest.mark.parametrize("stages,split,v_slots,k_ahead", [(3, False, None, False), (4, False, None, False),
+                                                          (6, False, None, False), (2, True, None, False),
+                                                          (3, True, None, False), (1, True, None, False),
+                                                          (2, True, 2, False), (2, True, 2, True), (2, True, None, True),
+                                                          (1, True, 2, True)])
 @pytest.mark.parametrize("seed", range(6))
-def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, v_slots, seed):
+def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, v_slots, k_ahead, seed):
     rng = random.Random(seed)
     items = [rng.choice([0, 1, 2, 5, 9]) for _ in range(12)]  # empty items and ones longer than the ring
-    run(items, stages, warps=8, persistent=True, seed=seed, split=split, v_slots=v_slots)
+    run(items, stages, warps=8, persistent=True, seed=seed, split=split, v_slots=v_slots, k_ahead=k_ahead)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
-@pytest.mark.parametrize("stages,split", [(3, False), (2, True)])
-def test_one_item_per_cta(n, stages, split):
+@pytest.mark.parametrize("stages,split,k_ahead", [(3, False, False), (2, True, False), (2, True, True)])
+def test_one_item_per_cta(n, stages, split, k_ahead):
     for seed in range(4):
-        run([n], stages=stages, warps=8, persistent=False, seed=seed, split=split)
+        run([n], stages=stages, warps=8, persistent=False, seed=seed, split=split, k_ahead=k_ahead)
 
 
 def caught(items, needles, stages=3, **bug):
@@ -216,4 +234,12 @@ def test_the_model_catches_a_split_ring_that_frees_v_with_k():
     # the producer far enough behind: V(t+3) follows K(t+3), which waits for S(t+1).)
     assert caught([9, 4], ("stage overwritten", "holds another tile"), stages=2, split=True, v_early=True,
                   v_slots=2) > 0
+
+
+
+def test_the_model_catches_a_split_ring_that_frees_k_before_its_s_retired():
+    # K(t+1) is freed as S(t+1) retires (the wait that ends step 5), a softmax before step 3; freed as S(t+1)
+    # is issued, the producer refills the slot under the product
+    assert caught([9, 4], ("stage overwritten", "holds another tile"), stages=2, split=True, v_slots=2, k_ahead=True,
+                  k_early=True) > 0
 

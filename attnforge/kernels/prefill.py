@@ -163,6 +163,9 @@ class PrefillKernel:
     fp8_stages: Optional[int] = None  # wgmma with fp8 K/V: staging slots of one fp8 tile each (None: as many
     # as fit, up to 4)
     fp8_int_widen: bool = False  # wgmma with fp8 K/V: widen by integer ops (fp16 / 256), not by cvt
+    k_ahead: Optional[bool] = None  # a split ring of narrower V: the producer copies K(t+1) before V(t), so K(t+1)
+    # waits only for S(t-1) (its slot's last reader), not behind V(t)'s slot. None: on at split dims (ragged K/V:
+    # no paged row offsets that K's copy resolves and V's reuses)
 
     def __post_init__(self):
         if self.m_tiles is None:
@@ -176,6 +179,8 @@ class PrefillKernel:
             object.__setattr__(self, "fp8_stages", self._fitting_fp8_stages() if self.wgmma_fp8 else 0)
         if self.persistent is None:
             object.__setattr__(self, "persistent", bool(self.producer and not self.pingpong))
+        if self.k_ahead is None:
+            object.__setattr__(self, "k_ahead", self._k_ahead_fits())
         if self.spec.family != "prefill":
             raise ValueError(f"PrefillKernel: expected a spec with family='prefill', got {self.spec.family!r}")
         if self.backend not in BACKENDS:
@@ -210,6 +215,11 @@ class PrefillKernel:
         if type(self.fp8_int_widen) is not bool or (self.fp8_int_widen and not self.wgmma_fp8):
             raise ValueError(f"PrefillKernel.fp8_int_widen: True only with fp8 K/V on the wgmma backend, got "
                              f"{self.fp8_int_widen!r} with kv_dtype {self.spec.kv_dtype}, backend {self.backend!r}")
+        if self.k_ahead not in (True, False) or (self.k_ahead and not self._k_ahead_fits()):
+            raise ValueError(f"PrefillKernel.k_ahead: K one tile ahead of V needs a split ring (a producer at two "
+                             f"stages) of head_dim_vo < head_dim_qk and 16-bit K/V, got k_ahead={self.k_ahead!r} with "
+                             f"head dims {self.spec.head_dim_qk}/{self.spec.head_dim_vo}, kv_dtype {self.spec.kv_dtype}, "
+                             f"{self.stages} stages; pass None for the default")
         if self.tma is True and not self.producer:
             raise ValueError("PrefillKernel.tma: the copy engine is driven by the producer warpgroup, got producer="
                              f"{self.producer}; pass producer=True (the wgmma default) or tma=False")
@@ -239,6 +249,10 @@ class PrefillKernel:
                              f"{self.stages} stages of {self.tile_kv}-token tiles{detail}; use fewer stages"
                              + (", fewer fp8_stages or kv_tile=64" if self.wgmma_fp8 else "")
                              + ", or None for the defaults")
+
+    def _k_ahead_fits(self) -> bool:
+        """Whether the producer may copy K(t+1) before V(t): a split ring on ragged K/V (split dims), 16-bit."""
+        return self.backend == "wgmma" and split_dims(self.spec) and self.split_ring and not self.fp8_kv
 
     def _fitting_fp8_stages(self) -> int:
         """The most fp8 staging slots (2 to 4: copies run up to three tiles ahead of the widening) that fit
@@ -454,7 +468,7 @@ class PrefillKernel:
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
-               "params_struct": self.params.cpp(), "trace": False}
+               "k_ahead": self.k_ahead, "params_struct": self.params.cpp(), "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
@@ -468,6 +482,7 @@ class PrefillKernel:
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
                          *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
                          *(["iw"] if self.fp8_int_widen else []),
+                         *(["kb"] if split_dims(s) and self.split_ring and not self.k_ahead else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
             return JitModule(name, "batch_prefill_wgmma.cu.jinja", ctx, (self.kernel_name,), archs=(WGMMA_ARCH,))
