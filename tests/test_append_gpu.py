@@ -195,3 +195,25 @@ def test_decode_reads_what_a_quantizing_append_wrote():
         want, _ = reference.attention(q[b:b + 1], kk.double() * 0.05, vv.double() * 0.02)
         assert kk.shape[0] == lengths[b]
         assert (out[b:b + 1].double() - want).abs().max().item() < 3e-2  # bf16 output rounding at |o| < 4
+
+
+def test_indices_past_2_31_are_outside():
+    """int64 slots and positions of 2^31 and beyond (the kernel's 64-bit division path) are counted outside
+    and write nothing; the tokens beside them land."""
+    page, hkv, d = 4, 2, 16
+    cache = poisoned((4, 2, page, hkv, d), torch.bfloat16)
+    k = torch.randn(3, hkv, d, device="cuda").bfloat16()
+    slots = torch.tensor([5, 2 ** 40 + 1, 2 ** 31], device="cuda")
+    want = cache.clone()
+    reference.append_kv_slots(k[:1], k[:1], slots[:1], want)
+    with pytest.raises(ValueError, match="2 token\\(s\\) outside, first token 1"):
+        attnforge.append_kv_by_slots(k, k, slots, cache, check_indices=True)
+    assert same_bits(cache, want)
+    indptr = torch.tensor([0, 4], device="cuda", dtype=torch.int64)
+    indices = torch.tensor([3, 2, 1, 0], device="cuda", dtype=torch.int64)
+    batch = torch.zeros(3, device="cuda", dtype=torch.int64)
+    pos = torch.tensor([2, 2 ** 33, 2 ** 31 + 3], device="cuda", dtype=torch.int64)
+    reference.append_paged_kv(k[:1], k[:1], batch[:1], pos[:1], want, indices, indptr)
+    with pytest.raises(ValueError, match="2 token\\(s\\) outside, first token 1"):
+        attnforge.append_paged_kv_cache(k, k, batch, pos, cache, indices, indptr, check_indices=True)
+    assert same_bits(cache, want)
