@@ -419,6 +419,10 @@ def test_prefill_tile_trace_phases(monkeypatch):
     assert got["wg1_start_after_wg0"] == 0.0  # item 0 only: 100 against 100
     st[0, 1, 0] = 50
     assert mod.summarize_tile_stamps(st)["wg1_start_after_wg0"] == -50.0
+    assert "k_wait" not in got["wg0"]  # no stamp between the waits (not a split ring with K ahead)
+    st[:2, 0, 6] = [1420, 1230]  # K(t+1) landed 120 and 20 cycles into the tile wait, V(t) 80 and 180 after
+    got = mod.summarize_tile_stamps(st)["wg0"]
+    assert (got["k_wait"], got["v_wait"]) == (70.0, 130.0) and "k_wait" not in mod.summarize_tile_stamps(st)["wg1"]
 
 
 def test_prefill_cta_tail(monkeypatch):
