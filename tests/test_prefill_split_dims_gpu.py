@@ -66,14 +66,15 @@ def test_ragged_against_reference(dims, heads, causal):
 
 @pytest.mark.parametrize("options", [dict(producer=False), dict(tma=False), dict(persistent=False),
                                      dict(kv_tile=64, num_stages=2), dict(kv_tile=64, num_stages=4),
-                                     dict(split_kv=True), dict(k_ahead=False), dict(k_ahead=False, tma=False)],
+                                     dict(split_kv=True), dict(k_ahead=False), dict(k_ahead=False, tma=False),
+                                     dict(pingpong=True), dict(pingpong=True, persistent=True)],
                          ids=["no-producer", "cp.async", "one-cta-per-item", "split-ring-64", "shared-ring-64",
-                              "split-kv", "k-with-v", "k-with-v-cp.async"])
+                              "split-kv", "k-with-v", "k-with-v-cp.async", "ping-pong", "ping-pong-persistent"])
 def test_kernel_options(options):
     """Each schedule of the kernel: without a producer (cp.async ring, every thread loads), edge and whole
     tiles by cp.async, one CTA per item, 64-token tiles on a split ring (V one slot more than K; the default's
-    128-token tiles leave room for as many as K's) and on a shared one, KV split across CTAs (merged), and K
-    copied beside V(t) and freed with it (not a tile ahead)."""
+    128-token tiles leave room for as many as K's) and on a shared one, KV split across CTAs (merged), K
+    copied beside V(t) and freed with it (not a tile ahead), and the consumer warpgroups in ping-pong."""
     spec = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=4, head_dim_qk=192, head_dim_vo=128,
                          causal=True)
     if "split_kv" in options:  # few rows over a long KV: the planner cuts the ranges across the SMs
