@@ -112,6 +112,13 @@ def summarize_tile_stamps(st: np.ndarray) -> dict:
                           **{p: float(np.median(e[:, b] - e[:, a])) if len(e) else None for p, (a, b) in TILE_PHASES.items()}}
         if len(e) and np.all(e[:, 6] > 0):  # a split ring with K ahead stamps between its two waits
             out[f"wg{wg}"].update(k_wait=float(np.median(e[:, 6] - e[:, 2])), v_wait=float(np.median(e[:, 3] - e[:, 6])))
+        # ... and the producer stamps when it issued K(t+1)'s and V(t)'s copies: how long before this warpgroup
+        # began waiting for them
+        issued = st[:, :, 7]
+        rows = np.all(st[:, wg, :6] > 0, axis=1) & np.all(issued > 0, axis=1)
+        if rows.any():
+            out[f"wg{wg}"].update(k_issued_before_wait=float(np.median(st[rows, wg, 2] - issued[rows, 0])),
+                                  v_issued_before_wait=float(np.median(st[rows, wg, 2] - issued[rows, 1])))
     both = np.all(st[:, :, :6] > 0, axis=(1, 2))
     out["wg1_start_after_wg0"] = float(np.median(st[both, 1, 0] - st[both, 0, 0])) if both.any() else None
     return out

@@ -423,6 +423,11 @@ def test_prefill_tile_trace_phases(monkeypatch):
     st[:2, 0, 6] = [1420, 1230]  # K(t+1) landed 120 and 20 cycles into the tile wait, V(t) 80 and 180 after
     got = mod.summarize_tile_stamps(st)["wg0"]
     assert (got["k_wait"], got["v_wait"]) == (70.0, 130.0) and "k_wait" not in mod.summarize_tile_stamps(st)["wg1"]
+    assert "k_issued_before_wait" not in got  # no producer stamps
+    st[0, :, 7] = [300, 1200]  # K(t+1)'s copies issued 1000 cycles before warpgroup 0's wait, V(t)'s 100
+    got = mod.summarize_tile_stamps(st)
+    assert (got["wg0"]["k_issued_before_wait"], got["wg0"]["v_issued_before_wait"]) == (1000.0, 100.0)
+    assert got["wg1"]["k_issued_before_wait"] == -1000 + 2950 - 300  # from its own wait's start
 
 
 def test_prefill_cta_tail(monkeypatch):
