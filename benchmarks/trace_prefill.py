@@ -111,7 +111,8 @@ def summarize_tile_stamps(st: np.ndarray) -> dict:
         out[f"wg{wg}"] = {"tiles": int(len(e)),
                           **{p: float(np.median(e[:, b] - e[:, a])) if len(e) else None for p, (a, b) in TILE_PHASES.items()}}
         if len(e) and np.all(e[:, 6] > 0):  # a split ring with K ahead stamps between its two waits
-            out[f"wg{wg}"].update(k_wait=float(np.median(e[:, 6] - e[:, 2])), v_wait=float(np.median(e[:, 3] - e[:, 6])))
+            out[f"wg{wg}"].update(k_wait=float(np.median(e[:, 6] - e[:, 2])),
+                                  v_wait=float(np.median(e[:, 3] - e[:, 6])))
         # ... and the producer stamps when it issued K(t+1)'s and V(t)'s copies: how long before this warpgroup
         # began waiting for them
         issued = st[:, :, 7]

@@ -182,11 +182,10 @@ def run(items, stages, warps, persistent, seed, q_for_empty=False, wait_empty=Tr
     assert all(r == 0 for m in mats for r in s["readers"][m]) and s["q_readers"] == 0
 
 
-@pytest.mark.parametrize("stages,split,v_slots,k_ahead", [(3, False, None, False), (4, False, None, False),
-                                                          (6, False, None, False), (2, True, None, False),
-                                                          (3, True, None, False), (1, True, None, False),
-                                                          (2, True, 2, False), (2, True, 2, True), (2, True, None, True),
-                                                          (1, True, 2, True)])
+@pytest.mark.parametrize("stages,split,v_slots,k_ahead", [
+    (3, False, None, False), (4, False, None, False), (6, False, None, False), (2, True, None, False),
+    (3, True, None, False), (1, True, None, False), (2, True, 2, False),
+    (2, True, 2, True), (2, True, None, True), (1, True, 2, True)])  # k_ahead: K a tile ahead of V (192/128)
 @pytest.mark.parametrize("seed", range(6))
 def test_persistent_ring_never_deadlocks_or_overwrites(stages, split, v_slots, k_ahead, seed):
     rng = random.Random(seed)

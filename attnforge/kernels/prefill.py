@@ -216,10 +216,11 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fp8_int_widen: True only with fp8 K/V on the wgmma backend, got "
                              f"{self.fp8_int_widen!r} with kv_dtype {self.spec.kv_dtype}, backend {self.backend!r}")
         if self.k_ahead not in (True, False) or (self.k_ahead and not self._k_ahead_fits()):
+            s = self.spec
             raise ValueError(f"PrefillKernel.k_ahead: K one tile ahead of V needs a split ring (a producer at two "
                              f"stages) of head_dim_vo < head_dim_qk and 16-bit K/V, got k_ahead={self.k_ahead!r} with "
-                             f"head dims {self.spec.head_dim_qk}/{self.spec.head_dim_vo}, kv_dtype {self.spec.kv_dtype}, "
-                             f"{self.stages} stages; pass None for the default")
+                             f"head dims {s.head_dim_qk}/{s.head_dim_vo}, kv_dtype {s.kv_dtype}, {self.stages} stages; "
+                             "pass None for the default")
         if self.tma is True and not self.producer:
             raise ValueError("PrefillKernel.tma: the copy engine is driven by the producer warpgroup, got producer="
                              f"{self.producer}; pass producer=True (the wgmma default) or tma=False")
