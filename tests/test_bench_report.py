@@ -575,3 +575,15 @@ def test_mla_twin_rows_take_their_field_sets(monkeypatch):
     assert mod.twin_fields("attnforge-wgmma-transposed-1wg", twins, t_twins) == {"producer": False}
     assert mod.twin_fields("attnforge-wgmma-transposed", twins, t_twins) is None
     assert mod.twin_fields("attnforge", twins, t_twins) is None
+
+
+def test_sustained_split_dims_cases_are_the_suites(monkeypatch):
+    """clocks_under_load --split-dims: suite prefill_split_dims's cases under its names, with the FLOPs that suite
+    counts (2 (192 + 128) a head a visible pair, causal half), built lazily (no tensor before its turn)."""
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("clocks_under_load")
+    suite = load_benchmark("bench_prefill_split_dims")
+    got = mod.split_dims_cases()
+    assert [c for c, _, _ in got] == [f"d192x128 h{h} B{b} S{n}" for h, b, n in suite.CASES]
+    for (_, flops, make), (h, b, n) in zip(got, suite.CASES):
+        assert flops == b * 2 * (192 + 128) * h * n * (n + 1) / 2 and callable(make)
