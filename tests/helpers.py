@@ -174,24 +174,36 @@ def queued_plans_match_dense(quest, spec: AttentionSpec, cache, q, tables, page_
         assert rel_error(out, dense.run(q[:len(last)], cache)) < 1e-2, f"plan {i}"
 
 
-def int4_kernel_scores(q, index, indptr, indices):
-    """The int4 path's arithmetic in torch: codes times P and N rounded to int8 steps of (largest |sum|
-    of the request and KV head) / 127, summed over written (page, head)s."""
-    from attnforge.sparse.summaries import int4_codes
+def int4_query_codes(q, index):
+    """The int4 path's query side in torch, in the kernel's float32 steps exactly: per (request, KV head)
+    the group's positive and negative sums times the channel scales, as int8 codes with a step of
+    (largest |sum|) / 127 each. Returns [(codes [B, Hkv, D] int8, step [B, Hkv, 1]) for P, then N]."""
     b, hq, d = q.shape
     hkv = index.summary_shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d)
     table = index.channel_scale_table(q.device)  # [rows, D]: row (request * Hkv + head) % rows
     scale = table[torch.arange(b * hkv, device=q.device).view(b, hkv) % table.shape[0]]
-    sums = []
-    for sign in (1, -1):  # the kernel's float32 steps exactly, so the int8 codes are the kernel's
+    out = []
+    for sign in (1, -1):
         part = torch.zeros_like(qg[:, :, 0])
         for g in range(qg.shape[2]):  # summed in the kernel's order (a reduction may pair them up)
             part = part + (qg[:, :, g].clamp(min=0) if sign > 0 else qg[:, :, g].clamp(max=0))
         part = part * scale
-        step = part.abs().amax(-1, keepdim=True) / 127
+        top = part.abs().amax(-1, keepdim=True)
+        # a tensor divisor: torch on CUDA divides by a Python number as a product by its reciprocal,
+        # a bit off the kernel's IEEE quotient, and a code then rounds the other way (4 in 13 million)
+        step = top / torch.full_like(top, 127.0)
         step = torch.where(step > 0, step, torch.ones_like(step))
-        sums.append(torch.round(part * (1 / step)) * step)  # codes: products by the step's reciprocal
+        out.append((torch.round(part * (1 / step)).to(torch.int8), step))  # by the step's reciprocal
+    return out
+
+
+def int4_kernel_scores(q, index, indptr, indices):
+    """The int4 path's arithmetic in torch: codes times P and N rounded to int8 steps of (largest |sum|
+    of the request and KV head) / 127, summed over written (page, head)s."""
+    from attnforge.sparse.summaries import int4_codes
+    b = q.shape[0]
+    sums = [codes.float() * step for codes, step in int4_query_codes(q, index)]
     counts = (indptr[1:] - indptr[:-1]).long()
     request = torch.repeat_interleave(torch.arange(b, device=q.device), counts)
     pages = indices.long()

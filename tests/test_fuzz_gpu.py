@@ -12,10 +12,12 @@ import torch
 
 import attnforge
 from attnforge import AttentionSpec, BatchPrefill
-from helpers import make_paged_case, poison
+from attnforge.spec import PREFILL_QK_VO_DIMS
+from helpers import lazy_rescale_allowance, make_paged_case, poison
 from test_decode_gpu import run_case as run_decode_case
 from test_mla_gpu import mla_spec, run_case as run_mla_case
 from test_prefill_gpu import check_against_reference, ragged_case
+from test_prefill_split_dims_gpu import split_case
 
 SEEDS = range(10)
 
@@ -113,6 +115,35 @@ def test_random_prefill(seed):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+def draw_prefill_split_dims(rng):
+    """Values narrower than keys (ragged 16-bit K/V only): every pair, with the prefill axes that apply."""
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    dims = PREFILL_QK_VO_DIMS[int(rng.integers(len(PREFILL_QK_VO_DIMS)))]
+    spec = AttentionSpec(family="prefill", num_kv_heads=hkv, num_qo_heads=hkv * int(rng.choice([1, 2, 4, 8])),
+                         head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype=str(rng.choice(["bf16", "fp16"])),
+                         causal=bool(rng.random() < 0.6), logits_soft_cap=float(rng.choice([0.0, 0.0, 30.0])),
+                         window_left=int(rng.choice([-1, -1, int(rng.integers(1, 400))])))
+    kv_lens = [min(x, 2500) for x in edge_lengths(rng, int(rng.integers(1, 6)), tile=128, longest=2500)]
+    qo_lens = [int(rng.choice([1, x, int(rng.integers(1, x + 1))])) if x else int(rng.integers(0, 3)) for x in kv_lens]
+    return spec, qo_lens, kv_lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_prefill_split_dims(seed):
+    spec, qo_lens, kv_lens = draw_prefill_split_dims(np.random.default_rng(4000 + seed))
+    q, k, v, qo, kv = split_case(spec, qo_lens, kv_lens, seed=seed, v_view=seed % 2 == 1)
+    w = BatchPrefill(spec)
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=poison((q.shape[0], spec.num_qo_heads, spec.head_dim_vo), q.dtype),
+                     return_lse=True)
+    torch.cuda.synchronize()
+    assert w.kernel.backend == "wgmma"
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    check_against_reference(spec, q, out, lse, per, qo,
+                            dominant_weight_error=lazy_rescale_allowance(q.dtype, v.abs().max().item()))
+
+
 def draw_mla(rng):
     heads = int(rng.choice([8, 16, 32, 64, 128]))
     q_dtype = str(rng.choice(["bf16", "fp16"]))
@@ -149,6 +180,10 @@ def test_draws_cover_the_axes():
     assert {p[0].head_dim_qk for p in pre} == {64, 128, 256}
     assert {p[0].kv_dtype == "fp8_e4m3" for p in pre} == {True, False}
     assert {p[3] == 0 for p in pre if p[0].kv_dtype == "fp8_e4m3"} == {True, False}  # fp8 ragged and paged
+    split = [draw_prefill_split_dims(np.random.default_rng(4000 + s)) for s in SEEDS]
+    assert {(p[0].head_dim_qk, p[0].head_dim_vo) for p in split} == set(PREFILL_QK_VO_DIMS)
+    assert {p[0].causal for p in split} == {True, False} and any(0 in p[2] for p in split)
+    assert any(p[0].window_left > 0 for p in split) and any(p[0].logits_soft_cap > 0 for p in split)
     assert {m[0].pipeline for m in mla} == {"normal", "transposed"}
     assert {m[0].kv_dtype == "fp8_e4m3" for m in mla} == {True, False}
     assert len({m[3] for m in mla}) >= 3 and any(m[5] for m in mla)

@@ -5,7 +5,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, scheduler
 from attnforge.sparse import QuestDecode, QuestIndex, page_scores, select_pages
-from helpers import (count_calls, int4_kernel_scores, queued_plans_match_dense, random_page_table,
+from helpers import (count_calls, int4_kernel_scores, int4_query_codes, queued_plans_match_dense, random_page_table,
                      replays_after_replans, summary_format)
 
 pytestmark = pytest.mark.gpu
@@ -80,6 +80,28 @@ def test_scoring_kernel_matches_the_torch_bound(index_dtype, heads):
         assert (got - want.float()).abs().max() <= 0.02 * want.abs().max()
     else:
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-2)
+
+
+def test_int4_query_codes_are_the_torch_models_bit_for_bit():
+    """The query-sum kernel's int8 codes (in their widening order, each 8 dims even dims first) and steps
+    equal the torch model's over many draws (scales 1-7x, so the rows' steps vary): the int4 score tests
+    hold the kernel to that model, and a model a bit off flips a code now and then (4 in 13 million)."""
+    b, hq = 64, 32
+    cache, indptr, indices, last, index = build([300] * b, seed=1, index_dtype="int4")
+    quest = QuestDecode(AttentionSpec(num_qo_heads=hq, num_kv_heads=HKV), index, budget_tokens=64, page_size=PAGE)
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    d = torch.arange(D, device="cuda")
+    widening_order = d // 8 * 8 + d % 2 * 4 + d % 8 // 2  # where the kernel stores dim d's code in a row
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for draw in range(24):
+        q = (torch.randn(b, hq, D, device="cuda", generator=g) * (1 + draw % 7)).bfloat16()
+        quest.scores(q)
+        torch.cuda.synchronize()
+        steps = quest._q_scale[: b * HKV].view(b, HKV, 2)
+        for side, (codes, step) in enumerate(int4_query_codes(q, index)):
+            raw = quest._q_split[side].reshape(-1).view(torch.int8)[: b * HKV * D].view(b, HKV, D)
+            assert torch.equal(raw[..., widening_order], codes), f"draw {draw}: int8 codes of side {side}"
+            assert torch.equal(steps[..., side:side + 1], step), f"draw {draw}: steps of side {side}"
 
 
 def kernel_scores(quest, q, index, indptr, indices):
