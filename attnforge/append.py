@@ -30,6 +30,14 @@ from .spec import MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO
 UNIT = 8  # elements a thread moves (the kernel's kUnit): rows and strides come in multiples of it
 THREADS = 256
 MAX_CTAS = 8192  # a grid-stride loop beyond: enough CTAs to fill an H200 many times over
+# append_kv_kernel_wide: this many units of a token a thread, their loads in flight behind one page lookup
+# (54 registers: 4 CTAs an SM, 4096 units in flight, against one unit a thread's 6 CTAs and 1536). Taken from
+# WIDE_FROM_UNITS_PER_SM units an SM up, where one unit a thread needs more than one wave of its CTAs: suite
+# `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 4.1 us against
+# the wide kernel's 4.6, 1024 tokens 5.8 against 5.1; 8192 tokens 28.5 against 23.2). A decode step keeps one
+# unit a thread, whose many small CTAs spread over more SMs (B64 GQA: 3.0 us against 3.9).
+UNITS_PER_THREAD = 4
+WIDE_FROM_UNITS_PER_SM = 1536
 _SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -73,8 +81,9 @@ class AppendSpec:
     def module(self) -> JitModule:
         return JitModule(self.name, "append_kv.cu.jinja",
                          {"src_dtype": checks.CPP_TYPES[self.src_dtype],
-                          "cache_dtype": checks.CPP_TYPES[self.cache_dtype], "params_struct": APPEND_PARAMS.cpp()},
-                         ("append_kv_kernel",))
+                          "cache_dtype": checks.CPP_TYPES[self.cache_dtype], "params_struct": APPEND_PARAMS.cpp(),
+                          "units_per_thread": UNITS_PER_THREAD},
+                         ("append_kv_kernel", "append_kv_kernel_wide"))
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,7 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
         scale1=b.scale, num_tokens=n, num_heads=num_heads, chunks0=a.src.shape[-1] // UNIT,
         chunks1=b.src.shape[-1] // UNIT, page_size=page_size,
         batch_size=0 if kv_indptr is None else kv_indptr.shape[0] - 1, index_wide=wide)
-    launch = (lib["append_kv_kernel"], (min(MAX_CTAS, -(-units // THREADS)),), params, device) if units else None
+    launch = _kernel_and_grid(lib, units, device) + (params, device) if units else None
     if key is not None and not check_indices:
         if len(_LAUNCHES) >= MAX_LAUNCHES:
             _LAUNCHES.clear()
@@ -226,6 +235,20 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
             raise checks.fail("append indices", f"every token inside the page table and the cache ({num_pages} "
                               f"pages of {page_size})", f"{skipped} token(s) outside, first token {first}: {where}",
                               "Those tokens were not written; fix the indices (or the page table) and append them.")
+
+
+_SMS: dict = {}  # device -> its SM count (a property query costs ~2 us a call)
+
+
+def _kernel_and_grid(lib, units: int, device: torch.device) -> tuple:
+    """(kernel, grid) for `units` 8-element units: the wide kernel from WIDE_FROM_UNITS_PER_SM units an SM,
+    else one unit a thread."""
+    if units >= WIDE_FROM_UNITS_PER_SM:  # (fewer fill no device that many times: no need to ask its SMs)
+        if device not in _SMS:
+            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        if units >= WIDE_FROM_UNITS_PER_SM * _SMS[device]:
+            return lib["append_kv_kernel_wide"], (min(MAX_CTAS, -(-units // (THREADS * UNITS_PER_THREAD))),)
+    return lib["append_kv_kernel"], (min(MAX_CTAS, -(-units // THREADS)),)
 
 
 def _kv_views(kv_cache, kv_layout: str):

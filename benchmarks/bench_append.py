@@ -8,7 +8,7 @@ import torch
 
 import attnforge
 from attnforge import reference
-from harness import Report, host_us, time_us
+from harness import Report, host_us, time_interleaved, time_us
 
 PAGE = 16
 
@@ -32,10 +32,36 @@ def _new_tokens(lengths, new: int):
     return (torch.tensor(b, dtype=torch.int32, device="cuda"), torch.tensor(p, dtype=torch.int32, device="cuda"))
 
 
+def _kernel_forced(fn, wide: bool):
+    """fn with attnforge's append kernel forced: the wide one (several units of a token a thread) or one unit a
+    thread, whatever the size rule would take (rows attnforge-wide / attnforge-one-unit beside the rule's)."""
+    from attnforge import append
+
+    def forced():
+        rule = append.WIDE_FROM_UNITS_PER_SM
+        append.WIDE_FROM_UNITS_PER_SM = 0 if wide else 2 ** 62
+        append._LAUNCHES.clear()  # (a memoised launch keeps the kernel its first call took)
+        try:
+            return fn()
+        finally:
+            append.WIDE_FROM_UNITS_PER_SM = rule
+            append._LAUNCHES.clear()
+    return forced
+
+
 def _case(report: Report, case: str, fns: dict, nbytes: float, host: bool) -> None:
+    # attnforge's kernels in rotation (the rule's choice beside each forced one), then the others
+    ours = {"attnforge": fns["attnforge"], "attnforge-one-unit": _kernel_forced(fns["attnforge"], False),
+            "attnforge-wide": _kernel_forced(fns["attnforge"], True)}
+    try:
+        for impl, us in time_interleaved(ours).items():
+            report.add("append", case, impl, us, nbytes)
+    except Exception as e:  # noqa: BLE001
+        report.note(f"append {case}: attnforge: {type(e).__name__}: {str(e)[:160]}")
     for impl, fn in fns.items():
         try:
-            report.add("append", case, impl, time_us(fn), nbytes)
+            if impl != "attnforge":
+                report.add("append", case, impl, time_us(fn), nbytes)
             if host:
                 report.add("append", f"host {case}", impl, host_us(fn, calls=500))
         except Exception as e:  # noqa: BLE001 (a peer's failure is a note, not a stop)

@@ -1,6 +1,8 @@
 """attnforge.append's kernel on the GPU: every cache it writes compared bit for bit with the torch formulation
 (attnforge.reference) on a poisoned clone, across layouts, odd page sizes, index types, quantization, MLA
-caches, slot mappings, bad indices and CUDA graphs; then a decode over appended fp8 pages."""
+caches, slot mappings, bad indices and CUDA graphs; then a decode over appended fp8 pages. Every test runs on
+both kernels: one unit a thread (a decode step's) and several units of a token a thread (a prefill's), which
+the small cases here take only when the size rule is forced."""
 import pytest
 import torch
 
@@ -9,6 +11,29 @@ from attnforge import reference
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True, params=["by-size", "wide"])
+def kernel(request, monkeypatch):
+    """Which append kernel the calls launch: "by-size" the size rule's choice (one unit a thread at these
+    sizes), "wide" append_kv_kernel_wide on every size. Yields (mode, the names of the kernels launched).
+    No memoised launch of another test (whose tensors' addresses the allocator may have handed on) runs."""
+    from attnforge import append
+    monkeypatch.setattr(append, "_LAUNCHES", {})
+    if request.param == "wide":
+        monkeypatch.setattr(append, "WIDE_FROM_UNITS_PER_SM", 0)
+    launched = set()
+    real = append._kernel_and_grid
+
+    def recording(lib, units, device):
+        kernel, grid = real(lib, units, device)
+        launched.add(kernel.name)
+        return kernel, grid
+
+    monkeypatch.setattr(append, "_kernel_and_grid", recording)
+    yield request.param, launched
+    if request.param == "wide":
+        assert launched <= {"append_kv_kernel_wide"}, f"the forced run launched {launched}"
 
 
 def table(lengths, page, num_pages, index_dtype=torch.int32, seed=0):
@@ -217,3 +242,47 @@ def test_indices_past_2_31_are_outside():
     with pytest.raises(ValueError, match="2 token\\(s\\) outside, first token 1"):
         attnforge.append_paged_kv_cache(k, k, batch, pos, cache, indices, indptr, check_indices=True)
     assert same_bits(cache, want)
+
+
+def test_units_a_token_not_a_multiple_of_the_wide_kernels():
+    """3 heads of 24 dims (3 units a row): 18 units a token, so the wide kernel's last thread of each token has
+    two units where the others have four (and MLA's 64 + 8 a token, above, 18 threads of four)."""
+    torch.manual_seed(7)
+    page, hkv, d, lengths = 5, 3, 24, [11, 4, 9]
+    num_pages = sum(-(-n // page) for n in lengths) + 2
+    indptr, indices, batch, pos = table(lengths, page, num_pages)
+    cache = poisoned((num_pages, 2, page, hkv, d), torch.float16)
+    want = cache.clone()
+    k = torch.randn(len(batch), hkv, d, device="cuda").half()
+    v = torch.randn_like(k)
+    reference.append_paged_kv(k, v, batch, pos, want, indices, indptr)
+    attnforge.append_paged_kv_cache(k, v, batch, pos, cache, indices, indptr)
+    assert same_bits(cache, want)
+
+
+def test_a_prefill_takes_the_wide_kernel_by_the_size_rule(kernel):
+    """8192 GQA 8x128 tokens (2.1M units) are past the size rule's threshold on any GPU of up to 1024 SMs: the
+    rule itself (not forced) picks the wide kernel, and a decode step's 64 tokens one unit a thread; the
+    caches equal torch's."""
+    from attnforge import append
+    mode, launched = kernel
+    if mode == "wide":
+        pytest.skip("the rule forced: the by-size run of this test checks the rule's own choice")
+    torch.manual_seed(8)
+    page, hkv, d, lengths = 16, 8, 128, [8192]
+    num_pages = 512 + 3
+    indptr, indices, batch, pos = table(lengths, page, num_pages)
+    cache = poisoned((num_pages, 2, page, hkv, d), torch.bfloat16)
+    want = cache.clone()
+    k = torch.randn(len(batch), hkv, d, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    reference.append_paged_kv(k, v, batch, pos, want, indices, indptr)
+    units = 8192 * hkv * 2 * d // append.UNIT
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert units >= append.WIDE_FROM_UNITS_PER_SM * sms, "the case no longer fills the device: grow it"
+    attnforge.append_paged_kv_cache(k, v, batch, pos, cache, indices, indptr)
+    assert launched == {"append_kv_kernel_wide"}
+    assert same_bits(cache, want)
+    attnforge.append_paged_kv_cache(k[:64], v[:64], batch[:64], pos[:64], cache, indices, indptr)
+    assert launched == {"append_kv_kernel_wide", "append_kv_kernel"}  # a decode step's size: one unit a thread
+    assert same_bits(cache, want)  # (the same tokens again)
