@@ -31,7 +31,7 @@ UNIT = 8  # elements a thread moves (the kernel's kUnit): rows and strides come 
 THREADS = 256
 MAX_CTAS = 8192  # a grid-stride loop beyond: enough CTAs to fill an H200 many times over
 # append_kv_kernel_wide: this many units of a token a thread, their loads in flight behind one page lookup
-# (54 registers: 4 CTAs an SM, 4096 units in flight, against one unit a thread's 6 CTAs and 1536). Taken from
+# (5 CTAs an SM, 5120 units in flight, against one unit a thread's 6 CTAs and 1536). Taken from
 # WIDE_FROM_UNITS_PER_SM units an SM up, where one unit a thread needs more than one wave of its CTAs: suite
 # `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 4.1 us against
 # the wide kernel's 4.6, 1024 tokens 5.8 against 5.1; 8192 tokens 28.5 against 23.2). A decode step keeps one

@@ -152,6 +152,7 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
               "cascade": "Shared-prefix cascade (suite `cascade`)", "vmm": "VirtualKVCache decode (suite `vmm`)",
               "head_dims": "Head dims 64, 128, 256 and head layouts (suite `head_dims`)",
               "append": "Writing new tokens into the KV cache (suite `append`)",
+              "append_sizes": "The append's two kernels by size (suite `append_sizes`)",
               "prefill_split_dims": "Prefill, keys wider than values: 192/128 (suite `prefill_split_dims`)",
               "roofline": "The read roofline: a kernel that only streams its bytes (suite `roofline`)",
               "compile": "Decode under torch.compile (suite `compile`: host time a call, then device time)",

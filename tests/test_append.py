@@ -199,3 +199,20 @@ def test_slots_and_mla_calls_repeat_too(monkeypatch):
     assert len(append._LAUNCHES) == 2 and len(rec.launches) == 4
     assert bytes(rec.launches[0][2]) == bytes(rec.launches[1][2])
     assert bytes(rec.launches[2][2]) == bytes(rec.launches[3][2])
+
+
+def test_append_kernels_fit_the_occupancy_their_sizes_assume():
+    """Each append kernel compiled for sm_90a (cached by the variant-matrix build): no local memory, one unit a
+    thread at six CTAs an SM and the wide kernel at five (its launch bounds: ptxas alone fits four, which
+    measured 2-3% slower), the two the size rule's comment and its switch point are measured with."""
+    from attnforge.jit import build_many
+    from attnforge.jit.cubin import kernel_resources
+    from attnforge.presets import PRESETS
+    specs = [s for s in PRESETS["append"]() if s.name in (
+        "append_kv_bf16_to_bf16", "append_kv_fp16_to_fp8e4m3", "append_kv_fp8e4m3_to_fp8e4m3")]
+    assert len(specs) == 3
+    for spec, path in zip(specs, build_many([s.module() for s in specs], ("9.0a",))):
+        res = kernel_resources(path.read_bytes())
+        for name, ctas in (("append_kv_kernel", 6), ("append_kv_kernel_wide", 5)):
+            assert res[name].frame_bytes == 0, f"{spec.name}: {name} spills"
+            assert res[name].ctas_by_registers(256) >= ctas, f"{spec.name}: {name} {res[name].registers} registers"
