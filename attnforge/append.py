@@ -33,8 +33,8 @@ MAX_CTAS = 8192  # a grid-stride loop beyond: enough CTAs to fill an H200 many t
 # append_kv_kernel_wide: this many units of a token a thread, their loads in flight behind one page lookup
 # (5 CTAs an SM, 5120 units in flight, against one unit a thread's 6 CTAs and 1536). Taken from
 # WIDE_FROM_UNITS_PER_SM units an SM up, where one unit a thread needs more than one wave of its CTAs: suite
-# `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 4.1 us against
-# the wide kernel's 4.6, 1024 tokens 5.8 against 5.1; 8192 tokens 28.5 against 23.2). A decode step keeps one
+# `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 3.8 us against
+# the wide kernel's 4.3, 1024 tokens 5.5 against 4.8; 8192 tokens 28.6 against 22.6). A decode step keeps one
 # unit a thread, whose many small CTAs spread over more SMs (B64 GQA: 3.0 us against 3.9).
 UNITS_PER_THREAD = 4
 WIDE_FROM_UNITS_PER_SM = 1536
@@ -237,13 +237,13 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
                               "Those tokens were not written; fix the indices (or the page table) and append them.")
 
 
-_SMS: dict = {}  # device -> its SM count (a property query costs ~2 us a call)
+_SMS: dict = {}  # device -> its SM count, asked once
 
 
 def _kernel_and_grid(lib, units: int, device: torch.device) -> tuple:
     """(kernel, grid) for `units` 8-element units: the wide kernel from WIDE_FROM_UNITS_PER_SM units an SM,
     else one unit a thread."""
-    if units >= WIDE_FROM_UNITS_PER_SM:  # (fewer fill no device that many times: no need to ask its SMs)
+    if units >= WIDE_FROM_UNITS_PER_SM:  # (fewer reach the threshold on any device: no need to ask its SMs)
         if device not in _SMS:
             _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         if units >= WIDE_FROM_UNITS_PER_SM * _SMS[device]:
