@@ -1,6 +1,9 @@
 import os
+import random
 import tempfile
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +20,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _rngs_seeded_by_test_id(request):
+    """Each test draws from torch's (CPU and CUDA), numpy's and Python's global generators seeded by its own id,
+    so its inputs do not depend on which tests ran before it in the process: a failure reproduces when the test
+    runs alone. (Two GPU tests failed now and then on unseeded draws: sixty-third and sixty-fourth sessions.)"""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)  # (CUDA's generators too, lazily: no CUDA initialisation on a CPU machine)
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -244,20 +244,25 @@ def test_indices_past_2_31_are_outside():
     assert same_bits(cache, want)
 
 
+def nhd_case(lengths, page, hkv, d, dtype, num_pages, seed):
+    """Random tokens for a poisoned NHD cache: (append_paged_kv_cache's arguments, the cache torch's indexing
+    leaves)."""
+    torch.manual_seed(seed)
+    indptr, indices, batch, pos = table(lengths, page, num_pages)
+    cache = poisoned((num_pages, 2, page, hkv, d), dtype)
+    want = cache.clone()
+    k = torch.randn(len(batch), hkv, d, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    reference.append_paged_kv(k, v, batch, pos, want, indices, indptr)
+    return (k, v, batch, pos, cache, indices, indptr), want
+
+
 def test_units_a_token_not_a_multiple_of_the_wide_kernels():
     """3 heads of 24 dims (3 units a row): 18 units a token over the wide kernel's 5 threads a token, of which
     threads 3 and 4 hold three units and the others four (MLA's 64 + 8 a token, above, fill 18 threads)."""
-    torch.manual_seed(7)
-    page, hkv, d, lengths = 5, 3, 24, [11, 4, 9]
-    num_pages = sum(-(-n // page) for n in lengths) + 2
-    indptr, indices, batch, pos = table(lengths, page, num_pages)
-    cache = poisoned((num_pages, 2, page, hkv, d), torch.float16)
-    want = cache.clone()
-    k = torch.randn(len(batch), hkv, d, device="cuda").half()
-    v = torch.randn_like(k)
-    reference.append_paged_kv(k, v, batch, pos, want, indices, indptr)
-    attnforge.append_paged_kv_cache(k, v, batch, pos, cache, indices, indptr)
-    assert same_bits(cache, want)
+    args, want = nhd_case([11, 4, 9], 5, 3, 24, torch.float16, 8, seed=7)
+    attnforge.append_paged_kv_cache(*args)
+    assert same_bits(args[4], want)
 
 
 def test_a_prefill_takes_the_wide_kernel_by_the_size_rule(kernel):
@@ -268,15 +273,8 @@ def test_a_prefill_takes_the_wide_kernel_by_the_size_rule(kernel):
     mode, launched = kernel
     if mode == "wide":
         pytest.skip("the rule forced: the by-size run of this test checks the rule's own choice")
-    torch.manual_seed(8)
-    page, hkv, d, lengths = 16, 8, 128, [8192]
-    num_pages = 512 + 3
-    indptr, indices, batch, pos = table(lengths, page, num_pages)
-    cache = poisoned((num_pages, 2, page, hkv, d), torch.bfloat16)
-    want = cache.clone()
-    k = torch.randn(len(batch), hkv, d, device="cuda").bfloat16()
-    v = torch.randn_like(k)
-    reference.append_paged_kv(k, v, batch, pos, want, indices, indptr)
+    hkv, d = 8, 128
+    (k, v, batch, pos, cache, indices, indptr), want = nhd_case([8192], 16, hkv, d, torch.bfloat16, 515, seed=8)
     units = 8192 * hkv * 2 * d // append.UNIT
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert units >= append.WIDE_FROM_UNITS_PER_SM * sms, "the case no longer fills the device: grow it"
