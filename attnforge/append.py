@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, ops, reference
+from . import checks, intdiv, ops, reference
 from .codegen import ParamField, ParamsLayout
 from .jit import JitModule, registry
 from .jit.loader import on_device
@@ -52,6 +52,9 @@ APPEND_PARAMS = ParamsLayout("AppendParams", [
     *(ParamField(n, "int32_t", "i32") for n in ("num_tokens", "num_heads", "chunks0", "chunks1", "page_size",
                                                  "batch_size")),
     ParamField("index_wide", "uint32_t", "u32"),
+    # (mul, shift) of fast_div by chunks0, chunks1, page_size and the threads a token of each kernel
+    *(ParamField(f"{n}_{k}", "uint32_t", "u32") for n in ("chunks0", "chunks1", "page", "per_token1", "per_token_wide")
+      for k in ("mul", "shift")),
 ])
 
 
@@ -202,13 +205,17 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
             checks.check_cuda(name, t, device)
             wide |= (t.dtype == torch.int64) << wide_bit[name]
     n = a.src.shape[0]
-    units = n * num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT
+    unit_count = num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT  # a token's
+    units = n * unit_count
     if units >= 2 ** 31:  # (the kernel divides 32-bit unit indices)
         raise checks.fail("new tokens", "fewer than 2^31 8-element units in one call", n, "Append in several calls.")
     spec = AppendSpec(a.src.dtype, a.dst.dtype)
     lib = registry.get_library(spec, spec.module, device)
     error = torch.tensor([0, 2 ** 31 - 1], dtype=torch.int32, device=device) if check_indices else None
+    divisors = {"chunks0": a.src.shape[-1] // UNIT, "chunks1": b.src.shape[-1] // UNIT, "page": page_size,
+                "per_token1": unit_count, "per_token_wide": -(-unit_count // UNITS_PER_THREAD)}
     params = APPEND_PARAMS.pack(
+        **{f"{name}_{k}": x for name, d in divisors.items() for k, x in zip(("mul", "shift"), intdiv.divisor(d))},
         src0=a.src.data_ptr(), src1=b.src.data_ptr(), dst0=a.dst.data_ptr(), dst1=b.dst.data_ptr(),
         **{name: _ptr(t) for name, t in indices.items()}, error=_ptr(error),
         src0_stride_n=a.src.stride(0), src0_stride_h=a.src.stride(1), src1_stride_n=b.src.stride(0),

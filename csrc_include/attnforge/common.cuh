@@ -89,6 +89,11 @@ AF_DEVICE float fast_tanh(float x) {
   return y;
 }
 
+// n / d for 0 <= n < 2^31 and 1 <= d < 2^31 as a multiply-high, an add and a shift (Granlund and Montgomery's
+// round-up method), with (mul, shift) from the host's attnforge.intdiv.divisor(d): a division by a value known
+// only at run time is otherwise a ~20-instruction sequence through the SFU's reciprocal.
+AF_DEVICE uint32_t fast_div(uint32_t n, uint32_t mul, uint32_t shift) { return (__umulhi(n, mul) + n) >> shift; }
+
 template <class T> AF_DEVICE float to_float(T x);
 template <> AF_DEVICE float to_float<float>(float x) { return x; }
 template <> AF_DEVICE float to_float<bf16>(bf16 x) { return __bfloat162float(x); }
