@@ -205,13 +205,15 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
             checks.check_cuda(name, t, device)
             wide |= (t.dtype == torch.int64) << wide_bit[name]
     n = a.src.shape[0]
-    unit_count = num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT  # a token's
+    unit_count = num_heads * (a.src.shape[-1] + b.src.shape[-1]) // UNIT  # 8-element units a token
     units = n * unit_count
     if units >= 2 ** 31:  # (the kernel divides 32-bit unit indices)
         raise checks.fail("new tokens", "fewer than 2^31 8-element units in one call", n, "Append in several calls.")
     spec = AppendSpec(a.src.dtype, a.dst.dtype)
     lib = registry.get_library(spec, spec.module, device)
     error = torch.tensor([0, 2 ** 31 - 1], dtype=torch.int32, device=device) if check_indices else None
+    # what the kernels divide by (fast_div): each stream's units a row, the page size, and the threads a token of
+    # each kernel (the wide kernel's threads a token are its kPer = UNITS_PER_THREAD units' count, rounded up)
     divisors = {"chunks0": a.src.shape[-1] // UNIT, "chunks1": b.src.shape[-1] // UNIT, "page": page_size,
                 "per_token1": unit_count, "per_token_wide": -(-unit_count // UNITS_PER_THREAD)}
     params = APPEND_PARAMS.pack(
