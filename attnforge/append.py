@@ -52,6 +52,8 @@ APPEND_PARAMS = ParamsLayout("AppendParams", [
     *(ParamField(n, "int32_t", "i32") for n in ("num_tokens", "num_heads", "chunks0", "chunks1", "page_size",
                                                  "batch_size")),
     ParamField("index_wide", "uint32_t", "u32"),
+    # bit 2 * dst + stream: that stream's rows (source when dst = 0, cache when 1) hold their heads back to back
+    ParamField("dense_rows", "uint32_t", "u32"),
     # (mul, shift) of fast_div by chunks0, chunks1, page_size and the threads a token of each kernel
     *(ParamField(f"{n}_{k}", "uint32_t", "u32") for n in ("chunks0", "chunks1", "page", "per_token1", "per_token_wide")
       for k in ("mul", "shift")),
@@ -216,8 +218,13 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
     # each kernel (the wide kernel's threads a token are its kPer = UNITS_PER_THREAD units' count, rounded up)
     divisors = {"chunks0": a.src.shape[-1] // UNIT, "chunks1": b.src.shape[-1] // UNIT, "page": page_size,
                 "per_token1": unit_count, "per_token_wide": -(-unit_count // UNITS_PER_THREAD)}
+    dense = 0
+    for i, st in enumerate(streams):  # heads back to back: a unit's offset in the row is its index times 8
+        width = st.src.shape[-1]
+        dense |= (num_heads == 1 or st.src.stride(1) == width) << i
+        dense |= (num_heads == 1 or st.dst_strides[2] == width) << (2 + i)
     params = APPEND_PARAMS.pack(
-        **{f"{name}_{k}": x for name, d in divisors.items() for k, x in zip(("mul", "shift"), intdiv.divisor(d))},
+        dense_rows=dense, **{f"{name}_{k}": x for name, d in divisors.items() for k, x in zip(("mul", "shift"), intdiv.divisor(d))},
         src0=a.src.data_ptr(), src1=b.src.data_ptr(), dst0=a.dst.data_ptr(), dst1=b.dst.data_ptr(),
         **{name: _ptr(t) for name, t in indices.items()}, error=_ptr(error),
         src0_stride_n=a.src.stride(0), src0_stride_h=a.src.stride(1), src1_stride_n=b.src.stride(0),
