@@ -33,9 +33,9 @@ MAX_CTAS = 8192  # a grid-stride loop beyond: enough CTAs to fill an H200 many t
 # append_kv_kernel_wide: this many units of a token a thread, their loads in flight behind one page lookup
 # (5 CTAs an SM, 5120 units in flight, against one unit a thread's 6 CTAs and 1536). Taken from
 # WIDE_FROM_UNITS_PER_SM units an SM up, where one unit a thread needs more than one wave of its CTAs: suite
-# `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 4.0 us against
-# the wide kernel's 4.1, 1024 tokens 5.4 against 4.8; 8192 tokens 27.5 against 21.9). A decode step keeps one
-# unit a thread, whose many small CTAs spread over more SMs (B64 GQA: 2.8 us against 3.1).
+# `append_sizes` on the H200 put the switch between 131K and 262K units (GQA 8x128: 512 tokens 3.8 us both,
+# 1024 tokens 5.1 against the wide kernel's 4.5; 8192 tokens 25.2 against 20.5). A decode step keeps one unit a
+# thread, whose many small CTAs spread over more SMs (B64 GQA: 3.0 us against 3.3).
 UNITS_PER_THREAD = 4
 WIDE_FROM_UNITS_PER_SM = 1536
 _SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
