@@ -216,3 +216,29 @@ def test_append_kernels_fit_the_occupancy_their_sizes_assume():
         for name, ctas in (("append_kv_kernel", 6), ("append_kv_kernel_wide", 5)):
             assert res[name].frame_bytes == 0, f"{spec.name}: {name} spills"
             assert res[name].ctas_by_registers(256) >= ctas, f"{spec.name}: {name} {res[name].registers} registers"
+
+
+def test_params_carry_the_divisors_and_which_rows_are_dense(monkeypatch):
+    """What the kernels divide by comes packed as fast_div's (mul, shift) pairs, and dense_rows marks the streams
+    whose heads lie back to back (bit 2 * dst + stream), so a unit's offset skips the head division: an NHD cache
+    and contiguous tokens are dense, an HND cache's rows and a strided source are not, one head always is."""
+    from attnforge import append, intdiv
+    from helpers import stub_launches
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(append, "_LAUNCHES", {})
+    c = cpu_case(n=4, hkv=2, d=16, page=4)
+    attnforge.append_paged_kv_cache(**c)
+    p = rec.launches[-1][2]
+    assert p.dense_rows == 0b1111
+    units = 2 * (16 + 16) // 8
+    for name, d in (("chunks0", 2), ("chunks1", 2), ("page", 4), ("per_token1", units),
+                    ("per_token_wide", -(-units // append.UNITS_PER_THREAD))):
+        assert (getattr(p, f"{name}_mul"), getattr(p, f"{name}_shift")) == intdiv.divisor(d), name
+    attnforge.append_paged_kv_cache(**{**c, "kv_cache": torch.zeros(4, 2, 2, 4, 16).bfloat16()}, kv_layout="HND")
+    assert rec.launches[-1][2].dense_rows == 0b0011
+    wide_k = torch.randn(4, 2, 32).bfloat16()
+    attnforge.append_paged_kv_cache(**{**c, "k": wide_k[:, :, :16]})  # rows 32 apart, heads 32 apart: k not dense
+    assert rec.launches[-1][2].dense_rows == 0b1110
+    one = cpu_case(n=4, hkv=1, d=16, page=4)
+    attnforge.append_paged_kv_cache(**{**one, "kv_cache": torch.zeros(4, 2, 1, 4, 16).bfloat16()}, kv_layout="HND")
+    assert rec.launches[-1][2].dense_rows == 0b1111  # one head: its offset is the column whatever the strides
