@@ -223,8 +223,9 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
         width = st.src.shape[-1]
         dense |= (num_heads == 1 or st.src.stride(1) == width) << i
         dense |= (num_heads == 1 or st.dst_strides[2] == width) << (2 + i)
+    fast_divs = {f"{name}_{k}": x for name, d in divisors.items() for k, x in zip(("mul", "shift"), intdiv.divisor(d))}
     params = APPEND_PARAMS.pack(
-        dense_rows=dense, **{f"{name}_{k}": x for name, d in divisors.items() for k, x in zip(("mul", "shift"), intdiv.divisor(d))},
+        dense_rows=dense, **fast_divs,
         src0=a.src.data_ptr(), src1=b.src.data_ptr(), dst0=a.dst.data_ptr(), dst1=b.dst.data_ptr(),
         **{name: _ptr(t) for name, t in indices.items()}, error=_ptr(error),
         src0_stride_n=a.src.stride(0), src0_stride_h=a.src.stride(1), src1_stride_n=b.src.stride(0),
