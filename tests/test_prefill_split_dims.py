@@ -156,3 +156,5 @@ def test_k_goes_a_tile_ahead_of_v_on_split_dims_alone():
         assert not PrefillKernel(other, "wgmma", **kw).k_ahead
         with pytest.raises(ValueError, match="k_ahead: K one tile ahead of V needs a split ring"):
             PrefillKernel(other, "wgmma", k_ahead=True, **kw)
+    with pytest.raises(ValueError, match="k_ahead=1"):  # (a bool, not a number that compares equal to one)
+        PrefillKernel(spec, "wgmma", k_ahead=1)

@@ -215,7 +215,7 @@ class PrefillKernel:
         if type(self.fp8_int_widen) is not bool or (self.fp8_int_widen and not self.wgmma_fp8):
             raise ValueError(f"PrefillKernel.fp8_int_widen: True only with fp8 K/V on the wgmma backend, got "
                              f"{self.fp8_int_widen!r} with kv_dtype {self.spec.kv_dtype}, backend {self.backend!r}")
-        if self.k_ahead not in (True, False) or (self.k_ahead and not self._k_ahead_fits()):
+        if type(self.k_ahead) is not bool or (self.k_ahead and not self._k_ahead_fits()):
             s = self.spec
             raise ValueError(f"PrefillKernel.k_ahead: K one tile ahead of V needs a split ring (a producer at two "
                              f"stages) of head_dim_vo < head_dim_qk and 16-bit K/V, got k_ahead={self.k_ahead!r} with "
