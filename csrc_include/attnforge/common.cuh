@@ -114,16 +114,7 @@ template <> AF_DEVICE void unpack16<bf16>(const uint4& raw, float (&out)[8]) {
     out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
-template <> AF_DEVICE void unpack16<fp8e4m3>(const uint4& raw, float (&out)[16]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(uint16_t(w[i / 2] >> (16 * (i % 2))), __NV_E4M3);
-    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
+template <> AF_DEVICE void unpack16<fp8e4m3>(const uint4& raw, float (&out)[16]);  // (below fp8x8_to)
 
 template <class T> AF_DEVICE T from_float(float x);
 template <> AF_DEVICE float from_float<float>(float x) { return x; }
@@ -141,17 +132,55 @@ template <> AF_DEVICE uint32_t pack2<fp16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Two e4m3 values (low byte first) -> a packed pair of T: one cvt.f16x2.e4m3x2, plus a
-// round trip through f32 for bf16 (exact: every e4m3 value is representable in both).
-template <class T> AF_DEVICE uint32_t fp8x2_to(uint16_t two);
-template <> AF_DEVICE uint32_t fp8x2_to<fp16>(uint16_t two) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+// The e4m3 pair in half kHalf of a word (0: bits 0-15, low byte first) -> f16x2: one cvt.f16x2.e4m3x2 that
+// reads the register's half itself (R.H1 in SASS), where converting a 16-bit value shifted out of the word
+// costs a SHF or PRMT more a pair.
+template <int kHalf> AF_DEVICE uint32_t e4m3x2_to_f16x2(uint32_t word) {
+  static_assert(kHalf == 0 || kHalf == 1, "a word holds two pairs");
+  uint32_t r;
+  if constexpr (kHalf == 0) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(word));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(word));
+  }
+  return r;
 }
-template <> AF_DEVICE uint32_t fp8x2_to<bf16>(uint16_t two) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-  return pack2<bf16>(f.x, f.y);
+
+// The e4m3 pair in half kHalf of a word -> a packed pair of T: the cvt above, plus a round trip through f32
+// for bf16 (exact: every e4m3 value is representable in both).
+template <class T, int kHalf> AF_DEVICE uint32_t fp8x2_to(uint32_t word) {
+  const uint32_t h = e4m3x2_to_f16x2<kHalf>(word);
+  if constexpr (std::is_same_v<T, fp16>) {
+    return h;
+  } else {
+    static_assert(std::is_same_v<T, bf16>, "fp8 widens to fp16 or bf16");
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack2<bf16>(f.x, f.y);
+  }
+}
+
+// Pairs 4 half .. 4 half + 3 of a 16-byte chunk of 16 e4m3 values (half: 0 or 1, a run-time value the callers'
+// unrolled loops make constant) as 4 words of packed pairs of T.
+template <class T> AF_DEVICE void fp8x8_to(const uint4& raw, int half, uint32_t (&o)[4]) {
+  const uint32_t a = half ? raw.z : raw.x, b = half ? raw.w : raw.y;
+  o[0] = fp8x2_to<T, 0>(a);
+  o[1] = fp8x2_to<T, 1>(a);
+  o[2] = fp8x2_to<T, 0>(b);
+  o[3] = fp8x2_to<T, 1>(b);
+}
+
+template <> AF_DEVICE void unpack16<fp8e4m3>(const uint4& raw, float (&out)[16]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint32_t h[4];
+    fp8x8_to<fp16>(raw, half, h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+      out[8 * half + 2 * i] = f.x;
+      out[8 * half + 2 * i + 1] = f.y;
+    }
+  }
 }
 
 // A packed pair of From as a packed pair of To, each value times `scale` (a power of two: exact

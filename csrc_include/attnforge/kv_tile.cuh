@@ -37,10 +37,9 @@ AF_DEVICE uint32_t a_frag_addr(T* base, int tile, int lane, int kk) {
 // (bf16: through f32).
 template <class T>
 AF_DEVICE void widen_half(const uint4& raw, int half, uint4& out) {
-  const uint16_t* v = reinterpret_cast<const uint16_t*>(&raw);  // 8 pairs of e4m3
-  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = fp8x2_to<T>(v[half * 4 + j]);
+  uint32_t o[4];
+  fp8x8_to<T>(raw, half, o);
+  out = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for

@@ -45,16 +45,16 @@ AF_DEVICE void mma_16816<fp16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b
 // the pairs (b0, b1) and (b2, b3).
 template <class T>
 AF_DEVICE void widen_fp8x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  lo = fp8x2_to<T>(uint16_t(w & 0xffff));
-  hi = fp8x2_to<T>(uint16_t(w >> 16));
+  lo = fp8x2_to<T, 0>(w);
+  hi = fp8x2_to<T, 1>(w);
 }
 // Four bytes of an ldmatrix.trans over byte pairs -- (row r: cols 2i, 2i+1), (row r+1: cols 2i,
 // 2i+1) -- regrouped per column: (b0, b2) = column 2i of rows r, r+1 and (b1, b3) = column 2i+1.
 template <class T>
 AF_DEVICE void widen_fp8x4_trans(uint32_t w, uint32_t& even, uint32_t& odd) {
   const uint32_t cols = __byte_perm(w, 0, 0x3120);  // bytes (b0, b2, b1, b3)
-  even = fp8x2_to<T>(uint16_t(cols & 0xffff));
-  odd = fp8x2_to<T>(uint16_t(cols >> 16));
+  even = fp8x2_to<T, 0>(cols);
+  odd = fp8x2_to<T, 1>(cols);
 }
 
 }  // namespace attnforge
