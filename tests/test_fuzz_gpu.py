@@ -5,6 +5,7 @@ The other GPU files cover each option on a grid of two or three axes; these draw
 window, graph mode), so a combination no grid names still meets the reference. Each seed is one test id:
 a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -19,7 +20,22 @@ from test_mla_gpu import mla_spec, run_case as run_mla_case
 from test_prefill_gpu import check_against_reference, ragged_case
 from test_prefill_split_dims_gpu import split_case
 
-SEEDS = range(10)
+DEFAULT_SEEDS = range(10)
+
+
+def fuzz_seeds(text) -> range:
+    """The seeds to draw: ATTNFORGE_TEST_FUZZ_SEEDS="START:STOP" widens a long run's draws past the default
+    0:10 (the GPU suite's), e.g. "10:210" on a GPU with time to spare. Seed s draws the same case in any range."""
+    if not text:
+        return DEFAULT_SEEDS
+    parts = text.split(":")
+    if len(parts) == 2 and all(p.strip().isdigit() for p in parts) and int(parts[0]) < int(parts[1]):
+        return range(int(parts[0]), int(parts[1]))
+    raise ValueError(f"ATTNFORGE_TEST_FUZZ_SEEDS: expected START:STOP with 0 <= START < STOP (e.g. 10:210), got "
+                     f"{text!r}; unset it for the default seeds 0:10")
+
+
+SEEDS = fuzz_seeds(os.environ.get("ATTNFORGE_TEST_FUZZ_SEEDS"))
 
 
 def edge_lengths(rng, count: int, tile: int = 64, longest: int = 3000) -> list[int]:
@@ -165,9 +181,18 @@ def test_random_mla(seed):
                  **scales)
 
 
+def test_fuzz_seeds_parse():
+    assert fuzz_seeds(None) == fuzz_seeds("") == DEFAULT_SEEDS
+    assert fuzz_seeds("10:210") == range(10, 210)
+    for bad in ("10", "5:5", "9:3", "-1:4", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="START:STOP"):
+            fuzz_seeds(bad)
+
+
 def test_draws_cover_the_axes():
-    """The seeds above reach each option of the main axes at least once (a CPU test: if a change to the draws
+    """The default seeds reach each option of the main axes at least once (a CPU test: if a change to the draws
     loses an option, pick another seed range)."""
+    SEEDS = DEFAULT_SEEDS  # (whatever range a long run draws)
     dec = [draw_decode(np.random.default_rng(1000 + s)) for s in SEEDS]
     pre = [draw_prefill(np.random.default_rng(2000 + s)) for s in SEEDS]
     mla = [draw_mla(np.random.default_rng(3000 + s)) for s in SEEDS]
