@@ -136,5 +136,6 @@ class RunMemo:
         try:
             return self._plan[role]
         except KeyError:
-            value = self._plan[role] = make()
-            return value
+            pass  # (make() runs outside the handler: its errors, a failed load say, are not chained to a KeyError)
+        value = self._plan[role] = make()
+        return value

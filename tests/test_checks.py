@@ -104,6 +104,23 @@ def test_run_memo_keeps_plain_values_only_per_role():
     assert memo.once("lib", lambda: 7) == 7  # another role: its own entry
 
 
+def test_run_memo_failure_is_not_chained_to_a_key_error():
+    """A failed make() (a kernel load out of memory, seen in the sixty-sixth session's fuzz under memcheck) shows
+    its own error, not 'During handling of KeyError: lib'; and the next call tries again."""
+    memo = checks.RunMemo()
+
+    def fail():
+        raise RuntimeError("load failed")
+    for role in ("lib", "lib"):
+        with pytest.raises(RuntimeError, match="load failed") as err:
+            memo.once(role, fail)
+        assert err.value.__context__ is None and err.value.__cause__ is None
+    assert memo.once("lib", lambda: 3) == 3
+    with pytest.raises(RuntimeError) as err:  # (get() had it right already)
+        memo.get("x", (torch.zeros(1),), fail)
+    assert err.value.__context__ is None
+
+
 def test_run_memo_keeps_each_layers_cache(monkeypatch):
     memo, calls = checks.RunMemo(), []
     layers = [torch.zeros(2, 3) for _ in range(40)]

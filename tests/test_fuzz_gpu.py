@@ -156,8 +156,9 @@ def test_random_prefill_split_dims(seed):
     torch.cuda.synchronize()
     assert w.kernel.backend == "wgmma"
     per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    max_abs_v = v.abs().max().item() if v.numel() else 0.0  # (every request empty: seeds 30, 129, 151, 160)
     check_against_reference(spec, q, out, lse, per, qo,
-                            dominant_weight_error=lazy_rescale_allowance(q.dtype, v.abs().max().item()))
+                            dominant_weight_error=lazy_rescale_allowance(q.dtype, max_abs_v))
 
 
 def draw_mla(rng):
