@@ -142,6 +142,24 @@ class LoadedKernel:
             config = self._pdl_configs[key] = pdl_launch_config(grid, block, smem, handle)
         return config
 
+    def _allow_smem(self, smem: int) -> None:
+        """Let the kernel take `smem` bytes of dynamic shared memory (past the default 48 KB)."""
+        drv = driver()
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(drv.cuFuncSetAttribute(self.function, attr, smem), f"cuFuncSetAttribute({self.name}, {smem} B)")
+        # Prefer the largest shared-memory carveout so several such CTAs fit on one SM.
+        carve = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        check(drv.cuFuncSetAttribute(self.function, carve, 100), f"cuFuncSetAttribute({self.name}, carveout)")
+        self._smem_limit = max(self._smem_limit, smem)
+
+    def max_active_ctas(self, threads: int, smem: int) -> int:
+        """CTAs of `threads` threads with `smem` bytes of dynamic shared memory that one SM of the current
+        device holds at once: the driver's occupancy calculator, over the cubin's registers as loaded."""
+        if smem > self._smem_limit:
+            self._allow_smem(smem)
+        return int(check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, smem),
+                         f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name}, {threads} threads, {smem} B)"))
+
     def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None, pdl: bool = False) -> None:
         """Launch with one by-value params struct on torch's current stream (graph-capturable).
 
@@ -159,12 +177,7 @@ class LoadedKernel:
         pdl = pdl and self._pdl_ok
         drv = driver()
         if smem > self._smem_limit:
-            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(drv.cuFuncSetAttribute(self.function, attr, smem), f"cuFuncSetAttribute({self.name}, {smem} B)")
-            # Prefer the largest shared-memory carveout so several such CTAs fit on one SM.
-            carve = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-            check(drv.cuFuncSetAttribute(self.function, carve, 100), f"cuFuncSetAttribute({self.name}, carveout)")
-            self._smem_limit = smem
+            self._allow_smem(smem)
         handle = current_stream_handle() if stream is None else getattr(stream, "cuda_stream", stream)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Callable, Hashable
 
 import torch
@@ -26,8 +27,30 @@ def get_library(key: Hashable, make_module: Callable[[], "_build.JitModule"],
             module = make_module()
             path = _build.build(module)
             lib = LoadedLibrary(path, module.kernel_names, device)
+            check_occupancy(key, module.name, lib[module.kernel_names[0]])
             _libraries[full_key] = lib
     return lib
+
+
+class OccupancyWarning(UserWarning):
+    """A kernel holds fewer CTAs per SM on this GPU than its planner sizes the persistent grid for."""
+
+
+def check_occupancy(kernel, module_name: str, loaded) -> None:
+    """Decode, MLA and prefill plan their persistent grids (and split KV) for kernel.ctas_per_sm CTAs an SM,
+    which the kernel classes derive from rules (registers, shared memory) that CI checks on the variant matrix
+    only. Once a cubin is loaded the driver knows: where it holds fewer, the grid's extra CTAs would run as a
+    second wave (up to twice the time, with no error), so say so. Other modules (no ctas_per_sm) pass."""
+    assumed = getattr(kernel, "ctas_per_sm", None)
+    if not isinstance(assumed, int) or not hasattr(kernel, "threads") or not hasattr(kernel, "smem_bytes"):
+        return
+    held = loaded.max_active_ctas(kernel.threads, kernel.smem_bytes)
+    if held < assumed:
+        warnings.warn(f"{module_name}: its planner sizes grids for {assumed} CTAs per SM, but this GPU holds "
+                      f"{held} at once ({kernel.threads} threads, {kernel.smem_bytes} B of shared memory a CTA): "
+                      f"the grid's extra CTAs run as a second wave, up to twice as slow. Pass ctas_per_sm={held} "
+                      f"to the wrapper where it takes one (BatchDecode, BatchMLADecode), and report the shape",
+                      OccupancyWarning, stacklevel=3)
 
 
 def clear() -> None:
