@@ -45,7 +45,12 @@ def check_occupancy(kernel, module_name: str, loaded) -> None:
     if not isinstance(assumed, int) or not hasattr(kernel, "threads") or not hasattr(kernel, "smem_bytes"):
         return
     held = loaded.max_active_ctas(kernel.threads, kernel.smem_bytes)
-    if held < assumed:
+    if held == 0:
+        warnings.warn(f"{module_name}: this GPU cannot hold one of its CTAs ({kernel.threads} threads, "
+                      f"{kernel.smem_bytes} B of shared memory): its launches will fail. Use fewer stages or a "
+                      f"smaller tile (the kernel class's options), or report the shape", OccupancyWarning,
+                      stacklevel=3)
+    elif held < assumed:
         warnings.warn(f"{module_name}: its planner sizes grids for {assumed} CTAs per SM, but this GPU holds "
                       f"{held} at once ({kernel.threads} threads, {kernel.smem_bytes} B of shared memory a CTA): "
                       f"the grid's extra CTAs run as a second wave, up to twice as slow. Pass ctas_per_sm={held} "

@@ -31,6 +31,11 @@ def test_fewer_ctas_than_planned_warns_with_the_fix():
     assert loaded.asked == [(256, 100_000)]  # the launch's block and dynamic shared memory
 
 
+def test_a_kernel_no_sm_can_hold_says_its_launches_fail():
+    with pytest.warns(OccupancyWarning, match="cannot hold one of its CTAs .* launches will fail"):
+        check_occupancy(kernel(), "prefill_x", FakeLoaded(held=0))
+
+
 @pytest.mark.parametrize("held", [2, 3])
 def test_as_many_or_more_is_silent(held):
     with warnings.catch_warnings():
