@@ -22,3 +22,4 @@ from .append import append_kv_by_slots, append_paged_kv_cache, append_paged_mla_
 from .prefill import BatchPrefill, single_prefill  # noqa: E402,F401
 from .dense import attention  # noqa: E402,F401
 from . import mods  # noqa: E402,F401
+from .jit.registry import OccupancyWarning  # noqa: E402,F401

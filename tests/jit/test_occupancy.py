@@ -31,6 +31,11 @@ def test_fewer_ctas_than_planned_warns_with_the_fix():
     assert loaded.asked == [(256, 100_000)]  # the launch's block and dynamic shared memory
 
 
+def test_the_warning_is_exported():
+    import attnforge
+    assert attnforge.OccupancyWarning is OccupancyWarning and issubclass(OccupancyWarning, UserWarning)
+
+
 def test_a_kernel_no_sm_can_hold_says_its_launches_fail():
     with pytest.warns(OccupancyWarning, match="cannot hold one of its CTAs .* launches will fail"):
         check_occupancy(kernel(), "prefill_x", FakeLoaded(held=0))
