@@ -383,11 +383,7 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
     rounds = cost[:full * ctas].reshape(full, ctas)
     items = np.argsort(-rounds, axis=1, kind="stable")  # each round's items, costliest first (one call)
     item_cost = np.take_along_axis(rounds, items, axis=1)
-    takers = np.empty((full, ctas), dtype=np.int64)
-    load = np.zeros(ctas, dtype=np.float64)
-    for r in range(full):  # the loads carry from round to round: two numpy calls a round (B8 mixed: ~44)
-        takers[r] = np.argsort(load, kind="stable")  # least loaded first
-        load[takers[r]] += item_cost[r]
+    takers, load = _least_loaded_takers(item_cost, ctas)
     perm = np.empty(n, dtype=np.int64)
     base = np.arange(full)[:, None] * ctas
     perm[(base + takers).reshape(-1)] = (base + items).reshape(-1)
@@ -395,6 +391,34 @@ def balance_persistent_rounds(cost: np.ndarray, ctas: int) -> np.ndarray:
         last = full * ctas + np.argsort(-cost[full * ctas:], kind="stable")
         perm[full * ctas + np.argsort(load[:m], kind="stable")] = last
     return _swap_within_rounds(perm, cost, ctas)
+
+
+def _least_loaded_takers(item_cost: np.ndarray, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy's rounds: takers[r] lists the CTAs least loaded first (ties by CTA index) as round r starts,
+    the r-th round's items (costliest first) going to them in that order; and the loads after the last round.
+    The loads carry from round to round. Integer costs (the planners'): each CTA is one int64 key, load * ctas +
+    index, so one in-place sort a round orders the CTAs as a stable sort of their loads does, and a round's costs
+    (times ctas) add to the keys in the sorted order without moving the index: 2.4x faster than an argsort and a
+    scatter-add a round (ragged 16 random: 138 rounds, 0.93 -> 0.38 ms on the CI machine), the same takers."""
+    full = item_cost.shape[0]
+    integral = np.issubdtype(item_cost.dtype, np.integer) and (full == 0 or int(item_cost.min()) >= 0)
+    if integral and (int(item_cost.sum()) + 1) * ctas < 2**62:  # (the largest key fits int64)
+        keys = np.empty((full, ctas), dtype=np.int64)
+        key = np.arange(ctas, dtype=np.int64)  # every load 0
+        step = item_cost.astype(np.int64) * ctas
+        for r in range(full):
+            key.sort()
+            keys[r] = key
+            key += step[r]
+        load = np.empty(ctas, dtype=np.float64)
+        load[key % ctas] = key // ctas
+        return keys % ctas, load
+    takers = np.empty((full, ctas), dtype=np.int64)
+    load = np.zeros(ctas, dtype=np.float64)
+    for r in range(full):  # two numpy calls a round
+        takers[r] = np.argsort(load, kind="stable")  # least loaded first
+        load[takers[r]] += item_cost[r]
+    return takers, load
 
 
 SWAP_PASSES = 4  # x ctas trades at most (each ~5-10 us: two numpy scans and a loop over the rounds)

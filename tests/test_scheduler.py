@@ -302,6 +302,21 @@ def test_greedy_rounds_follow_their_rule(ctas, monkeypatch):
             assert (scheduler.balance_persistent_rounds(cost, ctas) == _greedy_by_rule(cost, ctas)).all(), n
 
 
+def test_integer_costs_take_the_sorted_keys_with_the_same_takers():
+    """Integer costs run the greedy on sorted int64 keys (load x ctas + CTA); the takers and loads equal the
+    argsort-a-round form's, which float costs take, ties included; negative or huge costs take that form too."""
+    rng = np.random.default_rng(7)
+    for ctas in (1, 7, 132):
+        for full in (0, 1, 9, 140):
+            item_cost = -np.sort(-rng.integers(0, 5, size=(full, ctas)) * 384, axis=1)
+            keys = scheduler._least_loaded_takers(item_cost, ctas)
+            floats = scheduler._least_loaded_takers(item_cost.astype(np.float64), ctas)
+            assert np.array_equal(keys[0], floats[0]) and np.array_equal(keys[1], floats[1]), (ctas, full)
+    for odd in (np.array([[3, -1]]), np.array([[2**61, 0]])):  # (a negative cost; a key past int64)
+        takers, load = scheduler._least_loaded_takers(odd, 2)
+        assert takers.tolist() == [[0, 1]] and load.tolist() == [float(odd[0, 0]), float(odd[0, 1])]
+
+
 def test_trades_within_rounds_lower_the_most_loaded_cta(monkeypatch):
     # B1 S8192 causal (2048 items on 132 CTAs): the round-by-round greedy leaves the most loaded CTA
     # 2.4% above the mean; trading one item pair per step within a round brings it under 1.5%
