@@ -26,6 +26,11 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, dtype=torch.float64):
     return out, lse
 
 
+# float64 scores one pass holds (512 MB; a few such temporaries live at once): longer requests are computed in
+# chunks of query rows, each row being independent, so the oracle checks long prefills in bounded memory
+MAX_SCORES_PER_PASS = 1 << 26
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Optional[float] = None,
               causal: bool = False, window_left: int = -1, logits_soft_cap: float = 0.0,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
@@ -44,15 +49,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: Op
         if sink is not None:
             lse = sink.to(dtype).to(q.device)[None].expand(lq, hq).clone()
         return torch.zeros(lq, hq, dv, dtype=dtype, device=q.device), lse
+    kf, vf = k.to(dtype), v.to(dtype)
+    rows = max(1, MAX_SCORES_PER_PASS // (hq * lk))
+    kw = dict(sm_scale=sm_scale, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
+              score_mod=score_mod, mask_mod=mask_mod, sink=sink, batch_index=batch_index, dtype=dtype)
+    if lq <= rows:
+        return _attention_rows(q, kf, vf, first_pos=lk - lq, **kw)
+    parts = [_attention_rows(q[i:i + rows], kf, vf, first_pos=lk - lq + i, **kw) for i in range(0, lq, rows)]
+    return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _attention_rows(q, kf, vf, *, first_pos: int, sm_scale, causal, window_left, logits_soft_cap, score_mod,
+                    mask_mod, sink, batch_index, dtype):
+    """attention() for query rows at key positions first_pos, first_pos + 1, ... (K, V already in dtype)."""
+    lq, hq, d = q.shape
+    lk, hkv, dv = vf.shape
     g = hq // hkv
     # grouped einsums, not K/V repeated per query head: MLA (128 heads on one latent row) would need
     # Hq copies of the whole cache (34 GB in float64 for 64K tokens)
-    kf, vf = k.to(dtype), v.to(dtype)
     qg = q.to(dtype).reshape(lq, hkv, g, d)
     s = (torch.einsum("qngd,knd->ngqk", qg, kf) * sm_scale).reshape(hq, lq, lk)  # [Hq, Lq, Lk]
     if logits_soft_cap > 0:
         s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
-    qo_pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    qo_pos = torch.arange(lq, device=q.device)[:, None] + first_pos
     kv_idx = torch.arange(lk, device=q.device)[None, :]
     h_idx = torch.arange(hq, device=q.device)[:, None, None]
     if score_mod is not None:

@@ -60,3 +60,25 @@ def test_oracle_matches_torch_sdpa_for_every_head_layout(hq, hkv, causal):
     if causal:
         scores = scores.masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1).transpose(0, 1), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_left=5), dict(logits_soft_cap=3.0),
+                                dict(causal=True, sink=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+                                dict(score_mod=lambda s, b, h, q, kv: s - 0.1 * (h + 1) * (q - kv).abs(),
+                                     mask_mod=lambda b, h, q, kv: (q + kv + h) % 3 != 0)])
+def test_long_requests_in_row_chunks_equal_one_pass(kw, monkeypatch):
+    """Past MAX_SCORES_PER_PASS the oracle computes chunks of query rows (each at its own key position, so
+    causal, windows and mods see the right q_idx): the same output and LSE as one pass, GQA and Lq < Lk."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(23, 4, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 8)
+    whole, whole_lse = reference.attention(q, k, v, **kw)
+    monkeypatch.setattr(reference, "MAX_SCORES_PER_PASS", 4 * 40 * 5)  # 5 rows a pass: 5 chunks, the last of 3
+    calls = []
+    real = reference._attention_rows
+    monkeypatch.setattr(reference, "_attention_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunked, chunked_lse = reference.attention(q, k, v, **kw)
+    assert len(calls) == 5
+    assert torch.allclose(chunked, whole, rtol=0, atol=1e-13)
+    assert torch.equal(torch.isinf(chunked_lse), torch.isinf(whole_lse))
+    fin = torch.isfinite(whole_lse)
+    assert torch.allclose(chunked_lse[fin], whole_lse[fin], rtol=0, atol=1e-13)
