@@ -424,6 +424,7 @@ def _least_loaded_takers(item_cost: np.ndarray, ctas: int) -> tuple[np.ndarray, 
 
 SWAP_PASSES = 4  # x ctas trades at most (each ~5-10 us: two numpy scans and a loop over the rounds)
 SWAP_SLACK = 0.005  # the most loaded CTA's excess over the mean load that is left alone
+SWAP_VECTOR_ROUNDS = 40  # from this many rounds a trade's scan is one numpy expression (the crossover, CI machine)
 
 
 def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.ndarray:
@@ -441,7 +442,10 @@ def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.nda
     if n > full * ctas:
         load[:n - full * ctas] += cost[perm[full * ctas:]]
     good_enough = (1 + SWAP_SLACK) * load.mean()  # stop within this of the mean
-    cols = c.T.tolist()  # cols[b][r]: CTA b's item cost in round r (a few rounds: Python beats numpy calls)
+    # cols[b][r]: CTA b's item cost in round r; a few rounds scan faster in Python than through numpy calls,
+    # many (a ragged batch: 138) as one array op (the same pick: the first round of the least |d - gap / 2|)
+    vector = full >= SWAP_VECTOR_ROUNDS
+    cols = np.ascontiguousarray(c.T) if vector else c.T.tolist()
     for _ in range(SWAP_PASSES * ctas):
         a, b = int(load.argmax()), int(load.argmin())
         top = load[a].item()
@@ -449,10 +453,17 @@ def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.nda
             break
         gap = top - load[b].item()
         half, best, r = gap / 2, math.inf, -1
-        for i, (ca, cb) in enumerate(zip(cols[a], cols[b])):  # a trade in round i moves d from a to b
-            d = ca - cb
-            if 0 < d < gap and abs(d - half) < best:
-                best, r = abs(d - half), i
+        if vector:
+            d = cols[a] - cols[b]  # a trade in round i moves d[i] from a to b
+            miss = np.abs(d - half)
+            miss[(d <= 0) | (d >= gap)] = math.inf
+            r = int(miss.argmin())
+            r = r if miss[r] < math.inf else -1
+        else:
+            for i, (ca, cb) in enumerate(zip(cols[a], cols[b])):
+                d = ca - cb
+                if 0 < d < gap and abs(d - half) < best:
+                    best, r = abs(d - half), i
         if r < 0:
             break
         grid[r, a], grid[r, b] = grid[r, b], grid[r, a]

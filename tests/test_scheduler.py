@@ -317,6 +317,22 @@ def test_integer_costs_take_the_sorted_keys_with_the_same_takers():
         assert takers.tolist() == [[0, 1]] and load.tolist() == [float(odd[0, 0]), float(odd[0, 1])]
 
 
+@pytest.mark.parametrize("rounds", [3, 45, 140])
+def test_trades_scan_rounds_alike_in_python_and_numpy(rounds, monkeypatch):
+    """A trade's scan over the rounds runs in Python for few rounds and as one numpy expression for many: both
+    pick the same trades (the first round of the least |d - gap / 2|), on integer and float costs with ties."""
+    rng = np.random.default_rng(rounds)
+    n = rounds * 132 + 17
+    for cost in (rng.integers(1, 9, size=n) * 128 + 2048, rng.random(n) * 9000 + 100):
+        picks = []
+        for threshold in (10**9, 1):  # Python, then numpy
+            monkeypatch.setattr(scheduler, "SWAP_VECTOR_ROUNDS", threshold)
+            picks.append(scheduler.balance_persistent_rounds(cost, 132))
+        assert np.array_equal(picks[0], picks[1]), rounds
+        loads = _cta_loads(cost[picks[1]], 132)
+        assert loads.max() <= _cta_loads(cost, 132).max()
+
+
 def test_trades_within_rounds_lower_the_most_loaded_cta(monkeypatch):
     # B1 S8192 causal (2048 items on 132 CTAs): the round-by-round greedy leaves the most loaded CTA
     # 2.4% above the mean; trading one item pair per step within a round brings it under 1.5%
