@@ -362,7 +362,7 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.n
     slot = np.arange(len(item)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     begin = lo[item] + slot * per_chunk[item] * tile_kv
     end = np.minimum(begin + per_chunk[item] * tile_kv, np.maximum(kv_hi[item], lo[item]))
-    out = np.column_stack([work[item], begin, end, slot]).astype(np.int64)
+    out = np.column_stack([np.take(work, item, axis=0), begin, end, slot]).astype(np.int64)
     return PrefillSplit(out, int(pieces.max()), int(per_chunk.max()) * tile_kv)
 
 
