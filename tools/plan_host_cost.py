@@ -41,7 +41,8 @@ def main() -> None:
 
 def prefill_plans() -> None:
     """BatchPrefill.plan on a host-only wrapper (device "cpu"), GQA 32/8, d128, causal, 132 SMs: a short
-    ragged chunk (suite host's row) and a B8 paged batch of mixed lengths (the persistent grid's trades)."""
+    ragged chunk (suite host's row), a B8 paged batch of mixed lengths (the persistent grid's trades), and two
+    batches of many rounds (the greedy's and the trades' per-round work: 138 and 62 rounds)."""
     from attnforge import BatchPrefill
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True), device="cpu")
     w._num_sms = 132  # (asked of the GPU otherwise)
@@ -50,9 +51,13 @@ def prefill_plans() -> None:
     kv8 = q8 + rng.integers(0, 4096, size=8)
     pages = -(-kv8 // 16)
     kvp = np.concatenate([[0], np.cumsum(pages)])
+    lens = np.random.default_rng(0).integers(128, 8192, size=16)  # (many rounds of the persistent grid)
+    ragged = np.concatenate([[0], np.cumsum(lens)])
     cases = {"ragged q16 kv512": ((np.array([0, 16]), np.array([0, 512])), {}),
              "paged B8 mixed": ((np.concatenate([[0], np.cumsum(q8)]), kvp, np.arange(kvp[-1]), kv8 - (pages - 1) * 16),
-                                {"page_size": 16})}
+                                {"page_size": 16}),
+             "ragged 16 random 128-8192": ((ragged, ragged), {}),
+             "B16 S2048": ((np.arange(17) * 2048, np.arange(17) * 2048), {})}
     for name, (args, kw) in cases.items():
         for _ in range(20):
             w.plan(*args, **kw)
