@@ -232,8 +232,8 @@ def _launch(streams: list, num_heads: int, page_size: int, num_pages: int, *, ba
         src1_stride_h=b.src.stride(1), **{f"dst{i}_stride_{k}": s.dst_strides[j] for i, s in enumerate(streams)
                                           for j, k in enumerate(("page", "token", "head"))},
         num_slots=0 if kv_indices is None else kv_indices.shape[0], num_pages=num_pages, scale0=a.scale,
-        scale1=b.scale, num_tokens=n, num_heads=num_heads, chunks0=a.src.shape[-1] // UNIT,
-        chunks1=b.src.shape[-1] // UNIT, page_size=page_size,
+        scale1=b.scale, num_tokens=n, num_heads=num_heads, chunks0=divisors["chunks0"],
+        chunks1=divisors["chunks1"], page_size=page_size,
         batch_size=0 if kv_indptr is None else kv_indptr.shape[0] - 1, index_wide=wide)
     launch = _kernel_and_grid(lib, units, device) + (params, device) if units else None
     if key is not None and not check_indices:

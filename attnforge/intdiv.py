@@ -14,7 +14,8 @@ MAX = 2 ** 31  # divisors and dividends below this
 def divisor(d: int) -> tuple[int, int]:
     """(mul, shift) for fast_div by d, 1 <= d < 2^31."""
     if isinstance(d, bool) or not (isinstance(d, int) and 1 <= d < MAX):
-        raise ValueError(f"intdiv.divisor: expected an int in [1, 2^31), got {d!r}")
+        raise ValueError(f"intdiv.divisor: expected an int in [1, 2^31), got {d!r}; a kernel divides 32-bit "
+                         f"indices by it, so pass a positive count below 2^31 (a page size, units a row)")
     shift = (d - 1).bit_length()  # ceil(log2 d)
     return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
