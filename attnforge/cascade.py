@@ -50,20 +50,26 @@ class CascadeDecode:
         if spec.score_mod is not None or spec.window_left >= 0:
             raise checks.fail("CascadeDecode spec", "no score_mod and no sliding window (positions differ per level)",
                               spec.name, "Use BatchDecode for those variants.")
-        if spec.kv_dtype == "fp8_e4m3":
-            raise checks.fail("CascadeDecode spec.kv_dtype", "bf16 or fp16 (the prefill levels read 16-bit KV)",
-                              spec.kv_dtype, "Use BatchDecode with fp8 KV.")
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph
         self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, **decode_kwargs)
         self.device = self.suffix.device
-        self.level_spec = AttentionSpec(family="prefill", num_qo_heads=spec.num_qo_heads,
-                                        num_kv_heads=spec.num_kv_heads, head_dim_qk=spec.head_dim_qk,
-                                        q_dtype=spec.q_dtype, kv_dtype=spec.kv_dtype, out_dtype=spec.out_dtype,
-                                        kv_layout=spec.kv_layout, logits_soft_cap=spec.logits_soft_cap)
+        self.level_spec = self.level_spec_for(spec)
         self.levels: list[BatchPrefill] = []
 
-    def plan(self, levels: Sequence[tuple], suffix: tuple, *, page_size: int, sm_scale=None) -> None:
+    @staticmethod
+    def level_spec_for(spec: AttentionSpec) -> AttentionSpec:
+        """The shared levels' prefill spec: the decode spec's heads, dims, dtypes (fp8 KV too), layout and
+        soft-cap, not causal (every key of a shared prefix precedes the queries that share it)."""
+        return AttentionSpec(family="prefill", num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                             head_dim_qk=spec.head_dim_qk, q_dtype=spec.q_dtype, kv_dtype=spec.kv_dtype,
+                             out_dtype=spec.out_dtype, kv_layout=spec.kv_layout, logits_soft_cap=spec.logits_soft_cap)
+
+    def plan(self, levels: Sequence[tuple], suffix: tuple, *, page_size: int, sm_scale=None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+        """levels: [(group_indptr, kv_indptr, kv_indices, kv_last_page_len)] per shared level; suffix: each
+        request's own (kv_indptr, kv_indices, kv_last_page_len). k_scale / v_scale: an fp8 cache's per-tensor
+        scales, read alike by every level and the suffix."""
         batch = len(paged.host_int_array("suffix kv_indptr", suffix[0])) - 1
         check_levels(batch, levels)
         if self.use_cuda_graph and self.levels and len(self.levels) != len(levels):
@@ -75,8 +81,8 @@ class CascadeDecode:
         for w, (group_indptr, kv_indptr, kv_indices, last) in zip(self.levels, levels):
             # the group's queries (one decode token per request) form one query block
             w.plan(paged.host_int_array("group_indptr", group_indptr), kv_indptr, kv_indices, last,
-                   page_size=page_size, sm_scale=sm_scale)
-        self.suffix.plan(*suffix, page_size=page_size, sm_scale=sm_scale)
+                   page_size=page_size, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+        self.suffix.plan(*suffix, page_size=page_size, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
         self.batch = batch
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):

@@ -13,8 +13,10 @@ import torch
 
 import attnforge
 from attnforge import AttentionSpec, BatchPrefill
+from attnforge.cascade import CascadeDecode
 from attnforge.spec import PREFILL_QK_VO_DIMS
-from helpers import lazy_rescale_allowance, make_paged_case, poison
+from helpers import assert_attention_close, assert_lse_close, decode_reference, lazy_rescale_allowance, \
+    make_paged_case, poison
 from test_decode_gpu import run_case as run_decode_case
 from test_mla_gpu import mla_spec, run_case as run_mla_case
 from test_prefill_gpu import check_against_reference, ragged_case
@@ -182,6 +184,70 @@ def test_random_mla(seed):
                  **scales)
 
 
+def draw_cascade(rng):
+    """A cascade batch: 1-3 shared levels, each a partition of the requests into groups (some empty), every
+    group and every request's suffix of a drawn length (0 included)."""
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    spec = AttentionSpec(num_kv_heads=hkv, num_qo_heads=hkv * int(rng.choice([1, 2, 4, 8])),
+                         head_dim_qk=int(rng.choice([64, 128, 256])), q_dtype=str(rng.choice(["bf16", "fp16"])),
+                         kv_layout=str(rng.choice(["NHD", "HND"])), logits_soft_cap=float(rng.choice([0.0, 0.0, 30.0])))
+    batch = int(rng.integers(1, 9))
+    levels = []
+    for _ in range(int(rng.integers(1, 4))):
+        cuts = np.sort(rng.integers(0, batch + 1, size=int(rng.integers(0, 4))))  # repeated cuts: empty groups
+        groups = np.concatenate([[0], cuts, [batch]])
+        levels.append((groups, edge_lengths(rng, len(groups) - 1)))
+    suffix = edge_lengths(rng, batch)
+    sm_scale = float(rng.uniform(0.05, 0.2)) if rng.random() < 0.3 else None
+    scales = (1.0, 1.0)
+    if rng.random() < 0.4:  # an fp8 cache: the levels' prefill and the suffix's decode read it with its scales
+        spec = dataclasses.replace(spec, kv_dtype="fp8_e4m3")
+        scales = (float(rng.uniform(0.25, 2)), float(rng.uniform(0.25, 2)))
+    return spec, levels, suffix, int(rng.choice([1, 7, 16, 64])), sm_scale, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_cascade(seed):
+    """CascadeDecode against decode over each request's whole KV (its groups' pages on every level, then its
+    own): outputs and LSE, with the dtype-relative bound of the decode tests."""
+    spec, levels, suffix, page, sm_scale, (k_scale, v_scale) = draw_cascade(np.random.default_rng(5000 + seed))
+    # every segment (a level's group or a request's suffix) as one request of one paged cache
+    segments = [n for _, lens in levels for n in lens] + suffix
+    q, cache, (indptr, indices, last), per_segment = make_paged_case(spec, segments, page, seed=seed)
+    tables, first, batch = [], 0, len(suffix)
+
+    def table(lo, hi):  # the CSR page table of segments lo..hi-1
+        ptr = indptr[lo:hi + 1]
+        return ptr - ptr[0], indices[ptr[0]:ptr[-1]], last[lo:hi]
+    for groups, lens in levels:
+        tables.append((groups, *table(first, first + len(lens))))
+        first += len(lens)
+    q = torch.randn(batch, spec.num_qo_heads, spec.head_dim_qk, device="cuda",
+                    generator=torch.Generator("cuda").manual_seed(seed)).to(q.dtype)
+    c = CascadeDecode(spec, max_batch_size=batch)
+    c.plan(levels=tables, suffix=table(first, first + batch), page_size=page, sm_scale=sm_scale, k_scale=k_scale,
+           v_scale=v_scale)
+    out, lse = c.run(q, cache, out=poison((batch, spec.num_qo_heads, spec.head_dim_vo), q.dtype), return_lse=True)
+    torch.cuda.synchronize()
+    per_request = []
+    for b in range(batch):
+        level_segments, at = [], 0
+        for groups, lens in levels:
+            level_segments.append(at + int(np.searchsorted(groups, b, side="right")) - 1)
+            at += len(lens)
+        own = [per_segment[i] for i in level_segments] + [per_segment[first + b]]
+        per_request.append((torch.cat([k for k, _ in own]), torch.cat([v for _, v in own])))
+    eff_scale = (sm_scale or spec.head_dim_qk ** -0.5) * k_scale  # (the stored values: k_scale folds in here)
+    ref, ref_lse = decode_reference(spec, q, per_request, sm_scale=eff_scale, v_scale=v_scale)
+    low, _ = decode_reference(spec, q.float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
+                                                for k, v in per_request], sm_scale=eff_scale, v_scale=v_scale,
+                              dtype=torch.float32)
+    what = f"{spec.name} page{page} levels {[(g.tolist(), n) for g, n in levels]} suffix {suffix}"
+    assert_attention_close(out, ref, low.to(q.dtype), what)
+    assert_lse_close(lse, ref_lse, what)
+
+
 def test_fuzz_seeds_parse():
     assert fuzz_seeds(None) == fuzz_seeds("") == DEFAULT_SEEDS
     assert fuzz_seeds("10:210") == range(10, 210)
@@ -213,3 +279,9 @@ def test_draws_cover_the_axes():
     assert {m[0].pipeline for m in mla} == {"normal", "transposed"}
     assert {m[0].kv_dtype == "fp8_e4m3" for m in mla} == {True, False}
     assert len({m[3] for m in mla}) >= 3 and any(m[5] for m in mla)
+    cas = [draw_cascade(np.random.default_rng(5000 + s)) for s in SEEDS]
+    assert {len(c[1]) for c in cas} == {1, 2, 3} and {c[0].head_dim_qk for c in cas} == {64, 128, 256}
+    assert any(0 in np.diff(g) for c in cas for g, _ in c[1])  # an empty group
+    assert any(0 in n for c in cas for _, n in c[1]) and any(0 in c[2] for c in cas)  # an empty group KV, suffix
+    assert any(c[0].logits_soft_cap > 0 for c in cas) and any(c[4] is not None for c in cas)
+    assert {c[0].kv_dtype == "fp8_e4m3" for c in cas} == {True, False}

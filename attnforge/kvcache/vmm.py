@@ -87,7 +87,8 @@ class _DeviceArray:
                                          "strides": tuple(strides_bytes), "version": 3}
 
 
-_TYPESTR = {torch.bfloat16: "<i2", torch.float16: "<f2", torch.float32: "<f4"}
+# the array-interface type each dtype is exposed as (bf16 and fp8 have none: exposed as ints, then viewed)
+_TYPESTR = {torch.bfloat16: "<i2", torch.float16: "<f2", torch.float32: "<f4", torch.float8_e4m3fn: "|u1"}
 
 
 class VirtualKVCache:
@@ -97,6 +98,9 @@ class VirtualKVCache:
         if min(num_layers, max_batch, max_len, num_kv_heads, head_dim) < 1:
             raise fail("VirtualKVCache sizes", "positive layers, batch, length, heads and head_dim",
                        (num_layers, max_batch, max_len, num_kv_heads, head_dim), "Pass the model's sizes.")
+        if dtype not in _TYPESTR:
+            raise fail("VirtualKVCache dtype", "torch.bfloat16, torch.float16, torch.float8_e4m3fn (fp8 KV) or "
+                       "torch.float32", dtype, "Allocate the cache in the dtype decode reads (spec.kv_dtype).")
         self.device = cuda_device(device)
         self.backend = backend if backend is not None else CudaVMM(self.device)
         self.gran = self.backend.granularity()

@@ -110,6 +110,13 @@ def test_physical_limit_and_argument_errors():
         c.grow(4, 1)
     with pytest.raises(ValueError, match="max_len=5000"):
         c.grow(0, 5001)
+    with pytest.raises(ValueError, match=r"dtype: expected .*float8_e4m3fn.*got torch.int8"):
+        cache(dtype=torch.int8)  # before any reservation: no tensor could expose it
+
+
+def test_fp8_tokens_are_one_byte():
+    c = cache(dtype=torch.float8_e4m3fn)
+    assert c.token_bytes == 8 * 128 and c.tokens_per_chunk == GRAN // 1024
 
 
 def test_memory_against_a_paged_cache_and_decode_plan():
