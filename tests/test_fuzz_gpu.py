@@ -248,6 +248,67 @@ def test_random_cascade(seed):
     assert_lse_close(lse, ref_lse, what)
 
 
+QUEST_SUMMARIES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, "fp8-channels", "int4"]
+
+
+def draw_quest(rng):
+    """A Quest step: any decode spec QuestDecode takes, summaries of every format, budgets below and above
+    the requests' page counts."""
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    spec = AttentionSpec(num_kv_heads=hkv, num_qo_heads=hkv * int(rng.choice([1, 2, 4, 8])),
+                         head_dim_qk=int(rng.choice([64, 128, 256])), q_dtype=str(rng.choice(["bf16", "fp16"])),
+                         kv_layout=str(rng.choice(["NHD", "HND"])), logits_soft_cap=float(rng.choice([0.0, 0.0, 30.0])))
+    lengths = edge_lengths(rng, int(rng.integers(1, 8)))
+    page = int(rng.choice([1, 7, 16, 64]))
+    summary = QUEST_SUMMARIES[int(rng.integers(len(QUEST_SUMMARIES)))]
+    budget_pages, select = int(rng.integers(1, 48)), str(rng.choice(["kernel", "torch"]))
+    sm_scale = float(rng.uniform(0.05, 0.2)) if rng.random() < 0.3 else None
+    scales = (1.0, 1.0)
+    if rng.random() < 0.3:  # an fp8 cache: the selection's decode reads it with the plan's scales
+        spec = dataclasses.replace(spec, kv_dtype="fp8_e4m3")
+        scales = (float(rng.uniform(0.25, 2)), float(rng.uniform(0.25, 2)))
+    return spec, lengths, page, summary, budget_pages, select, sm_scale, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_quest(seed):
+    """QuestDecode against float64 attention over the torch selection (select_pages) from the wrapper's own
+    scores, which test_quest_gpu.kernel_scores checks against the torch bound first."""
+    from attnforge.sparse import QuestDecode, QuestIndex, select_pages
+    from attnforge import reference
+    from helpers import summary_format
+    from test_quest_gpu import kernel_scores
+    spec, lengths, page, summary, budget_pages, select, sm_scale, (k_scale, v_scale) = draw_quest(
+        np.random.default_rng(6000 + seed))
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, page, seed=seed)
+    keys = cache[:, 0] if spec.kv_layout == "NHD" else cache[:, 0].transpose(1, 2)  # [pages, page, Hkv, D]
+    index = QuestIndex(cache.shape[0], spec.num_kv_heads, spec.head_dim_qk, device="cuda",
+                       **summary_format(summary, keys.float()))
+    for b, n in enumerate(lengths):  # every token's key folded into its page's summary
+        pos = torch.arange(n, device="cuda")
+        page_ids = torch.as_tensor(indices[indptr[b]:indptr[b + 1]], device="cuda").long()[pos // page]
+        index.append(keys[page_ids, pos % page].float(), page_ids)
+    quest = QuestDecode(spec, index, budget_tokens=budget_pages * page, page_size=page, select=select,
+                        max_batch_size=len(lengths), max_num_pages=max(int(indptr[-1]), 1),
+                        max_pages_per_request=max(int(np.diff(indptr).max()), 1))
+    quest.plan(indptr, indices, last, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+    out, lse = quest.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
+    torch.cuda.synchronize()
+    dev_ptr, dev_idx = torch.as_tensor(indptr, device="cuda"), torch.as_tensor(indices, device="cuda")
+    scores = kernel_scores(quest, q, index, dev_ptr, dev_idx)
+    sel_ptr, sel = select_pages(scores, dev_ptr, dev_idx, budget_pages)
+    per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), spec.kv_layout, sel_ptr.cpu().numpy(),
+                                 sel.cpu().numpy(), last, page)
+    eff_scale = (sm_scale or spec.head_dim_qk ** -0.5) * k_scale
+    ref, ref_lse = decode_reference(spec, q, per, sm_scale=eff_scale, v_scale=v_scale)
+    low, _ = decode_reference(spec, q.float(), [(k.to(q.dtype).float(), v.to(q.dtype).float()) for k, v in per],
+                              sm_scale=eff_scale, v_scale=v_scale, dtype=torch.float32)
+    what = f"{spec.name} page{page} {summary} budget {budget_pages} {select} lengths {lengths}"
+    assert_attention_close(out, ref, low.to(q.dtype), what)
+    assert_lse_close(lse, ref_lse, what)
+
+
 def test_fuzz_seeds_parse():
     assert fuzz_seeds(None) == fuzz_seeds("") == DEFAULT_SEEDS
     assert fuzz_seeds("10:210") == range(10, 210)
@@ -285,3 +346,7 @@ def test_draws_cover_the_axes():
     assert any(0 in n for c in cas for _, n in c[1]) and any(0 in c[2] for c in cas)  # an empty group KV, suffix
     assert any(c[0].logits_soft_cap > 0 for c in cas) and any(c[4] is not None for c in cas)
     assert {c[0].kv_dtype == "fp8_e4m3" for c in cas} == {True, False}
+    quest = [draw_quest(np.random.default_rng(6000 + s)) for s in SEEDS]
+    assert {d[0].head_dim_qk for d in quest} == {64, 128, 256} and {d[2] for d in quest} >= {1, 7}
+    assert len({str(d[3]) for d in quest}) >= 4 and {d[5] for d in quest} == {"kernel", "torch"}
+    assert {d[0].kv_dtype == "fp8_e4m3" for d in quest} == {True, False} and any(0 in d[1] for d in quest)

@@ -322,3 +322,20 @@ def test_plan_regions_are_aligned_and_staged_in_place():
     with pytest.raises(ValueError, match="6 values for the 5-value region sel_indptr"):
         q._stage({"sel_indptr": np.arange(6)})
     assert q._upload.log == [("record", 0)], "the refused plan enqueued nothing"
+
+
+def test_plan_hands_the_decode_its_scales():
+    """QuestDecode.plan passes sm_scale and an fp8 cache's k_scale / v_scale to the selection's decode plan
+    (before, it took none: an fp8 cache's scales could not be given)."""
+    from attnforge.sparse import QuestDecode
+
+    class DecodeRecorder:
+        def plan(self, *args, **kw):
+            self.kw, self._plan = kw, {}
+
+    index = QuestIndex(8, 2, 64)
+    q = staged_quest(QuestDecode, max_batch_size=2, max_num_pages=8, index=index, page_size=16, budget_pages=2,
+                     use_cuda_graph=False, max_pages_per_request=8, _scores=torch.zeros(8), decode=DecodeRecorder())
+    q.plan(np.array([0, 3, 5]), np.array([0, 1, 2, 3, 4]), np.array([16, 5]), sm_scale=0.1, k_scale=0.5, v_scale=2.0)
+    assert q.decode.kw == {"page_size": 16, "sm_scale": 0.1, "k_scale": 0.5, "v_scale": 2.0}
+    assert q._planned == {"batch": 2, "width": 3}

@@ -258,10 +258,14 @@ class QuestDecode:
         last = np.repeat(np.where(counts > 0, table.kv_len - (counts - 1) * self.page_size, 0), rows_per_request)
         return table, width, sel_indptr, last
 
-    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+        """The step's page table (host arrays). sm_scale, k_scale and v_scale are the decode's (BatchDecode.plan:
+        an fp8 cache's per-tensor scales); the selection ranks pages by their summaries alone."""
         table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len)
         b, n = table.batch_size, len(table.indices)
-        self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
+        self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size,
+                         sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
         self.decode._plan["max_page"] = table.max_page_index  # run() checks the cache against the real ids
         self._stage({"meta": (b, n), "indptr": table.indptr, "sel_indptr": sel_indptr[:-1], "pages": table.indices})
         self._planned = {"batch": b, "width": width}

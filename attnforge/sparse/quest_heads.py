@@ -96,11 +96,14 @@ class QuestHeadDecode(QuestDecode):
             self._raw_ids = torch.zeros_like(table)
         return self._raw_ids
 
-    def plan(self, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len, *, sm_scale=None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+        """As QuestDecode.plan, one selection per (request, KV head)."""
         hkv = self.num_kv_heads
         table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len, hkv)
         b, n = table.batch_size, len(table.indices)
-        self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size)
+        self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size,
+                         sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
         self.decode._plan["max_page"] = -1  # ids are virtual; run() checks the real ones against the cache
         self._max_page = table.max_page_index
         self._stage({"meta": (b * hkv, n * hkv), "sel_indptr": sel_indptr[:-1], "raw_indptr": table.indptr,
