@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnforge
-from attnforge import AttentionSpec, BatchPrefill
+from attnforge import AttentionSpec, BatchPrefill, reference
 from attnforge.cascade import CascadeDecode
 from attnforge.spec import PREFILL_QK_VO_DIMS
 from helpers import assert_attention_close, assert_lse_close, decode_reference, lazy_rescale_allowance, \
@@ -270,43 +270,80 @@ def draw_quest(rng):
     return spec, lengths, page, summary, budget_pages, select, sm_scale, scales
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_quest(seed):
-    """QuestDecode against float64 attention over the torch selection (select_pages) from the wrapper's own
-    scores, which test_quest_gpu.kernel_scores checks against the torch bound first."""
-    from attnforge.sparse import QuestDecode, QuestIndex, select_pages
-    from attnforge import reference
+def quest_index_of(spec, cache, indptr, indices, lengths, page, summary):
+    """A QuestIndex over make_paged_case's cache: every token's key folded into its page's summary."""
+    from attnforge.sparse import QuestIndex
     from helpers import summary_format
-    from test_quest_gpu import kernel_scores
-    spec, lengths, page, summary, budget_pages, select, sm_scale, (k_scale, v_scale) = draw_quest(
-        np.random.default_rng(6000 + seed))
-    q, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, page, seed=seed)
     keys = cache[:, 0] if spec.kv_layout == "NHD" else cache[:, 0].transpose(1, 2)  # [pages, page, Hkv, D]
     index = QuestIndex(cache.shape[0], spec.num_kv_heads, spec.head_dim_qk, device="cuda",
                        **summary_format(summary, keys.float()))
-    for b, n in enumerate(lengths):  # every token's key folded into its page's summary
+    for b, n in enumerate(lengths):
         pos = torch.arange(n, device="cuda")
         page_ids = torch.as_tensor(indices[indptr[b]:indptr[b + 1]], device="cuda").long()[pos // page]
         index.append(keys[page_ids, pos % page].float(), page_ids)
-    quest = QuestDecode(spec, index, budget_tokens=budget_pages * page, page_size=page, select=select,
-                        max_batch_size=len(lengths), max_num_pages=max(int(indptr[-1]), 1),
-                        max_pages_per_request=max(int(np.diff(indptr).max()), 1))
+    return index
+
+
+def quest_capacity(indptr) -> dict:
+    return {"max_batch_size": len(indptr) - 1, "max_num_pages": max(int(indptr[-1]), 1),
+            "max_pages_per_request": max(int(np.diff(indptr).max()), 1)}
+
+
+def check_selected_attention(spec, q, cache, out, lse, tables, last, page, sm_scale, k_scale, v_scale, what):
+    """out / lse against float64 attention over each selection: tables[h] is (sel_indptr, sel) for the query
+    heads of KV head h (one table for every head: a per-request selection)."""
+    hkv, g = spec.num_kv_heads, spec.group_size
+    eff_scale = (sm_scale or spec.head_dim_qk ** -0.5) * k_scale
+    refs, lows, ref_lses = [], [], []
+    for h in range(hkv):
+        sel_ptr, sel = tables[h if len(tables) > 1 else 0]
+        k_h, v_h = (cache[:, i, h:h + 1] if spec.kv_layout == "HND" else cache[:, i, :, h:h + 1] for i in (0, 1))
+        per = reference.gather_paged(k_h.float(), v_h.float(), spec.kv_layout, sel_ptr.cpu().numpy(),
+                                     sel.cpu().numpy(), last, page)
+        one = dataclasses.replace(spec, num_qo_heads=g, num_kv_heads=1)
+        q_h = q[:, h * g:(h + 1) * g]
+        ref, ref_lse = decode_reference(one, q_h, per, sm_scale=eff_scale, v_scale=v_scale)
+        low, _ = decode_reference(one, q_h.float(), [(k.to(q.dtype).float(), v.to(q.dtype).float()) for k, v in per],
+                                  sm_scale=eff_scale, v_scale=v_scale, dtype=torch.float32)
+        refs.append(ref)
+        lows.append(low)
+        ref_lses.append(ref_lse)
+    assert_attention_close(out, torch.cat(refs, 1), torch.cat(lows, 1).to(q.dtype), what)
+    assert_lse_close(lse, torch.cat(ref_lses, 1), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True], ids=["request", "head"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_quest(seed, per_head):
+    """QuestDecode (one selection a request) and QuestHeadDecode (one a request and KV head, HND) against
+    float64 attention over the torch selection (select_pages) from the wrapper's own scores, which are
+    checked against the torch bound (page_scores) first."""
+    from attnforge.sparse import QuestDecode, QuestHeadDecode, page_scores, select_pages
+    spec, lengths, page, summary, budget_pages, select, sm_scale, (k_scale, v_scale) = draw_quest(
+        np.random.default_rng(6000 + seed + 1000 * per_head))
+    if per_head:
+        spec = dataclasses.replace(spec, kv_layout="HND")
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, page, seed=seed)
+    index = quest_index_of(spec, cache, indptr, indices, lengths, page, summary)
+    wrapper = QuestHeadDecode if per_head else QuestDecode
+    quest = wrapper(spec, index, budget_tokens=budget_pages * page, page_size=page, select=select,
+                    **quest_capacity(indptr))
     quest.plan(indptr, indices, last, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     out, lse = quest.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
     torch.cuda.synchronize()
     dev_ptr, dev_idx = torch.as_tensor(indptr, device="cuda"), torch.as_tensor(indices, device="cuda")
-    scores = kernel_scores(quest, q, index, dev_ptr, dev_idx)
-    sel_ptr, sel = select_pages(scores, dev_ptr, dev_idx, budget_pages)
-    per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), spec.kv_layout, sel_ptr.cpu().numpy(),
-                                 sel.cpu().numpy(), last, page)
-    eff_scale = (sm_scale or spec.head_dim_qk ** -0.5) * k_scale
-    ref, ref_lse = decode_reference(spec, q, per, sm_scale=eff_scale, v_scale=v_scale)
-    low, _ = decode_reference(spec, q.float(), [(k.to(q.dtype).float(), v.to(q.dtype).float()) for k, v in per],
-                              sm_scale=eff_scale, v_scale=v_scale, dtype=torch.float32)
+    want = page_scores(q, index, dev_ptr, dev_idx, per_head=per_head).float()  # [pages] or [pages, Hkv]
+    got = quest._scores[:want.numel()]
+    if per_head:  # the kernel's rows: request b's pages once per KV head, head-major
+        got = torch.cat([got[lo * spec.num_kv_heads:hi * spec.num_kv_heads].view(spec.num_kv_heads, hi - lo).T
+                         for lo, hi in zip(indptr[:-1].tolist(), indptr[1:].tolist())]) if len(want) else want
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    # select from the kernel's scores: float32 sums in another order may break a near-tie at the boundary otherwise
+    heads = [got[:, h].contiguous() for h in range(spec.num_kv_heads)] if per_head else [got]
+    tables = [select_pages(s, dev_ptr, dev_idx, budget_pages) for s in heads]
     what = f"{spec.name} page{page} {summary} budget {budget_pages} {select} lengths {lengths}"
-    assert_attention_close(out, ref, low.to(q.dtype), what)
-    assert_lse_close(lse, ref_lse, what)
+    check_selected_attention(spec, q, cache, out, lse, tables, last, page, sm_scale, k_scale, v_scale, what)
 
 
 def test_fuzz_seeds_parse():
