@@ -102,13 +102,15 @@ def test_graph_replays_while_slots_grow_and_take_appends(kv_dtype):
 
 
 @pytest.mark.parametrize("backend", [None, "mma"])
-def test_chunked_prefill_reads_the_virtual_cache(backend):
+@pytest.mark.parametrize("max_len", [3000, 3072])
+def test_chunked_prefill_reads_the_virtual_cache(backend, max_len):
     """A prefill chunk's queries against its slots' whole prefixes (causal, bottom-right), the slots as pages
-    of max_len tokens 3072 apart: the wgmma kernel's TMA boxes and the mma kernel's rows over 3000-token pages."""
+    of max_len tokens 3072 apart: on the wgmma kernel 3072-token pages take TMA boxes, 3000-token ones (no
+    multiple of its tile) cp.async rows; and the portable mma kernel."""
     from attnforge import BatchPrefill
     from test_prefill_gpu import check_against_reference
     g = torch.Generator("cuda").manual_seed(3)
-    c = VirtualKVCache(num_layers=1, max_batch=3, max_len=3000, num_kv_heads=8, head_dim=128)
+    c = VirtualKVCache(num_layers=1, max_batch=3, max_len=max_len, num_kv_heads=8, head_dim=128)
     kv_lens, qo_lens = [2500, 0, 700], [300, 0, 700]
     k, v = c.tensors(0)
     for slot, n in enumerate(kv_lens):
