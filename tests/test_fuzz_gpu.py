@@ -2,7 +2,8 @@
 
 The other GPU files cover each option on a grid of two or three axes; these draw all of them together
 (heads, head dim, dtypes, layout, pipeline, page size, lengths around tile and page edges, scales, soft-cap,
-window, graph mode), so a combination no grid names still meets the reference. Each seed is one test id:
+window, graph mode) for decode, prefill, MLA, cascade and Quest, so a combination no grid names still meets the
+reference. Each seed is one test id:
 a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
 import dataclasses
 import os
@@ -14,9 +15,10 @@ import torch
 import attnforge
 from attnforge import AttentionSpec, BatchPrefill, reference
 from attnforge.cascade import CascadeDecode
+from attnforge.sparse import QuestDecode, QuestHeadDecode, QuestIndex, expand_per_head, page_scores, select_pages
 from attnforge.spec import PREFILL_QK_VO_DIMS
-from helpers import assert_attention_close, assert_lse_close, decode_reference, lazy_rescale_allowance, \
-    make_paged_case, poison
+from helpers import assert_attention_close, assert_lse_close, decode_reference, int4_kernel_scores, \
+    lazy_rescale_allowance, make_paged_case, poison, summary_format
 from test_decode_gpu import run_case as run_decode_case
 from test_mla_gpu import mla_spec, run_case as run_mla_case
 from test_prefill_gpu import check_against_reference, ragged_case
@@ -275,8 +277,6 @@ def draw_quest(rng):
 
 def quest_index_of(spec, cache, indptr, indices, lengths, page, summary):
     """A QuestIndex over make_paged_case's cache: every token's key folded into its page's summary."""
-    from attnforge.sparse import QuestIndex
-    from helpers import summary_format
     keys = cache[:, 0] if spec.kv_layout == "NHD" else cache[:, 0].transpose(1, 2)  # [pages, page, Hkv, D]
     index = QuestIndex(cache.shape[0], spec.num_kv_heads, spec.head_dim_qk, device="cuda",
                        **summary_format(summary, keys.float()))
@@ -322,8 +322,6 @@ def test_random_quest(seed, per_head):
     """QuestDecode (one selection a request) and QuestHeadDecode (one a request and KV head, HND) against
     float64 attention over the torch selection (select_pages) from the wrapper's own scores, which are
     checked against the torch bound (page_scores) first."""
-    from attnforge.sparse import QuestDecode, QuestHeadDecode, expand_per_head, page_scores, select_pages
-    from helpers import int4_kernel_scores
     spec, lengths, page, summary, budget_pages, select, sm_scale, (k_scale, v_scale) = draw_quest(
         np.random.default_rng(6000 + seed + 1000 * per_head))
     if per_head:
