@@ -76,11 +76,17 @@ def test_two_level_cascade_equals_decode_over_concatenated_kv():
 
 
 @pytest.mark.gpu
-def test_cascade_graph_replay_after_replans():
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_cascade_graph_replay_after_replans(kv_dtype):
+    """One captured cascade replayed after re-plans of new prefixes and suffixes; an fp8 cache with its scales
+    (captured with the first plan) on the fp8 prefill levels and decode suffix."""
     torch.manual_seed(1)
-    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, kv_dtype=kv_dtype)
     page, batch, pool = 16, 4, 400
-    cache = torch.randn(pool, 2, page, 8, 128, device="cuda", dtype=torch.bfloat16)
+    fp8 = kv_dtype == "fp8_e4m3"
+    k_scale, v_scale = (0.75, 1.25) if fp8 else (1.0, 1.0)
+    cache = torch.randn(pool, 2, page, 8, 128, device="cuda")
+    cache = (cache * 2).to(torch.float8_e4m3fn) if fp8 else cache.bfloat16()
     q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
     rng = np.random.default_rng(0)
     c = CascadeDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pool)
@@ -92,7 +98,8 @@ def test_cascade_graph_replay_after_replans():
         last = rng.integers(1, page + 1, size=batch)
         own_indptr = np.concatenate([[0], np.cumsum(own)])
         prefix, rest = perm[:n_prefix], perm[n_prefix:n_prefix + own_indptr[-1]]
-        c.plan(levels=[([0, batch], [0, n_prefix], prefix, [page])], suffix=(own_indptr, rest, last), page_size=page)
+        c.plan(levels=[([0, batch], [0, n_prefix], prefix, [page])], suffix=(own_indptr, rest, last), page_size=page,
+               k_scale=k_scale, v_scale=v_scale)
         return prefix, rest, own_indptr, last
 
     out = torch.empty_like(q)
@@ -100,9 +107,10 @@ def test_cascade_graph_replay_after_replans():
                                                                      lambda: out.fill_(float("nan")), 5):
         for b in range(batch):
             pages = np.concatenate([prefix, rest[own_indptr[b]:own_indptr[b + 1]]])
-            k, v = reference.gather_paged(cache[:, 0], cache[:, 1], "NHD", [0, len(pages)], pages, [last[b]], page)[0]
-            ref, _ = reference.attention(q[b:b + 1], k, v)
-            assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
+            k, v = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", [0, len(pages)], pages,
+                                          [last[b]], page)[0]
+            ref, _ = reference.attention(q[b:b + 1], k * k_scale, v * v_scale)
+            assert (out[b].double() - ref[0]).abs().max().item() < (5e-2 if fp8 else 2e-2)
 
 
 def test_cascade_refuses_variants_it_cannot_merge():
