@@ -75,7 +75,7 @@ class CascadeDecode:
         if self.use_cuda_graph and self.levels and len(self.levels) != len(levels):
             raise checks.fail("plan: number of levels in CUDA-graph mode", f"{len(self.levels)} (as captured)",
                               len(levels), "Capture one graph per number of levels.")
-        if not (self.use_cuda_graph and self.levels):  # graph mode keeps its wrappers (and their buffers)
+        if len(self.levels) != len(levels):  # kept while the count holds: their buffers, pinned staging and run memos
             self.levels = [BatchPrefill(self.level_spec, device=self.device, use_cuda_graph=self.use_cuda_graph,
                                         max_batch_size=self.suffix.max_batch_size) for _ in levels]
         for w, (group_indptr, kv_indptr, kv_indices, last) in zip(self.levels, levels):

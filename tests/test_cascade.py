@@ -120,3 +120,25 @@ def test_cascade_refuses_variants_it_cannot_merge():
     assert CascadeDecode.level_spec_for(AttentionSpec(kv_dtype="fp8_e4m3")).kv_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="'decode'"):
         CascadeDecode(AttentionSpec(family="prefill"))
+
+
+def test_plan_hands_every_level_and_the_suffix_the_scales():
+    """CascadeDecode.plan passes sm_scale and an fp8 cache's k_scale / v_scale to each level's prefill plan and
+    to the suffix's decode plan, and re-plans the level wrappers it has while the number of levels holds (it
+    built new ones, with new pinned staging buffers, on every eager plan). A CPU test: the wrappers are recorders."""
+    class Recorder:
+        max_batch_size = 4
+
+        def plan(self, *args, **kw):
+            self.args, self.kw = args, kw
+
+    c = CascadeDecode.__new__(CascadeDecode)
+    c.use_cuda_graph, c.suffix, c.levels = False, Recorder(), [Recorder(), Recorder()]
+    kept = list(c.levels)
+    levels = [([0, 4], [0, 2], [5, 6], [16]), ([0, 2, 4], [0, 1, 2], [7, 8], [3, 16])]
+    c.plan(levels=levels, suffix=([0, 1, 2, 3, 4], [0, 1, 2, 3], [1, 2, 3, 4]), page_size=16, sm_scale=0.1,
+           k_scale=0.5, v_scale=2.0)
+    want = {"page_size": 16, "sm_scale": 0.1, "k_scale": 0.5, "v_scale": 2.0}
+    assert c.suffix.kw == want and all(w.kw == want for w in c.levels) and c.batch == 4
+    assert all(a is b for a, b in zip(c.levels, kept)) and len(c.levels) == 2
+    assert [w.args[0].tolist() for w in c.levels] == [[0, 4], [0, 2, 4]]  # each level's groups as query blocks
