@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode, append_kv_by_slots, reference
+from attnforge import AttentionSpec, BatchDecode, BatchPrefill, append_kv_by_slots, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kvcache import OutOfPhysicalMemory, VirtualKVCache
 from helpers import assert_attention_close, assert_lse_close, decode_reference, replays_after_replans
+from test_prefill_gpu import check_against_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -107,8 +108,6 @@ def test_chunked_prefill_reads_the_virtual_cache(backend, max_len):
     """A prefill chunk's queries against its slots' whole prefixes (causal, bottom-right), the slots as pages
     of max_len tokens 3072 apart: on the wgmma kernel 3072-token pages take TMA boxes, 3000-token ones (no
     multiple of its tile) cp.async rows; and the portable mma kernel."""
-    from attnforge import BatchPrefill
-    from test_prefill_gpu import check_against_reference
     g = torch.Generator("cuda").manual_seed(3)
     c = VirtualKVCache(num_layers=1, max_batch=3, max_len=max_len, num_kv_heads=8, head_dim=128)
     kv_lens, qo_lens = [2500, 0, 700], [300, 0, 700]
