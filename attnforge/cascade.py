@@ -11,7 +11,8 @@ A level's `group_indptr` [G+1] splits the batch's requests (in order) into group
 KV range, given as a CSR page table over the same cache. Levels nest like FlashInfer's multi-level
 cascade: level 0 is the longest-shared prefix. With use_cuda_graph=True every level plans into
 persistent buffers, so `run` can be captured once and replayed after re-plans with the same number
-of levels and batch size.
+of levels and batch size. An fp8 cache passes its k_scale / v_scale to plan: the levels then run fp8 prefill
+and the suffix fp8 decode.
 """
 from __future__ import annotations
 
