@@ -1,6 +1,8 @@
 """Input checks shared by the wrappers: every failure says expected / got / how to fix."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -13,6 +15,25 @@ CPP_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "floa
 
 def fail(what: str, expected: str, got, fix: str) -> ValueError:
     return ValueError(f"{what}: expected {expected}, got {got}. {fix}")
+
+
+def check_plan_scales(sm_scale, k_scale, v_scale) -> None:
+    """plan()'s scales, before any work: sm_scale None (1 / sqrt(head_dim)) or a finite float; k_scale and v_scale
+    (an fp8 cache's per-tensor dequantisation scales, 1.0 for none) finite and > 0. A NaN, an infinity or a
+    sign flip would otherwise reach every score of every request, silently."""
+    if sm_scale is None and type(k_scale) is float and type(v_scale) is float and k_scale == v_scale == 1.0:
+        return  # the usual call, the defaults (plan() is on the step's path)
+    if sm_scale is not None and not _finite_real(sm_scale):
+        raise fail("plan(sm_scale=...)", "None (1 / sqrt(head_dim)) or a finite float", repr(sm_scale),
+                   "Pass the softmax scale as a float.")
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (_finite_real(x) and x > 0):
+            raise fail(f"plan({name}=...)", "a finite float > 0", repr(x),
+                       "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
+
+
+def _finite_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def cuda_device(device=None) -> torch.device:

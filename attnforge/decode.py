@@ -275,6 +275,7 @@ class BatchDecode:
 
     def _commit_plan(self, table, page_size: int, items_per_request: int, q_len: int, sm_scale, k_scale,
                      v_scale) -> None:
+        checks.check_plan_scales(sm_scale, k_scale, v_scale)  # (MLA's plan too)
         if self.use_cuda_graph and self._plan is not None and table.batch_size != self._plan["batch"]:
             raise checks.fail("plan: batch size in CUDA-graph mode", f"{self._plan['batch']} (as captured)",
                               table.batch_size, "Capture one graph per batch size.")

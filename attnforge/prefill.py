@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import numpy as np
@@ -106,7 +105,7 @@ class BatchPrefill:
         """Ragged KV when kv_indices is None (kv_indptr then counts tokens), else a paged KV table.
         k_scale / v_scale: the per-tensor scales of an fp8 cache (K = k_scale * stored K, likewise V);
         k_scale folds into sm_scale, v_scale scales each output row (16-bit K/V take v_scale 1 only)."""
-        v_scale = self._check_scales(k_scale, v_scale)
+        v_scale = self._check_scales(k_scale, v_scale, sm_scale)
         qo = paged.host_int_array("qo_indptr", qo_indptr)
         qo_len = qo[1:] - qo[:-1] if qo.ndim == 1 else None  # (np.diff costs 3x this in Python overhead)
         if qo_len is None or len(qo) < 1 or qo[0] != 0 or np.minimum.reduce(qo_len, initial=0) < 0:
@@ -229,13 +228,10 @@ class BatchPrefill:
             self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return self._num_sms
 
-    def _check_scales(self, k_scale, v_scale) -> float:
-        """The plan's v_scale, after checking both scales: finite and positive; v_scale 1 for 16-bit K/V
+    def _check_scales(self, k_scale, v_scale, sm_scale=None) -> float:
+        """The plan's v_scale, after checking the scales (checks.check_plan_scales); v_scale 1 for 16-bit K/V
         (only the fp8 kernel carries it: scale V itself, or pass sm_scale for K)."""
-        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
-                raise checks.fail(f"plan({name}=...)", "a finite float > 0", x,
-                                  "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
+        checks.check_plan_scales(sm_scale, k_scale, v_scale)
         if not self.kernel.fp8_kv and v_scale != 1.0:
             raise checks.fail("plan(v_scale=...)", f"1.0 for {self.spec.kv_dtype} K/V", v_scale,
                               "Scales belong to an fp8 cache (kv_dtype='fp8_e4m3'); scale V itself here.")

@@ -314,3 +314,25 @@ def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
         w.plan(*table([131072], page), page_size=page)
         assert w._plan["merge_launch"] is (cls is BatchDecode)  # (MQA B1: ~200 chunks x 16 heads an item)
     assert w.merge_launch()[0] == "mla_merge_one_wave_kernel"  # BatchMLADecode's own merge, still a method
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(k_scale=-1.0), r"plan\(k_scale=...\): expected a finite float > 0, got -1.0"),
+    (dict(k_scale=float("nan")), r"k_scale=...\): expected a finite float > 0, got nan"),
+    (dict(v_scale=0.0), r"v_scale=...\): expected a finite float > 0, got 0.0"),
+    (dict(v_scale=float("inf")), r"v_scale=...\): expected a finite float > 0, got inf"),
+    (dict(k_scale=True), r"k_scale=...\): expected a finite float > 0, got True"),
+    (dict(sm_scale=float("nan")), r"plan\(sm_scale=...\): expected None \(1 / sqrt\(head_dim\)\) or a finite float"),
+    (dict(sm_scale="0.1"), r"sm_scale=...\): expected .* got '0.1'")])
+def test_plan_refuses_scales_that_would_reach_every_score(kw, match):
+    """Decode's and MLA's plan refuse a NaN, infinite, non-positive or non-numeric scale before any work (they
+    took any value float() accepted: NaN outputs, or a sign flip of every score); numpy scalars pass."""
+    from attnforge import BatchMLADecode
+    for w in (BatchDecode.host_only(AttentionSpec(kv_dtype="fp8_e4m3")),
+              BatchMLADecode.host_only(AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1,
+                                                     head_dim_qk=576, head_dim_vo=512))):
+        with pytest.raises(ValueError, match=match):
+            w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=16, **kw)
+        assert w._plan is None, "nothing planned"
+        w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=16, sm_scale=np.float32(0.1),
+               k_scale=np.float64(0.5), v_scale=2)
