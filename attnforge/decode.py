@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from . import checks, codegen, ops, paged, scheduler, variants
-from .kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel, whole_item_kernel, whole_item_tiling
+from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, whole_item_kernel,
+                             whole_item_tiling)
 from .jit import registry
 from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -53,6 +54,7 @@ def grid_ctas(num_sms: int, kernel_ctas_per_sm: int, ctas_per_sm: Optional[int] 
 
 class BatchDecode:
     FAMILY = "decode"  # the spec family this wrapper runs (subclasses: other decode-shaped families)
+    MAX_Q_LEN = MAX_Q_LEN  # query tokens a request at most (max_q_len)
     # How much longer (token-equivalents) a span may grow so that equal items split into equal whole-span
     # chunks (scheduler.plan_stream); None: the scheduler's ALIGN_SLACK (benchmarks set it to compare)
     align_slack: Optional[int] = None
@@ -65,7 +67,7 @@ class BatchDecode:
                  device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
                  num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
                  head_splits: Optional[int] = None, whole_items: Optional[bool] = None, pdl: bool = True,
-                 merge_launch: Optional[bool] = None, **spec_kwargs):
+                 merge_launch: Optional[bool] = None, max_q_len: int = 1, **spec_kwargs):
         # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
         # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
@@ -87,6 +89,14 @@ class BatchDecode:
         # kernel's tail. None: where an item's merge would read more than scheduler.MERGE_LAUNCH_ROWS partial
         # rows (few long requests of many query heads), except under CUDA graphs; True / False: always / never
         # (under CUDA graphs as the first plan decides). Needs head_dim a multiple of 128
+        # max_q_len: query tokens a request at most (plan(q_len=...)): speculative decoding's verify step
+        # (the last token and its drafts, causal among themselves) in one pass over each request's KV; a
+        # work item then holds its heads' rows for every token (kernels.decode.DecodeKernel.max_q_len), and a
+        # spec on its group's default pipeline takes the one measured for those rows (kernels.decode.spec_for_rows)
+        if not isinstance(max_q_len, int) or isinstance(max_q_len, bool) or not 1 <= max_q_len <= self.MAX_Q_LEN:
+            raise checks.fail("max_q_len", f"an int in [1, {self.MAX_Q_LEN}]", repr(max_q_len),
+                              "Query tokens per request (1 + speculative draft tokens).")
+        self.max_q_len = max_q_len
         if not isinstance(pdl, bool):
             raise checks.fail("pdl", "True or False", repr(pdl), "Pass pdl=False for a plain launch.")
         self.pdl = pdl
@@ -100,6 +110,8 @@ class BatchDecode:
         if spec.family != self.FAMILY:
             raise checks.fail(f"{type(self).__name__} spec.family", repr(self.FAMILY), repr(spec.family),
                               "Use the wrapper of that family.")
+        if self.FAMILY == "decode":  # several tokens a request: the pipeline 'auto' picks for the item's rows
+            spec = spec_for_rows(spec, max_q_len)
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         if not (merge_launch is None or isinstance(merge_launch, bool)):
@@ -146,13 +158,13 @@ class BatchDecode:
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
-        return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits)
+        return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits, max_q_len=self.max_q_len)
 
     def partial_slot_rows(self) -> int:
         """Query rows of one of the two partial-state slots per CTA (attnforge/scheduler.py), summed over the
         CTAs, for either kernel: the whole-item kernel has fewer CTAs, whose items may hold more rows (MQA's
         every query head, against the default kernel's 16-head items)."""
-        whole = self._whole_ctas * self._whole.item_heads if self._whole is not None else 0
+        whole = self._whole_ctas * self._whole.item_rows if self._whole is not None else 0
         return max(self.num_ctas * self._rows_per_slot(), whole)
 
     @property
@@ -167,15 +179,16 @@ class BatchDecode:
         return max(t.max_chunks, t.max_chunks_merge_launch) if launch else t.max_chunks
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
-        # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
-        return whole_item_kernel(spec) if self.FAMILY == "decode" else None
+        # (built only without explicit tilings or head splits: the default head splits, as the AOT build's;
+        # none was measured for several query tokens a request)
+        return whole_item_kernel(spec) if self.FAMILY == "decode" and self.max_q_len == 1 else None
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
-        self._head_splits, self.merge_in_launch = None, None
+        self._head_splits, self.merge_in_launch, self.max_q_len = None, None, 1
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
-        return self.kernel.item_heads
+        return self.kernel.item_rows
 
     def _stream_items(self) -> int:
         """Work items per request in the split-KV stream: KV heads x head splits (kernels.decode)."""
@@ -230,21 +243,26 @@ class BatchDecode:
         return self._upload.dev.data_ptr() + 4 * self._offsets[name][0]
 
     def _workspace_need(self) -> int:
-        return self.workspace_bytes(self.spec, self.num_ctas)
+        return self.workspace_bytes(self.spec, self.num_ctas, self.max_q_len)
 
     @staticmethod
-    def workspace_bytes(spec: AttentionSpec, num_ctas: int) -> int:
-        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA, and 32
-        bytes past them (the merge copies the lse values in aligned 16-byte blocks)."""
-        return 2 * num_ctas * spec.group_size * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
+    def workspace_bytes(spec: AttentionSpec, num_ctas: int, max_q_len: int = 1) -> int:
+        """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA (a work item's
+        rows: group x max_q_len), and 32 bytes past them (the merge copies the lse values in aligned 16-byte
+        blocks)."""
+        return 2 * num_ctas * spec.group_size * max_q_len * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------
     def plan(self, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
              seq_lens=None, block_table=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
-             v_scale: float = 1.0) -> None:
-        """Host arrays in, one async copy out; no device-to-host synchronisation."""
+             v_scale: float = 1.0, q_len: int = 1) -> None:
+        """Host arrays in, one async copy out; no device-to-host synchronisation. q_len: query tokens a
+        request (1..max_q_len), token t at position kv_len - q_len + t; run() then takes q [batch * q_len, ...]."""
+        if type(q_len) is not int or not 1 <= q_len <= self.max_q_len:
+            raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", repr(q_len),
+                              "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
-        self._commit_plan(table, page_size, self._stream_items(), 1, sm_scale, k_scale, v_scale)
+        self._commit_plan(table, page_size, self._stream_items(), q_len, sm_scale, k_scale, v_scale)
 
     def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
         page_size = page_size if page_size is not None else self.spec.page_size
@@ -320,7 +338,7 @@ class BatchDecode:
             return self._plan["merge_launch"]
         if self.merge_in_launch is not None:
             return self.merge_in_launch
-        return not self.use_cuda_graph and scheduler.longest_merge_rows(work, kernel.item_heads) > \
+        return not self.use_cuda_graph and scheduler.longest_merge_rows(work, kernel.item_rows) > \
             scheduler.MERGE_LAUNCH_ROWS
 
     @property
@@ -359,10 +377,12 @@ class BatchDecode:
 
     # -- run -----------------------------------------------------------------------------------------
     def _check_q(self, q: torch.Tensor) -> None:
-        s, b = self.spec, self._plan["batch"]
+        s, rows = self.spec, self._plan["batch"] * self._plan["q_len"]
         checks.check_cuda("q", q, self.device)
         checks.check_dtype("q", q, (checks.TORCH_DTYPES[s.q_dtype],))
-        checks.check_shape("q", q, (b, s.num_qo_heads, s.head_dim_qk), "[batch, num_qo_heads, head_dim]")
+        checks.check_shape("q", q, (rows, s.num_qo_heads, s.head_dim_qk),
+                           "[batch, num_qo_heads, head_dim]" if self._plan["q_len"] == 1 else
+                           "[batch * q_len, num_qo_heads, head_dim] (q_len as planned)")
         checks.check_contiguous_last("q", q)
         if q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:
             raise checks.fail("q", "16-byte aligned rows", f"strides {q.stride()}", "Call q.contiguous().")
@@ -390,14 +410,15 @@ class BatchDecode:
         return self._plan["kernel"].params.template(
             self._per_run(RUN_FIELDS), **self._plan_fields(), merge_count=self._merge_count.data_ptr(),
             page_size=self._plan["page_size"], num_qo_heads=s.num_qo_heads, num_kv_heads=self._plan["stream_items"],
-            v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]),
+            v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]), q_len=self._plan["q_len"],
             **variants.variant_values(s, self._plan["sm_scale"]))
 
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):
         """q [B, Hq, D]; kv_cache [P, 2, page, Hkv, D] / [P, 2, Hkv, page, D] or a (K, V) pair.
+        (A plan of q_len > 1 tokens a request: q [B * q_len, Hq, D], request b's token t at row b * q_len + t.)
 
-        Returns out [B, Hq, D] (and lse [B, Hq] float32, natural log, if return_lse).
+        Returns out [B, Hq, D] (and lse [B, Hq] float32, natural log, if return_lse), as q's rows.
         Under torch.compile the call is one custom op (attnforge.ops).
         """
         if ops.compiling():
@@ -405,7 +426,8 @@ class BatchDecode:
             return ops.compiled_run(self, self._plan is not None, args, out, lse, return_lse)
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
-        s, b, memo = self.spec, self._plan["batch"], self._memo
+        s, memo = self.spec, self._memo
+        b = self._plan["batch"] * self._plan["q_len"]  # query rows
         memo.get("q", (q,), lambda: self._check_q(q), b)
         k, v, stride_page, stride_token, stride_head, pages = memo.get(
             "kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
@@ -424,7 +446,7 @@ class BatchDecode:
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)
             if self._plan["merge_launch"]:  # a block a (request, item, query head) row; whole items' exit at once
-                rows = b * self._plan["stream_items"] * kernel.item_heads
+                rows = self._plan["batch"] * self._plan["stream_items"] * kernel.item_rows
                 lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
         return (out, lse) if return_lse else out
 

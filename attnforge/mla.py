@@ -124,6 +124,7 @@ ALIGN_CUTS_TO_TILES = True
 
 class BatchMLADecode(BatchDecode):
     FAMILY = "mla_decode"
+    MAX_Q_LEN = MAX_Q_LEN
     # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: a wgmma kernel's KV
     # tile where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
     align_tile: Optional[int] = None
@@ -160,10 +161,10 @@ class BatchMLADecode(BatchDecode):
         if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
             raise checks.fail("max_q_len", f"an int in [1, {MAX_Q_LEN}]", max_q_len,
                               "Query tokens per request (1 + speculative draft tokens).")
-        self.max_q_len = max_q_len
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                          max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
-                         ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, **spec_kwargs)
+                         ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, max_q_len=max_q_len,
+                         **spec_kwargs)
         if pdl is None:
             self.pdl = self.kernel.pdl_by_default
         self._default_kernel = self._transposed_kernel = None  # filled at the first plan (_pick_kernel)

@@ -154,6 +154,7 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
               "append": "Writing new tokens into the KV cache (suite `append`)",
               "append_sizes": "The append's two kernels by size (suite `append_sizes`)",
               "prefill_split_dims": "Prefill, keys wider than values: 192/128 (suite `prefill_split_dims`)",
+              "verify": "Speculative decoding's verification step (suite `verify`)",
               "roofline": "The read roofline: a kernel that only streams its bytes (suite `roofline`)",
               "compile": "Decode under torch.compile (suite `compile`: host time a call, then device time)",
               "host": "Host time of eager calls (suite `host`)"}

@@ -587,3 +587,19 @@ def test_sustained_split_dims_cases_are_the_suites(monkeypatch):
     assert [c for c, _, _ in got] == [f"d192x128 h{h} B{b} S{n}" for h, b, n in suite.CASES]
     for (_, flops, make), (h, b, n) in zip(got, suite.CASES):
         assert flops == b * 2 * (192 + 128) * h * n * (n + 1) / 2 and callable(make)
+
+
+def test_verify_suite_cases_and_the_environment_subset(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPORT.parent))
+    mod = load_benchmark("bench_verify")
+    monkeypatch.delenv("ATTNFORGE_BENCH_VERIFY_CASES", raising=False)
+    every = mod.cases()
+    assert [c[0] for c in every] == ["B64 q4 L4096", "B16 q8 L8192", "B128 q2 L2048", "B32 q4 Lrand",
+                                     "B64 q4 L4096 fp8kv"]
+    for name, q_len, lengths, kv_dtype in every:
+        assert ("fp8" in name) == (kv_dtype == "fp8_e4m3")
+        batch = int(name.split()[0][1:])
+        assert len(lengths) == batch and f"q{q_len}" in name and min(lengths) >= q_len
+    assert mod.cases()[3][2] == every[3][2], "the random lengths are seeded"
+    monkeypatch.setenv("ATTNFORGE_BENCH_VERIFY_CASES", "B16 q8 L8192,B32 q4 Lrand")
+    assert [c[0] for c in mod.cases()] == ["B16 q8 L8192", "B32 q4 Lrand"]

@@ -1,6 +1,7 @@
 """DecodeKernel's launch shape (CPU): how many CTAs the persistent grid puts on an SM, and where the
 kernel asks ptxas to honour that: where registers bind, and where a register rule planned the shape
 (tests/jit/test_build.py checks the compiled registers agree)."""
+import dataclasses
 import numpy as np
 import pytest
 
@@ -33,7 +34,7 @@ def test_wide_heads_take_small_tiles_of_two_warps():
         DecodeKernel(AttentionSpec(), tile_kv=16)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
         DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)
-    with pytest.raises(ValueError, match="64 heads per work item need 4 warps, got 2"):
+    with pytest.raises(ValueError, match=r"64 query rows \(heads x tokens\) per work item need 4 warps, got 2"):
         DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=1, pipeline="normal"), tile_kv=32, num_warps=2,
                      head_splits=1)
 
@@ -199,6 +200,54 @@ def test_transposed_pipeline_takes_up_to_two_head_tiles():
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
     for group in (17, 32):
-        with pytest.raises(ValueError, match=f"group sizes up to 16, got {group} .*Use pipeline='normal' "
+        with pytest.raises(ValueError, match=f"group sizes up to 16\\), got {group} .*Use pipeline='normal' "
                                              r"\(or 'auto', which picks it above 8\)"):
             DecodeKernel(AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, pipeline="transposed"))
+
+
+def test_several_query_tokens_a_request_size_the_kernel_by_rows():
+    """max_q_len: a work item holds its heads for each token (token-major rows), so shared memory, the
+    transposed pipeline's row tiles, the merge's lse blocks and the workspace follow heads x tokens."""
+    from attnforge import BatchDecode
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)  # group 4, transposed by default
+    one, four = DecodeKernel(spec), DecodeKernel(spec, max_q_len=4)
+    assert (one.item_rows, four.item_rows) == (4, 16) and four.registers_needed == 200
+    assert 'constexpr int kQLen = 4;' in four.module().source and four.module().name.endswith("q4_t64s2w4")
+    assert four.module().name != one.module().name and "q1" not in one.module().name
+    assert BatchDecode.workspace_bytes(spec, 10, 4) - 32 == 4 * (BatchDecode.workspace_bytes(spec, 10) - 32)
+    with pytest.raises(ValueError, match=r"up to 16 query rows a work item .*got 32 \(32/8 heads x 8 tokens a request\)"):
+        DecodeKernel(spec, max_q_len=8)
+    assert DecodeKernel(dataclasses.replace(spec, pipeline="normal"), max_q_len=8).item_rows == 32
+    with pytest.raises(ValueError, match=r"4 tokens x 32 query heads a work item is 128 rows, past the kernel's 64"):
+        DecodeKernel(AttentionSpec(num_qo_heads=32, num_kv_heads=1, pipeline="normal"), max_q_len=4, head_splits=1)
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="max_q_len: expected an int in"):
+            DecodeKernel(spec, max_q_len=bad)
+
+
+def test_plan_takes_q_len_up_to_the_wrappers_max():
+    from attnforge import BatchDecode
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w = BatchDecode.host_only(spec)
+    assert w.max_q_len == 1 and w._whole is not None  # one token a request: the whole-item kernel stays
+    w.plan([0, 2, 3], [0, 1, 2], [16, 5], page_size=16)
+    assert w._plan["q_len"] == 1
+    with pytest.raises(ValueError, match=r"plan\(q_len=...\): expected an int in \[1, max_q_len=1\], got 2"):
+        w.plan([0, 2, 3], [0, 1, 2], [16, 5], page_size=16, q_len=2)
+
+
+def test_the_default_pipeline_follows_an_items_rows_and_head_splits_keep_them_in_bounds():
+    from attnforge.kernels.decode import default_head_splits, spec_for_rows
+    gqa = AttentionSpec(num_qo_heads=32, num_kv_heads=8)  # group 4: 'auto' resolved to transposed
+    assert spec_for_rows(gqa, 1) is gqa and spec_for_rows(gqa, 2) is gqa  # 8 rows: one n8 tile
+    assert spec_for_rows(gqa, 4).pipeline == "normal" and spec_for_rows(gqa, 8).pipeline == "normal"
+    fp8 = dataclasses.replace(gqa, kv_dtype="fp8_e4m3")  # widened in registers on the transposed pipeline
+    assert spec_for_rows(fp8, 4) is fp8 and spec_for_rows(fp8, 8).pipeline == "normal"
+    normal = dataclasses.replace(gqa, pipeline="normal")
+    assert spec_for_rows(normal, 2) is normal  # an explicit normal stays
+    mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1)  # normal, 16-head items
+    assert (default_head_splits(mqa), default_head_splits(mqa, 4), default_head_splits(mqa, 8)) == (2, 2, 4)
+    assert DecodeKernel(mqa, max_q_len=8).item_rows == 64
+    from attnforge import BatchDecode
+    w = BatchDecode.host_only(gqa)
+    assert w.kernel.spec.pipeline == "transposed"

@@ -241,6 +241,31 @@ def test_split_kv_few_queries_against_long_kv(backend, causal, window, page_size
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("backend", [None, "mma"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_verify_step(backend, page_size):
+    # speculative decoding's verification (suite `verify`): 1-8 query tokens a request, causal among
+    # themselves and end-aligned, so draft token t sees kv_len - q_len + t + 1 keys; a request whose
+    # KV holds only its own tokens, one off a tile, one of many tiles, and a long one the planner splits
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+    qo_lens, kv_lens = [4, 8, 1, 2, 5, 3], [4, 8 + 129, 1, 3000, 70, 17000]
+    _, cache, table, per = make_paged_case(AttentionSpec(num_qo_heads=32), kv_lens, page_size, seed=page_size)
+    per = [(k_.bfloat16(), v_.bfloat16()) for k_, v_ in per]
+    q = torch.randn(sum(qo_lens), 32, 128, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    w = BatchPrefill(spec, backend=backend)
+    w.plan(qo, *table, page_size=page_size)
+    out, lse = w.run(q, cache, out=poison(q.shape, q.dtype), return_lse=True)
+    check_against_reference(spec, q, out, lse, per, qo)
+    # token t of the last request equals a one-token decode over its first kv_len - q_len + t + 1 keys
+    b, t = 5, 1
+    k_, v_ = per[b]
+    n = kv_lens[b] - qo_lens[b] + t + 1
+    row = qo[b] + t
+    ref, _ = reference.attention(q[row:row + 1], k_[:n], v_[:n], causal=False)
+    assert_attention_close(out[row:row + 1], ref, ref, f"{spec.name} draft token {t}")
+
+
 @pytest.mark.parametrize("page_size,options", [(None, {}), (7, {}), (None, {"pingpong": True}),
                                                (7, {"pingpong": True, "num_stages": 2})])
 def test_persistent_ctas_walk_many_items(page_size, options):

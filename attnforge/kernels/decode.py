@@ -21,6 +21,8 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 MAX_TRANSPOSED_GROUP = 16  # two n8 head tiles of O^T a warp (more would spill at d128)
 MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
+MAX_Q_LEN = 8  # query tokens a request (speculative decoding's verify step: the last token and its drafts)
+MAX_ITEM_ROWS = 64  # query rows of a work item (tokens x heads): the normal pipeline's four m16 tiles
 
 BASE_FIELDS = (
     *IO_FIELDS, *PAGED_KV_FIELDS,
@@ -34,6 +36,7 @@ BASE_FIELDS = (
     # 1: split chunks only write their partial states, and batch_decode_merge_kernel merges them (a second launch)
     ParamField("merge_launch", "int32_t", "i32"),
     *variants.COMMON_VARIANT_FIELDS,
+    ParamField("q_len", "int32_t", "i32"),  # query tokens a request (<= DecodeKernel.max_q_len)
 )
 
 
@@ -50,13 +53,34 @@ def merge_lse_blocks(group: int) -> int:
 MERGE_LSE_SLACK_BYTES = 32  # past the last lse row: the widest overshoot of those blocks is 5 floats
 
 
-def default_head_splits(spec: AttentionSpec) -> int:
+def default_head_splits(spec: AttentionSpec, max_q_len: int = 1) -> int:
     """Items per KV head: MQA-sized groups on the normal pipeline (at d <= 128) run as items of 16
     heads each, so a split item's partial states (group x head_dim floats per chunk) merge in a
     quarter of the time on twice the CTAs (MQA 32/1 d128 merged 25 chunks x 32 heads through one CTA:
-    2.1x cuDNN's time, twelfth session); the items of one KV head read the same tokens side by side."""
+    2.1x cuDNN's time, twelfth session); the items of one KV head read the same tokens side by side.
+    With several query tokens a request, halved further while an item's rows (heads x tokens) pass
+    MAX_ITEM_ROWS and the group divides."""
     g = spec.group_size
-    return g // 16 if spec.pipeline == "normal" and g > 16 and g % 16 == 0 and spec.head_dim_qk <= 128 else 1
+    hs = g // 16 if spec.pipeline == "normal" and g > 16 and g % 16 == 0 and spec.head_dim_qk <= 128 else 1
+    while g // hs * max_q_len > MAX_ITEM_ROWS and g % (2 * hs) == 0:
+        hs *= 2
+    return hs
+
+
+def spec_for_rows(spec: AttentionSpec, max_q_len: int) -> AttentionSpec:
+    """The spec with the pipeline for work items of group x max_q_len rows, where its pipeline is the one
+    'auto' picks for its group (AttentionSpec resolves 'auto' knowing no q_len). Measured (suite `verify`,
+    GQA 32/8 bf16, sixty-eighth session): 8 rows (q_len 2) the transposed pipeline's one n8 tile, 252.3 us
+    against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
+    against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
+    fp8 KV keeps the transposed pipeline up to its 16 rows (it widens in registers there; the normal
+    pipeline widens through shared memory, 1.7x slower at one token a request); past 16 rows, normal."""
+    rows = spec.group_size * max_q_len
+    if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed" or \
+            spec.group_size > AUTO_TRANSPOSED_MAX_GROUP:
+        return spec
+    limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
+    return replace(spec, pipeline="normal") if rows > limit else spec
 
 
 def default_tiling(spec: AttentionSpec, group: Optional[int] = None) -> tuple[int, int]:
@@ -183,16 +207,26 @@ class DecodeKernel:
     # tile and waits for it with __syncwarp instead of a CTA barrier (False: every thread copies across
     # the tile and the loop waits at __syncthreads, the kernel before the twenty-fifth session)
     warp_rows: bool = True
+    # query tokens a request at most (a plan's q_len, 1..this): a work item's rows are its heads for each
+    # token, token-major (speculative decoding verifies the last token and its drafts in one pass over the KV)
+    max_q_len: int = 1
 
     def __post_init__(self):
         s = self.spec
         if self.head_splits is None:
-            object.__setattr__(self, "head_splits", default_head_splits(s))
+            object.__setattr__(self, "head_splits", default_head_splits(s, self.max_q_len))
         hs = self.head_splits
         if not isinstance(hs, int) or isinstance(hs, bool) or hs < 1 or s.group_size % hs:
             raise ValueError(f"DecodeKernel.head_splits: expected a divisor of the group size {s.group_size}, got "
                              f"{self.head_splits!r}; pass None for the default")
-        g = self.item_heads
+        ql = self.max_q_len
+        if type(ql) is not int or not 1 <= ql <= MAX_Q_LEN:
+            raise ValueError(f"DecodeKernel.max_q_len: expected an int in [1, {MAX_Q_LEN}], got {ql!r}")
+        if self.item_rows > MAX_ITEM_ROWS:
+            raise ValueError(f"DecodeKernel.max_q_len: {ql} tokens x {self.item_heads} query heads a work item is "
+                             f"{self.item_rows} rows, past the kernel's {MAX_ITEM_ROWS}; verify fewer tokens at "
+                             f"once, or split the group's heads (head_splits)")
+        g = self.item_rows
         if self.tile_kv is None or self.num_warps is None:
             tile, warps = default_tiling(s, g) if self.tile_kv is None and self.num_warps is None else (TILE_KV, 4)
             object.__setattr__(self, "tile_kv", tile if self.tile_kv is None else self.tile_kv)
@@ -213,8 +247,8 @@ class DecodeKernel:
                              f"sub-block per warp (tile_kv={self.tile_kv}), got {self.num_warps}; use fewer "
                              f"warps or a longer tile")
         if s.pipeline == "normal" and -(-g // 16) > self.num_warps:
-            raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-head tile; "
-                             f"{g} heads per work item need {-(-g // 16)} warps, got "
+            raise ValueError(f"DecodeKernel.num_warps: the normal pipeline gives each warp one 16-row tile; "
+                             f"{g} query rows (heads x tokens) per work item need {-(-g // 16)} warps, got "
                              f"{self.num_warps}. Use more warps or the default.")
         if type(self.warp_rows) is not bool:
             raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
@@ -228,14 +262,21 @@ class DecodeKernel:
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
         if s.pipeline == "transposed" and g > MAX_TRANSPOSED_GROUP:
-            raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports group sizes up to "
-                             f"{MAX_TRANSPOSED_GROUP}, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads). "
-                             f"Use pipeline='normal' (or 'auto', which picks it above {AUTO_TRANSPOSED_MAX_GROUP}).")
+            tokens = f" x {ql} tokens a request" if ql > 1 else ""
+            raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports up to {MAX_TRANSPOSED_GROUP} query rows a "
+                             f"work item (group sizes up to {MAX_TRANSPOSED_GROUP}), got {g} ({s.num_qo_heads}/"
+                             f"{s.num_kv_heads} heads{tokens}). Use pipeline='normal' (or 'auto', which picks it "
+                             f"above {AUTO_TRANSPOSED_MAX_GROUP}).")
 
     @property
     def item_heads(self) -> int:
         """Query heads of one work item: the GQA group, or a 1/head_splits share of it."""
         return self.spec.group_size // self.head_splits
+
+    @property
+    def item_rows(self) -> int:
+        """Query rows of one work item: its heads for each of max_q_len tokens."""
+        return self.item_heads * self.max_q_len
 
     @property
     def kv_bytes(self) -> int:
@@ -260,11 +301,11 @@ class DecodeKernel:
     def smem_bytes(self) -> int:
         s, d = self.spec, self.spec.head_dim_qk
         head_tile = 8 if s.pipeline == "transposed" else 16
-        q_rows = max(16, -(-self.item_heads // head_tile) * head_tile)
+        q_rows = max(16, -(-self.item_rows // head_tile) * head_tile)
         pipe = self.pipe_bytes
         states = self.num_warps if s.pipeline == "transposed" else \
-            self.num_warps // -(-self.item_heads // 16)
-        merge = states * self.item_heads * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
+            self.num_warps // -(-self.item_rows // 16)
+        merge = states * self.item_rows * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
         return q_rows * d * 2 + max(pipe, merge)
 
     @property
@@ -281,7 +322,7 @@ class DecodeKernel:
         K/V stages (two halves: one merges while the other fills). A slot holds a pass of the group's
         vectors (4 dims each), up to 4 a thread, fewer where two slots would not fit the stages, and the
         16-byte blocks around the chunk's lse row (MQA's 16-head items at d128: 8 KB and 80 bytes)."""
-        g = self.item_heads  # the kernel's group: one work item's query heads
+        g = self.item_rows  # one work item's query rows
         vecs = g * self.spec.head_dim_qk // 4
         for per_thread in (4, 2, 1):
             if per_thread > 1 and vecs < per_thread * self.threads:
@@ -317,7 +358,7 @@ class DecodeKernel:
         else the floor the kernels are held to (__launch_bounds__ where it binds)."""
         if self.spec.head_dim_qk > 128:
             return 256
-        if self.spec.pipeline == "transposed" and self.item_heads > 8:
+        if self.spec.pipeline == "transposed" and self.item_rows > 8:
             return 200
         return MIN_REGISTERS_PER_THREAD
 
@@ -339,7 +380,7 @@ class DecodeKernel:
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
                "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
-               "merge_lse_blocks": merge_lse_blocks(self.item_heads),
+               "merge_lse_blocks": merge_lse_blocks(self.item_rows), "max_q_len": self.max_q_len,
                "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
@@ -354,6 +395,7 @@ class DecodeKernel:
                          *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
                          *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
                          *(["xb"] if not self.warp_rows else []),
+                         *([f"q{self.max_q_len}"] if self.max_q_len > 1 else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         names = ("batch_decode_kernel",) + (("batch_decode_merge_kernel",) if self.row_merge else ())
         return JitModule(name, "batch_decode.cu.jinja", ctx, names)

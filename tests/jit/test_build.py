@@ -246,6 +246,11 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     whole_specs = ({}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 2}, {"num_kv_heads": 1},
                    {"num_qo_heads": 64, "num_kv_heads": 1})
     kernels += [whole_item_kernel(AttentionSpec(**kw)) for kw in whole_specs]
+    # several query tokens a request (speculative verify): one n8 row tile and two (transposed, 16-bit and fp8
+    # widened in registers), one m16 tile and two (normal)
+    kernels += [DecodeKernel(AttentionSpec(pipeline=p, kv_dtype=kv), max_q_len=q)
+                for p, kv, q in (("transposed", "bf16", 2), ("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
+                                 ("normal", "bf16", 4), ("normal", "bf16", 8))]
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
     normal = [s for s in mla if s.pipeline == "normal"]
     kernels += [MLADecodeKernel(s) for s in mla]  # and the wgmma ones the matrix test builds

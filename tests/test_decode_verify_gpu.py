@@ -1,0 +1,174 @@
+"""BatchDecode with several query tokens a request (speculative decoding's verify step): token t of q_len
+sits at position kv_len - q_len + t and sees the keys up to it (causal among the drafts, end-aligned)."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnforge.decode
+import attnforge.mods as m
+from attnforge import AttentionSpec, BatchDecode, BatchPrefill, reference
+from helpers import assert_attention_close, assert_lse_close, make_paged_case, poison
+
+pytestmark = pytest.mark.gpu
+LENGTHS = [8, 9, 1000, 17, 64, 65, 300, 8]  # each >= 8: every request holds its own q_len tokens
+
+
+def verify_case(spec, lengths, page_size, q_len, seed=0, max_q_len=None, out_rows_extra=0, k_scale=1.0,
+                v_scale=1.0, keep_pipeline=None, **wrapper_kw):
+    """Plans and runs q_len tokens a request against the reference; returns (wrapper, out). keep_pipeline (a
+    pytest monkeypatch): the spec's pipeline as given, not the one picked for the item's rows."""
+    if keep_pipeline is not None:
+        keep_pipeline.setattr(attnforge.decode, "spec_for_rows", lambda s, q: s)
+    _, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, page_size, seed)
+    dt = torch.bfloat16 if spec.q_dtype == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lengths) * q_len, spec.num_qo_heads, spec.head_dim_qk, generator=g).to(dt).cuda()
+    w = BatchDecode(spec, max_q_len=max_q_len or q_len, **wrapper_kw)
+    if keep_pipeline is not None:
+        assert w.kernel.spec.pipeline == spec.pipeline
+    w.plan(indptr, indices, last, page_size=page_size, q_len=q_len, k_scale=k_scale, v_scale=v_scale)
+    # out is a view of a larger poisoned buffer: rows past the batch's must stay untouched
+    big = poison((len(lengths) * q_len + out_rows_extra, spec.num_qo_heads, spec.head_dim_vo), dt)
+    out, lse = w.run(q, cache, out=big[:len(lengths) * q_len], return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(big[len(lengths) * q_len:]).all(), "a padding row was written"
+    mod = spec.score_mod
+    kw = dict(causal=True, window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
+              sm_scale=(1 / math.sqrt(spec.head_dim_qk)) * k_scale)
+    if mod is not None:
+        kw.update(score_mod=mod.torch_score if mod.score_root is not None else None,
+                  mask_mod=mod.torch_mask if mod.mask_root is not None else None)
+    refs, lows, lses = [], [], []
+    for b, (k, v) in enumerate(per_req):
+        qs = q[b * q_len:(b + 1) * q_len]
+        r, rl = reference.attention(qs, k, v * v_scale, batch_index=b, **kw)
+        lo, _ = reference.attention(qs.float(), k.to(dt).float(), (v * v_scale).to(dt).float(), dtype=torch.float32,
+                                    batch_index=b, **kw)
+        refs.append(r)
+        lows.append(lo)
+        lses.append(rl)
+    ref, low, ref_lse = torch.cat(refs), torch.cat(lows), torch.cat(lses)
+    assert_attention_close(out, ref, low.to(dt), f"{spec.name} q_len {q_len} page {page_size}")
+    assert_lse_close(lse, ref_lse, spec.name)
+    return w, out
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+@pytest.mark.parametrize("q_len,pipeline", [(2, "transposed"), (4, "transposed"), (4, "normal"), (8, "normal"),
+                                            (1, "normal")])
+def test_draft_tokens_against_the_reference(page_size, q_len, pipeline, monkeypatch):
+    verify_case(AttentionSpec(num_qo_heads=32, num_kv_heads=8, pipeline=pipeline), LENGTHS, page_size, q_len,
+                keep_pipeline=monkeypatch)
+
+
+@pytest.mark.parametrize("hq,hkv,q_len,pipeline", [(32, 32, 4, "transposed"), (32, 32, 8, "transposed"),
+                                                   (32, 4, 8, "normal"), (32, 2, 4, "normal"), (12, 4, 3, "normal"),
+                                                   (12, 4, 3, "transposed")])
+def test_head_layouts_and_odd_token_counts(hq, hkv, q_len, pipeline, monkeypatch):
+    verify_case(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, pipeline=pipeline), LENGTHS, 16, q_len, seed=3,
+                keep_pipeline=monkeypatch)
+
+
+@pytest.mark.parametrize("kv_dtype,q_len,expected", [("bf16", 2, "transposed"), ("bf16", 4, "normal"),
+                                                     ("fp8_e4m3", 4, "transposed"), ("fp8_e4m3", 8, "normal")])
+def test_the_wrapper_picks_the_pipeline_for_the_items_rows(kv_dtype, q_len, expected):
+    w, _ = verify_case(AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype), LENGTHS, 16, q_len, seed=4)
+    assert w.kernel.spec.pipeline == w.spec.pipeline == expected
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("pipeline", ["transposed", "normal"])
+def test_fewer_tokens_than_planned_for_and_fp8(kv_dtype, pipeline, monkeypatch):
+    # a wrapper built for 4 tokens runs plans of 1..4: rows of tokens past q_len are padding, never written
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, pipeline=pipeline, kv_dtype=kv_dtype)
+    for q_len in (1, 3, 4):
+        verify_case(spec, LENGTHS, 16, q_len, seed=q_len, max_q_len=4, out_rows_extra=5, keep_pipeline=monkeypatch,
+                    **({"k_scale": 0.5, "v_scale": 2.0} if kv_dtype == "fp8_e4m3" else {}))
+
+
+@pytest.mark.parametrize("merge_launch", [False, True])
+@pytest.mark.parametrize("pipeline", ["transposed", "normal"])
+def test_long_requests_split_and_merged(merge_launch, pipeline, monkeypatch):
+    # one long request over many CTAs: its chunks' partial states merged in-kernel or by the second
+    # launch; the last chunk may hold keys only the later draft tokens see
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, pipeline=pipeline)
+    w, _ = verify_case(spec, [40001, 8, 3000], 16, 4, seed=5, merge_launch=merge_launch, keep_pipeline=monkeypatch)
+    assert w._plan["merge_launch"] == merge_launch
+    assert w._plan["work"].total > w._plan["work"].span, "the long request must be split"
+
+
+@pytest.mark.parametrize("mod", ["softcap_window", "alibi", "mask"])
+def test_modifiers_see_each_draft_tokens_position(mod):
+    slopes = torch.rand(32, device="cuda")
+    spec = {"softcap_window": AttentionSpec(num_qo_heads=32, num_kv_heads=8, logits_soft_cap=20.0, window_left=50),
+            "alibi": AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=m.alibi(slopes)),
+            # a mask of the query's position: the key three before each draft token is hidden from it
+            "mask": AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=m.compile_mod(
+                mask_mod=lambda b, h, q_idx, kv_idx: kv_idx != q_idx - 3))}[mod]
+    verify_case(spec, LENGTHS, 7, 4, seed=9)
+
+
+def test_equals_the_prefill_of_the_same_tokens():
+    # the same verify step through BatchPrefill (its end-aligned causal rows): the two kernels agree
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    lengths, q_len = [4, 700, 3000, 33], 4
+    _, cache, (indptr, indices, last), _ = make_paged_case(spec, lengths, 16, seed=2)
+    q = torch.randn(len(lengths) * q_len, 32, 128, device="cuda").bfloat16()
+    d = BatchDecode(spec, max_q_len=q_len)
+    d.plan(indptr, indices, last, page_size=16, q_len=q_len)
+    p = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True))
+    p.plan(np.arange(len(lengths) + 1) * q_len, indptr, indices, last, page_size=16)
+    a = d.run(q, cache, out=poison(q.shape, q.dtype))
+    b = p.run(q, cache, out=poison(q.shape, q.dtype))
+    assert (a.float() - b.float()).abs().max().item() < 2e-2
+
+
+def test_cuda_graph_replays_after_replans():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    lengths = [50, 2000, 9, 700]
+    w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=4, max_q_len=4)
+    _, cache, (indptr, indices, last), _ = make_paged_case(spec, [3000] * 4, 16, seed=1)
+    w.plan(indptr, indices, last, page_size=16, q_len=4)
+    q = torch.randn(16, 32, 128, device="cuda").bfloat16()
+    out = poison(q.shape, q.dtype)
+    w.run(q, cache, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out)
+    pages = [-(-L // 16) for L in lengths]
+    indptr2 = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    last2 = np.array([L - (n - 1) * 16 for L, n in zip(lengths, pages)], dtype=np.int32)
+    w.plan(indptr2, indices[:indptr2[-1]], last2, page_size=16, q_len=4)
+    out.fill_(math.nan)
+    graph.replay()
+    eager = BatchDecode(spec, max_q_len=4)
+    eager.plan(indptr2, indices[:indptr2[-1]], last2, page_size=16, q_len=4)
+    torch.testing.assert_close(out.float(), eager.run(q, cache).float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="q_len"):  # a captured graph keeps its q_len
+        w.plan(indptr2, indices[:indptr2[-1]], last2, page_size=16, q_len=2)
+
+
+def test_bad_q_len_and_query_rows_raise_before_launch():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    _, cache, (indptr, indices, last), _ = make_paged_case(spec, [100, 200], 16)
+    w = BatchDecode(spec, max_q_len=4)
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match="q_len"):
+            w.plan(indptr, indices, last, page_size=16, q_len=bad)
+    w.plan(indptr, indices, last, page_size=16, q_len=4)
+    with pytest.raises(ValueError, match=r"batch \* q_len"):
+        w.run(torch.randn(2, 32, 128, device="cuda").bfloat16(), cache)
+    assert dataclasses.replace(spec).group_size == 4  # (the spec is untouched by the wrapper)
+
+
+@pytest.mark.parametrize("kw,q_len", [({"head_dim_qk": 64}, 4), ({"head_dim_qk": 256}, 4), ({"head_dim_qk": 256}, 2),
+                                      ({"num_kv_heads": 1}, 4), ({"num_kv_heads": 1}, 8), ({"kv_layout": "HND"}, 4),
+                                      ({"q_dtype": "fp16"}, 3)])
+def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
+    # MQA 32/1: 16-head items (head_splits 2) x 4 tokens fill the kernel's 64 rows; 8 tokens split further
+    spec = AttentionSpec(num_qo_heads=32, **{"num_kv_heads": 8, **kw})
+    w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=6)
+    assert w.kernel.item_rows <= 64 and w.kernel.max_q_len == q_len
