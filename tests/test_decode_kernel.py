@@ -197,6 +197,9 @@ def test_transposed_pipeline_takes_up_to_two_head_tiles():
     for group in (9, 12, 16):
         kernel = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed"))
         assert kernel.item_heads == group and kernel.registers_needed == 200
+        fp8 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed",
+                                         kv_dtype="fp8_e4m3"))
+        assert (fp8.registers_needed, fp8.ctas_per_sm, fp8.register_bound_ctas) == (168, 3, 3)  # held to 3 CTAs
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
     for group in (17, 32):

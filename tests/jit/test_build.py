@@ -304,6 +304,8 @@ def test_quest_scoring_keeps_its_summaries_in_registers_at_its_grid():
 # Explicit, non-default choices whose small spills are known (auto never picks them), and defaults whose
 # spills were measured against the spill-free alternative and won anyway.
 ALLOWED_SPILLS = {
+    "decode_g4_d128_bf16_kvfp8e4m3_outbf16_transposed_q4_t64s2w4": "8 bytes at 168 registers (3 CTAs an SM), "
+    "measured faster than 185 without spills at 2 (sixty-eighth session)",
     "decode_g16_d256_bf16_kvbf16_outbf16_transposed_t64s2w4": "two n8 head tiles of O^T at d256 (auto: normal)",
     "mla_h8_bf16_kvfp8e4m3_outbf16_transposed_r8t32s2": "8 bytes; MLA auto picks the normal pipeline",
     "prefill_g4_d128_bf16_kvfp8_outbf16_causal_m2_s2": "88 bytes at two m16 tiles a warp (fp8 prefill); against one "
