@@ -219,11 +219,13 @@ class BatchDecode:
 
     @classmethod
     def host_only(cls, spec: AttentionSpec, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
-                  num_sms: int = 132) -> "BatchDecode":
+                  num_sms: int = 132, max_q_len: int = 1) -> "BatchDecode":
         """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
         not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
         w = cls.__new__(cls)
         w._host_only_defaults()
+        w.max_q_len = max_q_len
+        spec = spec_for_rows(spec, max_q_len) if cls.FAMILY == "decode" else spec
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan, w._memo = torch.device("cpu"), False, None, checks.RunMemo()
         w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size

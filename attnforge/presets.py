@@ -48,12 +48,31 @@ PRESETS = {"merge": _merge, "append": _append, "llama-decode": _llama_decode, "l
            "deepseek-prefill": _deepseek_prefill}
 
 
-def load_spec_file(path: str | Path) -> list[AttentionSpec]:
-    """A JSON list of AttentionSpec field dicts, e.g. [{"family": "decode", "num_qo_heads": 32}]."""
+def load_spec_file(path: str | Path) -> list:
+    """A JSON list of AttentionSpec field dicts, e.g. [{"family": "decode", "num_qo_heads": 32}]. A decode
+    entry may add "max_q_len" (speculative decoding's verify step): the kernel BatchDecode(spec, max_q_len=...)
+    launches, in place of the spec's one-token kernels."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of spec objects, got {type(data).__name__}")
-    return [AttentionSpec.from_dict(d) for d in data]
+    return [_spec_entry(dict(d)) for d in data]
+
+
+def _spec_entry(d: dict):
+    max_q_len = d.pop("max_q_len", 1)
+    spec = AttentionSpec.from_dict(d)
+    if max_q_len == 1:
+        return spec
+    if spec.family != "decode":
+        raise ValueError(f"max_q_len: expected only in decode entries, got it with family {spec.family!r}; "
+                         f"MLA's multi-token kernels are chosen per plan: build them by running a plan")
+    return verify_kernel(spec, max_q_len)
+
+
+def verify_kernel(spec: AttentionSpec, max_q_len: int):
+    """The kernel BatchDecode(spec, max_q_len=max_q_len) launches (its pipeline picked for the item's rows)."""
+    from .kernels.decode import DecodeKernel, spec_for_rows
+    return DecodeKernel(spec_for_rows(spec, max_q_len), max_q_len=max_q_len)
 
 
 def modules_for(spec) -> list:

@@ -279,6 +279,31 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
     assert presets.modules_for(AttentionSpec(family="prefill"))[1:] == []  # prefill: one kernel
 
 
+def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
+    """A decode entry with max_q_len builds the kernel BatchDecode(spec, max_q_len) launches (its pipeline picked
+    for heads x tokens rows), and host plans of q_len tokens a request stream each request's KV once."""
+    from attnforge import presets
+    path = tmp_path / "specs.json"
+    path.write_text('[{"family": "decode", "num_qo_heads": 32, "num_kv_heads": 8, "max_q_len": 4}, '
+                    '{"family": "decode", "num_qo_heads": 32, "num_kv_heads": 8, "kv_dtype": "fp8_e4m3", '
+                    '"max_q_len": 2}, {"family": "decode"}]')
+    entries = presets.load_spec_file(path)
+    assert isinstance(entries[2], AttentionSpec) and entries[0].name.endswith("normal_q4_t64s2w4")
+    for entry, spec, q in zip(entries, (AttentionSpec(num_qo_heads=32, num_kv_heads=8),
+                                        AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype="fp8_e4m3")), (4, 2)):
+        w = BatchDecode.host_only(spec, max_q_len=q)
+        assert [m.name for m in presets.modules_for(entry)] == [w.kernel.module().name] and w._whole is None
+        w.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16, q_len=q)
+        one = BatchDecode.host_only(spec)
+        one.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16)
+        mine, theirs = w._plan["work"], one._plan["work"]  # each item's tokens streamed once, as for one token
+        assert w._plan["q_len"] == q and mine.num_kv_heads == theirs.num_kv_heads == 8
+        assert (mine.kv_end == theirs.kv_end).all() and (mine.kv_begin == theirs.kv_begin).all()
+    path.write_text('[{"family": "prefill", "max_q_len": 4}]')
+    with pytest.raises(ValueError, match="max_q_len: expected only in decode entries"):
+        presets.load_spec_file(path)
+
+
 def test_the_kernels_meta_row_carries_the_plans_snap():
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=512,
                               max_num_pages=1 << 15)

@@ -269,6 +269,10 @@ class DecodeKernel:
                              f"above {AUTO_TRANSPOSED_MAX_GROUP}).")
 
     @property
+    def name(self) -> str:  # (as AttentionSpec.name: what `python -m attnforge build` prints)
+        return self.module().name
+
+    @property
     def item_heads(self) -> int:
         """Query heads of one work item: the GQA group, or a 1/head_splits share of it."""
         return self.spec.group_size // self.head_splits
