@@ -2,7 +2,8 @@
 
 The other GPU files cover each option on a grid of two or three axes; these draw all of them together
 (heads, head dim, dtypes, layout, pipeline, page size, lengths around tile and page edges, scales, soft-cap,
-window, graph mode) for decode, prefill, MLA, cascade and Quest, so a combination no grid names still meets the
+window, graph mode) for decode (one token a request and several), prefill, MLA, cascade and Quest, so a
+combination no grid names still meets the
 reference. Each seed is one test id:
 a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
 import dataclasses
@@ -20,6 +21,7 @@ from attnforge.spec import PREFILL_QK_VO_DIMS
 from helpers import assert_attention_close, assert_lse_close, decode_reference, int4_kernel_scores, \
     lazy_rescale_allowance, make_paged_case, poison, summary_format
 from test_decode_gpu import run_case as run_decode_case
+from test_decode_verify_gpu import verify_case
 from test_mla_gpu import mla_spec, run_case as run_mla_case
 from test_prefill_gpu import check_against_reference, ragged_case
 from test_prefill_split_dims_gpu import split_case
@@ -85,6 +87,38 @@ def test_random_decode(seed):
     spec, lengths, page, scales, graph = draw_decode(np.random.default_rng(1000 + seed))
     run_decode_case(spec, lengths, page, seed=seed, nan_unheld=True, use_cuda_graph=graph,
                     max_batch_size=len(lengths), **scales)
+
+
+def draw_verify(rng):
+    """Decode of several tokens a request (speculative decoding's verify step): q_len 1-8, a wrapper built for as
+    many or more, every request holding at least its own tokens; the pipeline the wrapper picks for the rows, or
+    one named (the transposed one only where its 16 rows hold them)."""
+    hkv = int(rng.choice([1, 2, 4, 8]))
+    group = int(rng.choice([1, 2, 3, 4, 5, 8, 16] if hkv > 1 else [1, 4, 8, 16, 32]))
+    q_len = int(rng.integers(1, 9))
+    max_q_len = int(rng.choice([q_len, int(rng.integers(q_len, 9))]))
+    q_dtype = str(rng.choice(["bf16", "fp16"]))
+    head_dim, kv_dtype = int(rng.choice([64, 128, 256])), str(rng.choice([q_dtype, "fp8_e4m3"]))
+    pipeline = str(rng.choice(["auto", "normal", "transposed"]))
+    if pipeline == "transposed" and group * max_q_len > 16:
+        pipeline = "normal"
+    spec = AttentionSpec(num_qo_heads=hkv * group, num_kv_heads=hkv, head_dim_qk=head_dim, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype, kv_layout=str(rng.choice(["NHD", "HND"])), pipeline=pipeline,
+                         logits_soft_cap=float(rng.choice([0.0, 30.0])),
+                         window_left=int(rng.choice([-1, -1, int(rng.integers(1, 600))])))
+    lengths = [max(q_len, x) for x in edge_lengths(rng, int(rng.integers(1, 10)))]
+    page = int(rng.choice([1, 3, 7, 16, 33, 64]))
+    scales = {"k_scale": float(rng.uniform(0.25, 2)), "v_scale": float(rng.uniform(0.25, 2))} \
+        if spec.kv_dtype == "fp8_e4m3" else {}
+    return spec, lengths, page, q_len, max_q_len, scales, bool(rng.random() < 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_verify(seed):
+    spec, lengths, page, q_len, max_q_len, scales, merge_launch = draw_verify(np.random.default_rng(7000 + seed))
+    verify_case(spec, lengths, page, q_len, seed=seed, max_q_len=max_q_len, out_rows_extra=3,
+                merge_launch=merge_launch if spec.head_dim_vo % 128 == 0 else None, **scales)
 
 
 def draw_prefill(rng):
@@ -392,6 +426,9 @@ def test_draws_cover_the_axes():
     assert any(0 in n for c in cas for _, n in c[1]) and any(0 in c[2] for c in cas)  # an empty group KV, suffix
     assert any(c[0].logits_soft_cap > 0 for c in cas) and any(c[4] is not None for c in cas)
     assert {c[0].kv_dtype == "fp8_e4m3" for c in cas} == {True, False}
+    ver = [draw_verify(np.random.default_rng(7000 + s)) for s in SEEDS]
+    assert {v[3] > 1 for v in ver} == {True, False} and any(v[4] > v[3] for v in ver)  # padding rows too
+    assert {v[0].kv_dtype == "fp8_e4m3" for v in ver} == {True, False} and any(v[6] for v in ver)
     quest = [draw_quest(np.random.default_rng(6000 + s)) for s in SEEDS]
     assert {d[0].head_dim_qk for d in quest} == {64, 128, 256} and {d[2] for d in quest} >= {1, 7}
     assert len({str(d[3]) for d in quest}) >= 4 and {d[5] for d in quest} == {"kernel", "torch"}
