@@ -3,9 +3,8 @@
 The other GPU files cover each option on a grid of two or three axes; these draw all of them together
 (heads, head dim, dtypes, layout, pipeline, page size, lengths around tile and page edges, scales, soft-cap,
 window, graph mode) for decode (one token a request and several), prefill, MLA, cascade and Quest, so a
-combination no grid names still meets the
-reference. Each seed is one test id:
-a failure names its draw (the spec and lengths are in the assertion message) and reruns alone."""
+combination no grid names still meets the reference. Each seed is one test id: a failure names its draw (the
+spec and lengths are in the assertion message) and reruns alone."""
 import dataclasses
 import os
 
