@@ -264,6 +264,13 @@ class BatchDecode:
             raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", repr(q_len),
                               "Construct the wrapper with max_q_len >= the tokens per request.")
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
+        if q_len > 1:  # each token is in the cache before its step: a request holds at least its q_len keys
+            short = np.flatnonzero((table.kv_len > 0) & (table.kv_len < q_len))
+            if len(short):
+                raise checks.fail("plan: KV length", f"0 (an empty request) or at least q_len={q_len}",
+                                  f"{int(table.kv_len[short[0]])} for request {int(short[0])}",
+                                  "Append the step's tokens (the last accepted one and its drafts) to the cache "
+                                  "before the plan: token t of q_len sits at position kv_len - q_len + t.")
         self._commit_plan(table, page_size, self._stream_items(), q_len, sm_scale, k_scale, v_scale)
 
     def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
