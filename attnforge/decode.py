@@ -260,9 +260,7 @@ class BatchDecode:
              v_scale: float = 1.0, q_len: int = 1) -> None:
         """Host arrays in, one async copy out; no device-to-host synchronisation. q_len: query tokens a
         request (1..max_q_len), token t at position kv_len - q_len + t; run() then takes q [batch * q_len, ...]."""
-        if type(q_len) is not int or not 1 <= q_len <= self.max_q_len:
-            raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", repr(q_len),
-                              "Construct the wrapper with max_q_len >= the tokens per request.")
+        self._check_q_len(q_len)
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         if q_len > 1:  # each token is in the cache before its step: a request holds at least its q_len keys
             short = np.flatnonzero((table.kv_len > 0) & (table.kv_len < q_len))
@@ -272,6 +270,12 @@ class BatchDecode:
                                   "Append the step's tokens (the last accepted one and its drafts) to the cache "
                                   "before the plan: token t of q_len sits at position kv_len - q_len + t.")
         self._commit_plan(table, page_size, self._stream_items(), q_len, sm_scale, k_scale, v_scale)
+
+    def _check_q_len(self, q_len) -> None:
+        """plan()'s q_len (decode's and MLA's): an int in [1, max_q_len]."""
+        if type(q_len) is not int or not 1 <= q_len <= self.max_q_len:
+            raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", repr(q_len),
+                              "Construct the wrapper with max_q_len >= the tokens per request.")
 
     def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
         page_size = page_size if page_size is not None else self.spec.page_size

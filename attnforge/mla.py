@@ -124,7 +124,7 @@ ALIGN_CUTS_TO_TILES = True
 
 class BatchMLADecode(BatchDecode):
     FAMILY = "mla_decode"
-    MAX_Q_LEN = MAX_Q_LEN
+    MAX_Q_LEN = MAX_Q_LEN  # (BatchDecode.__init__ checks max_q_len against it)
     # aligned chunks' cuts rounded to this many tokens (scheduler.plan_stream); None: a wgmma kernel's KV
     # tile where ALIGN_CUTS_TO_TILES, else 0 (benchmarks set 0 to compare)
     align_tile: Optional[int] = None
@@ -158,9 +158,6 @@ class BatchMLADecode(BatchDecode):
                            **spec_kwargs}
             spec = AttentionSpec(family="mla_decode", **spec_kwargs)
             spec_kwargs = {}
-        if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
-            raise checks.fail("max_q_len", f"an int in [1, {MAX_Q_LEN}]", max_q_len,
-                              "Query tokens per request (1 + speculative draft tokens).")
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
                          max_num_pages=max_num_pages, device=device, num_stages=num_stages, tile_kv=tile_kv,
                          ctas_per_sm=ctas_per_sm, pdl=True if pdl is None else pdl, max_q_len=max_q_len,
@@ -266,9 +263,7 @@ class BatchMLADecode(BatchDecode):
              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """As BatchDecode.plan, plus q_len: query tokens per request (1..max_q_len).
         sm_scale defaults to DeepSeek's 1/sqrt(192)."""
-        if not isinstance(q_len, int) or not 1 <= q_len <= self.max_q_len:
-            raise checks.fail("plan(q_len=...)", f"an int in [1, max_q_len={self.max_q_len}]", q_len,
-                              "Construct the wrapper with max_q_len >= the tokens per request.")
+        self._check_q_len(q_len)
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
         previous = self.kernel
         self._pick_kernel(table.batch_size, q_len)

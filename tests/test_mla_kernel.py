@@ -760,3 +760,18 @@ def test_only_the_roles_kernel_lets_its_row_max_lag():
     for other in (MLADecodeKernel(spec, backend="wgmma", schedule="symmetric"), MLADecodeKernel(spec, backend="mma"),
                   MLADecodeKernel(dataclasses.replace(spec, pipeline="transposed"), backend="wgmma")):
         assert other.rescale_slack == 0.0, other
+
+
+def test_plan_q_len_is_checked_as_decodes():
+    """MLA's plan shares decode's q_len check (BatchDecode._check_q_len): an int in [1, max_q_len], a bool refused;
+    MLA keeps requests shorter than q_len (their early tokens' rows give zeros: tests/test_mla_gpu.py)."""
+    import numpy as np
+
+    from attnforge.mla import BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    w = BatchMLADecode.host_only(spec, max_batch_size=4, max_q_len=2)
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match=r"plan\(q_len=...\): expected an int in \[1, max_q_len=2\]"):
+            w.plan(np.array([0, 1, 2]), np.arange(2), np.array([1, 10]), page_size=64, q_len=bad)
+    w.plan(np.array([0, 1, 2]), np.arange(2), np.array([1, 10]), page_size=64, q_len=2)
+    assert (w._plan["q_len"], w.max_q_len) == (2, 2)
