@@ -259,16 +259,11 @@ class BatchDecode:
              seq_lens=None, block_table=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
              v_scale: float = 1.0, q_len: int = 1) -> None:
         """Host arrays in, one async copy out; no device-to-host synchronisation. q_len: query tokens a
-        request (1..max_q_len), token t at position kv_len - q_len + t; run() then takes q [batch * q_len, ...]."""
+        request (1..max_q_len), token t at position kv_len - q_len + t; run() then takes q [batch * q_len, ...].
+        A request of fewer keys than q_len gives its first tokens (negative positions) no key: zero rows and
+        LSE -inf, as every family treats a row with no visible key (attnforge.reference; MLA, prefill)."""
         self._check_q_len(q_len)
         table, page_size = self._page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table)
-        if q_len > 1:  # each token is in the cache before its step: a request holds at least its q_len keys
-            short = np.flatnonzero((table.kv_len > 0) & (table.kv_len < q_len))
-            if len(short):
-                raise checks.fail("plan: KV length", f"0 (an empty request) or at least q_len={q_len}",
-                                  f"{int(table.kv_len[short[0]])} for request {int(short[0])}",
-                                  "Append the step's tokens (the last accepted one and its drafts) to the cache "
-                                  "before the plan: token t of q_len sits at position kv_len - q_len + t.")
         self._commit_plan(table, page_size, self._stream_items(), q_len, sm_scale, k_scale, v_scale)
 
     def _check_q_len(self, q_len) -> None:

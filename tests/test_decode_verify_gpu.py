@@ -88,6 +88,25 @@ def test_fewer_tokens_than_planned_for_and_fp8(kv_dtype, pipeline, monkeypatch):
                     **({"k_scale": 0.5, "v_scale": 2.0} if kv_dtype == "fp8_e4m3" else {}))
 
 
+@pytest.mark.parametrize("pipeline,kv_dtype,q_len", [("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
+                                                     ("normal", "bf16", 4), ("normal", "fp8_e4m3", 4),
+                                                     ("normal", "bf16", 8)])
+def test_requests_of_fewer_keys_than_tokens(pipeline, kv_dtype, q_len, monkeypatch):
+    # kv_len < q_len: the first q_len - kv_len tokens sit at negative positions and see no key, so their rows
+    # are zeros with LSE -inf (the reference's rule, as MLA's and prefill's); the later ones see the keys up to
+    # theirs. Beside an empty request and a long one split over CTAs
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, pipeline=pipeline, kv_dtype=kv_dtype)
+    lengths = [1, 2, 3, 0, 30000, q_len - 1, 1]
+    w, out = verify_case(spec, lengths, 7, q_len, seed=11, keep_pipeline=monkeypatch,
+                         **({"k_scale": 0.5, "v_scale": 2.0} if kv_dtype == "fp8_e4m3" else {}))
+    assert w._plan["work"].total > w._plan["work"].span, "the long request must be split"
+    for b, keys in enumerate(lengths):
+        keyless = max(0, q_len - keys)  # tokens before the request's first key
+        assert torch.all(out[b * q_len:b * q_len + keyless] == 0), (b, keys)
+        if 0 < keys < q_len:  # the first token that sees a key does not give a zero row
+            assert out[b * q_len + q_len - keys].float().abs().max() > 0, (b, keys)
+
+
 @pytest.mark.parametrize("merge_launch", [False, True])
 @pytest.mark.parametrize("pipeline", ["transposed", "normal"])
 def test_long_requests_split_and_merged(merge_launch, pipeline, monkeypatch):

@@ -764,7 +764,7 @@ def test_only_the_roles_kernel_lets_its_row_max_lag():
 
 def test_plan_q_len_is_checked_as_decodes():
     """MLA's plan shares decode's q_len check (BatchDecode._check_q_len): an int in [1, max_q_len], a bool refused;
-    MLA keeps requests shorter than q_len (their early tokens' rows give zeros: tests/test_mla_gpu.py)."""
+    requests shorter than q_len are planned, as decode's (their early tokens' rows give zeros: tests/test_mla_gpu.py)."""
     import numpy as np
 
     from attnforge.mla import BatchMLADecode
