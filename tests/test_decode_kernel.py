@@ -17,12 +17,25 @@ from attnforge.kernels.decode import DecodeKernel, merge_lse_blocks
     ({"num_qo_heads": 64, "num_kv_heads": 4, "pipeline": "transposed"}, 2, 2),  # two head tiles of O^T
     ({"head_dim_qk": 256, "num_qo_heads": 16, "num_kv_heads": 2}, 3, 3),  # 32-token tiles of two warps: 72 KB
     ({"head_dim_qk": 256, "num_qo_heads": 64, "num_kv_heads": 1, "pipeline": "normal"}, 1, 1),  # MQA: 64 tokens, 8 warps
+    ({"num_qo_heads": 56, "num_kv_heads": 8, "pipeline": "normal"}, 3, 3),  # an m16 tile of 7 rows: held to 168
+    ({"num_qo_heads": 40, "num_kv_heads": 8, "pipeline": "normal"}, 3, 3),  # registers (ptxas alone: 212-216)
+    ({"num_qo_heads": 48, "num_kv_heads": 8, "pipeline": "normal"}, 3, 0),  # 6 rows fit 168 by themselves
+    ({"num_qo_heads": 56, "num_kv_heads": 8, "pipeline": "normal", "head_dim_qk": 64}, 4, 4),  # d64: 128 registers
 ])
 def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     k = DecodeKernel(AttentionSpec(**kw))
     assert (k.ctas_per_sm, k.register_bound_ctas) == (ctas, bound)
     bounds = f"__launch_bounds__(kThreads, {bound})" if bound else "__launch_bounds__(kThreads)"
     assert bounds + " batch_decode_kernel" in k.module().source
+
+
+def test_shared_memory_counts_the_static_flag_and_the_allocation_unit():
+    # 32-token fp8 tiles at d256 on three stages: 56 KB of dynamic shared memory, 4 x (56 KB + 1 KB reserved) is
+    # the SM's 228 KB exactly, and the kernel's static last_chunk_flag (in a 128-byte unit) leaves room for 3
+    k = DecodeKernel(AttentionSpec(head_dim_qk=256, kv_dtype="fp8_e4m3", pipeline="transposed"), tile_kv=32, stages=3,
+                     num_warps=2)
+    assert k.smem_bytes == 56 * 1024 and 4 * (k.smem_bytes + 1024) == 228 * 1024 and k.ctas_per_sm == 3
+    assert "__shared__ int last_chunk_flag;" in k.module().source
 
 
 def test_wide_heads_take_small_tiles_of_two_warps():

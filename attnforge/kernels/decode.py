@@ -19,6 +19,10 @@ THREADS = 128
 TILE_KV = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
+# the kernel's static shared memory (last_chunk_flag) beside the dynamic smem_bytes, and the unit a CTA's shared
+# memory is allocated in: a kernel whose dynamic bytes fill the SM exactly holds one CTA fewer
+SMEM_STATIC_BYTES = 4
+SMEM_ALLOC_UNIT = 128
 MAX_TRANSPOSED_GROUP = 16  # two n8 head tiles of O^T a warp (more would spill at d128)
 MIN_REGISTERS_PER_THREAD = 128  # the kernels need ~120-165; fewer would spill in the tile loop
 MAX_Q_LEN = 8  # query tokens a request (speculative decoding's verify step: the last token and its drafts)
@@ -351,7 +355,8 @@ class DecodeKernel:
         drop below what the shape needs (registers_needed; d64 fits 6 by shared memory, 4 by registers:
         a grid of 6 per SM ran its last third as a second wave); where the MIN_REGISTERS_PER_THREAD
         floor binds, __launch_bounds__ makes ptxas honour it (register_bound_ctas)."""
-        by_smem = max(1, SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA))
+        held = -(-(self.smem_bytes + SMEM_STATIC_BYTES) // SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT
+        by_smem = max(1, SMEM_PER_SM // (held + SMEM_RESERVED_PER_CTA))
         by_regs = max(1, REGISTERS_PER_SM // (self.threads * self.registers_needed))
         return min(by_smem, by_regs)
 
@@ -366,6 +371,11 @@ class DecodeKernel:
             # fp8 widened in registers: held to 168 (3 CTAs an SM, 8 bytes spilled) it ran 3-4.5% faster than at
             # ptxas's 185 (2 CTAs) on verify steps of 4 tokens (GQA 32/8; 128, 4 CTAs, spilled 72 bytes: +8-15%)
             return 168 if self.widens_in_registers else 200
+        if self.spec.pipeline == "normal" and self.spec.head_dim_qk == 128 and self.item_rows in (5, 7):
+            # one m16 tile of 5 or 7 rows: left to itself ptxas takes 212-216 registers (2 CTAs an SM; 1-4, 6 and
+            # 8-16 rows fit 168). Held to 168 (3 CTAs, 64-80 bytes spilled), GQA 56/8 ran fp8 B64 L4096 in 229 us
+            # against 245 planned for 2 CTAs, bf16 within -1..+3% of that (sixty-ninth session)
+            return 168
         return MIN_REGISTERS_PER_THREAD
 
     @property

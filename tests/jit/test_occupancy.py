@@ -74,6 +74,12 @@ def _default_kernels():
                           kv_dtype=kv, causal=True)
         ks.append(PrefillKernel(s, default_backend(s)))
     ks.append(PrefillKernel(AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True), "mma"))
+    # shapes the rules once got wrong: an m16 tile of 7 rows (ptxas alone took 216 registers, 2 CTAs) and
+    # dynamic shared memory that fills the SM exactly at 4 CTAs (the static last_chunk_flag left room for 3)
+    ks += [DecodeKernel(AttentionSpec(num_qo_heads=56, num_kv_heads=8, pipeline="normal", kv_dtype=kv))
+           for kv in ("bf16", "fp8_e4m3")]
+    ks.append(DecodeKernel(AttentionSpec(head_dim_qk=256, kv_dtype="fp8_e4m3", pipeline="transposed"),
+                           tile_kv=32, stages=3, num_warps=2))
     return ks
 
 
