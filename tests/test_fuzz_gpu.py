@@ -90,8 +90,8 @@ def test_random_decode(seed):
 
 def draw_verify(rng):
     """Decode of several tokens a request (speculative decoding's verify step): q_len 1-8, a wrapper built for as
-    many or more, every request holding at least its own tokens; the pipeline the wrapper picks for the rows, or
-    one named (the transposed one only where its 16 rows hold them)."""
+    many or more, the requests holding at least their own tokens but sometimes one (fewer keys than tokens); the
+    pipeline the wrapper picks for the rows, or one named (the transposed one only where its 16 rows hold them)."""
     hkv = int(rng.choice([1, 2, 4, 8]))
     group = int(rng.choice([1, 2, 3, 4, 5, 8, 16] if hkv > 1 else [1, 4, 8, 16, 32]))
     q_len = int(rng.integers(1, 9))
@@ -109,7 +109,11 @@ def draw_verify(rng):
     page = int(rng.choice([1, 3, 7, 16, 33, 64]))
     scales = {"k_scale": float(rng.uniform(0.25, 2)), "v_scale": float(rng.uniform(0.25, 2))} \
         if spec.kv_dtype == "fp8_e4m3" else {}
-    return spec, lengths, page, q_len, max_q_len, scales, bool(rng.random() < 0.3)
+    merge_launch = bool(rng.random() < 0.3)
+    if q_len > 1 and rng.random() < 0.5:  # (drawn last: the draws above stay as they were)
+        # a request of fewer keys than tokens: its first tokens see no key (zero rows, LSE -inf)
+        lengths[int(rng.integers(len(lengths)))] = int(rng.integers(1, q_len))
+    return spec, lengths, page, q_len, max_q_len, scales, merge_launch
 
 
 @pytest.mark.gpu
@@ -428,6 +432,7 @@ def test_draws_cover_the_axes():
     ver = [draw_verify(np.random.default_rng(7000 + s)) for s in SEEDS]
     assert {v[3] > 1 for v in ver} == {True, False} and any(v[4] > v[3] for v in ver)  # padding rows too
     assert {v[0].kv_dtype == "fp8_e4m3" for v in ver} == {True, False} and any(v[6] for v in ver)
+    assert any(0 < n < v[3] for v in ver for n in v[1])  # a request of fewer keys than tokens
     quest = [draw_quest(np.random.default_rng(6000 + s)) for s in SEEDS]
     assert {d[0].head_dim_qk for d in quest} == {64, 128, 256} and {d[2] for d in quest} >= {1, 7}
     assert len({str(d[3]) for d in quest}) >= 4 and {d[5] for d in quest} == {"kernel", "torch"}
