@@ -90,8 +90,9 @@ def test_random_decode(seed):
 
 def draw_verify(rng):
     """Decode of several tokens a request (speculative decoding's verify step): q_len 1-8, a wrapper built for as
-    many or more, the requests holding at least their own tokens but sometimes one (fewer keys than tokens); the
-    pipeline the wrapper picks for the rows, or one named (the transposed one only where its 16 rows hold them)."""
+    many or more, the requests holding at least their own tokens, except sometimes one (fewer keys than
+    tokens); the pipeline the wrapper picks for the rows, or one named (the transposed one only where its 16
+    rows hold them)."""
     hkv = int(rng.choice([1, 2, 4, 8]))
     group = int(rng.choice([1, 2, 3, 4, 5, 8, 16] if hkv > 1 else [1, 4, 8, 16, 32]))
     q_len = int(rng.integers(1, 9))
