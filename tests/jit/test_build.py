@@ -279,6 +279,35 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     assert checked >= 10
 
 
+def test_every_d128_decode_group_holds_the_ctas_its_planner_assumes():
+    """The planner's occupancy rules (registers_needed, shared memory) against the cubins over every group of 1-16
+    query heads at d128 on both pipelines and both KV widths, and verify steps of 2-8 tokens at GQA 4 and 8 on the
+    pipeline the wrapper picks: ptxas once gave m16 tiles of 5 and 7 rows 216 registers where 3 CTAs were planned
+    (a silent second wave). Spills are the matrix test's concern; this scan checks the occupancy only."""
+    from attnforge.jit.cubin import kernel_resources
+    from attnforge.kernels.decode import DecodeKernel, spec_for_rows
+    kernels = {}
+    for group in range(1, 17):
+        for kv in ("bf16", "fp8_e4m3"):
+            for pipeline in ("normal", "transposed"):
+                k = DecodeKernel(AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, kv_dtype=kv, pipeline=pipeline))
+                kernels[k.module().name] = k
+    for group in (4, 8):
+        for tokens in range(2, 9):
+            for kv in ("bf16", "fp8_e4m3"):
+                spec = spec_for_rows(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype=kv), tokens)
+                k = DecodeKernel(spec, max_q_len=tokens)
+                kernels[k.module().name] = k
+    paths = build_many([k.module() for k in kernels.values()], ARCHS)
+    problems = []
+    for k, path in zip(kernels.values(), paths):
+        res = kernel_resources(path.read_bytes())[k.module().kernel_names[0]]
+        if res.ctas_by_registers(k.threads) < k.ctas_per_sm:
+            problems.append(f"{k.module().name}: {res.registers} registers x {k.threads} threads fit "
+                            f"{res.ctas_by_registers(k.threads)} CTAs per SM, the planner assumes {k.ctas_per_sm}")
+    assert len(kernels) >= 80 and not problems, "\n".join(problems)
+
+
 # The scoring kernel's work splits: a CTA per page at fp32 (4 vectors per thread), a page over a
 # masked part of a CTA (6 KV heads), several pages per warp (one KV head: QuestHeadDecode's view), and
 # int4 codes (dp4a over int8 query sums) for MHA and for a masked split at d64.
