@@ -4,7 +4,9 @@ spread (launch) and exit spread in %globaltimer ns, their spans in cycles, and p
 prologue (first tiles issued, Q staged), tiles, finish (rows or partial written) and merge.
 
     python benchmarks/trace_decode.py [--json out.json]    (ATTNFORGE_BENCH_DECODE_CASES filters;
-    ATTNFORGE_TRACE_DECODE_HEADS=32/4 traces another head layout than the suite's 32/8)
+    ATTNFORGE_TRACE_DECODE_HEADS=32/4 traces another head layout than the suite's 32/8;
+    ATTNFORGE_TRACE_DECODE_Q_LEN=4 traces verify steps of that many tokens a request, and
+    ATTNFORGE_TRACE_DECODE_TILING=32,3,2 an explicit tile_kv, num_stages, num_warps)
 """
 import json
 import os
@@ -24,6 +26,9 @@ from bench_decode import D, cases, paged_inputs  # noqa: E402
 if os.environ.get("ATTNFORGE_TRACE_DECODE_HEADS"):  # passed to paged_inputs below (its defaults are fixed)
     bench_decode.HQ, bench_decode.HKV = map(int, os.environ["ATTNFORGE_TRACE_DECODE_HEADS"].split("/"))
 
+Q_LEN = int(os.environ.get("ATTNFORGE_TRACE_DECODE_Q_LEN", "1"))  # tokens a request (a verify step past 1)
+_TILING = os.environ.get("ATTNFORGE_TRACE_DECODE_TILING")
+TILING = dict(zip(("tile_kv", "num_stages", "num_warps"), map(int, _TILING.split(",")))) if _TILING else {}
 ITEMS = 32  # trace slots per CTA (the template's)
 build_traced(kdecode.DecodeKernel)
 
@@ -33,8 +38,10 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
                                                    hkv=bench_decode.HKV)
     spec = AttentionSpec(num_qo_heads=bench_decode.HQ, num_kv_heads=bench_decode.HKV, head_dim_qk=D, kv_dtype=kv_dtype,
                          kv_layout=layout)
-    w = BatchDecode(spec, max_batch_size=max(256, len(lengths)))
-    w.plan(indptr, indices, last, page_size=page_size)
+    w = BatchDecode(spec, max_batch_size=max(256, len(lengths)), max_q_len=Q_LEN, **TILING)
+    w.plan(indptr, indices, last, page_size=page_size, q_len=Q_LEN)
+    if Q_LEN > 1:  # request b's token t at row b * Q_LEN + t
+        q = torch.randn(len(lengths) * Q_LEN, *q.shape[1:], device=q.device, dtype=q.dtype)
     out = torch.empty_like(q)
     host, ms = capture(w, lambda: w.run(q, cache, out=out))
     t = host.reshape(-1, ITEMS, 8).astype(np.int64)
@@ -53,7 +60,7 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
     ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
           "merge": e[:, :, 4] - e[:, :, 3]}
     per_tile = ph["tiles"][used & (tiles > 0)] / tiles[used & (tiles > 0)]
-    res = {"case": name, "kernel_ms": ms, "ctas": int(len(ctas)), "items": int(used.sum()),
+    res = {"case": name + (f" q{Q_LEN}" if Q_LEN > 1 else ""), "kernel": w.planned_kernel[0].name, "kernel_ms": ms, "ctas": int(len(ctas)), "items": int(used.sum()),
            "items_per_cta_max": int(used.sum(axis=1).max()), "split_items": int((partial[used] > 0).sum()),
            "merges": int((merged[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()),
            "span_cycles": {"median": float(np.median(spans)), "max": float(spans.max()), "min": float(spans.min())},
