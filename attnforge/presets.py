@@ -55,6 +55,10 @@ def load_spec_file(path: str | Path) -> list:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of spec objects, got {type(data).__name__}")
+    for i, d in enumerate(data):
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: entry {i}: expected an object of AttentionSpec fields (and \"max_q_len\" for a "
+                             f"decode verify kernel), got {type(d).__name__} {d!r}; write it as {{\"family\": ...}}")
     return [_spec_entry(dict(d)) for d in data]
 
 

@@ -241,6 +241,19 @@ def test_several_query_tokens_a_request_size_the_kernel_by_rows():
             DecodeKernel(spec, max_q_len=bad)
 
 
+def test_wrappers_check_max_q_len_before_touching_a_device():
+    """BatchDecode takes 1-8 query tokens a request, BatchMLADecode 1-4 (each class's MAX_Q_LEN); anything else
+    (a bool, a float, 0, past the limit) is refused by the constructor's first check, so no GPU is needed here."""
+    from attnforge import BatchDecode, BatchMLADecode
+    mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    for cls, spec, limit in ((BatchDecode, AttentionSpec(), 8), (BatchMLADecode, mla, 4)):
+        assert cls.MAX_Q_LEN == limit
+        for bad in (0, limit + 1, 2.0, True):
+            with pytest.raises(ValueError, match=rf"max_q_len: expected an int in \[1, {limit}\], got {bad!r}\. "
+                                                 r"Query tokens per request"):
+                cls(spec, max_q_len=bad, device="cpu")
+
+
 def test_plan_takes_q_len_up_to_the_wrappers_max():
     from attnforge import BatchDecode
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)

@@ -305,6 +305,9 @@ def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
     w.plan([0, 1, 2, 3], [0, 1, 2], [5, 3, 16], page_size=16, q_len=4)
     work = w._plan["work"]
     assert work.kv_begin.tolist() == [0, 0, 0] and work.kv_end.tolist() == [5, 3, 16]
+    path.write_text('[{"family": "decode"}, "decode"]')
+    with pytest.raises(ValueError, match=r"entry 1: expected an object of AttentionSpec fields .*got str 'decode'"):
+        presets.load_spec_file(path)
     path.write_text('[{"family": "prefill", "max_q_len": 4}]')
     with pytest.raises(ValueError, match="max_q_len: expected only in decode entries"):
         presets.load_spec_file(path)
