@@ -334,6 +334,35 @@ def test_fp16_and_out_dtype():
     run_case(AttentionSpec(q_dtype="fp16"), LENGTHS, 16)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("pipeline,merge_launch", [("normal", None), ("transposed", None), ("transposed", True)])
+def test_outputs_at_any_alignment_match_aligned_outputs_bitwise(dtype, pipeline, merge_launch):
+    """Rows leave the kernel as one 8- or 16-byte store where the address allows (store_floats), else a
+    store an element. An out whose rows start anywhere (an odd element offset; a row stride of 129) gets
+    the aligned run's values bitwise, on whole items, items merged in the kernel and by the merge launch,
+    and nothing outside the view is written."""
+    spec = AttentionSpec(pipeline=pipeline, q_dtype=dtype)
+    q, cache, (indptr, indices, last), _ = make_paged_case(spec, [1, 300, 9000, 17], 16, 3)
+    w = BatchDecode(spec, merge_launch=merge_launch)
+    w.plan(indptr, indices, last, page_size=16)
+    assert any(scheduler.split_slots(w._plan["work"], 2, h) for h in range(8))  # the long request merged
+    assert w._plan["merge_launch"] == bool(merge_launch)
+    dt = q.dtype
+    shape = (4, spec.num_qo_heads, spec.head_dim_vo)
+    aligned = w.run(q, cache, out=poison(shape, dt)).clone()
+    assert not aligned.isnan().any()
+    flat = poison((aligned.numel() + 1,), dt)
+    wide = poison((4, spec.num_qo_heads, spec.head_dim_vo + 1), dt)
+    for name, buf, view in (("offset by one element", flat, flat[1:].view(shape)),
+                            ("row stride 129", wide, wide[..., :spec.head_dim_vo])):
+        assert view.data_ptr() % 8 or view.stride(1) % 4
+        w.run(q, cache, out=view)
+        torch.cuda.synchronize()
+        assert torch.equal(view, aligned), name
+        outside = buf[:1] if buf is flat else buf[..., spec.head_dim_vo:]
+        assert outside.isnan().all(), f"{name}: a store outside the view"
+
+
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_softcap_and_window(pipeline):
     run_case(AttentionSpec(logits_soft_cap=5.0, pipeline=pipeline), [1, 777, 5000], 16, sm_scale=0.5)

@@ -313,7 +313,7 @@ class DecodeKernel:
         pipe = self.pipe_bytes
         states = self.num_warps if s.pipeline == "transposed" else \
             self.num_warps // -(-self.item_rows // 16)
-        merge = states * self.item_rows * (d + 2) * 4  # cross-warp merge scratch reuses the pipeline
+        merge = states * self.item_rows * (d + 4) * 4  # cross-warp merge scratch reuses the pipeline
         return q_rows * d * 2 + max(pipe, merge)
 
     @property

@@ -270,6 +270,25 @@ AF_DEVICE void store_f32_if(uint64_t addr, float v, bool pred) {
                ::"l"(addr), "f"(v), "r"(int(pred)) : "memory");
 }
 
+// 4 consecutive values of T from floats, as one vector store (16 bytes of f32, 8 of a 16-bit T) where
+// p is aligned to it, else one store each: nvcc splits an assignment through float4* of a float4 built
+// from scalars into four 4-byte stores (decode's epilogue, seventieth session), and 16-bit values stored
+// one by one cost four store instructions a vector.
+template <class T>
+AF_DEVICE void store_floats(T* p, const float (&v)[4]) {
+  constexpr uintptr_t kAlign = 4 * sizeof(T);
+  if ((reinterpret_cast<uintptr_t>(p) & (kAlign - 1)) != 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = from_float<T>(v[j]);
+  } else if constexpr (sizeof(T) == 4) {
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+  } else {
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(pack2<T>(v[0], v[1])), "r"(pack2<T>(v[2], v[3]))
+                 : "memory");
+  }
+}
+
 // 16 bytes of floats another kernel wrote (the MLA merge's partial states, Quest's P / N; both kernels
 // launched with PDL) into registers, through load_after_wait.
 AF_DEVICE void load_floats(const float* p, float (&v)[4]) {
