@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from . import checks, codegen, ops, paged, scheduler, variants
-from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, whole_item_kernel,
-                             whole_item_tiling)
+from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, verify_whole_item_tiling,
+                             whole_item_kernel, whole_item_tiling)
 from .jit import registry
 from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -73,7 +73,9 @@ class BatchDecode:
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
         # whole_items: where a plan has about one (near-)equal item per SM, run a one-CTA-per-SM kernel that
         # reads each item whole, or for some specs equal items cut into equal chunks of about one per SM
-        # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel).
+        # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel); for
+        # verify steps of 9-16 rows an item, about one equal item a CTA of a 4-CTA-an-SM kernel
+        # (kernels.decode.verify_whole_item_tiling).
         # None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured, and a capture's
         # placeholder lengths say little about later batches); True: also under CUDA graphs,
         # chosen by the first plan's batch size (a fixed batch keeps the kernel; unequal lengths then
@@ -172,16 +174,17 @@ class BatchDecode:
         """The most chunks an item may be cut into on the whole-item kernel (1: whole items only): past the
         tiling's cap for merges on the kernel's tail only where the second launch merges such plans (it
         takes every merge past scheduler.MERGE_LAUNCH_ROWS rows: see merge_launch)."""
-        t = whole_item_tiling(self.spec) if self._whole is not None else None
+        if self._whole is None:
+            return 1
+        t = whole_item_tiling(self.spec) if self.max_q_len == 1 else verify_whole_item_tiling(self.spec, self.max_q_len)
         if t is None:
             return 1
         launch = not self.use_cuda_graph if self.merge_in_launch is None else self.merge_in_launch
         return max(t.max_chunks, t.max_chunks_merge_launch) if launch else t.max_chunks
 
     def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
-        # (built only without explicit tilings or head splits: the default head splits, as the AOT build's;
-        # none was measured for several query tokens a request)
-        return whole_item_kernel(spec) if self.FAMILY == "decode" and self.max_q_len == 1 else None
+        # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
+        return whole_item_kernel(spec, self.max_q_len) if self.FAMILY == "decode" else None
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""

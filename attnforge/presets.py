@@ -81,12 +81,15 @@ def verify_kernel(spec: AttentionSpec, max_q_len: int):
 
 def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
-    whole-item kernel (BatchDecode(whole_items=...) picks it per plan); a prefill spec's kernel and, where
+    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), a verify entry's too; a prefill spec's kernel and, where
     ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what plans pick."""
     mods = [module_for(spec)]
+    from .kernels.decode import DecodeKernel, whole_item_kernel
     if isinstance(spec, AttentionSpec) and spec.family == "decode":
-        from .kernels.decode import whole_item_kernel
         whole = whole_item_kernel(spec)
+        mods += [whole.module()] if whole is not None else []
+    if isinstance(spec, DecodeKernel) and spec.max_q_len > 1:  # a spec file's verify entry (verify_kernel)
+        whole = whole_item_kernel(spec.spec, spec.max_q_len)
         mods += [whole.module()] if whole is not None else []
     if isinstance(spec, AttentionSpec) and spec.family == "prefill":
         from .kernels.prefill import PrefillKernel, default_backend

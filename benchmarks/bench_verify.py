@@ -2,7 +2,8 @@
 last accepted token and its drafts), causal among themselves and end-aligned to its paged KV (GQA 32/8,
 head_dim 128, bf16, 16-token pages). `attnforge` runs it as a decode of several tokens a request
 (BatchDecode(max_q_len=q_len): a work item holds the group's heads for every token; `-normal` forces that
-pipeline); the `attnforge-prefill*` rows as a batch prefill (BatchPrefill, which packs heads and tokens into
+pipeline; `-no-whole-items` never takes the plan-time whole-item kernel, kernels.decode.verify_whole_item_tiling);
+the `attnforge-prefill*` rows as a batch prefill (BatchPrefill, which packs heads and tokens into
 a 128-row or 64-row tile); FlashInfer as its paged prefill (fa2, fa3). fp8 rows read e4m3 pages (scales 1).
 
 GB/s counts the KV bytes read, as the decode suite does: at these shapes the step streams the cache, so
@@ -43,10 +44,11 @@ def run(report: Report, peers: bool = True) -> None:
         qo_indptr = np.arange(len(lengths) + 1, dtype=np.int32) * q_len
         nbytes = kv_bytes(lengths, kv_dtype)
         fns = {}
-        for name, pipeline in (("attnforge", "auto"), ("attnforge-decode-normal", "normal")):
+        for name, pipeline, whole in (("attnforge", "auto", None), ("attnforge-decode-normal", "normal", None),
+                                      ("attnforge-no-whole-items", "auto", False)):
             dspec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, pipeline=pipeline,
                                   kv_dtype=kv_dtype)
-            w = BatchDecode(dspec, max_batch_size=256, max_q_len=q_len)
+            w = BatchDecode(dspec, max_batch_size=256, max_q_len=q_len, whole_items=whole)
             w.plan(kv_indptr, kv_indices, last, page_size=PAGE, q_len=q_len)
             fns[name] = (lambda w: lambda: w.run(q, cache))(w)
         pspec = dataclasses.replace(spec, kv_dtype=kv_dtype)

@@ -88,6 +88,39 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
         assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
+@pytest.mark.parametrize("hq,q_len,rows", [(32, 4, 16), (32, 3, 12), (64, 2, 16)])
+def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq, q_len, rows):
+    """Verify steps of 9-16 rows an item (normal pipeline, 16-bit, d128) have a whole-item kernel of 4 CTAs an SM
+    (kernels.decode.verify_whole_item_tiling): 64 equal requests x 8 KV heads are 512 items on its 528 CTAs,
+    one whole item each; 60 requests (480 items: 10% of the CTAs idle), unequal requests, CUDA-graph mode
+    (unless whole_items=True) and explicit tilings keep the default kernel."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=8)
+    w = BatchDecode.host_only(spec, max_q_len=q_len)
+    whole = w._whole
+    assert whole is not None and whole.item_rows == rows and whole.ctas_per_sm == 4 and w._whole_ctas == 528
+    assert (whole.tile_kv, whole.num_stages, whole.num_warps) == (32, 3, 2) and whole.spec.pipeline == "normal"
+    assert w.kernel.ctas_per_sm == 3 and w.partial_slot_rows() >= 528 * rows
+    w.plan(*table([4096] * 63 + [4090]), page_size=16, q_len=q_len)
+    kernel, ctas = w.planned_kernel
+    assert kernel is whole and ctas == 528 and w._plan["work"].num_spans == 512
+    assert scheduler.aligned_chunks(w._plan["work"]) == 1  # each item whole, one a span
+    for lengths in ([4096] * 60, [8192] + [4096] * 63):
+        w.plan(*table(lengths), page_size=16, q_len=q_len)
+        assert w.planned_kernel == (w.kernel, w.num_ctas)
+    w.use_cuda_graph = True  # (no whole_items=True: a graph keeps its default kernel)
+    w.plan(*table([4096] * 64), page_size=16, q_len=q_len)
+    assert w.planned_kernel == (w.kernel, w.num_ctas)
+
+
+@pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 4), ({"head_dim_qk": 64}, 4), ({}, 2),
+                                           ({}, 8), ({"num_qo_heads": 64}, 4), ({}, 1)])
+def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
+    """fp8 KV (4 CTAs an SM on its default already), d64, 8 rows (transposed), past 16 rows: no 4-CTA kernel
+    (one token a request keeps its one-CTA-an-SM whole-item kernel)."""
+    w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
+    assert w._whole is None or (q_len == 1 and w._whole.ctas_per_sm == 1)
+
+
 @pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3", "pipeline": "normal"}, {"head_dim_qk": 64},
                                      {"pipeline": "normal"}, {"num_qo_heads": 128, "pipeline": "transposed"},
                                      {"num_qo_heads": 48, "num_kv_heads": 1}])  # 128/8: two n8 head tiles; MQA-48
@@ -280,8 +313,8 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
 
 
 def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
-    """A decode entry with max_q_len builds the kernel BatchDecode(spec, max_q_len) launches (its pipeline picked
-    for heads x tokens rows), and host plans of q_len tokens a request stream each request's KV once."""
+    """A decode entry with max_q_len builds the kernels BatchDecode(spec, max_q_len) launches (its pipeline picked
+    for heads x tokens rows; q4's 16 rows have a whole-item kernel, fp8 q2 none), and host plans of q_len tokens a request stream each request's KV once."""
     from attnforge import presets
     path = tmp_path / "specs.json"
     path.write_text('[{"family": "decode", "num_qo_heads": 32, "num_kv_heads": 8, "max_q_len": 4}, '
@@ -292,7 +325,8 @@ def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
     for entry, spec, q in zip(entries, (AttentionSpec(num_qo_heads=32, num_kv_heads=8),
                                         AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype="fp8_e4m3")), (4, 2)):
         w = BatchDecode.host_only(spec, max_q_len=q)
-        assert [m.name for m in presets.modules_for(entry)] == [w.kernel.module().name] and w._whole is None
+        launched = [w.kernel.module().name] + ([w._whole.module().name] if w._whole else [])
+        assert [m.name for m in presets.modules_for(entry)] == launched and (w._whole is not None) == (q == 4)
         w.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16, q_len=q)
         one = BatchDecode.host_only(spec)
         one.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16)

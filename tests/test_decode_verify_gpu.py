@@ -191,3 +191,20 @@ def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
     spec = AttentionSpec(num_qo_heads=32, **{"num_kv_heads": 8, **kw})
     w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=6)
     assert w.kernel.item_rows <= 64 and w.kernel.max_q_len == q_len
+
+
+@pytest.mark.parametrize("hq,q_len,max_q_len,page_size,graph", [(32, 4, 4, 16, False), (32, 3, 3, 7, False),
+                                                                (64, 2, 2, 1, False), (32, 3, 4, 16, False),
+                                                                (32, 4, 4, 16, True)])
+def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_len, page_size, graph):
+    """Equal requests of 8 KV heads, 4 items a SM: the plan takes the verify whole-item kernel (9-16 rows, 32-token
+    tiles of two warps, 4 CTAs an SM: kernels.decode.verify_whole_item_tiling), one whole item a CTA, also with
+    fewer tokens than the kernel's max_q_len (padding rows) and in CUDA-graph mode with whole_items=True."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kw = dict(use_cuda_graph=True, whole_items=True, max_batch_size=sms // 2) if graph else {}
+    w, _ = verify_case(AttentionSpec(num_qo_heads=hq, num_kv_heads=8), [300 + q_len] * (sms // 2), page_size, q_len,
+                       seed=5, max_q_len=max_q_len, out_rows_extra=3, **kw)
+    kernel, ctas = w.planned_kernel
+    assert kernel is w._whole and kernel.ctas_per_sm == 4 and ctas == 4 * sms
+    assert (kernel.tile_kv, kernel.num_stages, kernel.num_warps) == (32, 3, 2)
+    assert w._plan["work"].num_spans == sms // 2 * 8  # one whole item a span

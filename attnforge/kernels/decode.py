@@ -133,6 +133,29 @@ MERGED_HEAD_ROWS = 1056
 MQA_MERGE_LAUNCH_CHUNKS = 132
 
 
+# Verify steps (several query tokens a request) whose items fill the normal pipeline's one 16-bit m16 tile (9-16
+# rows): 32-token tiles of two warps in three stages hold 4 CTAs an SM against the default's 3, so a batch of
+# about 4 x SMs equal items reads each whole, one a CTA (verify_whole_item_tiling)
+VERIFY_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
+
+
+def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
+    """The whole-item tiling of a verify step's kernel (max_q_len > 1), or None. Measured (GQA 32/8 and 64/8,
+    d128, page 16, H200, three rounds in rotation against the default t64s2w4 at 3 CTAs an SM, sixty-ninth
+    session): B64 q4 L4096 (512 equal items on 528 CTAs, one each) 247.7 against 257.9 us, B64 q3 247.2 / 256.7,
+    GQA 64/8 B64 q2 247.1 / 257.8, fp16 B64 q4 247.2 / 257.0 (-3.7..-4.2%). As the plain default it lost 1-3%
+    wherever the items were not whole (uneven B32 +2.2%, B16 L8192 +2.6%, B8, B256, B1), and at one token a
+    request it gained less (B64 -1.4%, B66 -2.4%), so it runs only on plans in the whole-item band, and only for
+    verify steps (one token keeps WHOLE_ITEM_TILING's one CTA an SM). fp8 KV already holds 4 CTAs an SM on its
+    default (transposed, widened in registers); d256, the transposed pipeline (8 rows and fewer) and affine
+    hooks with run-time slopes were not measured."""
+    if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "normal" or spec.head_dim_qk != 128 or \
+            spec.kv_dtype == "fp8_e4m3" or _slope_read_at_run_time(spec):
+        return None
+    rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
+    return VERIFY_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
+
+
 def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or
     (up to `max_chunks`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...));
@@ -187,9 +210,13 @@ def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
     return graph.reads_runtime_values(getattr(spec.score_mod, "kv_slope_root", None))
 
 
-def whole_item_kernel(spec: AttentionSpec) -> Optional["DecodeKernel"]:
-    """The spec's whole-item kernel (whole_item_tiling), or None: what BatchDecode may launch beside
-    its default kernel, and what an AOT build of the spec builds beside it (presets.modules_for)."""
+def whole_item_kernel(spec: AttentionSpec, max_q_len: int = 1) -> Optional["DecodeKernel"]:
+    """The spec's whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
+    verify_whole_item_tiling), or None: what BatchDecode may launch beside its default kernel, and what an
+    AOT build of the spec builds beside it (presets.modules_for)."""
+    if max_q_len > 1:
+        t = verify_whole_item_tiling(spec, max_q_len)
+        return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, max_q_len=max_q_len) if t else None
     t = whole_item_tiling(spec) if spec.family == "decode" else None
     # every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel)
     return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1) if t else None

@@ -64,6 +64,7 @@ def _default_kernels():
               AttentionSpec(head_dim_qk=64), AttentionSpec(kv_dtype="fp8_e4m3"),
               AttentionSpec(num_qo_heads=32, num_kv_heads=1), AttentionSpec(num_qo_heads=32, num_kv_heads=4)]
     ks = [DecodeKernel(s) for s in decode] + [k for k in map(whole_item_kernel, decode) if k is not None]
+    ks.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=4))  # the verify step's, 4 CTAs an SM
     for heads, pipeline in ((8, "transposed"), (16, "transposed"), (16, "normal"), (64, "normal"), (128, "normal")):
         s = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
                           head_dim_vo=512, pipeline=pipeline)
