@@ -248,13 +248,17 @@ class BatchDecode:
         return self._upload.dev.data_ptr() + 4 * self._offsets[name][0]
 
     def _workspace_need(self) -> int:
-        return self.workspace_bytes(self.spec, self.num_ctas, self.max_q_len)
+        # the larger grid of the two kernels a plan may pick (the verify step's whole-item kernel has 4 CTAs an
+        # SM against the default's 3: slots for its CTAs, or its partial states overran the lse region)
+        return self.workspace_bytes(self.spec, max(self.num_ctas, self._whole_ctas), self.max_q_len)
 
     @staticmethod
     def workspace_bytes(spec: AttentionSpec, num_ctas: int, max_q_len: int = 1) -> int:
         """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA (a work item's
         rows: group x max_q_len), and 32 bytes past them (the merge copies the lse values in aligned 16-byte
-        blocks)."""
+        blocks). A wrapper needs it for the larger of its two grids (num_ctas, and a whole-item kernel's CTAs:
+        4 an SM for verify steps of 9-16 rows an item); its constructor says how many bytes where a given
+        workspace is smaller."""
         return 2 * num_ctas * spec.group_size * max_q_len * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from attnforge import AttentionSpec, scheduler
 from attnforge.decode import BatchDecode, fits_device_smem, grid_ctas
-from attnforge.kernels.decode import DecodeKernel
+from attnforge.kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel
 from attnforge.jit.upload import HostOnlyUpload
 
 
@@ -100,6 +100,9 @@ def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq,
     assert whole is not None and whole.item_rows == rows and whole.ctas_per_sm == 4 and w._whole_ctas == 528
     assert (whole.tile_kv, whole.num_stages, whole.num_warps) == (32, 3, 2) and whole.spec.pipeline == "normal"
     assert w.kernel.ctas_per_sm == 3 and w.partial_slot_rows() >= 528 * rows
+    # the workspace the constructor allocates holds both slot regions for the larger grid (the first build sized
+    # it for the default's 396 CTAs: the partial states took the lse region, an illegal access on the H200)
+    assert w._workspace_need() >= 2 * w.partial_slot_rows() * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
     w.plan(*table([4096] * 63 + [4090]), page_size=16, q_len=q_len)
     kernel, ctas = w.planned_kernel
     assert kernel is whole and ctas == 528 and w._plan["work"].num_spans == 512
@@ -229,6 +232,7 @@ def test_partial_slots_hold_the_whole_item_kernels_larger_items():
     rows = w.partial_slot_rows()
     assert rows == 132 * 64 > 396 * 16
     assert BatchDecode.workspace_bytes(w.spec, w.num_ctas) >= 2 * rows * (w.spec.head_dim_vo + 1) * 4
+    assert w._workspace_need() >= 2 * rows * (w.spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
 
 @pytest.mark.parametrize("hq,hkv,lengths,expected", [
