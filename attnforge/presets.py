@@ -81,8 +81,9 @@ def verify_kernel(spec: AttentionSpec, max_q_len: int):
 
 def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
-    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), a verify entry's too; a prefill spec's kernel and, where
-    ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what plans pick."""
+    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), a verify entry's too; a prefill spec's
+    kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what
+    plans pick."""
     mods = [module_for(spec)]
     from .kernels.decode import DecodeKernel, whole_item_kernel
     if isinstance(spec, AttentionSpec) and spec.family == "decode":

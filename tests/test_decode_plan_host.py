@@ -318,7 +318,8 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
 
 def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
     """A decode entry with max_q_len builds the kernels BatchDecode(spec, max_q_len) launches (its pipeline picked
-    for heads x tokens rows; q4's 16 rows have a whole-item kernel, fp8 q2 none), and host plans of q_len tokens a request stream each request's KV once."""
+    for heads x tokens rows; q4's 16 rows have a whole-item kernel, fp8 q2 none), and host plans of q_len tokens a
+    request stream each request's KV once."""
     from attnforge import presets
     path = tmp_path / "specs.json"
     path.write_text('[{"family": "decode", "num_qo_heads": 32, "num_kv_heads": 8, "max_q_len": 4}, '
