@@ -92,8 +92,8 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
 def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq, q_len, rows):
     """Verify steps of 9-16 rows an item (normal pipeline, 16-bit, d128) have a whole-item kernel of 4 CTAs an SM
     (kernels.decode.verify_whole_item_tiling): 64 equal requests x 8 KV heads are 512 items on its 528 CTAs,
-    one whole item each; 60 requests (480 items: 10% of the CTAs idle), unequal requests, CUDA-graph mode
-    (unless whole_items=True) and explicit tilings keep the default kernel."""
+    one whole item each; 60 requests (480 items: 10% of the CTAs idle), unequal requests and CUDA-graph mode
+    (unless whole_items=True) keep the default kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=8)
     w = BatchDecode.host_only(spec, max_q_len=q_len)
     whole = w._whole

@@ -197,7 +197,7 @@ def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
                                                                 (64, 2, 2, 1, False), (32, 3, 4, 16, False),
                                                                 (32, 4, 4, 16, True)])
 def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_len, page_size, graph):
-    """Equal requests of 8 KV heads, 4 items a SM: the plan takes the verify whole-item kernel (9-16 rows, 32-token
+    """Equal requests of 8 KV heads, 4 items an SM: the plan takes the verify whole-item kernel (9-16 rows, 32-token
     tiles of two warps, 4 CTAs an SM: kernels.decode.verify_whole_item_tiling), one whole item a CTA, also with
     fewer tokens than the kernel's max_q_len (padding rows) and in CUDA-graph mode with whole_items=True."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
