@@ -116,10 +116,17 @@ def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq,
 
 
 @pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 4), ({"head_dim_qk": 64}, 4), ({}, 2),
-                                           ({}, 8), ({"num_qo_heads": 64}, 4), ({}, 1)])
+                                           ({}, 8), ({"num_qo_heads": 64}, 4), ({}, 1), ("alibi", 4)])
 def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
-    """fp8 KV (4 CTAs an SM on its default already), d64, 8 rows (transposed), past 16 rows: no 4-CTA kernel
-    (one token a request keeps its one-CTA-an-SM whole-item kernel)."""
+    """fp8 KV (4 CTAs an SM on its default already), d64, 8 rows (transposed), past 16 rows, ALiBi's slopes read
+    at run time (as the one-token whole-item kernel excludes them): no 4-CTA kernel (one token a request keeps
+    its one-CTA-an-SM whole-item kernel), while a soft-cap keeps it."""
+    from attnforge import mods
+    if spec_kw == "alibi":
+        spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
+        soft = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=mods.softcap(30.0)),
+                                     max_q_len=q_len)
+        assert soft._whole is not None and soft._whole.ctas_per_sm == 4
     w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
     assert w._whole is None or (q_len == 1 and w._whole.ctas_per_sm == 1)
 
