@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from . import checks, codegen, ops, paged, scheduler, variants
-from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, verify_whole_item_tiling,
-                             whole_item_kernel, whole_item_tiling)
+from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, whole_item_kernel,
+                             whole_item_tiling)
 from .jit import registry
 from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -174,9 +174,7 @@ class BatchDecode:
         """The most chunks an item may be cut into on the whole-item kernel (1: whole items only): past the
         tiling's cap for merges on the kernel's tail only where the second launch merges such plans (it
         takes every merge past scheduler.MERGE_LAUNCH_ROWS rows: see merge_launch)."""
-        if self._whole is None:
-            return 1
-        t = whole_item_tiling(self.spec) if self.max_q_len == 1 else verify_whole_item_tiling(self.spec, self.max_q_len)
+        t = whole_item_tiling(self.spec, self.max_q_len) if self._whole is not None else None
         if t is None:
             return 1
         launch = not self.use_cuda_graph if self.merge_in_launch is None else self.merge_in_launch

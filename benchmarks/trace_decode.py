@@ -60,7 +60,8 @@ def trace_case(name, lengths, page_size, kv_dtype, layout):
     ph = {"prologue": e[:, :, 1] - e[:, :, 0], "tiles": e[:, :, 2] - e[:, :, 1], "finish": e[:, :, 3] - e[:, :, 2],
           "merge": e[:, :, 4] - e[:, :, 3]}
     per_tile = ph["tiles"][used & (tiles > 0)] / tiles[used & (tiles > 0)]
-    res = {"case": name + (f" q{Q_LEN}" if Q_LEN > 1 else ""), "kernel": w.planned_kernel[0].name, "kernel_ms": ms, "ctas": int(len(ctas)), "items": int(used.sum()),
+    res = {"case": name + (f" q{Q_LEN}" if Q_LEN > 1 else ""), "kernel": w.planned_kernel[0].name, "kernel_ms": ms,
+           "ctas": int(len(ctas)), "items": int(used.sum()),
            "items_per_cta_max": int(used.sum(axis=1).max()), "split_items": int((partial[used] > 0).sum()),
            "merges": int((merged[used] > 0).sum()), "tiles_mean": float(tiles[used].mean()),
            "span_cycles": {"median": float(np.median(spans)), "max": float(spans.max()), "min": float(spans.min())},

@@ -156,11 +156,11 @@ def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Wh
     return VERIFY_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
 
 
-def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
-    """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or
-    (up to `max_chunks`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...));
-    None where none was measured to win. Every entry below: d128, page 16, H200, against the default kernel
-    (three CTAs of four warps an SM, fp8 four) in rotation.
+def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[WholeItemTiling]:
+    """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or (up to
+    `max_chunks`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...)); for
+    verify steps (max_q_len > 1), verify_whole_item_tiling's; None where none was measured to win. Every entry
+    below: d128, page 16, H200, against the default kernel (three CTAs of four warps an SM, fp8 four) in rotation.
 
     Whole items (128 equal items on 132 SMs; benchmarks/bench_decode_whole_items.py): transposed GQA 32/8
     B16 L2048 -5.5%, L8192 -2.3%, L65536 -1.4%, HND -2.3%; 32/4 B32 -2.2%; MHA 32/32 B4 -2.1%; normal 32/2
@@ -189,6 +189,8 @@ def whole_item_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
     against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
     session, medians of four rounds in one process)."""
+    if max_q_len > 1:
+        return verify_whole_item_tiling(spec, max_q_len)
     g = spec.group_size
     if spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
         return None
@@ -214,12 +216,11 @@ def whole_item_kernel(spec: AttentionSpec, max_q_len: int = 1) -> Optional["Deco
     """The spec's whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
     verify_whole_item_tiling), or None: what BatchDecode may launch beside its default kernel, and what an
     AOT build of the spec builds beside it (presets.modules_for)."""
-    if max_q_len > 1:
-        t = verify_whole_item_tiling(spec, max_q_len)
-        return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, max_q_len=max_q_len) if t else None
-    t = whole_item_tiling(spec) if spec.family == "decode" else None
-    # every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel)
-    return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1) if t else None
+    t = whole_item_tiling(spec, max_q_len) if spec.family == "decode" else None
+    # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
+    # a verify step: the default head splits (its rows are 16 at most: no split)
+    return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1 if max_q_len == 1 else None,
+                        max_q_len=max_q_len) if t else None
 
 
 @dataclass(frozen=True)
