@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from . import checks, codegen, ops, paged, scheduler, variants
-from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, spec_for_rows, whole_item_kernel,
-                             whole_item_tiling)
+from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, WholeItemTiling, spec_for_rows,
+                             whole_item_kernels, whole_item_tilings)
 from .jit import registry
 from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -52,6 +52,13 @@ def grid_ctas(num_sms: int, kernel_ctas_per_sm: int, ctas_per_sm: Optional[int] 
     return num_sms * ctas_per_sm
 
 
+class WholeItemLaunch(NamedTuple):
+    """A whole-item kernel a wrapper may launch beside its default kernel: its grid and measured tiling."""
+    kernel: DecodeKernel
+    ctas: int
+    tiling: WholeItemTiling
+
+
 class BatchDecode:
     FAMILY = "decode"  # the spec family this wrapper runs (subclasses: other decode-shaped families)
     MAX_Q_LEN = MAX_Q_LEN  # query tokens a request at most (max_q_len)
@@ -73,9 +80,10 @@ class BatchDecode:
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
         # whole_items: where a plan has about one (near-)equal item per SM, run a one-CTA-per-SM kernel that
         # reads each item whole, or for some specs equal items cut into equal chunks of about one per SM
-        # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel); for
-        # verify steps of 9-16 rows an item, about one equal item a CTA of a 4-CTA-an-SM kernel
-        # (kernels.decode.verify_whole_item_tiling).
+        # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel); where
+        # it has about one equal item a CTA of a 4-CTA-an-SM kernel, that kernel (one token a request on the
+        # transposed pipeline: kernels.decode.four_cta_tiling; verify steps of 9-16 rows an item:
+        # kernels.decode.verify_whole_item_tiling).
         # None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured, and a capture's
         # placeholder lengths say little about later batches); True: also under CUDA graphs,
         # chosen by the first plan's batch size (a fixed batch keeps the kernel; unequal lengths then
@@ -133,10 +141,10 @@ class BatchDecode:
         self.num_ctas = grid_ctas(self.num_sms, self.kernel.ctas_per_sm, ctas_per_sm)
         explicit = (tile_kv, num_stages, num_warps, ctas_per_sm, head_splits) != (None,) * 5
         self.whole_items = whole_items
-        self._whole = None if explicit or whole_items is False else self._make_whole_kernel(spec)
-        if self._whole is not None and not fits_device_smem(torch.cuda.get_device_properties(self.device), self._whole):
-            self._whole = None  # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
-        self._whole_ctas = grid_ctas(self.num_sms, self._whole.ctas_per_sm) if self._whole else 0
+        props = torch.cuda.get_device_properties(self.device)
+        # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
+        self._wholes = () if explicit or whole_items is False else self._whole_launches(
+            spec, lambda k: fits_device_smem(props, k))
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
@@ -166,23 +174,37 @@ class BatchDecode:
         """Query rows of one of the two partial-state slots per CTA (attnforge/scheduler.py), summed over the
         CTAs, for either kernel: the whole-item kernel has fewer CTAs, whose items may hold more rows (MQA's
         every query head, against the default kernel's 16-head items)."""
-        whole = self._whole_ctas * self._whole.item_rows if self._whole is not None else 0
+        whole = max((w.ctas * w.kernel.item_rows for w in self._wholes), default=0)
         return max(self.num_ctas * self._rows_per_slot(), whole)
 
     @property
-    def _whole_max_chunks(self) -> int:
-        """The most chunks an item may be cut into on the whole-item kernel (1: whole items only): past the
+    def _whole(self) -> Optional[DecodeKernel]:
+        """The first whole-item kernel (whole_item_tiling's, the one-CTA-per-SM kernel for one token), or None."""
+        return self._wholes[0].kernel if self._wholes else None
+
+    @property
+    def _whole_ctas(self) -> int:
+        return self._wholes[0].ctas if self._wholes else 0
+
+    def _whole_max_chunks(self, tiling: WholeItemTiling) -> int:
+        """The most chunks an item may be cut into on a whole-item kernel (1: whole items only): past the
         tiling's cap for merges on the kernel's tail only where the second launch merges such plans (it
         takes every merge past scheduler.MERGE_LAUNCH_ROWS rows: see merge_launch)."""
-        t = whole_item_tiling(self.spec, self.max_q_len) if self._whole is not None else None
-        if t is None:
-            return 1
         launch = not self.use_cuda_graph if self.merge_in_launch is None else self.merge_in_launch
-        return max(t.max_chunks, t.max_chunks_merge_launch) if launch else t.max_chunks
+        return max(tiling.max_chunks, tiling.max_chunks_merge_launch) if launch else tiling.max_chunks
 
-    def _make_whole_kernel(self, spec) -> Optional[DecodeKernel]:
+    def _whole_launches(self, spec, fits=lambda kernel: True) -> tuple[WholeItemLaunch, ...]:
+        """The whole-item kernels this wrapper may launch (kernels.decode.whole_item_tilings), those that `fits`."""
+        if self.FAMILY != "decode":
+            return ()
+        tilings = whole_item_tilings(spec, self.max_q_len)
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
-        return whole_item_kernel(spec, self.max_q_len) if self.FAMILY == "decode" else None
+        kernels = (self._make_whole_kernel(k) for k in whole_item_kernels(spec, self.max_q_len))
+        return tuple(WholeItemLaunch(k, grid_ctas(self.num_sms, k.ctas_per_sm), t)
+                     for k, t in zip(kernels, tilings) if fits(k))
+
+    def _make_whole_kernel(self, kernel: DecodeKernel) -> DecodeKernel:
+        return kernel  # (a hook for the benchmarks' kernel twins)
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
@@ -230,8 +252,7 @@ class BatchDecode:
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan, w._memo = torch.device("cpu"), False, None, checks.RunMemo()
         w.num_sms, w.num_ctas, w.max_batch_size = num_sms, num_sms * w.kernel.ctas_per_sm, max_batch_size
-        w.whole_items, w._whole = None, w._make_whole_kernel(spec)
-        w._whole_ctas = num_sms * w._whole.ctas_per_sm if w._whole else 0
+        w.whole_items, w._wholes = None, w._whole_launches(spec)
         w._staged_upload = HostOnlyUpload  # the instance attribute shadows the GPU upload
         w._alloc_int_buffers(max_num_pages)
         ops.handle(w)
@@ -246,17 +267,18 @@ class BatchDecode:
         return self._upload.dev.data_ptr() + 4 * self._offsets[name][0]
 
     def _workspace_need(self) -> int:
-        # the larger grid of the two kernels a plan may pick (the verify step's whole-item kernel has 4 CTAs an
-        # SM against the default's 3: slots for its CTAs, or its partial states overran the lse region)
-        return self.workspace_bytes(self.spec, max(self.num_ctas, self._whole_ctas), self.max_q_len)
+        # the largest grid of the kernels a plan may pick (a 4-CTA whole-item kernel against the default's 3:
+        # slots for its CTAs, or its partial states overran the lse region)
+        ctas = max([self.num_ctas] + [w.ctas for w in self._wholes])
+        return self.workspace_bytes(self.spec, ctas, self.max_q_len)
 
     @staticmethod
     def workspace_bytes(spec: AttentionSpec, num_ctas: int, max_q_len: int = 1) -> int:
         """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA (a work item's
         rows: group x max_q_len), and 32 bytes past them (the merge copies the lse values in aligned 16-byte
-        blocks). A wrapper needs it for the larger of its two grids (num_ctas, and a whole-item kernel's CTAs:
-        4 an SM for verify steps of 9-16 rows an item); its constructor says how many bytes where a given
-        workspace is smaller."""
+        blocks). A wrapper needs it for the largest of its grids (num_ctas, and its whole-item kernels' CTAs:
+        4 an SM for one token on the transposed pipeline and for verify steps of 9-16 rows an item); its
+        constructor says how many bytes where a given workspace is smaller."""
         return 2 * num_ctas * spec.group_size * max_q_len * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------
@@ -362,20 +384,20 @@ class BatchDecode:
         return self._plan["kernel"], self._plan["ctas"]
 
     def _launch_plan(self, kv_begin, kv_end, items_per_request: int) -> tuple:
-        """(kernel, grid CTAs, stream plan, items per request): the whole-item kernel where this plan has
-        about one (near-)equal item per SM, or where that kernel takes chunked plans, equal items cut into
-        equal chunks of about one per SM (see whole_items in __init__); else the default kernel."""
-        whole, ctas = self._whole, self._whole_ctas
-        if whole is not None and (self.whole_items or not self.use_cuda_graph):
-            # the whole-item kernel's items may hold more query heads (MQA: head_splits 1)
+        """(kernel, grid CTAs, stream plan, items per request): a whole-item kernel where this plan has
+        about one (near-)equal item per CTA of its grid, or where that kernel takes chunked plans, equal items
+        cut into equal chunks of about one a CTA (see whole_items in __init__); else the default kernel."""
+        for whole, ctas, tiling in self._wholes if self.whole_items or not self.use_cuda_graph else ():
+            # a whole-item kernel's items may hold more query heads (MQA: head_splits 1)
             per_request = items_per_request // self.kernel.head_splits * whole.head_splits
+            max_chunks = self._whole_max_chunks(tiling)
             if self.use_cuda_graph and self._plan is not None:  # the captured graph launches that kernel
                 use = self._plan["kernel"] is whole
             else:
-                use = scheduler.in_whole_item_band(len(kv_end) * per_request, ctas, self._whole_max_chunks)
+                use = scheduler.in_whole_item_band(len(kv_end) * per_request, ctas, max_chunks)
             if use:
                 work = scheduler.plan_whole_items(kv_begin, kv_end, per_request, ctas)
-                if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= self._whole_max_chunks:
+                if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= max_chunks:
                     return whole, ctas, work, per_request
         return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request), items_per_request
 

@@ -80,18 +80,16 @@ def verify_kernel(spec: AttentionSpec, max_q_len: int):
 
 
 def modules_for(spec) -> list:
-    """Every JitModule a spec may launch: a decode spec's default kernel and, where it has one, its
-    whole-item kernel (BatchDecode(whole_items=...) picks it per plan), a verify entry's too; a prefill spec's
+    """Every JitModule a spec may launch: a decode spec's default kernel and, where it has them, its
+    whole-item kernels (BatchDecode(whole_items=...) picks one per plan), a verify entry's too; a prefill spec's
     kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what
     plans pick."""
     mods = [module_for(spec)]
-    from .kernels.decode import DecodeKernel, whole_item_kernel
+    from .kernels.decode import DecodeKernel, whole_item_kernels
     if isinstance(spec, AttentionSpec) and spec.family == "decode":
-        whole = whole_item_kernel(spec)
-        mods += [whole.module()] if whole is not None else []
+        mods += [whole.module() for whole in whole_item_kernels(spec)]
     if isinstance(spec, DecodeKernel) and spec.max_q_len > 1:  # a spec file's verify entry (verify_kernel)
-        whole = whole_item_kernel(spec.spec, spec.max_q_len)
-        mods += [whole.module()] if whole is not None else []
+        mods += [whole.module() for whole in whole_item_kernels(spec.spec, spec.max_q_len)]
     if isinstance(spec, AttentionSpec) and spec.family == "prefill":
         from .kernels.prefill import PrefillKernel, default_backend
         kernel = PrefillKernel(spec, default_backend(spec))

@@ -66,9 +66,8 @@ def kernel_twin(changes: dict) -> type:
         def _make_kernel(self, *args):
             return dataclasses.replace(super()._make_kernel(*args), **changes)
 
-        def _make_whole_kernel(self, spec):
-            k = super()._make_whole_kernel(spec)
-            return k and dataclasses.replace(k, **changes)
+        def _make_whole_kernel(self, kernel):
+            return dataclasses.replace(super()._make_whole_kernel(kernel), **changes)
     return Twin
 
 
@@ -96,11 +95,15 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         if pipeline != "auto" or stages is not None:
             continue
         # the default beside itself with one choice undone: a plain launch (the default's PDL overlaps
-        # consecutive calls), and where the plan snapped its cuts, the same plan unsnapped
+        # consecutive calls), where the plan snapped its cuts the same plan unsnapped, and where it took a
+        # whole-item kernel the default kernel's plan
         twins = {"attnforge-no-pdl": {"pdl": False}, **({"attnforge-no-snap": {"span_snap": 0}}
-                                                         if w._plan["work"].snap else {})}
+                                                         if w._plan["work"].snap else {}),
+                 **({"attnforge-no-whole-items": {"whole_items": False}} if w.planned_kernel[0] is not w.kernel
+                    else {})}
         for name, change in twins.items():
-            twin = BatchDecode(spec, max_batch_size=max(256, len(lengths)), pdl=change.get("pdl", True))
+            twin = BatchDecode(spec, max_batch_size=max(256, len(lengths)), pdl=change.get("pdl", True),
+                               whole_items=change.get("whole_items"))
             twin.span_snap = change.get("span_snap")  # None: the scheduler's default
             twin.plan(indptr, indices, last, page_size=page_size)
             runs[name] = (lambda w, out: lambda: w.run(q, cache, out=out))(twin, torch.empty_like(q))

@@ -37,14 +37,16 @@ def test_build_spec_file_info_and_clear(tmp_path):
     assert r.returncode == 0 and not cache.exists()
 
 
-def test_build_covers_the_whole_item_kernel_a_decode_spec_may_launch(tmp_path):
-    """GQA 32/8 d128 bf16 decode has a whole-item kernel (kernels.decode.whole_item_tiling): an AOT build
-    of the spec builds it beside the default one, so a run without JIT finds both."""
+def test_build_covers_the_whole_item_kernels_a_decode_spec_may_launch(tmp_path):
+    """GQA 32/8 d128 bf16 decode has two whole-item kernels (kernels.decode.whole_item_tilings: one CTA an SM,
+    and 4 CTAs an SM): an AOT build of the spec builds them beside the default one, so a run without JIT finds
+    all three."""
     specs = tmp_path / "specs.json"
     specs.write_text(json.dumps([{"family": "decode"}]))
     r = cli("build", "--spec-file", str(specs), cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr
-    assert "building 2 modules" in r.stderr and "_t64s2w4)" in r.stdout and "_t128s3w8)" in r.stdout
+    assert "building 3 modules" in r.stderr
+    assert all(f"_{tiling})" in r.stdout for tiling in ("t64s2w4", "t128s3w8", "t32s3w2"))
 
 
 def test_build_preset(tmp_path):

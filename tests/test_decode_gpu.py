@@ -441,6 +441,62 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
     assert w.planned_kernel == (w._whole, sms) and w._whole.tile_kv == 128
 
 
+# ~one (near-)equal item per CTA of a 4-CTA-an-SM grid (one token, transposed, 16-bit d128:
+# kernels.decode.four_cta_tiling): 32-token tiles of two warps, each item read whole by one CTA
+@pytest.mark.parametrize("page_size,layout,q_dtype,hkv", [(16, "NHD", "bf16", 8), (7, "HND", "fp16", 8),
+                                                         (1, "NHD", "bf16", 4)])
+def test_four_cta_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv):
+    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 4 * sms // hkv  # x KV heads: 512 or 528 items on the H200's 528 CTAs
+    lengths = [700 - (i % 5) for i in range(batch)]  # near-equal, no multiple of the 32-token tile
+    w, _ = run_case(spec, lengths, page_size, seed=page_size)
+    four = w._wholes[1]
+    if not scheduler.in_whole_item_band(batch * hkv, four.ctas):
+        pytest.skip(f"{batch * hkv} items on {four.ctas} CTAs: outside the band")
+    assert w.planned_kernel == (four.kernel, 4 * sms) and four.kernel.tile_kv == 32
+    assert scheduler.is_whole_item_plan(w._plan["work"])
+
+
+def test_four_cta_whole_item_kernel_under_cuda_graphs_after_replans():
+    """whole_items=True under a graph, a first plan of ~4 x SMs equal items: the captured 4-CTA kernel replays
+    near-equal plans (whole items) and unequal ones (a plain stream over its grid, items split and merged)."""
+    spec = AttentionSpec()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, page_size, pages = 4 * sms // 8, 16, 8192
+    rng = np.random.default_rng(4)
+    cache = torch.randn(pages, 2, page_size, 8, 128, device="cuda").bfloat16()
+    q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    w = BatchDecode(spec, use_cuda_graph=True, max_batch_size=batch, max_num_pages=pages, whole_items=True)
+    kinds = []
+
+    def replan():
+        equal = len(kinds) % 2 == 0
+        lens = np.full(batch, int(rng.integers(400, 1200))) - rng.integers(0, 16, batch) if equal else \
+            rng.integers(1, 800, batch)
+        lens = lens.astype(np.int64)
+        pages_per = -(-lens // page_size)
+        indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
+        indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
+        last = (lens - (pages_per - 1) * page_size).astype(np.int32)
+        w.plan(indptr, indices, last, page_size=page_size)
+        kinds.append(scheduler.is_whole_item_plan(w._plan["work"]))
+        return indptr, indices, last
+
+    def refresh():
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(math.nan)
+
+    from attnforge import reference
+    for i, (indptr, indices, last) in replays_after_replans(lambda: w.run(q, cache, out=out), replan, refresh, 8):
+        assert w.planned_kernel == (w._wholes[1].kernel, 4 * sms)
+        per = reference.gather_paged(cache[:, 0].float(), cache[:, 1].float(), "NHD", indptr, indices, last, page_size)
+        ref, _ = decode_reference(spec, q, per)
+        assert (out.double() - ref).abs().max().item() < 2e-2, f"replay {i}"
+    assert any(kinds) and not all(kinds)  # both kinds of plan replayed
+
+
 # equal items cut into k equal chunks, about one a CTA, on the whole-item kernels that take such plans
 # (kernels.decode.whole_item_tiling: fp8 on 16 warps, the normal pipeline's 16-head tile, MQA as one item of
 # every query head); k = 1 reads fp8 items whole
@@ -458,7 +514,7 @@ def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size
     batch = sms // (hkv * chunks)  # whole-item items (MQA: one a request) x chunks: 128 to 132 CTAs on the H200
     lengths = [300 * chunks + 37 - (i % 5) for i in range(batch)]  # near-equal, cuts inside the tiles
     w, _ = run_case(spec, lengths, page_size, seed=chunks)
-    if not scheduler.in_whole_item_band(batch * hkv, sms, w._whole_max_chunks):
+    if not scheduler.in_whole_item_band(batch * hkv, sms, w._whole_max_chunks(w._wholes[0].tiling)):
         pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
     assert w.planned_kernel == (w._whole, sms) and scheduler.aligned_chunks(w._plan["work"]) == chunks
     assert w._plan["stream_items"] == hkv  # MQA's whole-item kernel: every query head in one item

@@ -73,7 +73,7 @@ def whole_wrapper(graph: bool = False, whole_items=None, **spec_kw) -> BatchDeco
                               max_num_pages=1 << 13)
     w.use_cuda_graph, w.whole_items = graph, whole_items
     if whole_items is False:  # (as the constructor: no whole-item kernel at all)
-        w._whole = None
+        w._wholes = ()
     return w
 
 
@@ -86,6 +86,51 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
     for lengths in ([4096] * 12, [65536] + [512] * 15):  # 96 items; unequal items
         w.plan(*table(lengths), page_size=16)
         assert w.planned_kernel == (w.kernel, w.num_ctas)
+
+
+def test_about_four_equal_items_per_sm_plan_the_four_cta_kernel():
+    """One token a request on the transposed pipeline (16-bit, d128) has a second whole-item kernel, of 4 CTAs
+    an SM (kernels.decode.four_cta_tiling): 64 equal requests x 8 KV heads are 512 items on its 528 CTAs, one
+    whole item each, where the default kernel's 396 CTAs would split them. 128 items keep the one-CTA-an-SM
+    kernel; 480 (B60: 10% of the CTAs idle) and unequal requests the default kernel. The workspace and the
+    partial slots hold the largest grid."""
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w = BatchDecode.host_only(spec)
+    assert [(x.kernel.ctas_per_sm, x.ctas) for x in w._wholes] == [(1, 132), (4, 528)]
+    four = w._wholes[1].kernel
+    assert (four.tile_kv, four.num_stages, four.num_warps, four.spec.pipeline) == (32, 3, 2, "transposed")
+    assert four.head_splits == 1 and four.item_rows == 4 and w.partial_slot_rows() >= 528 * 4
+    assert w._workspace_need() >= BatchDecode.workspace_bytes(spec, 528)
+    w.plan(*table([4096] * 63 + [4090]), page_size=16)
+    assert w.planned_kernel == (four, 528) and scheduler.is_whole_item_plan(w._plan["work"])
+    w.plan(*table([4096] * 16), page_size=16)
+    assert w.planned_kernel == (w._whole, 132)
+    for lengths in ([4096] * 60, [8192] + [4096] * 63):
+        w.plan(*table(lengths), page_size=16)
+        assert w.planned_kernel == (w.kernel, w.num_ctas)
+    graph = BatchDecode.host_only(spec)
+    graph.use_cuda_graph, graph.whole_items = True, True  # the first plan's batch picks the kernel a graph keeps
+    graph.plan(*table([4096] * 64), page_size=16)
+    assert graph.planned_kernel == (four, 528)
+    graph.plan(*table([8192] + [100] * 63), page_size=16)  # unequal: a plain stream over the captured grid
+    work = graph._plan["work"]
+    assert graph.planned_kernel == (four, 528) and work.span == -(-work.total // 528)
+
+
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"pipeline": "normal"}, {"head_dim_qk": 64},
+                                     {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi"])
+def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
+    """fp8 KV (4 CTAs an SM on its default already), the normal pipeline, d64 / d256, groups past 8 (two n8
+    head tiles) and slopes read at run time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
+    from attnforge import mods
+    from attnforge.kernels.decode import FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
+    if spec_kw == "alibi":
+        spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
+    spec = AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw})
+    w = BatchDecode.host_only(spec)
+    assert four_cta_tiling(w.spec) is None and FOUR_CTA_WHOLE_ITEM_TILING not in [x.tiling for x in w._wholes]
+    w.plan(*table([4096] * (512 // w._stream_items())), page_size=16)
+    assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
 @pytest.mark.parametrize("hq,q_len,rows", [(32, 4, 16), (32, 3, 12), (64, 2, 16)])
@@ -318,7 +363,7 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
     from attnforge import presets
     for spec in (AttentionSpec(), AttentionSpec(kv_dtype="fp8_e4m3"), AttentionSpec(num_qo_heads=32, num_kv_heads=2)):
         w = BatchDecode.host_only(spec)
-        launched = {w.kernel.module().name} | ({w._whole.module().name} if w._whole else set())
+        launched = {w.kernel.module().name} | {whole.kernel.module().name for whole in w._wholes}
         assert {m.name for m in presets.modules_for(spec)} == launched
     assert presets.modules_for(AttentionSpec(family="prefill"))[1:] == []  # prefill: one kernel
 
@@ -337,8 +382,8 @@ def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
     for entry, spec, q in zip(entries, (AttentionSpec(num_qo_heads=32, num_kv_heads=8),
                                         AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype="fp8_e4m3")), (4, 2)):
         w = BatchDecode.host_only(spec, max_q_len=q)
-        launched = [w.kernel.module().name] + ([w._whole.module().name] if w._whole else [])
-        assert [m.name for m in presets.modules_for(entry)] == launched and (w._whole is not None) == (q == 4)
+        launched = [w.kernel.module().name] + [whole.kernel.module().name for whole in w._wholes]
+        assert [m.name for m in presets.modules_for(entry)] == launched and len(w._wholes) == (q == 4)
         w.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16, q_len=q)
         one = BatchDecode.host_only(spec)
         one.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16)

@@ -133,10 +133,10 @@ MERGED_HEAD_ROWS = 1056
 MQA_MERGE_LAUNCH_CHUNKS = 132
 
 
-# Verify steps (several query tokens a request) whose items fill the normal pipeline's one 16-bit m16 tile (9-16
-# rows): 32-token tiles of two warps in three stages hold 4 CTAs an SM against the default's 3, so a batch of
-# about 4 x SMs equal items reads each whole, one a CTA (verify_whole_item_tiling)
-VERIFY_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
+# 32-token tiles of two warps in three stages hold 4 CTAs an SM against the default's 3, so a batch of about
+# 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
+# m16 tile (verify_whole_item_tiling), and one token a request on the transposed pipeline (four_cta_tiling)
+FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
 
 
 def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
@@ -153,7 +153,30 @@ def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Wh
             spec.kv_dtype == "fp8_e4m3" or _slope_read_at_run_time(spec):
         return None
     rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
-    return VERIFY_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
+    return FOUR_CTA_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
+
+
+def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
+    """The 4-CTA-an-SM whole-item tiling for one token a request, or None: beside whole_item_tiling's one CTA
+    an SM (items ~ SMs), it takes batches of about 4 x SMs equal items, one whole item a CTA, where the
+    default kernel's 3 CTAs an SM would split them (B64 x 8 KV heads: 512 items on 396 CTAs, spans of 1.29
+    items). Measured (GQA 32/8 d128 bf16, page 16, transposed, explicit tilings in rotation against the
+    default, sixty-ninth session): B64 L4096 249.5-250.8 against 253.1-254.0 us (-1.4%), again 244.7 against
+    246.7 (-0.8%), B66 -2.4%; as a plain default it lost where items were not whole on it (B48, 384 items,
+    whole on the default's 396 CTAs: +7%), hence the band. fp8 KV already holds 4 CTAs an SM on its default;
+    the normal pipeline (groups past 8), d64 / d256 and slopes read at run time were not measured."""
+    if spec.family != "decode" or spec.pipeline != "transposed" or spec.head_dim_qk != 128 or \
+            spec.kv_dtype == "fp8_e4m3" or spec.group_size > 8 or _slope_read_at_run_time(spec):
+        return None
+    return FOUR_CTA_WHOLE_ITEM_TILING
+
+
+def whole_item_tilings(spec: AttentionSpec, max_q_len: int = 1) -> tuple[WholeItemTiling, ...]:
+    """Every whole-item tiling a wrapper may launch beside its default kernel, in the order its plans try
+    them: whole_item_tiling's, then for one token a request four_cta_tiling's (their bands of items per CTA
+    do not overlap: ~1 x SMs and ~4 x SMs)."""
+    tilings = (whole_item_tiling(spec, max_q_len),) + ((four_cta_tiling(spec),) if max_q_len == 1 else ())
+    return tuple(t for t in tilings if t is not None)
 
 
 def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[WholeItemTiling]:
@@ -213,14 +236,25 @@ def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
 
 
 def whole_item_kernel(spec: AttentionSpec, max_q_len: int = 1) -> Optional["DecodeKernel"]:
-    """The spec's whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
-    verify_whole_item_tiling), or None: what BatchDecode may launch beside its default kernel, and what an
-    AOT build of the spec builds beside it (presets.modules_for)."""
+    """The spec's first whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
+    verify_whole_item_tiling), or None."""
     t = whole_item_tiling(spec, max_q_len) if spec.family == "decode" else None
+    return _whole_item_kernel(spec, t, max_q_len) if t else None
+
+
+def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["DecodeKernel", ...]:
+    """The kernels of whole_item_tilings: what BatchDecode may launch beside its default kernel, and what an
+    AOT build of the spec builds beside it (presets.modules_for)."""
+    if spec.family != "decode":
+        return ()
+    return tuple(_whole_item_kernel(spec, t, max_q_len) for t in whole_item_tilings(spec, max_q_len))
+
+
+def _whole_item_kernel(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int) -> "DecodeKernel":
     # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
     # a verify step: the default head splits (its rows are 16 at most: no split)
     return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1 if max_q_len == 1 else None,
-                        max_q_len=max_q_len) if t else None
+                        max_q_len=max_q_len)
 
 
 @dataclass(frozen=True)

@@ -57,13 +57,13 @@ def test_modules_without_a_planned_occupancy_are_not_asked():
 
 def _default_kernels():
     """The kernels the wrappers pick by default across the families' main shapes."""
-    from attnforge.kernels.decode import DecodeKernel, whole_item_kernel
+    from attnforge.kernels.decode import DecodeKernel, whole_item_kernel, whole_item_kernels
     from attnforge.kernels.mla import MLADecodeKernel, default_backend as mla_backend
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     decode = [AttentionSpec(), AttentionSpec(pipeline="normal"), AttentionSpec(head_dim_qk=256),
               AttentionSpec(head_dim_qk=64), AttentionSpec(kv_dtype="fp8_e4m3"),
               AttentionSpec(num_qo_heads=32, num_kv_heads=1), AttentionSpec(num_qo_heads=32, num_kv_heads=4)]
-    ks = [DecodeKernel(s) for s in decode] + [k for k in map(whole_item_kernel, decode) if k is not None]
+    ks = [DecodeKernel(s) for s in decode] + [k for s in decode for k in whole_item_kernels(s)]  # (4-CTA ones too)
     ks.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=4))  # the verify step's, 4 CTAs an SM
     for heads, pipeline in ((8, "transposed"), (16, "transposed"), (16, "normal"), (64, "normal"), (128, "normal")):
         s = AttentionSpec(family="mla_decode", num_qo_heads=heads, num_kv_heads=1, head_dim_qk=576,
