@@ -172,8 +172,8 @@ class BatchDecode:
 
     def partial_slot_rows(self) -> int:
         """Query rows of one of the two partial-state slots per CTA (attnforge/scheduler.py), summed over the
-        CTAs, for either kernel: the whole-item kernel has fewer CTAs, whose items may hold more rows (MQA's
-        every query head, against the default kernel's 16-head items)."""
+        CTAs, for every kernel a plan may pick: a whole-item kernel has fewer CTAs, whose items may hold more
+        rows (MQA's every query head, against the default kernel's 16-head items), or more CTAs (4 an SM)."""
         whole = max((w.ctas * w.kernel.item_rows for w in self._wholes), default=0)
         return max(self.num_ctas * self._rows_per_slot(), whole)
 
