@@ -441,6 +441,15 @@ def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv
     assert w.planned_kernel == (w._whole, sms) and w._whole.tile_kv == 128
 
 
+def shuffled_page_table(rng, lens, page_size: int, pages: int):
+    """(kv_indptr, kv_indices, kv_last_page_len) of requests of `lens` tokens on pages drawn at random from `pages`."""
+    lens = np.asarray(lens, dtype=np.int64)
+    pages_per = -(-lens // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
+    indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
+    return indptr, indices, (lens - (pages_per - 1) * page_size).astype(np.int32)
+
+
 # ~one (near-)equal item per CTA of a 4-CTA-an-SM grid (one token, transposed, 16-bit d128:
 # kernels.decode.four_cta_tiling): 32-token tiles of two warps, each item read whole by one CTA
 @pytest.mark.parametrize("page_size,layout,q_dtype,hkv", [(16, "NHD", "bf16", 8), (7, "HND", "fp16", 8),
@@ -475,11 +484,7 @@ def test_four_cta_whole_item_kernel_under_cuda_graphs_after_replans():
         equal = len(kinds) % 2 == 0
         lens = np.full(batch, int(rng.integers(400, 1200))) - rng.integers(0, 16, batch) if equal else \
             rng.integers(1, 800, batch)
-        lens = lens.astype(np.int64)
-        pages_per = -(-lens // page_size)
-        indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
-        indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
-        last = (lens - (pages_per - 1) * page_size).astype(np.int32)
+        indptr, indices, last = shuffled_page_table(rng, lens, page_size, pages)
         w.plan(indptr, indices, last, page_size=page_size)
         kinds.append(scheduler.is_whole_item_plan(w._plan["work"]))
         return indptr, indices, last
@@ -564,11 +569,7 @@ def test_whole_item_kernel_under_cuda_graphs_after_replans(hkv, kv_dtype):
         lens = rng.integers(1, 3000, batch) if len(kinds) % 2 else np.full(batch, int(rng.integers(100, 3000)))
         if len(kinds) % 2 == 0:
             lens = lens - rng.integers(0, 16, batch)  # near-equal: last pages filled differently
-        lens = lens.astype(np.int64)
-        pages_per = -(-lens // page_size)
-        indptr = np.concatenate([[0], np.cumsum(pages_per)]).astype(np.int32)
-        indices = rng.permutation(pages)[: indptr[-1]].astype(np.int32)
-        last = (lens - (pages_per - 1) * page_size).astype(np.int32)
+        indptr, indices, last = shuffled_page_table(rng, lens, page_size, pages)
         w.plan(indptr, indices, last, page_size=page_size)
         kinds.append(scheduler.aligned_chunks(w._plan["work"]) > 0)
         return indptr, indices, last
