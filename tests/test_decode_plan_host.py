@@ -117,6 +117,22 @@ def test_about_four_equal_items_per_sm_plan_the_four_cta_kernel():
     assert graph.planned_kernel == (four, 528) and work.span == -(-work.total // 528)
 
 
+@pytest.mark.parametrize("spec_kw", [{}, {"pipeline": "normal"}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 1},
+                                     {"num_kv_heads": 2}, {"num_qo_heads": 128}, {"head_dim_qk": 256},
+                                     {"head_dim_qk": 64}, {"num_kv_heads": 32}])
+@pytest.mark.parametrize("max_q_len", [1, 2, 4, 8])
+def test_workspace_and_slots_hold_every_kernel_a_plan_may_pick(spec_kw, max_q_len):
+    """Each kernel a wrapper may launch (its default and its whole-item kernels, whatever their grids) writes
+    partial states into the two slots of each of its CTAs: the slot rows and the workspace must hold the largest
+    such grid (a wrapper sized for its default grid alone once overran the lse region on the H200)."""
+    spec = AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw})
+    w = BatchDecode.host_only(spec, max_q_len=max_q_len)
+    kernels = [(w.kernel, w.num_ctas)] + [(x.kernel, x.ctas) for x in w._wholes]
+    rows = max(ctas * k.item_rows for k, ctas in kernels)
+    assert w.partial_slot_rows() >= rows
+    assert w._workspace_need() >= 2 * rows * (w.spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
+
+
 @pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"pipeline": "normal"}, {"head_dim_qk": 64},
                                      {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi"])
 def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
