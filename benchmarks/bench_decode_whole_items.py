@@ -44,7 +44,14 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "alibi B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
                "softcap B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
                "d64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 8), 64),
-               "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64)}
+               "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64),
+               # about 4 x SMs equal items: the 4-CTA whole-item band (kernels.decode.four_cta_tiling), transposed
+               # groups and (docs/prepared/four-cta-one-m16-tile.patch) the normal pipeline's one m16 tile
+               "B66 L4096": ([4096] * 66, 16, "bf16", "NHD"),
+               "g8 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (32, 4)),
+               "g16x8 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (128, 8)),
+               "g12 B66 L4096": ([4096] * 66, 16, "bf16", "NHD", (96, 8)),
+               "g16 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (64, 4))}
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}
@@ -54,7 +61,7 @@ DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192
 
 def variants(spec) -> dict:
     """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
-    choice), `t128s3w8 aligned` (that tiling forced, spans grown to whole items or cut into equal chunks of
+    choice: about 4 x SMs equal items may take the 4-CTA whole-item kernel), `t128s3w8 aligned` (that tiling forced, spans grown to whole items or cut into equal chunks of
     about one a CTA), and the spec's own whole-item tiling where it is another (fp8's 16 warps, MQA's
     one item of every query head)."""
     from attnforge.kernels.decode import DecodeKernel, whole_item_tiling
