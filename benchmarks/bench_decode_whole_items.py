@@ -61,9 +61,9 @@ DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192
 
 def variants(spec) -> dict:
     """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
-    choice: about 4 x SMs equal items may take the 4-CTA whole-item kernel), `t128s3w8 aligned` (that tiling forced, spans grown to whole items or cut into equal chunks of
-    about one a CTA), and the spec's own whole-item tiling where it is another (fp8's 16 warps, MQA's
-    one item of every query head)."""
+    choice: about 4 x SMs equal items may take the 4-CTA whole-item kernel), `t128s3w8 aligned` (that tiling
+    forced, spans grown to whole items or cut into equal chunks of about one a CTA), and the spec's own
+    whole-item tiling where it is another (fp8's 16 warps, MQA's one item of every query head)."""
     from attnforge.kernels.decode import DecodeKernel, whole_item_tiling
     out = {"split": BatchDecode(spec, whole_items=False), "auto": BatchDecode(spec)}
     splits = DecodeKernel(spec).head_splits  # a forced tiling keeps the default kernel's head splits
