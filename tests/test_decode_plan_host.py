@@ -134,10 +134,12 @@ def test_workspace_and_slots_hold_every_kernel_a_plan_may_pick(spec_kw, max_q_le
 
 
 @pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"pipeline": "normal"}, {"head_dim_qk": 64},
-                                     {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi"])
+                                     {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi",
+                                     {"num_kv_heads": 32}, {"num_kv_heads": 16}])
 def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
     """fp8 KV (4 CTAs an SM on its default already), the normal pipeline, d64 / d256, groups past 8 (two n8
-    head tiles) and slopes read at run time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
+    head tiles), groups below 4 (MHA, 32/16: items mostly padding rows) and slopes read at run time: no 4-CTA
+    kernel; 512 equal items stream on the default kernel (MHA and 32/16 keep their one-CTA-an-SM kernel)."""
     from attnforge import mods
     from attnforge.kernels.decode import FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
     if spec_kw == "alibi":
