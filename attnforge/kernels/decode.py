@@ -160,18 +160,22 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     """The 4-CTA-an-SM whole-item tiling for one token a request, or None: beside whole_item_tiling's one CTA
     an SM (items ~ SMs), it takes batches of about 4 x SMs equal items, one whole item a CTA, where the
     default kernel's 3 CTAs an SM would split them (B64 x 8 KV heads: 512 items on 396 CTAs, spans of 1.29
-    items). Measured (GQA 32/8 d128 bf16, page 16, transposed, explicit tilings in rotation against the
-    default, sixty-ninth session): B64 L4096 249.5-250.8 against 253.1-254.0 us (-1.4%), again 244.7 against
-    246.7 (-0.8%), B66 -2.4%; as a plain default it lost where items were not whole on it (B48, 384 items,
-    whole on the default's 396 CTAs: +7%), hence the band; seventy-first session, against the plan without it:
-    B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%. Groups of 4-8 (one n8 head tile, half of it or
-    more filled): groups 1-3 (MHA, 32/16), whose items are mostly padding rows, were not measured (nor were
-    the MHA record rows of suites head_dims and quest re-measured on it), nor the normal pipeline (groups past
-    8), d64 / d256 and slopes read at run time; fp8 KV already holds 4 CTAs an SM on its default."""
-    if spec.family != "decode" or spec.pipeline != "transposed" or spec.head_dim_qk != 128 or \
-            spec.kv_dtype == "fp8_e4m3" or not 4 <= spec.group_size <= 8 or _slope_read_at_run_time(spec):
+    items). As a plain default it lost where items were not whole on it (B48, 384 items, whole on the
+    default's 396 CTAs: +7%), hence the band. Measured against the plan without it (docs/perf-notes.md):
+    - transposed, groups of 4-8 (one n8 head tile, half of it or more filled; seventy-first session):
+      GQA 32/8 B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%;
+    - normal, groups of 9-16 (one m16 tile, every query head in one item: the verify step's item shape;
+      168 registers, no spills; seventy-second session): GQA 128/8 B64 L4096 -3.9%, 96/8 B66 -4.6%,
+      64/4 B128 L2048 -6.0%.
+    Not measured, so left out: groups 1-3 (MHA, 32/16: items mostly padding rows; nor were the MHA record
+    rows of suites head_dims and quest), d64 / d256 and slopes read at run time. fp8 KV already holds 4 CTAs
+    an SM on its default."""
+    if spec.family != "decode" or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
+            _slope_read_at_run_time(spec):
         return None
-    return FOUR_CTA_WHOLE_ITEM_TILING
+    g = spec.group_size
+    one_tile = 4 <= g <= 8 if spec.pipeline == "transposed" else 8 < g <= 16
+    return FOUR_CTA_WHOLE_ITEM_TILING if one_tile else None
 
 
 def whole_item_tilings(spec: AttentionSpec, max_q_len: int = 1) -> tuple[WholeItemTiling, ...]:
