@@ -81,8 +81,8 @@ class BatchDecode:
         # whole_items: where a plan has about one (near-)equal item per SM, run a one-CTA-per-SM kernel that
         # reads each item whole, or for some specs equal items cut into equal chunks of about one per SM
         # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel); where
-        # it has about one equal item a CTA of a 4-CTA-an-SM kernel, that kernel (one token a request on the
-        # transposed pipeline: kernels.decode.four_cta_tiling; verify steps of 9-16 rows an item:
+        # it has about one equal item a CTA of a 4-CTA-an-SM kernel, that kernel (one token a request, a group
+        # filling one head tile: kernels.decode.four_cta_tiling; verify steps of 9-16 rows an item:
         # kernels.decode.verify_whole_item_tiling).
         # None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured, and a capture's
         # placeholder lengths say little about later batches); True: also under CUDA graphs,

@@ -135,7 +135,7 @@ MQA_MERGE_LAUNCH_CHUNKS = 132
 
 # 32-token tiles of two warps in three stages hold 4 CTAs an SM against the default's 3, so a batch of about
 # 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
-# m16 tile (verify_whole_item_tiling), and one token a request on the transposed pipeline (four_cta_tiling)
+# m16 tile (verify_whole_item_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
 FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
 
 
