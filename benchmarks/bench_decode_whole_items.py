@@ -46,12 +46,16 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "d64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 8), 64),
                "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64),
                # about 4 x SMs equal items: the 4-CTA whole-item band (kernels.decode.four_cta_tiling), transposed
-               # groups and (docs/prepared/four-cta-one-m16-tile.patch) the normal pipeline's one m16 tile
+               # groups of 4-8 and the normal pipeline's one m16 tile
                "B66 L4096": ([4096] * 66, 16, "bf16", "NHD"),
                "g8 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (32, 4)),
                "g16x8 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (128, 8)),
                "g12 B66 L4096": ([4096] * 66, 16, "bf16", "NHD", (96, 8)),
-               "g16 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (64, 4))}
+               "g16 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (64, 4)),
+               # groups of 1-3 on it, 512 items (mha B16 L8192 above: head_dims' MHA row; L4096: Quest's MHA step)
+               "mha B16 L4096": ([4096] * 16, 16, "bf16", "NHD", (32, 32)),
+               "g2 B32 L4096": ([4096] * 32, 16, "bf16", "NHD", (32, 16)),
+               "g3 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (24, 8))}
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}
@@ -59,16 +63,18 @@ DEFAULT_CASES = ["B16 L8192", "B16 L2048", "B16 L65536", "B15 L8192", "B16 L8192
                  "mha B4 L32768", "g16 B64 L4096", "mqa B64 L4096"]
 
 
-def variants(spec) -> dict:
+def variants(spec, requests: int) -> dict:
     """label -> wrapper: `split` (whole_items=False: the three-CTAs-per-SM default), `auto` (BatchDecode's
     choice: about 4 x SMs equal items may take the 4-CTA whole-item kernel), `t128s3w8 aligned` (that tiling
-    forced, spans grown to whole items or cut into equal chunks of about one a CTA), and the spec's own
-    whole-item tiling where it is another (fp8's 16 warps, MQA's one item of every query head)."""
-    from attnforge.kernels.decode import DecodeKernel, whole_item_tiling
+    forced, spans grown to whole items or cut into equal chunks of about one a CTA), the spec's own
+    whole-item tiling where it is another (fp8's 16 warps, MQA's one item of every query head), and where
+    items outnumber 2 x SMs the 4-CTA tiling forced (`t32s3w2 aligned`: groups four_cta_tiling leaves out)."""
+    from attnforge.kernels.decode import FOUR_CTA_WHOLE_ITEM_TILING as FOUR, DecodeKernel, whole_item_tiling
     out = {"split": BatchDecode(spec, whole_items=False), "auto": BatchDecode(spec)}
     splits = DecodeKernel(spec).head_splits  # a forced tiling keeps the default kernel's head splits
+    many = requests * spec.num_kv_heads * splits > 2 * torch.cuda.get_device_properties(0).multi_processor_count
     tilings = [dict(zip(("tile_kv", "num_stages", "num_warps"), t), head_splits=splits)
-               for t in WHOLE[spec.head_dim_qk]]
+               for t in WHOLE[spec.head_dim_qk] + ([(FOUR.tile_kv, FOUR.stages, FOUR.warps)] if many else [])]
     own = whole_item_tiling(spec)
     if own is not None:
         own = dict(tile_kv=own.tile_kv, num_stages=own.stages, num_warps=own.warps, head_splits=1)
@@ -107,7 +113,7 @@ def main(argv: list[str]) -> None:
         mod = _mod(name.split()[0], hq)
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype=kv_dtype, kv_layout=layout,
                              score_mod=mod)
-        ws = variants(spec)
+        ws = variants(spec, len(lengths))
         runs = {}
         for label, w in ws.items():
             w.plan(indptr, indices, last, page_size=page)
