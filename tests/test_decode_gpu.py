@@ -450,7 +450,7 @@ def shuffled_page_table(rng, lens, page_size: int, pages: int):
     return indptr, indices, (lens - (pages_per - 1) * page_size).astype(np.int32)
 
 
-# ~one (near-)equal item per CTA of a 4-CTA-an-SM grid (one token, transposed, 16-bit d128:
+# ~one (near-)equal item per CTA of a 4-CTA-an-SM grid (one token, a group filling one head tile, 16-bit d128:
 # kernels.decode.four_cta_tiling): 32-token tiles of two warps, each item read whole by one CTA
 @pytest.mark.parametrize("page_size,layout,q_dtype,hkv,hq", [(16, "NHD", "bf16", 8, 32), (7, "HND", "fp16", 8, 32),
                                                             (1, "NHD", "bf16", 4, 32), (16, "NHD", "bf16", 8, 128),
