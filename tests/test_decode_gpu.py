@@ -454,7 +454,7 @@ def shuffled_page_table(rng, lens, page_size: int, pages: int):
 # kernels.decode.four_cta_tiling): 32-token tiles of two warps, each item read whole by one CTA
 @pytest.mark.parametrize("page_size,layout,q_dtype,hkv,hq", [(16, "NHD", "bf16", 8, 32), (7, "HND", "fp16", 8, 32),
                                                             (1, "NHD", "bf16", 4, 32), (16, "NHD", "bf16", 8, 128),
-                                                            (7, "HND", "fp16", 8, 96)])
+                                                            (7, "HND", "fp16", 8, 96), (1, "HND", "bf16", 8, 24)])
 def test_four_cta_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv, hq):
     spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv, num_qo_heads=hq)  # > 8: normal
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -133,13 +133,15 @@ def test_workspace_and_slots_hold_every_kernel_a_plan_may_pick(spec_kw, max_q_le
     assert w._workspace_need() >= 2 * rows * (w.spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
 
-@pytest.mark.parametrize("hq,hkv", [(128, 8), (96, 8), (64, 4)])
-def test_one_m16_head_tile_plans_the_four_cta_kernel(hq, hkv):
-    """Groups of 9-16 on the normal pipeline (one m16 tile, every query head in one item) take the 4-CTA kernel
-    too where equal items fill its grid: the verify step's item shape (16 rows and fewer)."""
+@pytest.mark.parametrize("hq,hkv,pipeline", [(128, 8, "normal"), (96, 8, "normal"), (64, 4, "normal"),
+                                             (24, 8, "transposed")])
+def test_one_head_tile_groups_plan_the_four_cta_kernel(hq, hkv, pipeline):
+    """Groups of 9-16 on the normal pipeline (one m16 tile, every query head in one item: the verify step's
+    item shape) and a group of 3 on the transposed one (3 of its n8 tile's rows) take the 4-CTA kernel too
+    where equal items fill its grid."""
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv))
     four = w._wholes[-1]
-    assert w.spec.pipeline == "normal" and (four.kernel.ctas_per_sm, four.ctas, four.kernel.item_rows) == \
+    assert w.spec.pipeline == pipeline and (four.kernel.ctas_per_sm, four.ctas, four.kernel.item_rows) == \
         (4, 528, hq // hkv)
     w.plan(*table([4096] * (512 // hkv)), page_size=16)
     assert w.planned_kernel == (four.kernel, 528) and scheduler.is_whole_item_plan(w._plan["work"])
@@ -150,8 +152,9 @@ def test_one_m16_head_tile_plans_the_four_cta_kernel(hq, hkv):
                                      {"num_kv_heads": 32}, {"num_kv_heads": 16}, {"num_kv_heads": 1}])
 def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
     """fp8 KV (4 CTAs an SM on its default already), a group the normal pipeline pads (4 of 16 rows), d64 / d256,
-    transposed groups past 8 (two n8 head tiles), groups below 4 (MHA, 32/16: items mostly padding rows),
-    MQA-sized groups and slopes read at run time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
+    transposed groups past 8 (two n8 head tiles), groups of 1-2 (MHA, 32/16: items mostly padding rows, a tie
+    or a loss on the H200), MQA-sized groups (an m16 tile of 16 heads spills there) and slopes read at run
+    time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
     from attnforge import mods
     from attnforge.kernels.decode import FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
     if spec_kw == "alibi":

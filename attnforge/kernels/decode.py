@@ -163,18 +163,20 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     items). As a plain default it lost where items were not whole on it (B48, 384 items, whole on the
     default's 396 CTAs: +7%), hence the band. Measured against the plan without it (docs/perf-notes.md):
     - transposed, groups of 4-8 (one n8 head tile, half of it or more filled; seventy-first session):
-      GQA 32/8 B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%;
+      GQA 32/8 B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%; group 3 (seventy-second session:
+      24/8 B64 L4096 -2.1%);
     - normal, groups of 9-16 (one m16 tile, every query head in one item: the verify step's item shape;
       168 registers, no spills; seventy-second session): GQA 128/8 B64 L4096 -3.9%, 96/8 B66 -4.6%,
       64/4 B128 L2048 -6.0%.
-    Not measured, so left out: groups 1-3 (MHA, 32/16: items mostly padding rows; nor were the MHA record
-    rows of suites head_dims and quest), d64 / d256 and slopes read at run time. fp8 KV already holds 4 CTAs
-    an SM on its default."""
+    Measured and left out, items mostly padding rows (seventy-second session, 512 items): MHA B16 L8192 +0.8%,
+    L4096 -0.6%, GQA 32/16 B32 L4096 a tie. Not measured, so left out: d64 (t32s3w2 holds 8 CTAs an SM
+    there), d256, MQA (its m16 tile of 16 heads spills at 168 registers) and slopes read at run time. fp8 KV
+    already holds 4 CTAs an SM on its default."""
     if spec.family != "decode" or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
             _slope_read_at_run_time(spec):
         return None
     g = spec.group_size
-    one_tile = 4 <= g <= 8 if spec.pipeline == "transposed" else 8 < g <= 16
+    one_tile = 3 <= g <= 8 if spec.pipeline == "transposed" else 8 < g <= 16
     return FOUR_CTA_WHOLE_ITEM_TILING if one_tile else None
 
 

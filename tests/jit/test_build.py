@@ -254,6 +254,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     kernels.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=3))  # verify's 4-CTA whole items
     kernels.append(DecodeKernel(AttentionSpec(), 32, 3, 2, head_splits=1))  # one token's 4-CTA whole items
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=128), 32, 3, 2, head_splits=1))  # ... one m16 tile
+    kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=24), 32, 3, 2, head_splits=1))  # ... a group of 3
     # an m16 tile of 7 rows, which ptxas alone gives 216 registers where the planner holds it to 168
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=56, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")))
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
