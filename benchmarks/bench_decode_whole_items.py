@@ -7,7 +7,7 @@ tiling can read each item whole (no partial states, no merge, one prologue per i
 lets spans grow to a whole item. BatchDecode does so where whole_item_tiling(spec) has a tiling
 (whole_items); this measures the rule's cases and the shapes it leaves out.
 
-    python benchmarks/bench_decode_whole_items.py [--out X.json] ["B16 L8192" ...]
+    python benchmarks/bench_decode_whole_items.py [--out X.json] ["B16 L8192" ...]  ("normal B16 L8192": that pipeline)
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                # groups of 1-3 on it, 512 items (mha B16 L8192 above: head_dims' MHA row; L4096: Quest's MHA step)
                "mha B16 L4096": ([4096] * 16, 16, "bf16", "NHD", (32, 32)),
                "g2 B32 L4096": ([4096] * 32, 16, "bf16", "NHD", (32, 16)),
-               "g3 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (24, 8))}
+               "g3 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (24, 8)),
+               "B96 L4096": ([4096] * 96, 16, "bf16", "NHD")}  # 768 items: past the 4-CTA band
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}
@@ -107,12 +108,13 @@ def main(argv: list[str]) -> None:
     known.update(EXTRA_CASES)
     results = {}
     for name in names:
-        lengths, page, kv_dtype, layout, *rest = known[name]
+        pipeline = "normal" if name.startswith("normal ") else "auto"  # `normal X`: case X on that pipeline
+        lengths, page, kv_dtype, layout, *rest = known[name.removeprefix("normal ")]
         (hq, hkv), d = (rest + [(HQ, HKV), D][len(rest):])[:2]
         q, cache, indptr, indices, last = paged_inputs(lengths, page, kv_dtype, layout, hq, hkv, d)
         mod = _mod(name.split()[0], hq)
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype=kv_dtype, kv_layout=layout,
-                             score_mod=mod)
+                             pipeline=pipeline, score_mod=mod)
         ws = variants(spec, len(lengths))
         runs = {}
         for label, w in ws.items():
