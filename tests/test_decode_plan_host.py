@@ -91,14 +91,17 @@ def test_about_one_equal_item_per_sm_plans_the_whole_item_kernel():
 def test_about_four_equal_items_per_sm_plan_the_four_cta_kernel():
     """One token a request on the transposed pipeline (16-bit, d128) has a second whole-item kernel, of 4 CTAs
     an SM (kernels.decode.four_cta_tiling): 64 equal requests x 8 KV heads are 512 items on its 528 CTAs, one
-    whole item each, where the default kernel's 396 CTAs would split them. 128 items keep the one-CTA-an-SM
-    kernel; 480 (B60: 10% of the CTAs idle) and unequal requests the default kernel. The workspace and the
-    partial slots hold the largest grid."""
+    whole item each, where the default kernel's 396 CTAs would split them. A group of 4 runs it on the normal
+    pipeline's m16 tile (measured faster there), other groups on their spec's. 128 items keep the
+    one-CTA-an-SM kernel; 480 (B60: 10% of the CTAs idle) and unequal requests the default kernel. The
+    workspace and the partial slots hold the largest grid."""
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
     w = BatchDecode.host_only(spec)
     assert [(x.kernel.ctas_per_sm, x.ctas) for x in w._wholes] == [(1, 132), (4, 528)]
+    assert w.spec.pipeline == w.kernel.spec.pipeline == w._whole.spec.pipeline == "transposed"
     four = w._wholes[1].kernel
-    assert (four.tile_kv, four.num_stages, four.num_warps, four.spec.pipeline) == (32, 3, 2, "transposed")
+    assert (four.tile_kv, four.num_stages, four.num_warps, four.spec.pipeline) == (32, 3, 2, "normal")
+    assert BatchDecode.host_only(AttentionSpec(num_kv_heads=4))._wholes[1].kernel.spec.pipeline == "transposed"
     assert four.head_splits == 1 and four.item_rows == 4 and w.partial_slot_rows() >= 528 * 4
     assert w._workspace_need() >= BatchDecode.workspace_bytes(spec, 528)
     w.plan(*table([4096] * 63 + [4090]), page_size=16)

@@ -119,6 +119,7 @@ class WholeItemTiling:
     max_chunks: int = 1
     # more (0: none) where split items are merged by the second launch (BatchDecode's merge_launch)
     max_chunks_merge_launch: int = 0
+    pipeline: Optional[str] = None  # the kernel's pipeline where it is not the spec's (None: the spec's)
 
 
 WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at d128
@@ -137,6 +138,8 @@ MQA_MERGE_LAUNCH_CHUNKS = 132
 # 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
 # m16 tile (verify_whole_item_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
 FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
+# ... on the normal pipeline's m16 tile for a transposed spec's group of 4 (four_cta_tiling)
+FOUR_CTA_M16_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2, pipeline="normal")
 
 
 def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
@@ -164,7 +167,9 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     default's 396 CTAs: +7%), hence the band. Measured against the plan without it (docs/perf-notes.md):
     - transposed, groups of 4-8 (one n8 head tile, half of it or more filled; seventy-first session):
       GQA 32/8 B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%; group 3 (seventy-second session:
-      24/8 B64 L4096 -2.1%);
+      24/8 B64 L4096 -2.1%). A group of 4 runs it on the normal pipeline's m16 tile instead (4 of 16 rows;
+      seventy-second session, three rounds against the transposed 4-CTA kernel: GQA 32/8 B64 L4096 -0.7%,
+      B64 L1024 -1.2%, B66 -0.4%, 7-token pages a tie; GQA 32/4, a group of 8, lost 0.4%);
     - normal, groups of 9-16 (one m16 tile, every query head in one item: the verify step's item shape;
       168 registers, no spills; seventy-second session): GQA 128/8 B64 L4096 -3.9%, 96/8 B66 -4.6%,
       64/4 B128 L2048 -6.0%.
@@ -176,6 +181,8 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
             _slope_read_at_run_time(spec):
         return None
     g = spec.group_size
+    if spec.pipeline == "transposed" and g == 4:
+        return FOUR_CTA_M16_WHOLE_ITEM_TILING
     one_tile = 3 <= g <= 8 if spec.pipeline == "transposed" else 8 < g <= 16
     return FOUR_CTA_WHOLE_ITEM_TILING if one_tile else None
 
@@ -262,6 +269,7 @@ def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["Decode
 def _whole_item_kernel(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int) -> "DecodeKernel":
     # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
     # a verify step: the default head splits (its rows are 16 at most: no split)
+    spec = replace(spec, pipeline=t.pipeline) if t.pipeline else spec
     return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1 if max_q_len == 1 else None,
                         max_q_len=max_q_len)
 

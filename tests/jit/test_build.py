@@ -241,7 +241,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
     kernels.append(DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2))  # 64 threads
-    from attnforge.kernels.decode import whole_item_kernel  # the whole-item kernels (one CTA per SM): transposed,
+    from attnforge.kernels.decode import whole_item_kernel, whole_item_kernels  # the whole-item kernels (one CTA per SM): transposed,
     # fp8 on 16 warps, normal (one 16-head tile) and MQA (every query head of 32 or 64 in one item)
     whole_specs = ({}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 2}, {"num_kv_heads": 1},
                    {"num_qo_heads": 64, "num_kv_heads": 1})
@@ -252,7 +252,8 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
                 for p, kv, q in (("transposed", "bf16", 2), ("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
                                  ("normal", "bf16", 4), ("normal", "bf16", 8))]
     kernels.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=3))  # verify's 4-CTA whole items
-    kernels.append(DecodeKernel(AttentionSpec(), 32, 3, 2, head_splits=1))  # one token's 4-CTA whole items
+    kernels += list(whole_item_kernels(AttentionSpec()))  # one token's 4-CTA whole items (a group of 4: normal)
+    kernels.append(DecodeKernel(AttentionSpec(num_kv_heads=4), 32, 3, 2, head_splits=1))  # ... transposed
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=128), 32, 3, 2, head_splits=1))  # ... one m16 tile
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=24), 32, 3, 2, head_splits=1))  # ... a group of 3
     # an m16 tile of 7 rows, which ptxas alone gives 216 registers where the planner holds it to 168
