@@ -174,9 +174,11 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
       168 registers, no spills; seventy-second session): GQA 128/8 B64 L4096 -3.9%, 96/8 B66 -4.6%,
       64/4 B128 L2048 -6.0%.
     Measured and left out, items mostly padding rows (seventy-second session, 512 items): MHA B16 L8192 +0.8%,
-    L4096 -0.6%, GQA 32/16 B32 L4096 a tie. Not measured, so left out: d64 (t32s3w2 holds 8 CTAs an SM
-    there), d256, MQA (its m16 tile of 16 heads spills at 168 registers) and slopes read at run time. fp8 KV
-    already holds 4 CTAs an SM on its default."""
+    L4096 -0.6%, GQA 32/16 B32 L4096 a tie. Not needed at d64 (its default kernel holds 4 CTAs an SM: ~4 x
+    SMs items already run whole), nor for fp8 KV (4 CTAs an SM on its default). Not measured, so left out:
+    d256, MQA (its m16 tile of 16 heads spills at 168 registers), a normal spec's group of 4 (call 3 of the
+    seventy-second session: -2..-3.5% against that spec's default, not run through its wrapper on a GPU) and
+    slopes read at run time."""
     if spec.family != "decode" or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
             _slope_read_at_run_time(spec):
         return None
