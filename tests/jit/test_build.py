@@ -241,8 +241,9 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
     kernels.append(DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2))  # 64 threads
-    from attnforge.kernels.decode import whole_item_kernel, whole_item_kernels  # the whole-item kernels (one CTA per SM): transposed,
-    # fp8 on 16 warps, normal (one 16-head tile) and MQA (every query head of 32 or 64 in one item)
+    from attnforge.kernels.decode import whole_item_kernel, whole_item_kernels
+    # the whole-item kernels (one CTA per SM): transposed, fp8 on 16 warps, normal (one 16-head tile) and MQA
+    # (every query head of 32 or 64 in one item)
     whole_specs = ({}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 2}, {"num_kv_heads": 1},
                    {"num_qo_heads": 64, "num_kv_heads": 1})
     kernels += [whole_item_kernel(AttentionSpec(**kw)) for kw in whole_specs]
