@@ -154,17 +154,18 @@ def test_one_head_tile_groups_plan_the_four_cta_kernel(hq, hkv, pipeline):
                                      {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi",
                                      {"num_kv_heads": 32}, {"num_kv_heads": 16}, {"num_kv_heads": 1}])
 def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
-    """fp8 KV (4 CTAs an SM on its default already), a group the normal pipeline pads (4 of 16 rows), d64 / d256,
-    transposed groups past 8 (two n8 head tiles), groups of 1-2 (MHA, 32/16: items mostly padding rows, a tie
-    or a loss on the H200), MQA-sized groups (an m16 tile of 16 heads spills there) and slopes read at run
-    time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
+    """fp8 KV (4 CTAs an SM on its default already), a normal spec's group of 4 (not run through that wrapper
+    on a GPU), d64 / d256, transposed groups past 8 (two n8 head tiles), groups of 1-2 (MHA, 32/16: items
+    mostly padding rows, a tie or a loss on the H200), MQA-sized groups (an m16 tile of 16 heads spills there)
+    and slopes read at run time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
     from attnforge import mods
-    from attnforge.kernels.decode import FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
+    from attnforge.kernels.decode import FOUR_CTA_M16_WHOLE_ITEM_TILING, FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
     if spec_kw == "alibi":
         spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
     spec = AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw})
     w = BatchDecode.host_only(spec)
-    assert four_cta_tiling(w.spec) is None and FOUR_CTA_WHOLE_ITEM_TILING not in [x.tiling for x in w._wholes]
+    assert four_cta_tiling(w.spec) is None
+    assert not {FOUR_CTA_WHOLE_ITEM_TILING, FOUR_CTA_M16_WHOLE_ITEM_TILING} & {x.tiling for x in w._wholes}
     w.plan(*table([4096] * (512 // w._stream_items())), page_size=16)
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
