@@ -47,7 +47,7 @@ EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16
                "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64),
                # about 4 x SMs equal items: the 4-CTA whole-item band (kernels.decode.four_cta_tiling), transposed
                # groups of 3-8 (a group of 4 on the normal pipeline's m16 tile) and the normal pipeline's one m16 tile
-               "B66 L4096": ([4096] * 66, 16, "bf16", "NHD"),
+               "B66 L4096": ([4096] * 66, 16, "bf16", "NHD"), "B64 L1024": ([1024] * 64, 16, "bf16", "NHD"),
                "g8 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (32, 4)),
                "g16x8 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (128, 8)),
                "g12 B66 L4096": ([4096] * 66, 16, "bf16", "NHD", (96, 8)),
