@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from . import checks, codegen, ops, paged, scheduler, variants
-from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, WholeItemTiling, spec_for_rows,
-                             whole_item_kernels, whole_item_tilings)
+from .kernels.decode import (MAX_Q_LEN, MERGE_LSE_SLACK_BYTES, DecodeKernel, WholeItemTiling, kernel_for_tiling,
+                             spec_for_rows, whole_item_tilings)
 from .jit import registry
 from .jit.loader import on_device
 from .jit.upload import HostOnlyUpload, StagedUpload
@@ -197,11 +197,10 @@ class BatchDecode:
         """The whole-item kernels this wrapper may launch (kernels.decode.whole_item_tilings), those that `fits`."""
         if self.FAMILY != "decode":
             return ()
-        tilings = whole_item_tilings(spec, self.max_q_len)
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
-        kernels = (self._make_whole_kernel(k) for k in whole_item_kernels(spec, self.max_q_len))
-        return tuple(WholeItemLaunch(k, grid_ctas(self.num_sms, k.ctas_per_sm), t)
-                     for k, t in zip(kernels, tilings) if fits(k))
+        pairs = [(t, self._make_whole_kernel(kernel_for_tiling(spec, t, self.max_q_len)))
+                 for t in whole_item_tilings(spec, self.max_q_len)]
+        return tuple(WholeItemLaunch(k, grid_ctas(self.num_sms, k.ctas_per_sm), t) for t, k in pairs if fits(k))
 
     def _make_whole_kernel(self, kernel: DecodeKernel) -> DecodeKernel:
         return kernel  # (a hook for the benchmarks' kernel twins)

@@ -23,40 +23,36 @@ from harness import time_interleaved  # noqa: E402
 
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
-# name: (lengths, page, kv dtype, layout[, (hq, hkv)[, head_dim]]); cases() supplies bench_decode's (GQA 32/8). B32 L8192,
-# B128 L2048 and mha B16 L8192 have more items than SMs: the twenty-first session timed several whole
+
+def _equal(batch: int, length: int, heads: tuple = (32, 8), head_dim: int = 128, kv: str = "bf16") -> tuple:
+    """A case of `batch` equal requests on 16-token NHD pages."""
+    return [length] * batch, 16, kv, "NHD", heads, head_dim
+
+
+# name: (lengths, page, kv dtype, layout[, (hq, hkv)[, head_dim]]); cases() supplies bench_decode's (GQA 32/8).
+# B32 L8192, B128 L2048 and mha B16 L8192 have more items than SMs: the twenty-first session timed several whole
 # items a CTA on them with a planner change since reverted (docs/perf-notes.md)
-EXTRA_CASES = {"B16 L4096": ([4096] * 16, 16, "bf16", "NHD"), "B16 L16384": ([16384] * 16, 16, "bf16", "NHD"),
-               "B12 L8192": ([8192] * 12, 16, "bf16", "NHD"), "B15 L8192": ([8192] * 15, 16, "bf16", "NHD"),
-               "B16 L2048": ([2048] * 16, 16, "bf16", "NHD"),
-               "B16 L4096 fp8kv": ([4096] * 16, 16, "fp8_e4m3", "NHD"),
-               "g8 B32 L8192": ([8192] * 32, 16, "bf16", "NHD", (32, 4)),
-               "mha B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 32)),
-               "g16 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 2)),
-               "g16 B4 L32768": ([32768] * 4, 16, "bf16", "NHD", (32, 2)),
-               "mqa B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 1)),
-               "mqa64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (64, 1)),
-               "B16 L8192 fp8kv": ([8192] * 16, 16, "fp8_e4m3", "NHD"),
-               "B1 L131072 fp8kv": ([131072], 16, "fp8_e4m3", "NHD"),
-               "mqa B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (32, 1)),
-               "B32 L8192": ([8192] * 32, 16, "bf16", "NHD"), "B128 L2048": ([2048] * 128, 16, "bf16", "NHD"),
-               "mha B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 32)),
-               "alibi B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
-               "softcap B16 L8192": ([8192] * 16, 16, "bf16", "NHD"),
-               "d64 B16 L8192": ([8192] * 16, 16, "bf16", "NHD", (32, 8), 64),
-               "d64 B16 L2048": ([2048] * 16, 16, "bf16", "NHD", (32, 8), 64),
+EXTRA_CASES = {"B16 L4096": _equal(16, 4096), "B16 L16384": _equal(16, 16384), "B12 L8192": _equal(12, 8192),
+               "B15 L8192": _equal(15, 8192), "B16 L2048": _equal(16, 2048),
+               "B16 L4096 fp8kv": _equal(16, 4096, kv="fp8_e4m3"), "g8 B32 L8192": _equal(32, 8192, (32, 4)),
+               "mha B4 L32768": _equal(4, 32768, (32, 32)), "g16 B64 L4096": _equal(64, 4096, (32, 2)),
+               "g16 B4 L32768": _equal(4, 32768, (32, 2)), "mqa B16 L8192": _equal(16, 8192, (32, 1)),
+               "mqa64 B16 L8192": _equal(16, 8192, (64, 1)), "B16 L8192 fp8kv": _equal(16, 8192, kv="fp8_e4m3"),
+               "B1 L131072 fp8kv": _equal(1, 131072, kv="fp8_e4m3"), "mqa B64 L4096": _equal(64, 4096, (32, 1)),
+               "B32 L8192": _equal(32, 8192), "B128 L2048": _equal(128, 2048),
+               "mha B16 L8192": _equal(16, 8192, (32, 32)), "alibi B16 L8192": _equal(16, 8192),
+               "softcap B16 L8192": _equal(16, 8192), "d64 B16 L8192": _equal(16, 8192, head_dim=64),
+               "d64 B16 L2048": _equal(16, 2048, head_dim=64),
                # about 4 x SMs equal items: the 4-CTA whole-item band (kernels.decode.four_cta_tiling), transposed
                # groups of 3-8 (a group of 4 on the normal pipeline's m16 tile) and the normal pipeline's one m16 tile
-               "B66 L4096": ([4096] * 66, 16, "bf16", "NHD"), "B64 L1024": ([1024] * 64, 16, "bf16", "NHD"),
-               "g8 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (32, 4)),
-               "g16x8 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (128, 8)),
-               "g12 B66 L4096": ([4096] * 66, 16, "bf16", "NHD", (96, 8)),
-               "g16 B128 L2048": ([2048] * 128, 16, "bf16", "NHD", (64, 4)),
+               "B66 L4096": _equal(66, 4096), "B64 L1024": _equal(64, 1024),
+               "g8 B128 L2048": _equal(128, 2048, (32, 4)),
+               "g16x8 B64 L4096": _equal(64, 4096, (128, 8)), "g12 B66 L4096": _equal(66, 4096, (96, 8)),
+               "g16 B128 L2048": _equal(128, 2048, (64, 4)),
                # groups of 1-3 on it, 512 items (mha B16 L8192 above: head_dims' MHA row; L4096: Quest's MHA step)
-               "mha B16 L4096": ([4096] * 16, 16, "bf16", "NHD", (32, 32)),
-               "g2 B32 L4096": ([4096] * 32, 16, "bf16", "NHD", (32, 16)),
-               "g3 B64 L4096": ([4096] * 64, 16, "bf16", "NHD", (24, 8)),
-               "B96 L4096": ([4096] * 96, 16, "bf16", "NHD")}  # 768 items: past the 4-CTA band
+               "mha B16 L4096": _equal(16, 4096, (32, 32)), "g2 B32 L4096": _equal(32, 4096, (32, 16)),
+               "g3 B64 L4096": _equal(64, 4096, (24, 8)),
+               "B96 L4096": _equal(96, 4096)}  # 768 items: past the 4-CTA band
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}

@@ -257,7 +257,7 @@ def whole_item_kernel(spec: AttentionSpec, max_q_len: int = 1) -> Optional["Deco
     """The spec's first whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
     verify_whole_item_tiling), or None."""
     t = whole_item_tiling(spec, max_q_len) if spec.family == "decode" else None
-    return _whole_item_kernel(spec, t, max_q_len) if t else None
+    return kernel_for_tiling(spec, t, max_q_len) if t else None
 
 
 def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["DecodeKernel", ...]:
@@ -265,10 +265,11 @@ def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["Decode
     AOT build of the spec builds beside it (presets.modules_for)."""
     if spec.family != "decode":
         return ()
-    return tuple(_whole_item_kernel(spec, t, max_q_len) for t in whole_item_tilings(spec, max_q_len))
+    return tuple(kernel_for_tiling(spec, t, max_q_len) for t in whole_item_tilings(spec, max_q_len))
 
 
-def _whole_item_kernel(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int) -> "DecodeKernel":
+def kernel_for_tiling(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int = 1) -> "DecodeKernel":
+    """The whole-item kernel of tiling `t` for `spec`, on the tiling's pipeline where it names one."""
     # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
     # a verify step: the default head splits (its rows are 16 at most: no split)
     spec = replace(spec, pipeline=t.pipeline) if t.pipeline else spec
