@@ -452,16 +452,18 @@ def shuffled_page_table(rng, lens, page_size: int, pages: int):
 
 # ~one (near-)equal item per CTA of a 4-CTA-an-SM grid (one token, a group filling one head tile, 16-bit d128:
 # kernels.decode.four_cta_tiling): 32-token tiles of two warps, each item read whole by one CTA
-@pytest.mark.parametrize("page_size,layout,q_dtype,hkv,hq", [(16, "NHD", "bf16", 8, 32), (7, "HND", "fp16", 8, 32),
-                                                            (1, "NHD", "bf16", 4, 32), (16, "NHD", "bf16", 8, 128),
-                                                            (7, "HND", "fp16", 8, 96), (1, "HND", "bf16", 8, 24)])
-def test_four_cta_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv, hq):
-    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv, num_qo_heads=hq)  # > 8: normal
+@pytest.mark.parametrize("page_size,layout,q_dtype,hkv,hq,pipeline", [
+    (16, "NHD", "bf16", 8, 32, "auto"), (7, "HND", "fp16", 8, 32, "auto"), (1, "NHD", "bf16", 4, 32, "auto"),
+    (16, "NHD", "bf16", 8, 128, "auto"), (7, "HND", "fp16", 8, 96, "auto"), (1, "HND", "bf16", 8, 24, "auto"),
+    (7, "NHD", "bf16", 8, 32, "normal")])
+def test_four_cta_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv, hq, pipeline):
+    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv, num_qo_heads=hq,  # > 8: normal
+                         pipeline=pipeline)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = 4 * sms // hkv  # x KV heads: 512 or 528 items on the H200's 528 CTAs
     lengths = [700 - (i % 5) for i in range(batch)]  # near-equal, no multiple of the 32-token tile
     w, _ = run_case(spec, lengths, page_size, seed=page_size)
-    four = w._wholes[1]
+    four = w._wholes[-1]  # (a normal spec has no one-CTA-an-SM whole-item kernel: one entry)
     if not scheduler.in_whole_item_band(batch * hkv, four.ctas):
         pytest.skip(f"{batch * hkv} items on {four.ctas} CTAs: outside the band")
     assert w.planned_kernel == (four.kernel, 4 * sms) and four.kernel.tile_kv == 32

@@ -102,6 +102,8 @@ def test_about_four_equal_items_per_sm_plan_the_four_cta_kernel():
     four = w._wholes[1].kernel
     assert (four.tile_kv, four.num_stages, four.num_warps, four.spec.pipeline) == (32, 3, 2, "normal")
     assert BatchDecode.host_only(AttentionSpec(num_kv_heads=4))._wholes[1].kernel.spec.pipeline == "transposed"
+    normal = BatchDecode.host_only(AttentionSpec(pipeline="normal"))  # asked for: the same 4-CTA kernel
+    assert normal.kernel.spec.pipeline == "normal" and normal._wholes[-1].kernel == four
     assert four.head_splits == 1 and four.item_rows == 4 and w.partial_slot_rows() >= 528 * 4
     assert w._workspace_need() >= BatchDecode.workspace_bytes(spec, 528)
     w.plan(*table([4096] * 63 + [4090]), page_size=16)
@@ -150,14 +152,15 @@ def test_one_head_tile_groups_plan_the_four_cta_kernel(hq, hkv, pipeline):
     assert w.planned_kernel == (four.kernel, 528) and scheduler.is_whole_item_plan(w._plan["work"])
 
 
-@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"pipeline": "normal"}, {"head_dim_qk": 64},
-                                     {"head_dim_qk": 256}, {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi",
+@pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3"}, {"pipeline": "normal", "num_kv_heads": 4},
+                                     {"head_dim_qk": 64}, {"head_dim_qk": 256},
+                                     {"num_qo_heads": 128, "pipeline": "transposed"}, "alibi",
                                      {"num_kv_heads": 32}, {"num_kv_heads": 16}, {"num_kv_heads": 1}])
 def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
-    """fp8 KV (4 CTAs an SM on its default already), a normal spec's group of 4 (not run through that wrapper
-    on a GPU), d64 / d256, transposed groups past 8 (two n8 head tiles), groups of 1-2 (MHA, 32/16: items
-    mostly padding rows, a tie or a loss on the H200), MQA-sized groups (an m16 tile of 16 heads spills there)
-    and slopes read at run time: no 4-CTA kernel; 512 equal items stream on the default kernel."""
+    """fp8 KV (4 CTAs an SM on its default already), a normal spec's group of 8 (not measured), d64 / d256,
+    transposed groups past 8 (two n8 head tiles), groups of 1-2 (MHA, 32/16: items mostly padding rows, a tie
+    or a loss on the H200), MQA-sized groups (an m16 tile of 16 heads spills there) and slopes read at run time:
+    no 4-CTA kernel; 512 equal items stream on the default kernel."""
     from attnforge import mods
     from attnforge.kernels.decode import FOUR_CTA_M16_WHOLE_ITEM_TILING, FOUR_CTA_WHOLE_ITEM_TILING, four_cta_tiling
     if spec_kw == "alibi":
@@ -170,14 +173,15 @@ def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("hq,q_len,rows", [(32, 4, 16), (32, 3, 12), (64, 2, 16)])
+@pytest.mark.parametrize("hq,q_len,rows", [(32, 4, 16), (32, 3, 12), (64, 2, 16), (32, 2, 8), (16, 2, 4)])
 def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq, q_len, rows):
-    """Verify steps of 9-16 rows an item (normal pipeline, 16-bit, d128) have a whole-item kernel of 4 CTAs an SM
-    (kernels.decode.verify_whole_item_tiling): 64 equal requests x 8 KV heads are 512 items on its 528 CTAs,
-    one whole item each; 60 requests (480 items: 10% of the CTAs idle), unequal requests and CUDA-graph mode
-    (unless whole_items=True) keep the default kernel."""
+    """Verify steps of 4-16 rows an item (16-bit, d128; items of 4-8 rows, the transposed pipeline's, on the
+    normal pipeline's m16 tile) have a whole-item kernel of 4 CTAs an SM (kernels.decode.verify_whole_item_tiling):
+    64 equal requests x 8 KV heads are 512 items on its 528 CTAs, one whole item each; 60 requests (480 items:
+    10% of the CTAs idle), unequal requests and CUDA-graph mode (unless whole_items=True) keep the default kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=8)
     w = BatchDecode.host_only(spec, max_q_len=q_len)
+    assert w.spec.pipeline == ("transposed" if rows <= 8 else "normal")
     whole = w._whole
     assert whole is not None and whole.item_rows == rows and whole.ctas_per_sm == 4 and w._whole_ctas == 528
     assert (whole.tile_kv, whole.num_stages, whole.num_warps) == (32, 3, 2) and whole.spec.pipeline == "normal"
@@ -197,12 +201,12 @@ def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq,
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
-@pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 4), ({"head_dim_qk": 64}, 4), ({}, 2),
-                                           ({}, 8), ({"num_qo_heads": 64}, 4), ({}, 1), ("alibi", 4)])
+@pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 4), ({"head_dim_qk": 64}, 4),
+                                           ({"num_qo_heads": 8}, 2), ({}, 8), ({"num_qo_heads": 64}, 4), ("alibi", 4)])
 def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
-    """fp8 KV (4 CTAs an SM on its default already), d64, 8 rows (transposed), past 16 rows, ALiBi's slopes read
-    at run time (as the one-token whole-item kernel excludes them): no 4-CTA kernel (one token a request keeps
-    its one-CTA-an-SM whole-item kernel), while a soft-cap keeps it."""
+    """fp8 KV (4 CTAs an SM on its default already), d64, 2 rows (MHA-sized q2: mostly padding), past 16 rows,
+    ALiBi's slopes read at run time (as the one-token whole-item kernel excludes them): no 4-CTA kernel, while a
+    soft-cap keeps it."""
     from attnforge import mods
     if spec_kw == "alibi":
         spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
@@ -210,7 +214,7 @@ def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
                                      max_q_len=q_len)
         assert soft._whole is not None and soft._whole.ctas_per_sm == 4
     w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
-    assert w._whole is None or (q_len == 1 and w._whole.ctas_per_sm == 1)
+    assert w._whole is None
 
 
 @pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3", "pipeline": "normal"}, {"head_dim_qk": 64},
@@ -218,7 +222,7 @@ def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
                                      {"num_qo_heads": 48, "num_kv_heads": 1}])  # 128/8: two n8 head tiles; MQA-48
 def test_specs_without_a_measured_whole_item_tiling_keep_one_kernel(spec_kw):
     w = whole_wrapper(**spec_kw)  # (GQA 32/8 on the normal pipeline: its group of 4 pads a 16-head tile)
-    assert w._whole is None
+    assert all(x.kernel.ctas_per_sm == 4 for x in w._wholes)  # no one-CTA-an-SM kernel (a 4-CTA one may be)
     w.plan(*table([4096] * 16), page_size=16)
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 

@@ -195,11 +195,13 @@ def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
 
 @pytest.mark.parametrize("hq,q_len,max_q_len,page_size,graph", [(32, 4, 4, 16, False), (32, 3, 3, 7, False),
                                                                 (64, 2, 2, 1, False), (32, 3, 4, 16, False),
-                                                                (32, 4, 4, 16, True)])
+                                                                (32, 4, 4, 16, True), (32, 2, 2, 7, False),
+                                                                (16, 2, 2, 16, True)])
 def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_len, page_size, graph):
-    """Equal requests of 8 KV heads, 4 items an SM: the plan takes the verify whole-item kernel (9-16 rows, 32-token
-    tiles of two warps, 4 CTAs an SM: kernels.decode.verify_whole_item_tiling), one whole item a CTA, also with
-    fewer tokens than the kernel's max_q_len (padding rows) and in CUDA-graph mode with whole_items=True."""
+    """Equal requests of 8 KV heads, 4 items an SM: the plan takes the verify whole-item kernel (4-16 rows, 32-token
+    tiles of two warps, 4 CTAs an SM: kernels.decode.verify_whole_item_tiling; the normal pipeline's m16 tile also
+    for a transposed spec's 4-8 rows), one whole item a CTA, also with fewer tokens than the kernel's max_q_len
+    (padding rows) and in CUDA-graph mode with whole_items=True."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kw = dict(use_cuda_graph=True, whole_items=True, max_batch_size=sms // 2) if graph else {}
     w, _ = verify_case(AttentionSpec(num_qo_heads=hq, num_kv_heads=8), [300 + q_len] * (sms // 2), page_size, q_len,

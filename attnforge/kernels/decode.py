@@ -138,7 +138,7 @@ MQA_MERGE_LAUNCH_CHUNKS = 132
 # 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
 # m16 tile (verify_whole_item_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
 FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
-# ... on the normal pipeline's m16 tile for a transposed spec's group of 4 (four_cta_tiling)
+# ... on the normal pipeline's m16 tile for a group of 4 on either pipeline (four_cta_tiling)
 FOUR_CTA_M16_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2, pipeline="normal")
 
 
@@ -150,12 +150,18 @@ def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Wh
     wherever the items were not whole (uneven B32 +2.2%, B16 L8192 +2.6%, B8, B256, B1), and at one token a
     request it gained less (B64 -1.4%, B66 -2.4%), so it runs only on plans in the whole-item band, and only for
     verify steps (one token keeps WHOLE_ITEM_TILING's one CTA an SM). fp8 KV already holds 4 CTAs an SM on its
-    default (transposed, widened in registers); d256, the transposed pipeline (8 rows and fewer) and affine
-    hooks with run-time slopes were not measured."""
-    if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "normal" or spec.head_dim_qk != 128 or \
-            spec.kv_dtype == "fp8_e4m3" or _slope_read_at_run_time(spec):
+    default (transposed, widened in registers); d256 and affine hooks with run-time slopes were not measured.
+    Items of 4-8 rows (the transposed pipeline's, e.g. GQA 32/8 q2) run it on the normal pipeline's m16 tile
+    (FOUR_CTA_M16_WHOLE_ITEM_TILING: 168 registers, no spills, where the transposed n8 tile spills 8 bytes at
+    the 128 its occupancy allows), as one token a request's group of 4 does (four_cta_tiling). Measured against
+    whole_items=False (seventy-third session, three rounds, 8 KV heads, q2): GQA 32/8 B64 L4096 249.4 against
+    255.3 us (-2.3%), B66 -3.3%, 7-token pages -1.2%, B64 L1024 -6.8%, GQA 16/8 B64 L4096 -2.4%."""
+    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
+            _slope_read_at_run_time(spec):
         return None
     rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
+    if spec.pipeline == "transposed":
+        return FOUR_CTA_M16_WHOLE_ITEM_TILING if 4 <= rows <= 8 else None
     return FOUR_CTA_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
 
 
@@ -169,21 +175,22 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
       GQA 32/8 B64 L4096 -1.2%, B66 -2.9%, GQA 32/4 B128 L2048 -4.5%; group 3 (seventy-second session:
       24/8 B64 L4096 -2.1%). A group of 4 runs it on the normal pipeline's m16 tile instead (4 of 16 rows;
       seventy-second session, three rounds against the transposed 4-CTA kernel: GQA 32/8 B64 L4096 -0.7%,
-      B64 L1024 -1.2%, B66 -0.4%, 7-token pages a tie; GQA 32/4, a group of 8, lost 0.4%);
+      B64 L1024 -1.2%, B66 -0.4%, 7-token pages a tie; GQA 32/4, a group of 8, lost 0.4%), as does a normal
+      spec's group of 4 (seventy-third session, against that spec's split plan: B64 L4096 -2.3%, B66 -3.4%,
+      B64 L1024 -7.2%);
     - normal, groups of 9-16 (one m16 tile, every query head in one item: the verify step's item shape;
       168 registers, no spills; seventy-second session): GQA 128/8 B64 L4096 -3.9%, 96/8 B66 -4.6%,
       64/4 B128 L2048 -6.0%.
     Measured and left out, items mostly padding rows (seventy-second session, 512 items): MHA B16 L8192 +0.8%,
     L4096 -0.6%, GQA 32/16 B32 L4096 a tie. Not needed at d64 (its default kernel holds 4 CTAs an SM: ~4 x
     SMs items already run whole), nor for fp8 KV (4 CTAs an SM on its default). Not measured, so left out:
-    d256, MQA (its m16 tile of 16 heads spills at 168 registers), a normal spec's group of 4 (call 3 of the
-    seventy-second session: -2..-3.5% against that spec's default, not run through its wrapper on a GPU) and
-    slopes read at run time."""
+    d256, MQA (its m16 tile of 16 heads spills at 168 registers), the normal pipeline's groups of 1-3 and 5-8
+    and slopes read at run time."""
     if spec.family != "decode" or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
             _slope_read_at_run_time(spec):
         return None
     g = spec.group_size
-    if spec.pipeline == "transposed" and g == 4:
+    if g == 4:
         return FOUR_CTA_M16_WHOLE_ITEM_TILING
     one_tile = 3 <= g <= 8 if spec.pipeline == "transposed" else 8 < g <= 16
     return FOUR_CTA_WHOLE_ITEM_TILING if one_tile else None

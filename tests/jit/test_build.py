@@ -253,6 +253,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
                 for p, kv, q in (("transposed", "bf16", 2), ("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
                                  ("normal", "bf16", 4), ("normal", "bf16", 8))]
     kernels.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=3))  # verify's 4-CTA whole items
+    kernels.append(whole_item_kernel(AttentionSpec(), max_q_len=2))  # ... of 8 rows on the normal pipeline's m16
     kernels += list(whole_item_kernels(AttentionSpec()))  # one token's 4-CTA whole items (a group of 4: normal)
     kernels.append(DecodeKernel(AttentionSpec(num_kv_heads=4), 32, 3, 2, head_splits=1))  # ... transposed
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=128), 32, 3, 2, head_splits=1))  # ... one m16 tile
