@@ -82,8 +82,8 @@ class BatchDecode:
         # reads each item whole, or for some specs equal items cut into equal chunks of about one per SM
         # (kernels.decode.whole_item_tiling; specs without one, and explicit tilings, keep one kernel); where
         # it has about one equal item a CTA of a 4-CTA-an-SM kernel, that kernel (one token a request, a group
-        # filling one head tile: kernels.decode.four_cta_tiling; verify steps of 9-16 rows an item:
-        # kernels.decode.verify_whole_item_tiling).
+        # filling one head tile: kernels.decode.four_cta_tiling; verify steps of 4-16 rows an item:
+        # kernels.decode.verify_four_cta_tiling; their one-CTA-an-SM kernel: verify_one_cta_tiling).
         # None: plan by plan, except under CUDA graphs (a graph keeps the kernel it captured, and a capture's
         # placeholder lengths say little about later batches); True: also under CUDA graphs,
         # chosen by the first plan's batch size (a fixed batch keeps the kernel; unequal lengths then
@@ -179,7 +179,8 @@ class BatchDecode:
 
     @property
     def _whole(self) -> Optional[DecodeKernel]:
-        """The first whole-item kernel (whole_item_tiling's, the one-CTA-per-SM kernel for one token), or None."""
+        """The first whole-item kernel (whole_item_tiling's one CTA an SM where the spec has it, else its 4-CTA
+        kernel), or None."""
         return self._wholes[0].kernel if self._wholes else None
 
     @property

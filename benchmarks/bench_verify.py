@@ -2,7 +2,7 @@
 last accepted token and its drafts), causal among themselves and end-aligned to its paged KV (GQA 32/8,
 head_dim 128, bf16, 16-token pages). `attnforge` runs it as a decode of several tokens a request
 (BatchDecode(max_q_len=q_len): a work item holds the group's heads for every token; `-normal` forces that
-pipeline; `-no-whole-items` never takes the plan-time whole-item kernel, kernels.decode.verify_whole_item_tiling);
+pipeline; `-no-whole-items` never takes the plan-time whole-item kernels, kernels.decode.whole_item_tilings);
 the `attnforge-prefill*` rows as a batch prefill (BatchPrefill, which packs heads and tokens into
 a 128-row or 64-row tile); FlashInfer as its paged prefill (fa2, fa3). fp8 rows read e4m3 pages (scales 1).
 

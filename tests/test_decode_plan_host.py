@@ -176,14 +176,14 @@ def test_one_token_specs_without_the_measured_four_cta_tiling(spec_kw):
 @pytest.mark.parametrize("hq,q_len,rows", [(32, 4, 16), (32, 3, 12), (64, 2, 16), (32, 2, 8), (16, 2, 4)])
 def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq, q_len, rows):
     """Verify steps of 4-16 rows an item (16-bit, d128; items of 4-8 rows, the transposed pipeline's, on the
-    normal pipeline's m16 tile) have a whole-item kernel of 4 CTAs an SM (kernels.decode.verify_whole_item_tiling):
+    normal pipeline's m16 tile) have a whole-item kernel of 4 CTAs an SM (kernels.decode.verify_four_cta_tiling):
     64 equal requests x 8 KV heads are 512 items on its 528 CTAs, one whole item each; 60 requests (480 items:
     10% of the CTAs idle), unequal requests and CUDA-graph mode (unless whole_items=True) keep the default kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=8)
     w = BatchDecode.host_only(spec, max_q_len=q_len)
     assert w.spec.pipeline == ("transposed" if rows <= 8 else "normal")
-    whole = w._whole
-    assert whole is not None and whole.item_rows == rows and whole.ctas_per_sm == 4 and w._whole_ctas == 528
+    whole = w._wholes[-1].kernel  # (after the one-CTA-an-SM kernel where the spec has one)
+    assert whole.item_rows == rows and whole.ctas_per_sm == 4 and w._wholes[-1].ctas == 528
     assert (whole.tile_kv, whole.num_stages, whole.num_warps) == (32, 3, 2) and whole.spec.pipeline == "normal"
     assert w.kernel.ctas_per_sm == 3 and w.partial_slot_rows() >= 528 * rows
     # the workspace the constructor allocates holds both slot regions for the larger grid (the first build sized
@@ -203,7 +203,7 @@ def test_verify_steps_of_about_one_equal_item_a_cta_plan_the_four_cta_kernel(hq,
 
 @pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 4), ({"head_dim_qk": 64}, 4),
                                            ({"num_qo_heads": 8}, 2), ({}, 8), ({"num_qo_heads": 64}, 4), ("alibi", 4)])
-def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
+def test_verify_steps_without_a_measured_four_cta_tiling(spec_kw, q_len):
     """fp8 KV (4 CTAs an SM on its default already), d64, 2 rows (MHA-sized q2: mostly padding), past 16 rows,
     ALiBi's slopes read at run time (as the one-token whole-item kernel excludes them): no 4-CTA kernel, while a
     soft-cap keeps it."""
@@ -212,9 +212,56 @@ def test_verify_steps_without_a_measured_whole_item_tiling(spec_kw, q_len):
         spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
         soft = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=mods.softcap(30.0)),
                                      max_q_len=q_len)
-        assert soft._whole is not None and soft._whole.ctas_per_sm == 4
+        assert [x.kernel.ctas_per_sm for x in soft._wholes] == [1, 4]
     w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
-    assert w._whole is None
+    assert all(x.kernel.ctas_per_sm == 1 for x in w._wholes)
+
+
+@pytest.mark.parametrize("kv_dtype,q_len,rows,pipeline,max_chunks", [("bf16", 8, 32, "normal", 2),
+                                                                    ("bf16", 4, 16, "normal", 2),
+                                                                    ("bf16", 2, 8, "transposed", 1),
+                                                                    ("fp8_e4m3", 4, 16, "transposed", 1)])
+def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(kv_dtype, q_len, rows, pipeline,
+                                                                            max_chunks):
+    """Verify steps of about one equal item an SM (GQA 32/8 B16: 128 items on 132 SMs) take the one-CTA-an-SM
+    kernel (kernels.decode.verify_one_cta_tiling: 128-token tiles of 8 warps, fp8's two n8 tiles too), one whole
+    item a CTA; the normal pipeline's m16 tiles also take equal items cut into 2 chunks (B8: 64 items), not 4
+    (B4); 104 items (21% of the SMs idle), unequal requests and CUDA-graph mode (unless whole_items=True) keep
+    the default kernel."""
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype)
+    w = BatchDecode.host_only(spec, max_q_len=q_len)
+    one = w._wholes[0]
+    assert (one.kernel.tile_kv, one.kernel.num_stages, one.kernel.num_warps, one.ctas) == (128, 3, 8, 132)
+    assert one.kernel.ctas_per_sm == 1 and one.kernel.item_rows == rows and one.kernel.spec.pipeline == pipeline
+    assert one.tiling.max_chunks == max_chunks and w.kernel.ctas_per_sm in (3, 4)
+    w.plan(*table([8192] * 15 + [8180]), page_size=16, q_len=q_len)
+    assert w.planned_kernel == (one.kernel, 132) and w._plan["work"].num_spans == 128
+    assert scheduler.aligned_chunks(w._plan["work"]) == 1  # each item whole, one a span
+    w.plan(*table([16384] * 8), page_size=16, q_len=q_len)
+    chunked = w.planned_kernel[0] is one.kernel
+    assert chunked is (max_chunks == 2) and (not chunked or scheduler.aligned_chunks(w._plan["work"]) == 2)
+    for lengths in ([32768] * 4, [8192] * 12 + [4096], [16384] + [8192] * 15):
+        w.plan(*table(lengths), page_size=16, q_len=q_len)
+        assert w.planned_kernel == (w.kernel, w.num_ctas), lengths
+    w.use_cuda_graph = True  # (no whole_items=True: a graph keeps its default kernel)
+    w.plan(*table([8192] * 16), page_size=16, q_len=q_len)
+    assert w.planned_kernel == (w.kernel, w.num_ctas)
+
+
+@pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 8), ({"kv_dtype": "fp8_e4m3"}, 2),
+                                           ({"head_dim_qk": 64}, 4), ({"num_qo_heads": 128}, 4), ("alibi", 4)])
+def test_verify_steps_without_a_measured_one_cta_tiling(spec_kw, q_len):
+    """fp8 on the normal pipeline (32 rows: +4.4%, widened through shared memory), fp8 items of 8 rows and d64
+    (not measured), past 32 rows (GQA 128/8 q4: 64 rows), ALiBi's slopes read at run time: no one-CTA-an-SM
+    kernel, and 128 equal items stream on the default kernel."""
+    from attnforge import mods
+    from attnforge.kernels.decode import verify_one_cta_tiling
+    if spec_kw == "alibi":
+        spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
+    w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
+    assert verify_one_cta_tiling(w.spec, q_len) is None and all(x.kernel.ctas_per_sm > 1 for x in w._wholes)
+    w.plan(*table([8192] * 16), page_size=16, q_len=q_len)
+    assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
 @pytest.mark.parametrize("spec_kw", [{"kv_dtype": "fp8_e4m3", "pipeline": "normal"}, {"head_dim_qk": 64},
@@ -411,8 +458,8 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
 
 def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
     """A decode entry with max_q_len builds the kernels BatchDecode(spec, max_q_len) launches (its pipeline picked
-    for heads x tokens rows; q4's 16 rows have a whole-item kernel, fp8 q2 none), and host plans of q_len tokens a
-    request stream each request's KV once."""
+    for heads x tokens rows; q4's 16 rows have two whole-item kernels, one CTA an SM and 4, fp8 q2 none), and host
+    plans of q_len tokens a request stream each request's KV once."""
     from attnforge import presets
     path = tmp_path / "specs.json"
     path.write_text('[{"family": "decode", "num_qo_heads": 32, "num_kv_heads": 8, "max_q_len": 4}, '
@@ -424,7 +471,7 @@ def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):
                                         AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype="fp8_e4m3")), (4, 2)):
         w = BatchDecode.host_only(spec, max_q_len=q)
         launched = [w.kernel.module().name] + [whole.kernel.module().name for whole in w._wholes]
-        assert [m.name for m in presets.modules_for(entry)] == launched and len(w._wholes) == (q == 4)
+        assert [m.name for m in presets.modules_for(entry)] == launched and len(w._wholes) == 2 * (q == 4)
         w.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16, q_len=q)
         one = BatchDecode.host_only(spec)
         one.plan([0, 2, 5], [0, 1, 2, 3, 4], [16, 9], page_size=16)

@@ -8,7 +8,7 @@ import torch
 
 import attnforge.decode
 import attnforge.mods as m
-from attnforge import AttentionSpec, BatchDecode, BatchPrefill, reference
+from attnforge import AttentionSpec, BatchDecode, BatchPrefill, reference, scheduler
 from helpers import assert_attention_close, assert_lse_close, make_paged_case, poison
 
 pytestmark = pytest.mark.gpu
@@ -199,7 +199,7 @@ def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
                                                                 (16, 2, 2, 16, True)])
 def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_len, page_size, graph):
     """Equal requests of 8 KV heads, 4 items an SM: the plan takes the verify whole-item kernel (4-16 rows, 32-token
-    tiles of two warps, 4 CTAs an SM: kernels.decode.verify_whole_item_tiling; the normal pipeline's m16 tile also
+    tiles of two warps, 4 CTAs an SM: kernels.decode.verify_four_cta_tiling; the normal pipeline's m16 tile also
     for a transposed spec's 4-8 rows), one whole item a CTA, also with fewer tokens than the kernel's max_q_len
     (padding rows) and in CUDA-graph mode with whole_items=True."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -207,6 +207,29 @@ def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_le
     w, _ = verify_case(AttentionSpec(num_qo_heads=hq, num_kv_heads=8), [300 + q_len] * (sms // 2), page_size, q_len,
                        seed=5, max_q_len=max_q_len, out_rows_extra=3, **kw)
     kernel, ctas = w.planned_kernel
-    assert kernel is w._whole and kernel.ctas_per_sm == 4 and ctas == 4 * sms
+    assert kernel is w._wholes[-1].kernel and kernel.ctas_per_sm == 4 and ctas == 4 * sms
     assert (kernel.tile_kv, kernel.num_stages, kernel.num_warps) == (32, 3, 2)
     assert w._plan["work"].num_spans == sms // 2 * 8  # one whole item a span
+
+
+@pytest.mark.parametrize("kv_dtype,q_len,max_q_len,page_size,batch_per_sm,graph", [
+    ("bf16", 8, 8, 16, 1, False), ("bf16", 4, 4, 7, 1, False), ("bf16", 2, 2, 1, 1, False),
+    ("fp8_e4m3", 4, 4, 16, 1, False), ("bf16", 7, 8, 16, 1, False), ("bf16", 8, 8, 7, 0.5, False),
+    ("bf16", 4, 4, 16, 1, True)])
+def test_about_one_equal_item_an_sm_runs_the_one_cta_kernel(kv_dtype, q_len, max_q_len, page_size, batch_per_sm,
+                                                            graph):
+    """Equal requests of 8 KV heads, about one item an SM: the plan takes the one-CTA-an-SM verify kernel
+    (128-token tiles of 8 warps: kernels.decode.verify_one_cta_tiling) on the normal pipeline's m16 tiles (32 and
+    16 rows), the transposed n8 tile (8 rows) and fp8's two n8 tiles, one whole item a CTA; half as many items
+    cut into 2 chunks each (the m16 tiles); also with fewer tokens than max_q_len (padding rows) and in
+    CUDA-graph mode with whole_items=True."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = int(sms // 8 * batch_per_sm)
+    kw = dict(use_cuda_graph=True, whole_items=True, max_batch_size=batch) if graph else {}
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype)
+    w, _ = verify_case(spec, [700 + q_len] * batch, page_size, q_len, seed=9, max_q_len=max_q_len,
+                       out_rows_extra=2, **kw)
+    kernel, ctas = w.planned_kernel
+    assert kernel is w._wholes[0].kernel and kernel.ctas_per_sm == 1 and ctas == sms
+    assert (kernel.tile_kv, kernel.num_stages, kernel.num_warps) == (128, 3, 8)
+    assert scheduler.aligned_chunks(w._plan["work"]) == (2 if batch_per_sm < 1 else 1)

@@ -136,13 +136,13 @@ MQA_MERGE_LAUNCH_CHUNKS = 132
 
 # 32-token tiles of two warps in three stages hold 4 CTAs an SM against the default's 3, so a batch of about
 # 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
-# m16 tile (verify_whole_item_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
+# m16 tile (verify_four_cta_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
 FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
 # ... on the normal pipeline's m16 tile for a group of 4 on either pipeline (four_cta_tiling)
 FOUR_CTA_M16_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2, pipeline="normal")
 
 
-def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
+def verify_four_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
     """The whole-item tiling of a verify step's kernel (max_q_len > 1), or None. Measured (GQA 32/8 and 64/8,
     d128, page 16, H200, three rounds in rotation against the default t64s2w4 at 3 CTAs an SM, sixty-ninth
     session): B64 q4 L4096 (512 equal items on 528 CTAs, one each) 247.7 against 257.9 us, B64 q3 247.2 / 256.7,
@@ -163,6 +163,28 @@ def verify_whole_item_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Wh
     if spec.pipeline == "transposed":
         return FOUR_CTA_M16_WHOLE_ITEM_TILING if 4 <= rows <= 8 else None
     return FOUR_CTA_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
+
+
+def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
+    """The one-CTA-an-SM whole-item tiling of a verify step's kernel (max_q_len > 1), for plans of about one
+    equal item an SM (GQA 32/8: B16 is 128 items on 132 SMs), or None. Measured (seventy-third session, three
+    rounds in rotation against the split plan, spans aligned to whole items, d128, page 16): 16-bit on the
+    normal pipeline's m16 tiles, B16 q8 L8192 (32 rows) 128.9 against 138.1 us (-6.7%), L2048 -14.7%, B16 q4
+    (16 rows) -2.7%, and B8 q8 L16384 (64 items cut into 2 chunks each) -5.0%; 16-bit transposed B16 q2 (8
+    rows) -2.2%, where one token a request won at groups 1-8 (whole_item_tiling); fp8 transposed B16 q4 (16
+    rows, two n8 tiles at 196 registers) -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to 128 registers,
+    spill 72 bytes and lost 19%. Left out: fp8 on the normal pipeline (q8: +4.4%, widened through shared
+    memory), fp8 items of 8 rows or fewer, past 32 rows, d64 / d256 and slopes read at run time (not measured),
+    and chunked plans past 2 chunks an item (not measured)."""
+    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
+        return None
+    rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
+    if spec.pipeline == "transposed":
+        fits = 8 < rows <= 16 if spec.kv_dtype == "fp8_e4m3" else rows <= 8
+        return WHOLE_ITEM_TILING if fits else None
+    if spec.kv_dtype == "fp8_e4m3":
+        return None
+    return replace(WHOLE_ITEM_TILING, max_chunks=2) if 8 < rows <= 32 else None
 
 
 def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
@@ -198,16 +220,16 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
 
 def whole_item_tilings(spec: AttentionSpec, max_q_len: int = 1) -> tuple[WholeItemTiling, ...]:
     """Every whole-item tiling a wrapper may launch beside its default kernel, in the order its plans try
-    them: whole_item_tiling's, then for one token a request four_cta_tiling's (their bands of items per CTA
-    do not overlap: ~1 x SMs and ~4 x SMs)."""
-    tilings = (whole_item_tiling(spec, max_q_len),) + ((four_cta_tiling(spec),) if max_q_len == 1 else ())
-    return tuple(t for t in tilings if t is not None)
+    them: whole_item_tiling's (one CTA an SM), then four_cta_tiling's or, for verify steps,
+    verify_four_cta_tiling's (their bands of items per CTA do not overlap: ~1 x SMs and ~4 x SMs)."""
+    four = four_cta_tiling(spec) if max_q_len == 1 else verify_four_cta_tiling(spec, max_q_len)
+    return tuple(t for t in (whole_item_tiling(spec, max_q_len), four) if t is not None)
 
 
 def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[WholeItemTiling]:
     """The tiling of a one-CTA-per-SM kernel for batches of about one equal item per SM, read whole, or (up to
     `max_chunks`) of equal items each cut into k equal chunks, one a CTA (BatchDecode(whole_items=...)); for
-    verify steps (max_q_len > 1), verify_whole_item_tiling's; None where none was measured to win. Every entry
+    verify steps (max_q_len > 1), verify_one_cta_tiling's; None where none was measured to win. Every entry
     below: d128, page 16, H200, against the default kernel (three CTAs of four warps an SM, fp8 four) in rotation.
 
     Whole items (128 equal items on 132 SMs; benchmarks/bench_decode_whole_items.py): transposed GQA 32/8
@@ -238,7 +260,7 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
     session, medians of four rounds in one process)."""
     if max_q_len > 1:
-        return verify_whole_item_tiling(spec, max_q_len)
+        return verify_one_cta_tiling(spec, max_q_len)
     g = spec.group_size
     if spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
         return None
@@ -262,7 +284,7 @@ def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
 
 def whole_item_kernel(spec: AttentionSpec, max_q_len: int = 1) -> Optional["DecodeKernel"]:
     """The spec's first whole-item kernel (whole_item_tiling; for verify steps of max_q_len tokens,
-    verify_whole_item_tiling), or None."""
+    verify_one_cta_tiling), or None."""
     t = whole_item_tiling(spec, max_q_len) if spec.family == "decode" else None
     return kernel_for_tiling(spec, t, max_q_len) if t else None
 
@@ -278,7 +300,7 @@ def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["Decode
 def kernel_for_tiling(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int = 1) -> "DecodeKernel":
     """The whole-item kernel of tiling `t` for `spec`, on the tiling's pipeline where it names one."""
     # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
-    # a verify step: the default head splits (its rows are 16 at most: no split)
+    # a verify step: the default head splits (its rows are 32 at most: no split)
     spec = replace(spec, pipeline=t.pipeline) if t.pipeline else spec
     return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1 if max_q_len == 1 else None,
                         max_q_len=max_q_len)

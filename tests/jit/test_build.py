@@ -241,7 +241,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
     kernels.append(DecodeKernel(AttentionSpec(head_dim_qk=256), tile_kv=32, stages=2, num_warps=2))  # 64 threads
-    from attnforge.kernels.decode import whole_item_kernel, whole_item_kernels
+    from attnforge.kernels.decode import spec_for_rows, whole_item_kernel, whole_item_kernels
     # the whole-item kernels (one CTA per SM): transposed, fp8 on 16 warps, normal (one 16-head tile) and MQA
     # (every query head of 32 or 64 in one item)
     whole_specs = ({}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 2}, {"num_kv_heads": 1},
@@ -252,8 +252,10 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     kernels += [DecodeKernel(AttentionSpec(pipeline=p, kv_dtype=kv), max_q_len=q)
                 for p, kv, q in (("transposed", "bf16", 2), ("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
                                  ("normal", "bf16", 4), ("normal", "bf16", 8))]
-    kernels.append(whole_item_kernel(AttentionSpec(pipeline="normal"), max_q_len=3))  # verify's 4-CTA whole items
-    kernels.append(whole_item_kernel(AttentionSpec(), max_q_len=2))  # ... of 8 rows on the normal pipeline's m16
+    # verify's whole items, one CTA an SM and 4 (kernels.decode.whole_item_tilings): m16 tiles of 12 and 32 rows,
+    # 8 rows (n8; 4-CTA: the m16 tile), fp8's two n8 tiles (one CTA an SM only)
+    kernels += [k for kw, q in (({"pipeline": "normal"}, 3), ({}, 8), ({}, 2), ({"kv_dtype": "fp8_e4m3"}, 4))
+                for k in whole_item_kernels(spec_for_rows(AttentionSpec(**kw), q), q)]
     kernels += list(whole_item_kernels(AttentionSpec()))  # one token's 4-CTA whole items (a group of 4: normal)
     kernels.append(DecodeKernel(AttentionSpec(num_kv_heads=4), 32, 3, 2, head_splits=1))  # ... transposed
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=128), 32, 3, 2, head_splits=1))  # ... one m16 tile
