@@ -217,50 +217,55 @@ def test_verify_steps_without_a_measured_four_cta_tiling(spec_kw, q_len):
     assert all(x.kernel.ctas_per_sm == 1 for x in w._wholes)
 
 
-@pytest.mark.parametrize("kv_dtype,q_len,rows,pipeline,max_chunks", [("bf16", 8, 32, "normal", 2),
-                                                                    ("bf16", 4, 16, "normal", 2),
-                                                                    ("bf16", 2, 8, "transposed", 1),
-                                                                    ("fp8_e4m3", 4, 16, "transposed", 1)])
-def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(kv_dtype, q_len, rows, pipeline,
+@pytest.mark.parametrize("hq,hkv,kv_dtype,q_len,rows,pipeline,max_chunks", [
+    (32, 8, "bf16", 8, 32, "normal", 8), (32, 8, "bf16", 4, 16, "normal", 8), (128, 8, "bf16", 4, 64, "normal", 4),
+    (32, 8, "bf16", 2, 8, "transposed", 1), (32, 32, "bf16", 2, 2, "transposed", 1),
+    (32, 8, "fp8_e4m3", 4, 16, "transposed", 1)])
+def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(hq, hkv, kv_dtype, q_len, rows, pipeline,
                                                                             max_chunks):
     """Verify steps of about one equal item an SM (GQA 32/8 B16: 128 items on 132 SMs) take the one-CTA-an-SM
     kernel (kernels.decode.verify_one_cta_tiling: 128-token tiles of 8 warps, fp8's two n8 tiles too), one whole
-    item a CTA; the normal pipeline's m16 tiles also take equal items cut into 2 chunks (B8: 64 items), not 4
-    (B4); 104 items (21% of the SMs idle), unequal requests and CUDA-graph mode (unless whole_items=True) keep
-    the default kernel."""
-    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype)
+    item a CTA; the normal pipeline's m16 tiles also take fewer equal items cut into 2-8 equal chunks (4 at 64
+    rows); 13 requests (21% of the SMs idle), unequal requests and CUDA-graph mode (unless whole_items=True)
+    keep the default kernel."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     w = BatchDecode.host_only(spec, max_q_len=q_len)
     one = w._wholes[0]
     assert (one.kernel.tile_kv, one.kernel.num_stages, one.kernel.num_warps, one.ctas) == (128, 3, 8, 132)
     assert one.kernel.ctas_per_sm == 1 and one.kernel.item_rows == rows and one.kernel.spec.pipeline == pipeline
-    assert one.tiling.max_chunks == max_chunks and w.kernel.ctas_per_sm in (3, 4)
-    w.plan(*table([8192] * 15 + [8180]), page_size=16, q_len=q_len)
+    assert one.tiling.max_chunks == max_chunks and w.kernel.ctas_per_sm in (2, 3, 4)
+    batch = 128 // hkv
+    w.plan(*table([8192] * (batch - 1) + [8180]), page_size=16, q_len=q_len)
     assert w.planned_kernel == (one.kernel, 132) and w._plan["work"].num_spans == 128
     assert scheduler.aligned_chunks(w._plan["work"]) == 1  # each item whole, one a span
-    w.plan(*table([16384] * 8), page_size=16, q_len=q_len)
-    chunked = w.planned_kernel[0] is one.kernel
-    assert chunked is (max_chunks == 2) and (not chunked or scheduler.aligned_chunks(w._plan["work"]) == 2)
-    for lengths in ([32768] * 4, [8192] * 12 + [4096], [16384] + [8192] * 15):
+    for chunks in (2, 4, 8, 16):
+        if batch // chunks:
+            w.plan(*table([8192 * chunks] * (batch // chunks)), page_size=16, q_len=q_len)
+            taken = w.planned_kernel[0] is one.kernel
+            assert taken is (chunks <= max_chunks), chunks
+            assert not taken or scheduler.aligned_chunks(w._plan["work"]) == chunks
+    for lengths in ([8192] * (batch * 13 // 16), [16384] + [8192] * (batch - 1)):
         w.plan(*table(lengths), page_size=16, q_len=q_len)
         assert w.planned_kernel == (w.kernel, w.num_ctas), lengths
     w.use_cuda_graph = True  # (no whole_items=True: a graph keeps its default kernel)
-    w.plan(*table([8192] * 16), page_size=16, q_len=q_len)
+    w.plan(*table([8192] * batch), page_size=16, q_len=q_len)
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 
 @pytest.mark.parametrize("spec_kw,q_len", [({"kv_dtype": "fp8_e4m3"}, 8), ({"kv_dtype": "fp8_e4m3"}, 2),
-                                           ({"head_dim_qk": 64}, 4), ({"num_qo_heads": 128}, 4), ("alibi", 4)])
+                                           ({"head_dim_qk": 64}, 4), ({"num_qo_heads": 128}, 8),
+                                           ({"num_kv_heads": 1}, 4), ("alibi", 4)])
 def test_verify_steps_without_a_measured_one_cta_tiling(spec_kw, q_len):
-    """fp8 on the normal pipeline (32 rows: +4.4%, widened through shared memory), fp8 items of 8 rows and d64
-    (not measured), past 32 rows (GQA 128/8 q4: 64 rows), ALiBi's slopes read at run time: no one-CTA-an-SM
-    kernel, and 128 equal items stream on the default kernel."""
+    """fp8 on the normal pipeline (32 rows: +4.4%, widened through shared memory), fp8 items of 8 rows (+3.4%),
+    d64 (+3.8%), items split by heads (GQA 128/8 q8) and MQA (not measured), ALiBi's slopes read at run time:
+    no one-CTA-an-SM kernel, and 128 equal items stream on the default kernel."""
     from attnforge import mods
     from attnforge.kernels.decode import verify_one_cta_tiling
     if spec_kw == "alibi":
         spec_kw = {"score_mod": mods.alibi(torch.ones(32))}
     w = BatchDecode.host_only(AttentionSpec(**{"num_qo_heads": 32, "num_kv_heads": 8, **spec_kw}), max_q_len=q_len)
     assert verify_one_cta_tiling(w.spec, q_len) is None and all(x.kernel.ctas_per_sm > 1 for x in w._wholes)
-    w.plan(*table([8192] * 16), page_size=16, q_len=q_len)
+    w.plan(*table([8192] * (128 // w._stream_items())), page_size=16, q_len=q_len)
     assert w.planned_kernel == (w.kernel, w.num_ctas)
 
 

@@ -212,24 +212,25 @@ def test_about_one_equal_item_a_cta_runs_the_four_cta_kernel(hq, q_len, max_q_le
     assert w._plan["work"].num_spans == sms // 2 * 8  # one whole item a span
 
 
-@pytest.mark.parametrize("kv_dtype,q_len,max_q_len,page_size,batch_per_sm,graph", [
-    ("bf16", 8, 8, 16, 1, False), ("bf16", 4, 4, 7, 1, False), ("bf16", 2, 2, 1, 1, False),
-    ("fp8_e4m3", 4, 4, 16, 1, False), ("bf16", 7, 8, 16, 1, False), ("bf16", 8, 8, 7, 0.5, False),
-    ("bf16", 4, 4, 16, 1, True)])
-def test_about_one_equal_item_an_sm_runs_the_one_cta_kernel(kv_dtype, q_len, max_q_len, page_size, batch_per_sm,
+@pytest.mark.parametrize("hq,hkv,kv_dtype,q_len,max_q_len,page_size,chunks,graph", [
+    (32, 8, "bf16", 8, 8, 16, 1, False), (32, 8, "bf16", 4, 4, 7, 1, False), (32, 8, "bf16", 2, 2, 1, 1, False),
+    (32, 8, "fp8_e4m3", 4, 4, 16, 1, False), (32, 8, "bf16", 7, 8, 16, 1, False), (32, 8, "bf16", 8, 8, 7, 2, False),
+    (32, 8, "bf16", 8, 8, 16, 8, False), (128, 8, "bf16", 4, 4, 7, 4, False), (32, 32, "bf16", 2, 2, 16, 1, False),
+    (32, 8, "bf16", 4, 4, 16, 1, True)])
+def test_about_one_equal_item_an_sm_runs_the_one_cta_kernel(hq, hkv, kv_dtype, q_len, max_q_len, page_size, chunks,
                                                             graph):
-    """Equal requests of 8 KV heads, about one item an SM: the plan takes the one-CTA-an-SM verify kernel
-    (128-token tiles of 8 warps: kernels.decode.verify_one_cta_tiling) on the normal pipeline's m16 tiles (32 and
-    16 rows), the transposed n8 tile (8 rows) and fp8's two n8 tiles, one whole item a CTA; half as many items
-    cut into 2 chunks each (the m16 tiles); also with fewer tokens than max_q_len (padding rows) and in
-    CUDA-graph mode with whole_items=True."""
+    """Equal requests, about one item an SM: the plan takes the one-CTA-an-SM verify kernel (128-token tiles of 8
+    warps: kernels.decode.verify_one_cta_tiling) on the normal pipeline's m16 tiles (16, 32 and 64 rows), the
+    transposed n8 tile (8 and 2 rows) and fp8's two n8 tiles, one whole item a CTA; fewer items cut into 2-8 equal
+    chunks each (the m16 tiles); also with fewer tokens than max_q_len (padding rows) and in CUDA-graph mode with
+    whole_items=True."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = int(sms // 8 * batch_per_sm)
+    batch = sms // hkv // chunks
     kw = dict(use_cuda_graph=True, whole_items=True, max_batch_size=batch) if graph else {}
-    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype)
-    w, _ = verify_case(spec, [700 + q_len] * batch, page_size, q_len, seed=9, max_q_len=max_q_len,
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
+    w, _ = verify_case(spec, [700 * chunks + q_len] * batch, page_size, q_len, seed=9, max_q_len=max_q_len,
                        out_rows_extra=2, **kw)
     kernel, ctas = w.planned_kernel
     assert kernel is w._wholes[0].kernel and kernel.ctas_per_sm == 1 and ctas == sms
     assert (kernel.tile_kv, kernel.num_stages, kernel.num_warps) == (128, 3, 8)
-    assert scheduler.aligned_chunks(w._plan["work"]) == (2 if batch_per_sm < 1 else 1)
+    assert scheduler.aligned_chunks(w._plan["work"]) == chunks

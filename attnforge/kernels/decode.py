@@ -167,24 +167,30 @@ def verify_four_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whol
 
 def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
     """The one-CTA-an-SM whole-item tiling of a verify step's kernel (max_q_len > 1), for plans of about one
-    equal item an SM (GQA 32/8: B16 is 128 items on 132 SMs), or None. Measured (seventy-third session, three
-    rounds in rotation against the split plan, spans aligned to whole items, d128, page 16): 16-bit on the
-    normal pipeline's m16 tiles, B16 q8 L8192 (32 rows) 128.9 against 138.1 us (-6.7%), L2048 -14.7%, B16 q4
-    (16 rows) -2.7%, and B8 q8 L16384 (64 items cut into 2 chunks each) -5.0%; 16-bit transposed B16 q2 (8
-    rows) -2.2%, where one token a request won at groups 1-8 (whole_item_tiling); fp8 transposed B16 q4 (16
-    rows, two n8 tiles at 196 registers) -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to 128 registers,
-    spill 72 bytes and lost 19%. Left out: fp8 on the normal pipeline (q8: +4.4%, widened through shared
-    memory), fp8 items of 8 rows or fewer, past 32 rows, d64 / d256 and slopes read at run time (not measured),
-    and chunked plans past 2 chunks an item (not measured)."""
-    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
+    equal item an SM (GQA 32/8: B16 is 128 items on 132 SMs), or of fewer equal items cut into equal chunks of
+    about one an SM; None for shapes not measured to win. Measured (seventy-third session, three rounds in
+    rotation against the split plan, spans aligned to items, d128, page 16):
+    - 16-bit, the normal pipeline's m16 tiles: GQA 32/8 B16 q8 L8192 (32 rows) 128.9 against 138.1 us (-6.7%),
+      L2048 -14.7%, chunked B8 q8 (2 chunks an item) -5.0%, B4 (4) -5.8%, B2 (8) -4.2%; B16 q4 (16 rows) -2.7%,
+      B4 (4 chunks) -1.3%; GQA 128/8 q4 (64 rows) B16 -14%, B8 (2 chunks) -12%, B4 (4) -14.8%;
+    - 16-bit, the transposed n8 tile: q2, GQA 32/8 (8 rows) -2.2%, 32/16 -2.0%, MHA -2.2% (whole items: one
+      token's chunked transposed plans tied, whole_item_tiling);
+    - fp8, two n8 tiles (16 rows, 196 registers): B16 q4 -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to
+      128 registers, spill 72 bytes and lost 19%.
+    Measured and left out: fp8 on the normal pipeline (q8, 32 rows: +4.4%, widened through shared memory), fp8's
+    8 rows (+3.4%: two CTAs an SM there, against its default's four), d64 (+3.8%). Not measured: d256, MQA-sized
+    groups and items split by heads (a group of 16 at q5-8), more than 8 chunks an item (4 at 64 rows) and
+    slopes read at run time."""
+    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or spec.group_size > 16 or \
+            default_head_splits(spec, max_q_len) > 1 or _slope_read_at_run_time(spec):
         return None
-    rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
+    rows = spec.group_size * max_q_len
     if spec.pipeline == "transposed":
         fits = 8 < rows <= 16 if spec.kv_dtype == "fp8_e4m3" else rows <= 8
         return WHOLE_ITEM_TILING if fits else None
-    if spec.kv_dtype == "fp8_e4m3":
+    if spec.kv_dtype == "fp8_e4m3" or rows <= 8:
         return None
-    return replace(WHOLE_ITEM_TILING, max_chunks=2) if 8 < rows <= 32 else None
+    return replace(WHOLE_ITEM_TILING, max_chunks=8 if rows <= 32 else 4)
 
 
 def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:

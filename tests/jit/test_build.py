@@ -252,9 +252,10 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     kernels += [DecodeKernel(AttentionSpec(pipeline=p, kv_dtype=kv), max_q_len=q)
                 for p, kv, q in (("transposed", "bf16", 2), ("transposed", "bf16", 4), ("transposed", "fp8_e4m3", 4),
                                  ("normal", "bf16", 4), ("normal", "bf16", 8))]
-    # verify's whole items, one CTA an SM and 4 (kernels.decode.whole_item_tilings): m16 tiles of 12 and 32 rows,
-    # 8 rows (n8; 4-CTA: the m16 tile), fp8's two n8 tiles (one CTA an SM only)
-    kernels += [k for kw, q in (({"pipeline": "normal"}, 3), ({}, 8), ({}, 2), ({"kv_dtype": "fp8_e4m3"}, 4))
+    # verify's whole items, one CTA an SM and 4 (kernels.decode.whole_item_tilings): m16 tiles of 12, 32 and 64
+    # rows, 8 rows (n8; 4-CTA: the m16 tile), fp8's two n8 tiles (one CTA an SM only)
+    kernels += [k for kw, q in (({"pipeline": "normal"}, 3), ({}, 8), ({"num_qo_heads": 128}, 4), ({}, 2),
+                                ({"kv_dtype": "fp8_e4m3"}, 4))
                 for k in whole_item_kernels(spec_for_rows(AttentionSpec(**kw), q), q)]
     kernels += list(whole_item_kernels(AttentionSpec()))  # one token's 4-CTA whole items (a group of 4: normal)
     kernels.append(DecodeKernel(AttentionSpec(num_kv_heads=4), 32, 3, 2, head_splits=1))  # ... transposed
