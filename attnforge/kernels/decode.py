@@ -138,12 +138,13 @@ MQA_MERGE_LAUNCH_CHUNKS = 132
 # 4 x SMs equal items reads each whole, one a CTA: verify steps whose items fill the normal pipeline's one 16-bit
 # m16 tile (verify_four_cta_tiling), and one token a request whose group fills one head tile (four_cta_tiling)
 FOUR_CTA_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2)
-# ... on the normal pipeline's m16 tile for a group of 4 on either pipeline (four_cta_tiling)
+# ... on the normal pipeline's m16 tile for a group of 4 on either pipeline (four_cta_tiling) and for verify's
+# items of 4-8 rows (verify_four_cta_tiling)
 FOUR_CTA_M16_WHOLE_ITEM_TILING = WholeItemTiling(32, 3, 2, pipeline="normal")
 
 
 def verify_four_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[WholeItemTiling]:
-    """The whole-item tiling of a verify step's kernel (max_q_len > 1), or None. Measured (GQA 32/8 and 64/8,
+    """The 4-CTA whole-item tiling of a verify step's kernel (max_q_len > 1), or None. Measured (GQA 32/8 and 64/8,
     d128, page 16, H200, three rounds in rotation against the default t64s2w4 at 3 CTAs an SM, sixty-ninth
     session): B64 q4 L4096 (512 equal items on 528 CTAs, one each) 247.7 against 257.9 us, B64 q3 247.2 / 256.7,
     GQA 64/8 B64 q2 247.1 / 257.8, fp16 B64 q4 247.2 / 257.0 (-3.7..-4.2%). As the plain default it lost 1-3%
@@ -306,7 +307,7 @@ def whole_item_kernels(spec: AttentionSpec, max_q_len: int = 1) -> tuple["Decode
 def kernel_for_tiling(spec: AttentionSpec, t: WholeItemTiling, max_q_len: int = 1) -> "DecodeKernel":
     """The whole-item kernel of tiling `t` for `spec`, on the tiling's pipeline where it names one."""
     # one token: every query head of a KV head in one item (MQA too: its 16-head items lost on this kernel);
-    # a verify step: the default head splits (its rows are 32 at most: no split)
+    # a verify step: the default head splits (both verify rules take items no head split cut)
     spec = replace(spec, pipeline=t.pipeline) if t.pipeline else spec
     return DecodeKernel(spec, t.tile_kv, t.stages, t.warps, head_splits=1 if max_q_len == 1 else None,
                         max_q_len=max_q_len)
