@@ -277,8 +277,8 @@ class BatchDecode:
         """Float workspace for `num_ctas` persistent CTAs: two partial (o, lse) slots per CTA (a work item's
         rows: group x max_q_len), and 32 bytes past them (the merge copies the lse values in aligned 16-byte
         blocks). A wrapper needs it for the largest of its grids (num_ctas, and its whole-item kernels' CTAs:
-        4 an SM for one token on the transposed pipeline and for verify steps of 9-16 rows an item); its
-        constructor says how many bytes where a given workspace is smaller."""
+        4 an SM for the 4-CTA ones, kernels.decode.whole_item_tilings); its constructor says how many bytes
+        where a given workspace is smaller."""
         return 2 * num_ctas * spec.group_size * max_q_len * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------

@@ -157,8 +157,7 @@ def verify_four_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whol
     the 128 its occupancy allows), as one token a request's group of 4 does (four_cta_tiling). Measured against
     whole_items=False (seventy-third session, three rounds, 8 KV heads, q2): GQA 32/8 B64 L4096 249.4 against
     255.3 us (-2.3%), B66 -3.3%, 7-token pages -1.2%, B64 L1024 -6.8%, GQA 16/8 B64 L4096 -2.4%."""
-    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
-            _slope_read_at_run_time(spec):
+    if max_q_len == 1 or spec.kv_dtype == "fp8_e4m3" or not _in_measured_scope(spec):
         return None
     rows = spec.group_size // default_head_splits(spec, max_q_len) * max_q_len
     if spec.pipeline == "transposed":
@@ -182,8 +181,8 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
     8 rows (+3.4%: two CTAs an SM there, against its default's four), d64 (+3.8%). Not measured: d256, MQA-sized
     groups and items split by heads (a group of 16 at q5-8), more than 8 chunks an item (4 at 64 rows) and
     slopes read at run time."""
-    if spec.family != "decode" or max_q_len == 1 or spec.head_dim_qk != 128 or spec.group_size > 16 or \
-            default_head_splits(spec, max_q_len) > 1 or _slope_read_at_run_time(spec):
+    if max_q_len == 1 or spec.group_size > 16 or not _in_measured_scope(spec) or \
+            default_head_splits(spec, max_q_len) > 1:
         return None
     rows = spec.group_size * max_q_len
     if spec.pipeline == "transposed":
@@ -215,8 +214,7 @@ def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
     SMs items already run whole), nor for fp8 KV (4 CTAs an SM on its default). Not measured, so left out:
     d256, MQA (its m16 tile of 16 heads spills at 168 registers), the normal pipeline's groups of 1-3 and 5-8
     and slopes read at run time."""
-    if spec.family != "decode" or spec.head_dim_qk != 128 or spec.kv_dtype == "fp8_e4m3" or \
-            _slope_read_at_run_time(spec):
+    if spec.kv_dtype == "fp8_e4m3" or not _in_measured_scope(spec):
         return None
     g = spec.group_size
     if g == 4:
@@ -269,7 +267,7 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     if max_q_len > 1:
         return verify_one_cta_tiling(spec, max_q_len)
     g = spec.group_size
-    if spec.head_dim_qk != 128 or _slope_read_at_run_time(spec):
+    if not _in_measured_scope(spec):
         return None
     if spec.kv_dtype == "fp8_e4m3":  # (on the normal pipeline fp8 is widened through shared memory)
         return FP8_WHOLE_ITEM_TILING if spec.pipeline == "transposed" and g <= 8 else None
@@ -281,6 +279,11 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
         return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // max(g, 16),
                        max_chunks_merge_launch=MQA_MERGE_LAUNCH_CHUNKS if g >= 32 else 0)
     return None
+
+
+def _in_measured_scope(spec: AttentionSpec) -> bool:
+    """Decode at d128 with no slope read at run time: where every whole-item band was measured."""
+    return spec.family == "decode" and spec.head_dim_qk == 128 and not _slope_read_at_run_time(spec)
 
 
 def _slope_read_at_run_time(spec: AttentionSpec) -> bool:
