@@ -22,8 +22,7 @@ E4M3_UNPACK = re.compile(r"\bF2FP\.[A-Z0-9]+\.E4M3\.UNPACK")
 def _e4m3_conversions(kernel: DecodeKernel) -> int:
     """The decode kernel's e4m3 -> 16-bit conversion instructions in its sm_90a machine code."""
     (path,) = build_many([kernel.module()], ("9.0a",))
-    text = subprocess.run([str(NVDISASM), "-c", str(path)], check=True, capture_output=True,
-                          text=True).stdout
+    text = subprocess.run([str(NVDISASM), "-c", str(path)], check=True, capture_output=True, text=True).stdout
     body = text.split(".text.batch_decode_kernel:", 1)[1].split("//--------------------- ", 1)[0]
     return len(E4M3_UNPACK.findall(body))
 
