@@ -204,6 +204,14 @@ def test_fp8_kv_with_scales(dtype, pipeline):
     run_case(spec, [1, 100, 4000], 16, k_scale=0.5, v_scale=1.5)
 
 
+@pytest.mark.parametrize("heads,page_size", [((32, 2), 16), ((96, 8), 7)])
+def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(heads, page_size):
+    """Groups of 9-16 on the transposed pipeline: two n8 head tiles, each K and V fragment widened once for
+    both (the code a verify step's 16-row fp8 items run; a group of 12 pads its second tile)."""
+    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], kv_dtype="fp8_e4m3", pipeline="transposed")
+    run_case(spec, LENGTHS + [9000], page_size, seed=page_size, k_scale=0.5, v_scale=1.5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_fp8_kv_other_head_dims(head_dim, pipeline):
