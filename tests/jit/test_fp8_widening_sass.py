@@ -34,8 +34,7 @@ def _fp8_kernel(heads: tuple, q_len: int) -> DecodeKernel:
 
 @pytest.mark.parametrize("heads,q_len", [((32, 8), 4), ((32, 8), 3), ((32, 2), 1)],
                          ids=["gqa8-q4", "gqa8-q3", "group16-q1"])
-def test_two_head_tiles_widen_each_fragment_once(heads, q_len, tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path))
+def test_two_head_tiles_widen_each_fragment_once(heads, q_len):
     two_tiles = _fp8_kernel(heads, q_len)
     one_tile = _fp8_kernel((32, 8), 2)  # 8 rows: one n8 tile, the same tiling
     assert (two_tiles.tile_kv, two_tiles.num_stages, two_tiles.num_warps) == \
