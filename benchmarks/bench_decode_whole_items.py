@@ -52,7 +52,11 @@ EXTRA_CASES = {"B16 L4096": _equal(16, 4096), "B16 L16384": _equal(16, 16384), "
                # groups of 1-3 on it, 512 items (mha B16 L8192 above: head_dims' MHA row; L4096: Quest's MHA step)
                "mha B16 L4096": _equal(16, 4096, (32, 32)), "g2 B32 L4096": _equal(32, 4096, (32, 16)),
                "g3 B64 L4096": _equal(64, 4096, (24, 8)),
-               "B96 L4096": _equal(96, 4096)}  # 768 items: past the 4-CTA band
+               "B96 L4096": _equal(96, 4096),  # 768 items: past the 4-CTA band
+               # fp8 groups of 9-16 ('auto': transposed, two n8 head tiles widened in registers), 128 items
+               "fp8 g16 B64 L4096": _equal(64, 4096, (32, 2), kv="fp8_e4m3"),
+               "fp8 g16x8 B16 L8192": _equal(16, 8192, (128, 8), kv="fp8_e4m3"),
+               "fp8 g12 B16 L8192": _equal(16, 8192, (96, 8), kv="fp8_e4m3")}
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}

@@ -204,12 +204,17 @@ def test_fp8_kv_with_scales(dtype, pipeline):
     run_case(spec, [1, 100, 4000], 16, k_scale=0.5, v_scale=1.5)
 
 
-@pytest.mark.parametrize("heads,page_size", [((32, 2), 16), ((96, 8), 7)])
-def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(heads, page_size):
-    """Groups of 9-16 on the transposed pipeline: two n8 head tiles, each K and V fragment widened once for
-    both (the code a verify step's 16-row fp8 items run; a group of 12 pads its second tile)."""
-    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], kv_dtype="fp8_e4m3", pipeline="transposed")
-    run_case(spec, LENGTHS + [9000], page_size, seed=page_size, k_scale=0.5, v_scale=1.5)
+@pytest.mark.parametrize("hq,hkv,head_dim,page_size", [(32, 2, 128, 16), (96, 8, 128, 7), (32, 1, 128, 7),
+                                                      (128, 2, 128, 1), (32, 2, 256, 7)])
+def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(hq, hkv, head_dim, page_size):
+    """fp8 groups of 9-16 at d >= 128, and multiples of 16 at d128 as items of 16 heads ('auto''s picks there): two
+    n8 head tiles, each K and V fragment widened once for both (the code a verify step's 16-row fp8 items run;
+    a group of 12 pads its second tile); MQA's items of one KV head read its tokens side by side."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, head_dim_vo=head_dim,
+                         kv_dtype="fp8_e4m3")
+    assert spec.pipeline == "transposed"
+    w, _ = run_case(spec, LENGTHS + [9000], page_size, seed=page_size + hq, k_scale=0.5, v_scale=1.5)
+    assert w.kernel.item_heads == min(hq // hkv, 16)
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
@@ -436,14 +441,17 @@ def test_cuda_graph_replay_after_replans(pipeline, hkv, merge_launch):
 
 
 # ~one (near-)equal item per SM: the one-CTA-per-SM kernel that reads items whole (whole_item_tiling)
-@pytest.mark.parametrize("page_size,layout,q_dtype,hkv", [(16, "NHD", "bf16", 8), (7, "HND", "fp16", 8),
-                                                         (1, "NHD", "bf16", 8), (7, "NHD", "bf16", 2)])
-def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv):
-    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv)  # 32/2: the normal pipeline
+@pytest.mark.parametrize("page_size,layout,q_dtype,hkv,kv_dtype", [
+    (16, "NHD", "bf16", 8, "bf16"), (7, "HND", "fp16", 8, "fp16"), (1, "NHD", "bf16", 8, "bf16"),
+    (7, "NHD", "bf16", 2, "bf16"), (7, "NHD", "bf16", 2, "fp8_e4m3")])
+def test_whole_item_kernel_matches_the_reference(page_size, layout, q_dtype, hkv, kv_dtype):
+    # 32/2: the normal pipeline's one m16 tile with 16-bit KV, the transposed one's two n8 tiles with fp8
+    spec = AttentionSpec(kv_layout=layout, q_dtype=q_dtype, num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms // hkv  # x KV heads: 128 or 132 items on the H200's 132 SMs
     lengths = [1000 - (i % 5) for i in range(batch)]  # near-equal, no multiple of the 128-token tile
-    w, _ = run_case(spec, lengths, page_size, seed=page_size)
+    scales = {"k_scale": 0.5, "v_scale": 1.5} if kv_dtype == "fp8_e4m3" else {}
+    w, _ = run_case(spec, lengths, page_size, seed=page_size, **scales)
     if not scheduler.in_whole_item_band(batch * hkv, w._whole_ctas):
         pytest.skip(f"{batch * hkv} items on {sms} SMs: outside the whole-item band")
     assert w.planned_kernel == (w._whole, sms) and w._whole.tile_kv == 128
@@ -633,8 +641,8 @@ def test_bad_inputs_raise_before_launch():
     g1.plan(indptr, indices, last, page_size=16)
     with pytest.raises(ValueError, match="as captured"):
         g1.plan(indptr, indices, last, page_size=16, sm_scale=0.5)
-    with pytest.raises(ValueError, match="group sizes up to 16"):
-        BatchDecode(AttentionSpec(num_qo_heads=64, num_kv_heads=2, pipeline="transposed"))
+    with pytest.raises(ValueError, match="up to 16 query rows"):
+        BatchDecode(AttentionSpec(num_qo_heads=48, num_kv_heads=2, pipeline="transposed"))  # 24 heads an item
 
 
 def test_runs_recheck_what_differs_from_the_last_checked_inputs():

@@ -205,20 +205,25 @@ def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
 
 
 def test_transposed_pipeline_takes_up_to_two_head_tiles():
-    """The transposed kernel takes groups up to 16 (two n8 head tiles of O^T a warp) and refuses larger ones
-    before any build, with the fix named; 'auto' picks it up to 8 only (one tile; two need 200 registers)."""
+    """The transposed kernel takes items of up to 16 heads (two n8 head tiles of O^T a warp), multiples of 16 as
+    items of 16 (head splits), and refuses other groups before any build, with the fix named; 'auto' picks it
+    for 16-bit KV up to 8 only (one tile; two need 200 registers), for fp8 KV up to 16 and multiples of 16."""
     for group in (9, 12, 16):
         kernel = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed"))
         assert kernel.item_heads == group and kernel.registers_needed == 200
-        fp8 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed",
-                                         kv_dtype="fp8_e4m3"))
+        fp8 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3"))
+        assert fp8.spec.pipeline == "transposed"  # 'auto': widened in registers
         assert (fp8.registers_needed, fp8.ctas_per_sm, fp8.register_bound_ctas) == (168, 3, 3)  # held to 3 CTAs
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
-    for group in (17, 32):
-        with pytest.raises(ValueError, match=f"group sizes up to 16\\), got {group} .*Use pipeline='normal' "
-                                             r"\(or 'auto', which picks it above 8\)"):
-            DecodeKernel(AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, pipeline="transposed"))
+    for group in (32, 64):  # items of 16 heads
+        kernel = DecodeKernel(AttentionSpec(num_qo_heads=group, num_kv_heads=1, kv_dtype="fp8_e4m3"))
+        assert (kernel.spec.pipeline, kernel.head_splits, kernel.item_heads) == ("transposed", group // 16, 16)
+    for group, splits in ((17, 1), (24, 1), (32, 1)):
+        with pytest.raises(ValueError, match=f"up to 16 query rows \\(heads x tokens\\) a work item, got {group} "
+                                             r".*Use pipeline='normal' \(or 'auto', which picks it there\)"):
+            DecodeKernel(AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, pipeline="transposed"),
+                         head_splits=splits)
 
 
 def test_several_query_tokens_a_request_size_the_kernel_by_rows():
@@ -232,7 +237,7 @@ def test_several_query_tokens_a_request_size_the_kernel_by_rows():
     assert four.module().name != one.module().name and "q1" not in one.module().name
     assert BatchDecode.workspace_bytes(spec, 10, 4) - 32 == 4 * (BatchDecode.workspace_bytes(spec, 10) - 32)
     with pytest.raises(ValueError,
-                       match=r"up to 16 query rows a work item .*got 32 \(32/8 heads x 8 tokens a request\)"):
+                       match=r"up to 16 query rows \(heads x tokens\) a work item, got 32 \(32/8 heads x 8 tokens a request\)"):
         DecodeKernel(spec, max_q_len=8)
     assert DecodeKernel(dataclasses.replace(spec, pipeline="normal"), max_q_len=8).item_rows == 32
     with pytest.raises(ValueError, match=r"4 tokens x 32 query heads a work item is 128 rows, past the kernel's 64"):
@@ -273,6 +278,12 @@ def test_the_default_pipeline_follows_an_items_rows_and_head_splits_keep_them_in
     assert spec_for_rows(gqa, 4).pipeline == "normal" and spec_for_rows(gqa, 8).pipeline == "normal"
     fp8 = dataclasses.replace(gqa, kv_dtype="fp8_e4m3")  # widened in registers on the transposed pipeline
     assert spec_for_rows(fp8, 4) is fp8 and spec_for_rows(fp8, 8).pipeline == "normal"
+    fp8_16 = AttentionSpec(num_qo_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3")  # 'auto': transposed, two n8 tiles
+    assert fp8_16.pipeline == "transposed" and spec_for_rows(fp8_16, 1) is fp8_16
+    assert spec_for_rows(fp8_16, 2).pipeline == "normal"  # 32 rows: past the transposed kernel's 16
+    fp8_mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1, kv_dtype="fp8_e4m3")  # transposed, items of 16
+    assert spec_for_rows(fp8_mqa, 1) is fp8_mqa and spec_for_rows(fp8_mqa, 2).pipeline == "normal"
+    assert default_head_splits(spec_for_rows(fp8_mqa, 2), 2) == 2
     normal = dataclasses.replace(gqa, pipeline="normal")
     assert spec_for_rows(normal, 2) is normal  # an explicit normal stays
     mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1)  # normal, 16-head items

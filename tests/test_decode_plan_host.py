@@ -299,6 +299,18 @@ def test_whole_item_tilings_by_head_layout(hq, hkv, whole, mod):
     assert (w.planned_kernel[0] is w._whole) is whole
 
 
+@pytest.mark.parametrize("hq,hkv,tile", [(32, 2, 128), (128, 8, 128), (96, 8, None), (32, 8, 256), (32, 1, None)])
+def test_fp8_whole_item_tilings_by_head_tiles(hq, hkv, tile):
+    """fp8 KV on the transposed pipeline ('auto' there): one n8 head tile reads whole items on sixteen warps
+    (FP8_WHOLE_ITEM_TILING), a group of 16 (two full n8 tiles) on verify's eight-warp 128-token tiling; a group
+    of 12 (+0.3% whole) and MQA's items of 16 heads (not measured whole) keep one kernel."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype="fp8_e4m3")
+    w = BatchDecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
+    assert spec.pipeline == "transposed" and (None if w._whole is None else w._whole.tile_kv) == tile
+    w.plan(*table([4096] * (128 // w._stream_items())), page_size=16)
+    assert (w.planned_kernel[0] is w._whole) is (tile is not None)
+
+
 def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():
     off = whole_wrapper(graph=True)  # None: never under graphs (placeholder lengths at capture)
     off.plan(*table([4096] * 16), page_size=16)

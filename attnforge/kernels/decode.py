@@ -62,10 +62,12 @@ def default_head_splits(spec: AttentionSpec, max_q_len: int = 1) -> int:
     heads each, so a split item's partial states (group x head_dim floats per chunk) merge in a
     quarter of the time on twice the CTAs (MQA 32/1 d128 merged 25 chunks x 32 heads through one CTA:
     2.1x cuDNN's time, twelfth session); the items of one KV head read the same tokens side by side.
-    With several query tokens a request, halved further while an item's rows (heads x tokens) pass
-    MAX_ITEM_ROWS and the group divides."""
+    The transposed pipeline's items hold at most 16 heads (two n8 tiles), so its multiples of 16 split too
+    (fp8 MQA's default, spec.default_pipeline). With several query tokens a request, halved further while an
+    item's rows (heads x tokens) pass MAX_ITEM_ROWS and the group divides."""
     g = spec.group_size
-    hs = g // 16 if spec.pipeline == "normal" and g > 16 and g % 16 == 0 and spec.head_dim_qk <= 128 else 1
+    sixteen_head_items = g > 16 and g % 16 == 0 and (spec.pipeline == "transposed" or spec.head_dim_qk <= 128)
+    hs = g // 16 if sixteen_head_items else 1
     while g // hs * max_q_len > MAX_ITEM_ROWS and g % (2 * hs) == 0:
         hs *= 2
     return hs
@@ -77,14 +79,13 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int) -> AttentionSpec:
     GQA 32/8 bf16, sixty-eighth session): 8 rows (q_len 2) the transposed pipeline's one n8 tile, 252.3 us
     against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
     against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
-    fp8 KV keeps the transposed pipeline up to its 16 rows (it widens in registers there; the normal
-    pipeline widens through shared memory, 1.7x slower at one token a request); past 16 rows, normal."""
-    rows = spec.group_size * max_q_len
-    if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed" or \
-            spec.group_size > AUTO_TRANSPOSED_MAX_GROUP:
+    fp8 KV keeps the transposed pipeline up to its 16 rows an item (at d >= 128 it widens in registers there; the
+    normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal."""
+    if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
     limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
-    return replace(spec, pipeline="normal") if rows > limit else spec
+    item_heads = spec.group_size // default_head_splits(spec)
+    return replace(spec, pipeline="normal") if item_heads * max_q_len > limit else spec
 
 
 def default_tiling(spec: AttentionSpec, group: Optional[int] = None) -> tuple[int, int]:
@@ -176,7 +177,8 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
     - 16-bit, the transposed n8 tile: q2, GQA 32/8 (8 rows) -2.2%, 32/16 -2.0%, MHA -2.2% (whole items: one
       token's chunked transposed plans tied, whole_item_tiling);
     - fp8, two n8 tiles (16 rows, 196 registers): B16 q4 -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to
-      128 registers, spill 72 bytes and lost 19%.
+      128 registers, spill 72 bytes and lost 19%. Re-measured on the widen-once kernel (seventy-fifth session,
+      three rounds): B16 q4 L8192 -0.6..-0.7%, q3 (12 rows) -2.0..-2.1%, q4 L2048 -9.5..-10.3%.
     Measured and left out: fp8 on the normal pipeline (q8, 32 rows: +4.4%, widened through shared memory), fp8's
     8 rows (+3.4%: two CTAs an SM there, against its default's four), d64 (+3.8%). Not measured: d256, MQA-sized
     groups and items split by heads (a group of 16 at q5-8), more than 8 chunks an item (4 at 64 rows) and
@@ -243,7 +245,9 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     keep the tile loop fed (four ran 1.7x slower). Score modifiers keep it (soft-cap -2.3%), but see the
     slopes below. fp8 KV lost on eight warps (+18..28%: its widening wants the issue slots of more warps)
     and wins on sixteen (FP8_WHOLE_ITEM_TILING, forty-sixth session: B16 L8192 -6.6%, L4096 -9.1%, L65536
-    -5.1%; two 64 KB stages beat three by 1-2%).
+    -5.1%; two 64 KB stages beat three by 1-2%); fp8 groups of 16 (two n8 head tiles, 194 registers: sixteen
+    warps held to 128 spill 64 bytes) on eight warps (seventy-fifth session, two rounds against the split plan:
+    32/2 B64 L4096 -5.2..-5.4%, 128/8 B16 L8192 -0.3..-0.4%; a group of 12, +0.3%, is left out).
     Chunked (forty-sixth session, three rounds): fp8 B1 L131072 (8 items x 16 chunks) -3.5%, GQA 8/2 B2 L65536
     (4 x 33) -4.8%, B8 L16384 (64 x 2) -1.8%; normal 32/2 B1 L131072 (2 x 66) **-29%**, B2 L65536 (4 x 33)
     -20%, B4 L32768 (8 x 16) -14%, B8 L16384 -8.6%, B16 L8192 -4.0%, B32 L4096 -1.6%; MQA 32/1 and 64/1 as
@@ -259,7 +263,7 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     Left out as measured: several whole items a CTA where items outnumber the SMs (B64 L4096 +4.6%,
     B256 L1024 +8.4%: each item's start drains the pipeline, which three CTAs an SM hide from each
     other); d64 (128-token tiles in six stages: B16 L8192 +6.4%, L2048 a tie). d256 was not measured, nor
-    the transposed pipeline's two head tiles (groups 9-16), nor MQA groups other than 32 and 64.
+    the transposed pipeline's two head tiles with 16-bit KV, nor MQA groups other than 32 and 64 (nor fp8 MQA).
     Nor an affine score hook whose slope is read at run time (ALiBi's per-head slopes): there ptxas held the
     kernel at 128 registers and moved work off the uniform datapath, and ALiBi B16 L8192 took 134.2 us on it
     against 130.2 on the default kernel (plain 126.9 / 130.1; a constant slope 126.5 / 130.0: forty-second
@@ -270,7 +274,9 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     if not _in_measured_scope(spec):
         return None
     if spec.kv_dtype == "fp8_e4m3":  # (on the normal pipeline fp8 is widened through shared memory)
-        return FP8_WHOLE_ITEM_TILING if spec.pipeline == "transposed" and g <= 8 else None
+        if spec.pipeline != "transposed":
+            return None
+        return FP8_WHOLE_ITEM_TILING if g <= 8 else WHOLE_ITEM_TILING if g == 16 else None  # (two n8 tiles at 16)
     if spec.pipeline == "transposed":
         return WHOLE_ITEM_TILING if g <= 8 else None  # one n8 head tile
     # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
@@ -387,11 +393,11 @@ class DecodeKernel:
         if s.family != "decode":
             raise ValueError(f"DecodeKernel: expected a spec with family='decode', got {s.family!r}")
         if s.pipeline == "transposed" and g > MAX_TRANSPOSED_GROUP:
-            tokens = f" x {ql} tokens a request" if ql > 1 else ""
-            raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports up to {MAX_TRANSPOSED_GROUP} query rows a "
-                             f"work item (group sizes up to {MAX_TRANSPOSED_GROUP}), got {g} ({s.num_qo_heads}/"
-                             f"{s.num_kv_heads} heads{tokens}). Use pipeline='normal' (or 'auto', which picks it "
-                             f"above {AUTO_TRANSPOSED_MAX_GROUP}).")
+            where = (f" in {hs} items a KV head" if hs > 1 else "") + (f" x {ql} tokens a request" if ql > 1 else "")
+            raise ValueError(f"AttentionSpec.pipeline: 'transposed' supports up to {MAX_TRANSPOSED_GROUP} query rows "
+                             f"(heads x tokens) a work item, got {g} ({s.num_qo_heads}/{s.num_kv_heads} heads{where}). "
+                             f"Use pipeline='normal' (or 'auto', which picks it there), or head_splits that leave at "
+                             f"most {MAX_TRANSPOSED_GROUP} rows an item.")
 
     @property
     def name(self) -> str:  # (as AttentionSpec.name: what `python -m attnforge build` prints)
