@@ -106,7 +106,10 @@ def test_merge_ring_streams_a_pass_of_each_chunk():
 def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
     """Every tiling a user may ask for (tile, stages, warps, head splits, pipeline) gets a merge ring of
     two or more slots inside its stages: four vectors a thread once left a 16 KB pipeline no slot pair,
-    and the kernel would not have compiled."""
+    and the kernel would not have compiled. merge_item reads a float4 of each slot at v * pass_threads +
+    threadIdx.x for every thread, also those past the pass's vectors (whose values it never uses), so the last
+    slot's reads must stay in the stages too: fp8 at d64 widened in registers (a 16 KB stage area) would have
+    read 96 bytes past shared memory at a group of 5 (memcheck, seventy-fifth session)."""
     shapes = 0
     for pipeline in ("normal", "transposed"):
         for kw in ({}, {"tile_kv": 32, "stages": 2}, {"tile_kv": 32, "stages": 2, "num_warps": 8},
@@ -122,7 +125,9 @@ def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
                 vecs = k.item_heads * head_dim // 4
                 pass_threads = min(k.threads, vecs // v)
                 assert v in (1, 2, 4) and slots >= 2 and slots % 2 == 0
-                assert slots * (v * pass_threads + merge_lse_blocks(k.item_heads)) * 16 <= k.pipe_bytes
+                slot_vecs = v * pass_threads + merge_lse_blocks(k.item_heads)
+                assert slots * slot_vecs * 16 <= k.pipe_bytes
+                assert ((slots - 1) * slot_vecs + (v - 1) * pass_threads + k.threads) * 16 <= k.pipe_bytes, k.name
     assert shapes > 0
 
 
