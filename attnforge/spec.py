@@ -41,10 +41,10 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16", head_
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows, where
     the transposed kernel needs two n8 head tiles and more registers), except with fp8 KV at d >= 128
-    (AUTO_TRANSPOSED_MAX_GROUP_FP8). MLA decode uses the normal pipeline from 16
-    heads (its wgmma kernel on sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8
-    heads to 16) and the transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only, whose transposed kernel loses there);
-    docs/architecture.md has the table."""
+    (AUTO_TRANSPOSED_MAX_GROUP_FP8). MLA decode uses the normal pipeline from 16 heads (its wgmma
+    kernel on sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
+    transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only,
+    whose transposed kernel loses there); docs/architecture.md has the table."""
     if family == "decode":
         if kv_dtype == "fp8_e4m3" and head_dim >= 128 and (group_size <= AUTO_TRANSPOSED_MAX_GROUP_FP8 or (
                 head_dim == 128 and group_size % AUTO_TRANSPOSED_MAX_GROUP_FP8 == 0)):
@@ -176,7 +176,8 @@ class AttentionSpec:
             raise _bad("page_size", self.page_size, "None (any, at run time) or an int >= 1",
                        "Pass the cache's tokens per page.")
         if self.pipeline == "auto":
-            object.__setattr__(self, "pipeline", default_pipeline(self.family, self._group_or_one(), self.kv_dtype, self.head_dim_qk))
+            object.__setattr__(self, "pipeline", default_pipeline(self.family, self._group_or_one(), self.kv_dtype,
+                                                                  self.head_dim_qk))
         if self.pipeline not in PIPELINES:
             raise _bad("pipeline", self.pipeline, f"'auto' or one of {PIPELINES}",
                        "'normal' puts query heads on the MMA's M side; 'transposed' puts KV tokens there.")

@@ -145,7 +145,8 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "",
     ]
     titles = {"decode": "Batch decode (suite `decode`)",
-              "decode_fp8_groups": "fp8 KV decode, groups of 9-16 and MQA (suite `decode_fp8_groups`)", "merge": "merge_states (suite `merge`)",
+              "decode_fp8_groups": "fp8 KV decode, groups of 9-16 and MQA (suite `decode_fp8_groups`)",
+              "merge": "merge_states (suite `merge`)",
               "prefill": "Prefill (suite `prefill`)",
               "prefill_sustained": "Prefill under sustained load (`benchmarks/clocks_under_load.py`)",
               "prefill_copies": "K/V tile copies in prefill (suite `prefill_copies`)", "mods": "Score modifiers (suite `mods`)",

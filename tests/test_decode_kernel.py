@@ -242,7 +242,8 @@ def test_several_query_tokens_a_request_size_the_kernel_by_rows():
     assert four.module().name != one.module().name and "q1" not in one.module().name
     assert BatchDecode.workspace_bytes(spec, 10, 4) - 32 == 4 * (BatchDecode.workspace_bytes(spec, 10) - 32)
     with pytest.raises(ValueError,
-                       match=r"up to 16 query rows \(heads x tokens\) a work item, got 32 \(32/8 heads x 8 tokens a request\)"):
+                       match=r"up to 16 query rows \(heads x tokens\) a work item, got 32 "
+                             r"\(32/8 heads x 8 tokens a request\)"):
         DecodeKernel(spec, max_q_len=8)
     assert DecodeKernel(dataclasses.replace(spec, pipeline="normal"), max_q_len=8).item_rows == 32
     with pytest.raises(ValueError, match=r"4 tokens x 32 query heads a work item is 128 rows, past the kernel's 64"):
