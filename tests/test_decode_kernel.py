@@ -2,6 +2,8 @@
 kernel asks ptxas to honour that: where registers bind, and where a register rule planned the shape
 (tests/jit/test_build.py checks the compiled registers agree)."""
 import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 
@@ -100,6 +102,18 @@ def test_merge_ring_streams_a_pass_of_each_chunk():
     assert "kMergeV = 4;" in mqa.module().source and "kMergeSlots = 6;" in mqa.module().source
 
 
+def merge_ring_bytes(k: DecodeKernel) -> tuple[int, int]:
+    """(the ring's bytes, the end of merge_item's reads in bytes) in a kernel's stage area: a pass of the item's
+    rows x head_dim / 4 float4 vectors, v a thread, and a chunk's lse blocks a slot; merge_item reads a float4
+    of each slot at v' * pass_threads + threadIdx.x (v' < v) for every thread, also those past the pass's
+    vectors (whose values it never uses)."""
+    v, slots = k.merge_shape
+    vecs = k.item_rows * k.spec.head_dim_vo // 4
+    pass_threads = min(k.threads, vecs // v)
+    slot_vecs = v * pass_threads + merge_lse_blocks(k.item_rows)
+    return slots * slot_vecs * 16, ((slots - 1) * slot_vecs + (v - 1) * pass_threads + k.threads) * 16
+
+
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (32, 8), (32, 1), (64, 1), (48, 8), (40, 8)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
@@ -122,13 +136,32 @@ def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
                     continue  # a shape the kernel refuses up front (with its own message)
                 shapes += 1
                 v, slots = k.merge_shape
-                vecs = k.item_heads * head_dim // 4
-                pass_threads = min(k.threads, vecs // v)
                 assert v in (1, 2, 4) and slots >= 2 and slots % 2 == 0
-                slot_vecs = v * pass_threads + merge_lse_blocks(k.item_heads)
-                assert slots * slot_vecs * 16 <= k.pipe_bytes
-                assert ((slots - 1) * slot_vecs + (v - 1) * pass_threads + k.threads) * 16 <= k.pipe_bytes, k.name
+                ring, reads_end = merge_ring_bytes(k)
+                assert ring <= k.pipe_bytes and reads_end <= k.pipe_bytes, k.name
     assert shapes > 0
+
+
+def test_merge_reads_stay_in_the_stages_of_every_default_and_whole_item_kernel():
+    """The same for every kernel a wrapper builds by default: head dims, KV dtypes, pipelines, groups of 1-16 and
+    MQA, 1-8 tokens a request (the pipeline spec_for_rows picks), the default tiling and each whole-item one."""
+    from attnforge.kernels.decode import MAX_Q_LEN, kernel_for_tiling, spec_for_rows, whole_item_tilings
+    kernels = 0
+    for d, kv, pipeline, (hq, hkv), q in itertools.product(
+            (64, 128, 256), ("bf16", "fp8_e4m3"), ("auto", "normal", "transposed"),
+            [(8 * g, 8) for g in range(1, 17)] + [(32, 1), (64, 1)], range(1, MAX_Q_LEN + 1)):
+        try:
+            spec = spec_for_rows(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype=kv,
+                                               pipeline=pipeline), q)
+            built = [DecodeKernel(spec, max_q_len=q)] + [kernel_for_tiling(spec, t, q)
+                                                         for t in whole_item_tilings(spec, q)]
+        except ValueError:
+            continue  # rows past what the kernel takes (refused up front)
+        for k in built:
+            kernels += 1
+            ring, reads_end = merge_ring_bytes(k)
+            assert ring <= k.pipe_bytes and reads_end <= k.pipe_bytes, k.name
+    assert kernels > 2000
 
 
 def test_mqa_groups_split_into_items_of_16_heads():
