@@ -117,17 +117,20 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
         report.add("decode", case, impl, us, nbytes)
 
 
-def bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
+def flashinfer_decode_us(q, cache, indptr, indices, last, page_size, layout="NHD", hq=HQ, hkv=HKV, d=D) -> float:
+    """FlashInfer's paged decode (tensor-core path) on the same pages, timed as ours."""
     import flashinfer
-    nbytes = kv_bytes(lengths, kv_dtype)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for tc in (True,):
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
-        dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
-        w.plan(dev(indptr), dev(indices), dev(last), HQ, HKV, D, page_size, q_data_type=torch.bfloat16,
-               kv_data_type=cache.dtype)
-        report.add("decode", case, "flashinfer-tc" if tc else "flashinfer-cuda",
-                   time_us(lambda: w.run(q, cache)), nbytes)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                      layout, use_tensor_cores=True)
+    dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
+    w.plan(dev(indptr), dev(indices), dev(last), hq, hkv, d, page_size, q_data_type=torch.bfloat16,
+           kv_data_type=cache.dtype)
+    return time_us(lambda: w.run(q, cache))
+
+
+def bench_flashinfer(report, case, lengths, page_size, kv_dtype, layout, q, cache, indptr, indices, last):
+    us = flashinfer_decode_us(q, cache, indptr, indices, last, page_size, layout)
+    report.add("decode", case, "flashinfer-tc", us, kv_bytes(lengths, kv_dtype))
 
 
 def bench_dense_peers(report, case, lengths, flex_cache):

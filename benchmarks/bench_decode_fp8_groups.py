@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import paged_inputs  # noqa: E402
-from harness import Report, fresh_allocator, time_interleaved, time_us, versions  # noqa: E402
+from bench_decode import flashinfer_decode_us, paged_inputs  # noqa: E402
+from harness import Report, fresh_allocator, time_interleaved, versions  # noqa: E402
 
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
@@ -48,16 +48,6 @@ def wrappers(hq: int, hkv: int, d: int) -> dict:
     auto = spec("auto")
     other = "normal" if auto.pipeline == "transposed" else "transposed"
     return {"attnforge": BatchDecode(auto), f"attnforge-{other}": BatchDecode(spec(other))}
-
-
-def bench_flashinfer(report, case, hq, hkv, d, nbytes, q, cache, indptr, indices, last) -> None:
-    import flashinfer
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                      "NHD", use_tensor_cores=True)
-    dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
-    w.plan(dev(indptr), dev(indices), dev(last), hq, hkv, d, PAGE, q_data_type=torch.bfloat16,
-           kv_data_type=cache.dtype)
-    report.add(SUITE, case, "flashinfer-tc", time_us(lambda: w.run(q, cache)), nbytes)
 
 
 def run(report: Report, peers: bool = True, names: tuple = ()) -> None:
@@ -85,7 +75,8 @@ def run(report: Report, peers: bool = True, names: tuple = ()) -> None:
                         f"process (segfault, exit 139) on fp8 MQA 32/1 d128 (seventy-fifth session)")
         elif peers:
             try:
-                bench_flashinfer(report, name, hq, hkv, d, nbytes, q, cache, indptr, indices, last)
+                us = flashinfer_decode_us(q, cache, indptr, indices, last, PAGE, hq=hq, hkv=hkv, d=d)
+                report.add(SUITE, name, "flashinfer-tc", us, nbytes)
             except Exception as e:  # a peer that cannot run a shape is a note, not a failed suite
                 report.note(f"flashinfer on {SUITE} {name}: {type(e).__name__}: {str(e)[:160]}")
         del q, cache

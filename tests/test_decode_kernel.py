@@ -145,7 +145,7 @@ def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
 def test_merge_reads_stay_in_the_stages_of_every_default_and_whole_item_kernel():
     """The same for every kernel a wrapper builds by default: head dims, KV dtypes, pipelines, groups of 1-16 and
     MQA, 1-8 tokens a request (the pipeline spec_for_rows picks), the default tiling and each whole-item one."""
-    from attnforge.kernels.decode import MAX_Q_LEN, kernel_for_tiling, spec_for_rows, whole_item_tilings
+    from attnforge.kernels.decode import MAX_Q_LEN, spec_for_rows, whole_item_kernels
     kernels = 0
     for d, kv, pipeline, (hq, hkv), q in itertools.product(
             (64, 128, 256), ("bf16", "fp8_e4m3"), ("auto", "normal", "transposed"),
@@ -153,8 +153,7 @@ def test_merge_reads_stay_in_the_stages_of_every_default_and_whole_item_kernel()
         try:
             spec = spec_for_rows(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype=kv,
                                                pipeline=pipeline), q)
-            built = [DecodeKernel(spec, max_q_len=q)] + [kernel_for_tiling(spec, t, q)
-                                                         for t in whole_item_tilings(spec, q)]
+            built = [DecodeKernel(spec, max_q_len=q), *whole_item_kernels(spec, q)]
         except ValueError:
             continue  # rows past what the kernel takes (refused up front)
         for k in built:
