@@ -22,11 +22,12 @@ PIPELINES = ("normal", "transposed")
 # Groups 9-16 need two tiles there (200 registers at d128, spills at d256) where the normal pipeline's one m16
 # tile fits; the transposed kernel still takes them when asked (kernels.decode.MAX_TRANSPOSED_GROUP).
 AUTO_TRANSPOSED_MAX_GROUP = 8
-# With fp8 KV at d >= 128 the transposed kernel widens each K/V fragment in registers, once for both head tiles,
-# where the normal one widens the tile through shared memory: there 'auto' picks transposed for groups up to 16
-# and, at d128, for multiples of 16 (items of 16 heads, as the normal pipeline's head splits). Seventy-fifth
-# session, benchmarks/bench_decode_fp8_groups.py: 32/2 B64 L8192 75.2 against 116.7 us, d256 32/2 B64 L4096
-# 75.1 against 155.0, MQA 32/1 B64 L8192 73.9 against 115.1 (d64, widened in shared memory on both: +52-58%)
+# With fp8 KV the transposed kernel widens each K/V fragment in registers, once for both head tiles, where the
+# normal one widens the tile through shared memory: there 'auto' picks transposed for groups up to 16 and, at
+# d <= 128, for multiples of 16 (items of 16 heads, as the normal pipeline's head splits). Seventy-fifth session,
+# benchmarks/bench_decode_fp8_groups.py: 32/2 B64 L8192 75.2 against 116.7 us, d256 32/2 B64 L4096 75.1 against
+# 155.0, MQA 32/1 B64 L8192 73.9 against 115.1; d64 since the seventy-sixth, whose kernel widens in registers
+# there too: 32/2 B64 L8192 61.4 against 65.3 (the same suite has the rest)
 AUTO_TRANSPOSED_MAX_GROUP_FP8 = 16
 
 
@@ -40,14 +41,14 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16", head_
     """The measured winner (docs/perf-notes.md): decode puts KV tokens on the MMA's M side
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows, where
-    the transposed kernel needs two n8 head tiles and more registers), except with fp8 KV at d >= 128
+    the transposed kernel needs two n8 head tiles and more registers), except with fp8 KV
     (AUTO_TRANSPOSED_MAX_GROUP_FP8). MLA decode uses the normal pipeline from 16 heads (its wgmma
     kernel on sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
     transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only,
     whose transposed kernel loses there); docs/architecture.md has the table."""
     if family == "decode":
-        if kv_dtype == "fp8_e4m3" and head_dim >= 128 and (group_size <= AUTO_TRANSPOSED_MAX_GROUP_FP8 or (
-                head_dim == 128 and group_size % AUTO_TRANSPOSED_MAX_GROUP_FP8 == 0)):
+        if kv_dtype == "fp8_e4m3" and (group_size <= AUTO_TRANSPOSED_MAX_GROUP_FP8 or (
+                head_dim <= 128 and group_size % AUTO_TRANSPOSED_MAX_GROUP_FP8 == 0)):
             return "transposed"  # (widened in registers)
         return "transposed" if group_size <= AUTO_TRANSPOSED_MAX_GROUP else "normal"
     if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":

@@ -1,10 +1,10 @@
 """Suite `decode_fp8_groups`: fp8 KV decode at one token a request for groups of more than 8 query heads a KV
 head, on 16-token pages. The normal pipeline puts one m16 tile of heads on the MMA's M side and widens the fp8
-tile to 16 bits through shared memory; the transposed one holds two n8 head tiles and, at d >= 128, widens each
-K/V fragment in registers once for both (since the seventy-fourth session). Groups past 16 run on both as items
-of 16 heads (head_splits). 'auto' picks transposed for groups 9-16 at d >= 128 and multiples of 16 at d128
-(seventy-fifth session, spec.default_pipeline); this suite keeps the other pipeline beside it, timed in
-rotation, and FlashInfer's tensor-core decode on the same pages.
+tile to 16 bits through shared memory; the transposed one holds two n8 head tiles and widens each K/V fragment in
+registers once for both (since the seventy-fourth session; at d64 since the seventy-sixth). Groups past 16 run on
+both as items of 16 heads (head_splits). 'auto' picks transposed for groups 9-16 and multiples of 16 at d <= 128
+(spec.default_pipeline); this suite keeps the other pipeline beside it, timed in rotation, and FlashInfer's
+tensor-core decode on the same pages.
 
 Rows: `attnforge` (auto), `attnforge-normal` / `attnforge-transposed` (the pipeline auto did not pick),
 `flashinfer-tc` (groups up to 16: FlashInfer 0.2.14 segfaulted on fp8 MQA). GB/s counts the fp8 KV bytes read
@@ -37,7 +37,9 @@ def cases() -> list:
             ("96/8 B32 L4096", 96, 8, 128, [4096] * 32), ("32/2 B1 L131072", 32, 2, 128, [131072]),
             ("32/2 B64 Lrand", 32, 2, 128, rand), ("d64 32/2 B64 L8192", 32, 2, 64, [8192] * 64),
             ("d256 32/2 B64 L4096", 32, 2, 256, [4096] * 64), ("mqa 32/1 B64 L8192", 32, 1, 128, [8192] * 64),
-            ("mqa 32/1 B1 L131072", 32, 1, 128, [131072]), ("mqa 64/1 B32 L4096", 64, 1, 128, [4096] * 32)]
+            ("mqa 32/1 B1 L131072", 32, 1, 128, [131072]), ("mqa 64/1 B32 L4096", 64, 1, 128, [4096] * 32),
+            ("d64 96/8 B32 L4096", 96, 8, 64, [4096] * 32), ("d64 32/2 B1 L131072", 32, 2, 64, [131072]),
+            ("d64 mqa 32/1 B64 L8192", 32, 1, 64, [8192] * 64)]
 
 
 def wrappers(hq: int, hkv: int, d: int) -> dict:

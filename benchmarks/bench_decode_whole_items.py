@@ -56,7 +56,13 @@ EXTRA_CASES = {"B16 L4096": _equal(16, 4096), "B16 L16384": _equal(16, 16384), "
                # fp8 groups of 9-16 ('auto': transposed, two n8 head tiles widened in registers), 128 items
                "fp8 g16 B64 L4096": _equal(64, 4096, (32, 2), kv="fp8_e4m3"),
                "fp8 g16x8 B16 L8192": _equal(16, 8192, (128, 8), kv="fp8_e4m3"),
-               "fp8 g12 B16 L8192": _equal(16, 8192, (96, 8), kv="fp8_e4m3")}
+               "fp8 g12 B16 L8192": _equal(16, 8192, (96, 8), kv="fp8_e4m3"),
+               # ... and fewer of them, cut into equal chunks (2 items x 66, 8 x 16)
+               "fp8 g16 B1 L131072": _equal(1, 131072, (32, 2), kv="fp8_e4m3"),
+               "fp8 g16 B4 L32768": _equal(4, 32768, (32, 2), kv="fp8_e4m3"),
+               # fp8 at d64, widened in registers since the seventy-sixth session (whole_item_tiling: d128 only)
+               "d64 fp8 B16 L8192": _equal(16, 8192, head_dim=64, kv="fp8_e4m3"),
+               "d64 fp8 g16 B64 L8192": _equal(64, 8192, (32, 2), head_dim=64, kv="fp8_e4m3")}
 # forced one-CTA-per-SM tilings by head_dim (d64: 128-token tiles of 64 dims fill 192 KB in six stages;
 # three stages there fit two CTAs an SM)
 WHOLE = {128: [(128, 3, 8)], 64: [(128, 6, 8), (128, 3, 8)]}

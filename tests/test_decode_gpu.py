@@ -205,9 +205,10 @@ def test_fp8_kv_with_scales(dtype, pipeline):
 
 
 @pytest.mark.parametrize("hq,hkv,head_dim,page_size", [(32, 2, 128, 16), (96, 8, 128, 7), (32, 1, 128, 7),
-                                                      (128, 2, 128, 1), (32, 2, 256, 7)])
+                                                      (128, 2, 128, 1), (32, 2, 256, 7), (96, 8, 64, 16),
+                                                      (32, 1, 64, 7)])
 def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(hq, hkv, head_dim, page_size):
-    """fp8 groups of 9-16 at d >= 128, and multiples of 16 at d128 as items of 16 heads ('auto''s picks there): two
+    """fp8 groups of 9-16, and multiples of 16 at d <= 128 as items of 16 heads ('auto''s picks there): two
     n8 head tiles, each K and V fragment widened once for both (the code a verify step's 16-row fp8 items run;
     a group of 12 pads its second tile); MQA's items of one KV head read its tokens side by side."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, head_dim_vo=head_dim,
@@ -220,10 +221,20 @@ def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(hq, hkv, head_dim, 
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_fp8_kv_other_head_dims(head_dim, pipeline):
-    """d64 widens fp8 tiles in shared memory; d256 on the transposed pipeline widens them in registers
+    """The normal pipeline widens fp8 tiles in shared memory; the transposed one widens them in registers
     (two stages, 2 CTAs per SM); page size 7 and lengths off the 64-token tile and split across CTAs."""
     spec = AttentionSpec(kv_dtype="fp8_e4m3", head_dim_qk=head_dim, pipeline=pipeline)
     run_case(spec, [1, 300, 17, 20000], 7, seed=head_dim, k_scale=0.5, v_scale=1.5)
+
+
+@pytest.mark.parametrize("hq,hkv,page_size", [(32, 8, 7), (32, 2, 1), (8, 8, 16), (40, 8, 3)])
+def test_fp8_kv_at_d64_widened_in_registers(hq, hkv, page_size):
+    """fp8 at d64 on the transposed pipeline widens in registers as at d128 (64-byte rows, swizzled by row pairs:
+    kv_tile.cuh's fp8_swizzle); one n8 head tile (groups 1, 4, 5) and two (16), pages 1-16, split requests."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=64, kv_dtype="fp8_e4m3",
+                         pipeline="transposed")
+    w, _ = run_case(spec, LENGTHS + [20000], page_size, seed=hq + page_size, k_scale=0.5, v_scale=1.5)
+    assert w.kernel.widens_in_registers
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
@@ -531,7 +542,8 @@ def test_four_cta_whole_item_kernel_under_cuda_graphs_after_replans():
                                                               (64, 1, "bf16", 4, 7), (88, 8, "bf16", 2, 7),
                                                               (96, 8, "bf16", 4, 16), (32, 2, "bf16", 66, 16),
                                                               (32, 1, "bf16", 33, 7), (8, 2, "fp8_e4m3", 33, 16),
-                                                              (32, 1, "bf16", 132, 16), (64, 1, "bf16", 66, 7)])
+                                                              (32, 1, "bf16", 132, 16), (64, 1, "bf16", 66, 7),
+                                                              (32, 2, "fp8_e4m3", 66, 16), (32, 2, "fp8_e4m3", 4, 7)])
 def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -105,13 +105,15 @@ def test_merge_ring_streams_a_pass_of_each_chunk():
 def merge_ring_bytes(k: DecodeKernel) -> tuple[int, int]:
     """(the ring's bytes, the end of merge_item's reads in bytes) in a kernel's stage area: a pass of the item's
     rows x head_dim / 4 float4 vectors, v a thread, and a chunk's lse blocks a slot; merge_item reads a float4
-    of each slot at v' * pass_threads + threadIdx.x (v' < v) for every thread, also those past the pass's
-    vectors (whose values it never uses)."""
+    of each slot at v' * pass_threads + threadIdx.x (v' < v), where a pass holds fewer vectors than threads
+    only for the threads that hold them (before, every thread read: fp8 at d64 widened in registers then read
+    96 bytes past shared memory at a group of 5, memcheck, seventy-fifth session)."""
     v, slots = k.merge_shape
     vecs = k.item_rows * k.spec.head_dim_vo // 4
     pass_threads = min(k.threads, vecs // v)
     slot_vecs = v * pass_threads + merge_lse_blocks(k.item_rows)
-    return slots * slot_vecs * 16, ((slots - 1) * slot_vecs + (v - 1) * pass_threads + k.threads) * 16
+    readers = k.threads if pass_threads == k.threads else pass_threads
+    return slots * slot_vecs * 16, ((slots - 1) * slot_vecs + (v - 1) * pass_threads + readers) * 16
 
 
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (32, 8), (32, 1), (64, 1), (48, 8), (40, 8)])
@@ -120,10 +122,7 @@ def merge_ring_bytes(k: DecodeKernel) -> tuple[int, int]:
 def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
     """Every tiling a user may ask for (tile, stages, warps, head splits, pipeline) gets a merge ring of
     two or more slots inside its stages: four vectors a thread once left a 16 KB pipeline no slot pair,
-    and the kernel would not have compiled. merge_item reads a float4 of each slot at v * pass_threads +
-    threadIdx.x for every thread, also those past the pass's vectors (whose values it never uses), so the last
-    slot's reads must stay in the stages too: fp8 at d64 widened in registers (a 16 KB stage area) would have
-    read 96 bytes past shared memory at a group of 5 (memcheck, seventy-fifth session)."""
+    and the kernel would not have compiled; and merge_item's reads of the last slot stay in the stages too."""
     shapes = 0
     for pipeline in ("normal", "transposed"):
         for kw in ({}, {"tile_kv": 32, "stages": 2}, {"tile_kv": 32, "stages": 2, "num_warps": 8},

@@ -309,6 +309,9 @@ def test_fp8_whole_item_tilings_by_head_tiles(hq, hkv, tile):
     assert spec.pipeline == "transposed" and (None if w._whole is None else w._whole.tile_kv) == tile
     w.plan(*table([4096] * (128 // w._stream_items())), page_size=16)
     assert (w.planned_kernel[0] is w._whole) is (tile is not None)
+    if (hq, hkv) == (32, 2):  # one request: two items cut into 66 equal chunks, one a CTA
+        w.plan(*table([131072]), page_size=16)
+        assert w.planned_kernel == (w._whole, 132) and scheduler.aligned_chunks(w._plan["work"]) == 66
 
 
 def test_under_cuda_graphs_whole_items_is_opt_in_and_the_first_plan_decides():

@@ -185,8 +185,9 @@ def test_bad_q_len_and_query_rows_raise_before_launch():
 
 @pytest.mark.parametrize("kw,q_len", [({"head_dim_qk": 64}, 4), ({"head_dim_qk": 256}, 4), ({"head_dim_qk": 256}, 2),
                                       ({"num_kv_heads": 1}, 4), ({"num_kv_heads": 1}, 8), ({"kv_layout": "HND"}, 4),
-                                      ({"q_dtype": "fp16"}, 3)])
-def test_head_dims_mqa_layouts_and_fp16(kw, q_len):
+                                      ({"q_dtype": "fp16"}, 3), ({"head_dim_qk": 64, "kv_dtype": "fp8_e4m3"}, 2),
+                                      ({"head_dim_qk": 64, "kv_dtype": "fp8_e4m3"}, 4)])
+def test_head_dims_mqa_layouts_and_fp16(kw, q_len):  # (fp8 d64: one and two n8 tiles widened in registers)
     # MQA 32/1: 16-head items (head_splits 2) x 4 tokens fill the kernel's 64 rows; 8 tokens split further
     spec = AttentionSpec(num_qo_heads=32, **{"num_kv_heads": 8, **kw})
     w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=6)

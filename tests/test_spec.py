@@ -80,14 +80,14 @@ def test_auto_pipeline_resolves_to_measured_winner():
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=1).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"  # group 8: one n8 tile
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=4).pipeline == "normal"  # group 16: one m16 tile
-    # fp8 KV at d128 widens in registers on the transposed pipeline: up to its two n8 head tiles
+    # fp8 KV widens in registers on the transposed pipeline: up to its two n8 head tiles
     fp8 = dict(num_qo_heads=64, num_kv_heads=4, kv_dtype="fp8_e4m3")
     assert AttentionSpec(**fp8).pipeline == "transposed" == default_pipeline("decode", 16, "fp8_e4m3")
     assert AttentionSpec(num_qo_heads=68, num_kv_heads=4, kv_dtype="fp8_e4m3").pipeline == "normal"  # 17
-    assert AttentionSpec(**fp8, head_dim_qk=64, head_dim_vo=64).pipeline == "normal"  # widened in shared memory
+    assert AttentionSpec(**fp8, head_dim_qk=64, head_dim_vo=64).pipeline == "transposed"  # (d64 too)
     assert AttentionSpec(**fp8, head_dim_qk=256, head_dim_vo=256).pipeline == "transposed"
     for hq, d, pipeline in ((32, 128, "transposed"), (64, 128, "transposed"), (24, 128, "normal"),
-                            (32, 256, "normal"), (32, 64, "normal")):  # MQA-sized: items of 16 heads at d128
+                            (32, 256, "normal"), (32, 64, "transposed")):  # MQA-sized: items of 16 at d <= 128
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=1, head_dim_qk=d, head_dim_vo=d, kv_dtype="fp8_e4m3")
         assert spec.pipeline == pipeline, (hq, d)
     assert "transposed" not in AttentionSpec(**fp8).name and "normal" in AttentionSpec(**fp8, pipeline="normal").name

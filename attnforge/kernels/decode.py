@@ -79,7 +79,7 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int) -> AttentionSpec:
     GQA 32/8 bf16, sixty-eighth session): 8 rows (q_len 2) the transposed pipeline's one n8 tile, 252.3 us
     against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
     against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
-    fp8 KV keeps the transposed pipeline up to its 16 rows an item (at d >= 128 it widens in registers there; the
+    fp8 KV keeps the transposed pipeline up to its 16 rows an item (it widens in registers there; the
     normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal."""
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
@@ -247,7 +247,9 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     and wins on sixteen (FP8_WHOLE_ITEM_TILING, forty-sixth session: B16 L8192 -6.6%, L4096 -9.1%, L65536
     -5.1%; two 64 KB stages beat three by 1-2%); fp8 groups of 16 (two n8 head tiles, 194 registers: sixteen
     warps held to 128 spill 64 bytes) on eight warps (seventy-fifth session, two rounds against the split plan:
-    32/2 B64 L4096 -5.2..-5.4%, 128/8 B16 L8192 -0.3..-0.4%; a group of 12, +0.3%, is left out).
+    32/2 B64 L4096 -5.2..-5.4%, 128/8 B16 L8192 -0.3..-0.4%; a group of 12, +0.3%, is left out), also cut into
+    equal chunks (seventy-sixth session, against the split plan: 32/2 B1 L131072 (2 x 66) 31.2 -> 30.5 us, -2.2%;
+    B4 L32768 (8 x 16) -2.7%; predicted -15..-25%, so the split plan's merge was not what held B1 back).
     Chunked (forty-sixth session, three rounds): fp8 B1 L131072 (8 items x 16 chunks) -3.5%, GQA 8/2 B2 L65536
     (4 x 33) -4.8%, B8 L16384 (64 x 2) -1.8%; normal 32/2 B1 L131072 (2 x 66) **-29%**, B2 L65536 (4 x 33)
     -20%, B4 L32768 (8 x 16) -14%, B8 L16384 -8.6%, B16 L8192 -4.0%, B32 L4096 -1.6%; MQA 32/1 and 64/1 as
@@ -276,7 +278,9 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     if spec.kv_dtype == "fp8_e4m3":  # (on the normal pipeline fp8 is widened through shared memory)
         if spec.pipeline != "transposed":
             return None
-        return FP8_WHOLE_ITEM_TILING if g <= 8 else WHOLE_ITEM_TILING if g == 16 else None  # (two n8 tiles at 16)
+        if g == 16:  # two n8 tiles: equal items read whole, or cut into up to 66 chunks as the 16-bit m16 tile's
+            return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // g)
+        return FP8_WHOLE_ITEM_TILING if g <= 8 else None
     if spec.pipeline == "transposed":
         return WHOLE_ITEM_TILING if g <= 8 else None  # one n8 head tile
     # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
@@ -419,9 +423,10 @@ class DecodeKernel:
 
     @property
     def widens_in_registers(self) -> bool:
-        """fp8 KV on the transposed pipeline at d >= 128: the kernel widens K and V in registers after
-        ldmatrix (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of the tile."""
-        return self.kv_bytes == 1 and self.spec.pipeline == "transposed" and self.spec.head_dim_qk >= 128
+        """fp8 KV on the transposed pipeline: the kernel widens K and V in registers after ldmatrix
+        (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of the tile (d64 too since the
+        seventy-fifth session, its 64-byte rows swizzled by pairs: kv_tile.cuh, fp8_swizzle)."""
+        return self.kv_bytes == 1 and self.spec.pipeline == "transposed"
 
     @property
     def num_stages(self) -> int:

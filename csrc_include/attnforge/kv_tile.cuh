@@ -3,8 +3,8 @@
 // Tile layout in shared memory, per matrix (K, then V):  [kTileKV rows][kHeadDim] elements.
 //   16-bit KV: chunk c of row r stored at c ^ (r % 8) (swizzle: conflict-free ldmatrix).
 //   fp8 KV:    stored plain, then widened by widen() into a swizzled 16-bit tile; or stored
-//              swizzled (kSwizzleFp8) for kernels that widen in registers after ldmatrix, and for
-//              widen_sw128 (the wgmma prefill producer) at 128-byte rows.
+//              swizzled (kSwizzleFp8, fp8_swizzle) for kernels that widen in registers after ldmatrix,
+//              and for widen_sw128 (the wgmma prefill producer) at 128-byte rows.
 // Thread t copies 16-byte chunk (t % kChunks) of rows t / kChunks + j * kRowStep; with kWarpRows, warp
 // w copies rows [w * kTileKV / warps, (w + 1) * kTileKV / warps) alone (lane l: chunk l % kChunks of
 // rows l / kChunks + j * 32 / kChunks in that band), so a kernel whose warps each read only their own
@@ -42,9 +42,35 @@ AF_DEVICE void widen_half(const uint4& raw, int half, uint4& out) {
   out = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// kSwizzleFp8: fp8 rows stored swizzled like 16-bit ones (chunk ^ row % 8; >= 8 chunks per row), for
-// kernels that ldmatrix the fp8 tile directly and widen in registers instead of calling widen(), and for
-// widen_sw128 at 128-byte rows (conflict-free loads).
+// Where a swizzled fp8 row (kSwizzleFp8) stores its 16-byte chunk `chunk`: as 16-bit rows do (chunk ^ row % 8)
+// at 8 or more chunks a row; at 4 (head_dim 64: two 64-byte rows a 128-byte bank line) chunk ^ (row / 2) % 4,
+// so the 8 rows an ldmatrix phase reads still fall in 8 distinct 16-byte bank groups.
+template <int kChunks>
+AF_HOST_DEVICE constexpr int fp8_swizzle(int row, int chunk) {
+  static_assert(kChunks >= 4, "fp8 rows of at least 64 bytes");
+  return kChunks >= 8 ? swizzle(row, chunk) : chunk ^ ((row >> 1) & 3);
+}
+
+// fp8_swizzle keeps each row's chunks in the row (a permutation of them), and an ldmatrix phase (8 rows
+// r0..r0+7, r0 a multiple of 8, one logical chunk each) touches 8 distinct 16-byte bank groups.
+template <int kChunks>
+AF_HOST_DEVICE constexpr bool fp8_swizzle_holds() {
+  for (int r = 0; r < 16; ++r) {
+    int seen = 0;
+    for (int c = 0; c < kChunks; ++c) seen |= 1 << fp8_swizzle<kChunks>(r, c);
+    if (seen != (1 << kChunks) - 1) return false;
+  }
+  for (int r0 = 0; r0 < 16; r0 += 8)
+    for (int c = 0; c < kChunks; ++c) {
+      int banks = 0;
+      for (int r = r0; r < r0 + 8; ++r) banks |= 1 << ((r * kChunks + fp8_swizzle<kChunks>(r, c)) % 8);
+      if (banks != 0xff) return false;
+    }
+  return true;
+}
+
+// kSwizzleFp8: fp8 rows stored swizzled (fp8_swizzle), for kernels that ldmatrix the fp8 tile directly and
+// widen in registers instead of calling widen(), and for widen_sw128 at 128-byte rows (conflict-free loads).
 template <class TKV, class TMma, int kHeadDim, int kTileKV, int kThreads, bool kSwizzleFp8 = false,
           bool kWarpRows = false>
 struct KVTileLoader {
@@ -56,7 +82,8 @@ struct KVTileLoader {
   static constexpr int kTileBytes = kTileKV * kHeadDim * int(sizeof(TKV));  // one matrix
   static constexpr int kBandRows = kTileKV / (kThreads / 32);  // kWarpRows: one warp's band
   static_assert(kThreads % kChunks == 0 && kTileKV % kRowStep == 0, "tile/thread mapping");
-  static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 8), "a swizzled fp8 row needs 8 or more 16-byte chunks");
+  static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 4), "a swizzled fp8 row needs 4 or more 16-byte chunks");
+  static_assert(!kSwizzleFp8 || fp8_swizzle_holds<kChunks>(), "fp8_swizzle: a chunk outside its row or a bank conflict");
   static_assert(!kWarpRows || (32 % kChunks == 0 && kBandRows % (32 / kChunks) == 0), "warp band mapping");
 
   // The rows a warp copies, as warp-local indices q: thread (lane L, j) copies row q = j * kRowsPerJ +
@@ -149,7 +176,8 @@ struct KVTileLoader {
       const int64_t off = row_offset(ro, j);
       const bool valid = off >= 0;
       const int r = row(j);
-      const uint32_t dst = (r * kHeadDim + (kFp8 && !kSwizzleFp8 ? ch : swizzle(r, ch)) * kElems) * sizeof(TKV);
+      const int col = !kFp8 ? swizzle(r, ch) : kSwizzleFp8 ? fp8_swizzle<kChunks>(r, ch) : ch;
+      const uint32_t dst = (r * kHeadDim + col * kElems) * sizeof(TKV);
       cp_async_16_at(sk + dst, k_head + (valid ? off : 0), valid);
       cp_async_16_at(sv + dst, v_head + (valid ? off : 0), valid);
     }
@@ -205,7 +233,7 @@ struct KVTileLoader {
       int loads = 0, stores[2] = {0, 0};  // bit masks of the bank groups (16-byte columns of 128 bytes)
       for (unsigned t = q; t < q + 8; ++t) {
         const int r = widen_row_of(t), c = widen_chunk_of(t);
-        loads |= 1 << ((r * kHeadDim + (kSwizzleFp8 ? swizzle(r, c) : c) * kElems) / 16 % 8);
+        loads |= 1 << ((r * kHeadDim + (kSwizzleFp8 ? fp8_swizzle<kChunks>(r, c) : c) * kElems) / 16 % 8);
         for (int h = 0; h < 2; ++h) stores[h] |= 1 << (sw128_offset(r, 2 * c + h, kTileKV) / 16 % 8);
       }
       if (loads != 0xff || stores[0] != 0xff || stores[1] != 0xff) return false;
@@ -221,7 +249,7 @@ struct KVTileLoader {
     static_assert(!kDiv256 || std::is_same_v<TMma, fp16>, "integer widening gives fp16");
     static_assert(widen_mapping_holds(), "widen_sw128: a chunk widened twice or not at all, or a bank conflict");
     const int ch = widen_chunk_of(threadIdx.x), r0 = widen_row_of(threadIdx.x);
-    const int src0 = r0 * kHeadDim + (kSwizzleFp8 ? swizzle(r0, ch) : ch) * kElems;
+    const int src0 = r0 * kHeadDim + (kSwizzleFp8 ? fp8_swizzle<kChunks>(r0, ch) : ch) * kElems;
     const int dst_lo = sw128_offset(r0, 2 * ch, kTileKV), dst_hi = sw128_offset(r0, 2 * ch + 1, kTileKV);
 #pragma unroll
     for (int mat = 0; mat < 2; ++mat) {
