@@ -126,9 +126,6 @@ class BatchDecode:
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         if not (merge_launch is None or isinstance(merge_launch, bool)):
             raise checks.fail("merge_launch", "None, True or False", repr(merge_launch), "Pass None for the default.")
-        if merge_launch and not getattr(self.kernel, "row_merge", False):
-            raise checks.fail("merge_launch", f"None or False at head_dim {spec.head_dim_vo}", merge_launch,
-                              "The merge kernel needs head_dim_vo a multiple of 128; pass None.")
         self.merge_in_launch = merge_launch  # (BatchMLADecode.merge_launch() is a method: another name)
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)

@@ -565,7 +565,10 @@ def test_whole_item_kernel_on_chunked_plans(hq, hkv, kv_dtype, chunks, page_size
     (32, 1, [20000, 1, 0, 3000], 16, {}), (32, 8, [50000, 17, 1000], 7, {"q_dtype": "fp16"}),
     (32, 8, LENGTHS + [9000], 1, {}), (32, 8, [30000, 30000], 16, {"kv_dtype": "fp8_e4m3"}),
     (32, 2, [40000], 16, {}), (16, 2, [20000, 5], 16, {"head_dim_qk": 256, "head_dim_vo": 256}),
-    (64, 1, [33333, 2], 3, {"pipeline": "normal"})])
+    (64, 1, [33333, 2], 3, {"pipeline": "normal"}),
+    # d64: two 16-thread lanes a warp, whose chunk counts differ by one where lanes do not divide the chunks
+    (32, 8, [30000, 5, 2100], 7, {"head_dim_qk": 64, "head_dim_vo": 64}),
+    (32, 1, [20000, 1, 0, 3000], 16, {"head_dim_qk": 64, "head_dim_vo": 64, "kv_dtype": "fp8_e4m3"})])
 def test_merge_launch_matches_the_reference(hq, hkv, lengths, page_size, extra):
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, **extra)
     w, _ = run_case(spec, lengths, page_size, seed=len(lengths), merge_launch=True)
@@ -574,8 +577,9 @@ def test_merge_launch_matches_the_reference(hq, hkv, lengths, page_size, extra):
     assert (rows[:, 5] >= 0).any(), "no split item: the merge launch had nothing to merge"
 
 
-def test_merge_launch_by_rule_for_a_long_mqa_request():
-    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_merge_launch_by_rule_for_a_long_mqa_request(head_dim):
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=1, head_dim_qk=head_dim, head_dim_vo=head_dim)
     w, _ = run_case(spec, [131072], 16, seed=5)
     assert w._plan["merge_launch"]  # 2 items x ~200 chunks x 16 heads: past scheduler.MERGE_LAUNCH_ROWS
 

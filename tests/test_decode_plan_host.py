@@ -427,13 +427,14 @@ def test_merge_launch_forced_and_under_cuda_graphs():
     assert g._plan["merge_launch"] is False  # (as captured)
 
 
-def test_merge_launch_takes_none_or_a_bool_and_needs_head_dim_128():
+def test_merge_launch_takes_none_or_a_bool_at_every_head_dim():
     with pytest.raises(ValueError, match="merge_launch: expected None, True or False"):
         BatchDecode(AttentionSpec(), merge_launch=1, device="cpu")
-    with pytest.raises(ValueError, match="merge_launch: expected None or False at head_dim 64"):
-        BatchDecode(AttentionSpec(head_dim_qk=64, head_dim_vo=64), merge_launch=True, device="cpu")
-    assert not DecodeKernel(AttentionSpec(head_dim_qk=64, head_dim_vo=64)).row_merge
-    assert DecodeKernel(AttentionSpec(head_dim_qk=256, head_dim_vo=256)).row_merge_block == (64, 1, 4)
+    # one block a row, 4 dims a thread: d64's lanes are half warps (two a warp), d128's and d256's whole warps
+    for d, block in ((64, (16, 1, 16)), (128, (32, 1, 8)), (256, (64, 1, 4))):
+        kernel = DecodeKernel(AttentionSpec(head_dim_qk=d, head_dim_vo=d))
+        assert kernel.row_merge and kernel.row_merge_block == block
+        assert "batch_decode_merge_kernel" in kernel.module().kernel_names
 
 
 def test_whole_items_takes_only_none_or_a_bool():

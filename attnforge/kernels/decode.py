@@ -501,7 +501,10 @@ class DecodeKernel:
             return 256
         if self.spec.pipeline == "transposed" and self.item_rows > 8:
             # fp8 widened in registers: held to 168 (3 CTAs an SM, 8 bytes spilled) it ran 3-4.5% faster than at
-            # ptxas's 185 (2 CTAs) on verify steps of 4 tokens (GQA 32/8; 128, 4 CTAs, spilled 72 bytes: +8-15%)
+            # ptxas's 185 (2 CTAs) on verify steps of 4 tokens (GQA 32/8; 128, 4 CTAs, spilled 72 bytes: +8-15%).
+            # d64 fits 128 (4 CTAs an SM, no spill: O's dims halve)
+            if self.widens_in_registers and self.spec.head_dim_qk == 64:
+                return MIN_REGISTERS_PER_THREAD
             return 168 if self.widens_in_registers else 200
         if self.spec.pipeline == "normal" and self.spec.head_dim_qk == 128 and self.item_rows in (5, 7):
             # one m16 tile of 5 or 7 rows: left to itself ptxas takes 212-216 registers (2 CTAs an SM; 1-4, 6 and
@@ -551,8 +554,8 @@ class DecodeKernel:
     @property
     def row_merge(self) -> bool:
         """Whether the module has batch_decode_merge_kernel (split items merged by a second launch, one block
-        a query head's row: lanes of whole warps at 4 dims a thread need head_dim a multiple of 128)."""
-        return self.spec.head_dim_vo % 128 == 0
+        a query head's row, lanes of head_dim / 4 threads: whole warps, or two lanes a warp at d64)."""
+        return self.spec.head_dim_vo % 128 == 0 or self.spec.head_dim_vo == 64
 
     # threads of batch_decode_merge_kernel's block: (dims / 4, 1, lanes), 256 in all
     @property
