@@ -27,7 +27,7 @@ AUTO_TRANSPOSED_MAX_GROUP = 8
 # d <= 128, for multiples of 16 (items of 16 heads, as the normal pipeline's head splits). Seventy-fifth session,
 # benchmarks/bench_decode_fp8_groups.py: 32/2 B64 L8192 75.2 against 116.7 us, d256 32/2 B64 L4096 75.1 against
 # 155.0, MQA 32/1 B64 L8192 73.9 against 115.1; d64 since the seventy-sixth, whose kernel widens in registers
-# there too: 32/2 B64 L8192 61.4 against 65.3 (the same suite has the rest)
+# there too (4 CTAs an SM): 32/2 B64 L8192 51.8 against 65.2, 96/8 B32 L4096 52.8 against 67.7, MQA 51.0 / 64.3
 AUTO_TRANSPOSED_MAX_GROUP_FP8 = 16
 
 
