@@ -10,10 +10,12 @@ from bench_decode import paged_inputs
 from harness import time_interleaved
 from attnforge import AttentionSpec, BatchDecode
 rand = torch.randint(512, 16384, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-CASES = [("fp8 d64 32/8 B16 L8192", 32, 8, "fp8_e4m3", [8192] * 16), ("fp8 d64 32/8 B64 Lrand", 32, 8, "fp8_e4m3", rand),
-         ("fp8 d64 32/2 B64 L8192", 32, 2, "fp8_e4m3", [8192] * 64), ("bf16 d64 32/8 B16 L8192", 32, 8, "bf16", [8192] * 16)]
-TILINGS = {"default": {}, "t64s3": dict(tile_kv=64, num_stages=3, num_warps=4), "t64s4": dict(tile_kv=64, num_stages=4, num_warps=4),
-           "t128s2": dict(tile_kv=128, num_stages=2, num_warps=4)}
+CASES = [("fp8 d64 32/8 B16 L8192", 32, 8, "fp8_e4m3", [8192] * 16),
+         ("fp8 d64 32/8 B64 Lrand", 32, 8, "fp8_e4m3", rand),
+         ("fp8 d64 32/2 B64 L8192", 32, 2, "fp8_e4m3", [8192] * 64),
+         ("bf16 d64 32/8 B16 L8192", 32, 8, "bf16", [8192] * 16)]
+TILINGS = {"default": {}, "t64s3": dict(tile_kv=64, num_stages=3, num_warps=4),
+           "t64s4": dict(tile_kv=64, num_stages=4, num_warps=4), "t128s2": dict(tile_kv=128, num_stages=2, num_warps=4)}
 res = {}
 for rnd in range(2):
     for name, hq, hkv, kv, lengths in CASES:
@@ -27,7 +29,8 @@ for rnd in range(2):
             except ValueError as e:
                 print(name, label, "no:", str(e)[:120]); continue
             o = torch.full_like(q, float("nan")); outs[label] = o
-            runs[f"{label} ({w.planned_kernel[0].name.split('_')[-1]} x {w.planned_kernel[1]})"] = (lambda w=w, o=o: w.run(q, cache, out=o))
+            kernel, ctas = w.planned_kernel
+            runs[f"{label} ({kernel.name.split('_')[-1]} x {ctas})"] = (lambda w=w, o=o: w.run(q, cache, out=o))
         t = time_interleaved(runs)
         d = max((outs[k].float() - outs["default"].float()).abs().max().item() for k in outs)
         print(f"r{rnd} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) + f"; max diff {d:.1e}", flush=True)
