@@ -398,11 +398,15 @@ def test_partial_slots_hold_the_whole_item_kernels_larger_items():
 @pytest.mark.parametrize("hq,hkv,lengths,expected", [
     ((32, 1, [131072], True)), (32, 1, [8192] * 16, False), (32, 8, [131072], False), (32, 8, [8192] * 16, False),
     (32, 2, [131072], True), (64, 1, [65536] * 2, True), (32, 8, [65536] + [512] * 127, False)])
-def test_merge_launch_where_an_items_merge_reads_many_partial_rows(hq, hkv, lengths, expected):
+@pytest.mark.parametrize("head_dim,kv_dtype", [(128, "bf16"), (64, "bf16"), (64, "fp8_e4m3")])
+def test_merge_launch_where_an_items_merge_reads_many_partial_rows(hq, hkv, lengths, expected, head_dim, kv_dtype):
     """merge_launch=None: a second launch merges where one item's merge on the first kernel's tail would read
     more than scheduler.MERGE_LAUNCH_ROWS partial rows (chunks x query heads): few long requests of many
-    query heads (MQA B1: ~200 chunks x 16 heads), not GQA 32/8 B1 (~50 x 4), batches, or the skewed batch."""
-    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv), max_batch_size=128)
+    query heads (MQA B1: ~200 chunks x 16 heads), not GQA 32/8 B1 (~50 x 4), batches, or the skewed batch.
+    At d64 too since the seventy-sixth session (its merge kernel's lanes are half warps)."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, head_dim_vo=head_dim,
+                         kv_dtype=kv_dtype)
+    w = BatchDecode.host_only(spec, max_batch_size=128)
     w.plan(*table(lengths), page_size=16)
     k = w.planned_kernel[0]
     assert w._plan["merge_launch"] is expected
