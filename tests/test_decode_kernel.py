@@ -112,8 +112,8 @@ def merge_ring_bytes(k: DecodeKernel) -> tuple[int, int]:
     vecs = k.item_rows * k.spec.head_dim_vo // 4
     pass_threads = min(k.threads, vecs // v)
     slot_vecs = v * pass_threads + merge_lse_blocks(k.item_rows)
-    readers = k.threads if pass_threads == k.threads else pass_threads
-    return slots * slot_vecs * 16, ((slots - 1) * slot_vecs + (v - 1) * pass_threads + readers) * 16
+    # the last slot's reads end after its v-th vector's pass_threads readers
+    return slots * slot_vecs * 16, ((slots - 1) * slot_vecs + v * pass_threads) * 16
 
 
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (32, 8), (32, 1), (64, 1), (48, 8), (40, 8)])
@@ -139,6 +139,19 @@ def test_merge_ring_fits_every_launch_shape(hq, hkv, head_dim, kv_dtype):
                 ring, reads_end = merge_ring_bytes(k)
                 assert ring <= k.pipe_bytes and reads_end <= k.pipe_bytes, k.name
     assert shapes > 0
+
+
+def test_merge_item_guards_the_reads_of_threads_past_a_pass():
+    """fp8 at d64 widened in registers, a group of 5 (memcheck, seventy-fifth session): had every thread read each
+    slot, the last slot's reads would end past the stage area; the template skips the threads past a pass."""
+    k = DecodeKernel(AttentionSpec(num_qo_heads=40, num_kv_heads=8, head_dim_qk=64, kv_dtype="fp8_e4m3",
+                                   pipeline="transposed"))
+    v, slots = k.merge_shape
+    pass_threads = min(k.threads, k.item_rows * k.spec.head_dim_vo // 4 // v)
+    slot_vecs = v * pass_threads + merge_lse_blocks(k.item_rows)
+    every_thread_end = ((slots - 1) * slot_vecs + (v - 1) * pass_threads + k.threads) * 16
+    assert pass_threads < k.threads and every_thread_end > k.pipe_bytes >= merge_ring_bytes(k)[1]
+    assert "if constexpr (kPassThreads < kThreads)" in k.module().source
 
 
 def test_merge_reads_stay_in_the_stages_of_every_default_and_whole_item_kernel():
@@ -250,6 +263,8 @@ def test_transposed_pipeline_takes_up_to_two_head_tiles():
         fp8 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3"))
         assert fp8.spec.pipeline == "transposed"  # 'auto': widened in registers
         assert (fp8.registers_needed, fp8.ctas_per_sm, fp8.register_bound_ctas) == (168, 3, 3)  # held to 3 CTAs
+        d64 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, head_dim_qk=64, kv_dtype="fp8_e4m3"))
+        assert d64.spec.pipeline == "transposed" and (d64.registers_needed, d64.ctas_per_sm) == (128, 4)  # O halves
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
     for group in (32, 64):  # items of 16 heads

@@ -261,6 +261,10 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     kernels.append(DecodeKernel(AttentionSpec(num_kv_heads=4), 32, 3, 2, head_splits=1))  # ... transposed
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=128), 32, 3, 2, head_splits=1))  # ... one m16 tile
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=24), 32, 3, 2, head_splits=1))  # ... a group of 3
+    # fp8 at d64 widened in registers: two n8 head tiles (a group of 16, MQA's 16-head items, verify's 16 rows)
+    # held to 128 registers for 4 CTAs an SM (registers_needed), which must not spill
+    kernels += [DecodeKernel(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=64, kv_dtype="fp8_e4m3"),
+                             max_q_len=q) for hq, hkv, q in ((32, 2, 1), (32, 1, 1), (32, 8, 4))]
     # an m16 tile of 7 rows, which ptxas alone gives 216 registers where the planner holds it to 168
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=56, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")))
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]

@@ -27,16 +27,18 @@ def _e4m3_conversions(kernel: DecodeKernel) -> int:
     return len(E4M3_UNPACK.findall(body))
 
 
-def _fp8_kernel(heads: tuple, q_len: int) -> DecodeKernel:
-    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], kv_dtype="fp8_e4m3", pipeline="transposed")
+def _fp8_kernel(heads: tuple, q_len: int, head_dim: int = 128) -> DecodeKernel:
+    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=head_dim, kv_dtype="fp8_e4m3",
+                         pipeline="transposed")
     return DecodeKernel(spec, max_q_len=q_len)
 
 
-@pytest.mark.parametrize("heads,q_len", [((32, 8), 4), ((32, 8), 3), ((32, 2), 1)],
-                         ids=["gqa8-q4", "gqa8-q3", "group16-q1"])
-def test_two_head_tiles_widen_each_fragment_once(heads, q_len):
-    two_tiles = _fp8_kernel(heads, q_len)
-    one_tile = _fp8_kernel((32, 8), 2)  # 8 rows: one n8 tile, the same tiling
+@pytest.mark.parametrize("heads,q_len,head_dim", [((32, 8), 4, 128), ((32, 8), 3, 128), ((32, 2), 1, 128),
+                                                  ((32, 2), 1, 64)],
+                         ids=["gqa8-q4", "gqa8-q3", "group16-q1", "group16-q1-d64"])
+def test_two_head_tiles_widen_each_fragment_once(heads, q_len, head_dim):
+    two_tiles = _fp8_kernel(heads, q_len, head_dim)
+    one_tile = _fp8_kernel((32, 8), 2, head_dim)  # 8 rows: one n8 tile, the same tiling
     assert (two_tiles.tile_kv, two_tiles.num_stages, two_tiles.num_warps) == \
         (one_tile.tile_kv, one_tile.num_stages, one_tile.num_warps)
     one = _e4m3_conversions(one_tile)
