@@ -25,3 +25,12 @@ def test_every_collected_gpu_test_is_in_one_group():
     assert len(groups) == 14
     placed = Counter(f for g in groups for f in g)
     assert set(placed) == {tool["function_of"](i) for i in ids} and set(placed.values()) == {1}
+
+
+def test_a_bad_group_count_gets_the_usage_not_a_traceback():
+    import subprocess
+    import sys
+    for args in (["--help"], ["0"], ["3", "4"]):
+        run = subprocess.run([sys.executable, "tools/gpu_test_groups.py", *args], capture_output=True, text=True)
+        assert run.returncode == 1 and "usage: python tools/gpu_test_groups.py [N]" in run.stderr, args
+        assert "Traceback" not in run.stderr
