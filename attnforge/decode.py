@@ -387,14 +387,14 @@ class BatchDecode:
         for whole, ctas, tiling in self._wholes if self.whole_items or not self.use_cuda_graph else ():
             # a whole-item kernel's items may hold more query heads (MQA: head_splits 1)
             per_request = items_per_request // self.kernel.head_splits * whole.head_splits
-            max_chunks = self._whole_max_chunks(tiling)
+            items = len(kv_end) * per_request
             if self.use_cuda_graph and self._plan is not None:  # the captured graph launches that kernel
                 use = self._plan["kernel"] is whole
-            else:
-                use = scheduler.in_whole_item_band(len(kv_end) * per_request, ctas, max_chunks)
+            else:  # (the count first: most batches outnumber the grid, and the chunk cap costs ~0.3 us)
+                use = 0 < items <= ctas and scheduler.in_whole_item_band(items, ctas, self._whole_max_chunks(tiling))
             if use:
                 work = scheduler.plan_whole_items(kv_begin, kv_end, per_request, ctas)
-                if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= max_chunks:
+                if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= self._whole_max_chunks(tiling):
                     return whole, ctas, work, per_request
         return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request), items_per_request
 
