@@ -298,9 +298,10 @@ class BatchDecode:
 
     def _page_table(self, kv_indptr, kv_indices, kv_last_page_len, page_size, seq_lens, block_table):
         page_size = page_size if page_size is not None else self.spec.page_size
-        if page_size is None or page_size < 1:
+        if page_size is None:
             raise checks.fail("plan(page_size=...)", "an int >= 1", page_size,
                               "Pass the cache's tokens per page (or set it in the spec).")
+        paged.check_page_size("plan(page_size=...)", page_size)
         if self.spec.page_size is not None and page_size != self.spec.page_size:
             raise checks.fail("plan(page_size=...)", f"{self.spec.page_size} (the spec's)", page_size,
                               "Use one page size or leave spec.page_size=None.")

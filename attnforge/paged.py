@@ -56,7 +56,15 @@ def _max_page_id(indices: np.ndarray) -> int:
     return int(indices.min()) if top >= 1 << (8 * indices.dtype.itemsize - 1) else top
 
 
+def check_page_size(name: str, page_size) -> None:
+    """An int >= 1 (numpy's ints too): a float or bool would pass `>= 1` and turn every length computed from it
+    into floats, and the folded checks of from_csr would then blame kv_last_page_len."""
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise fail(name, "an int >= 1 (tokens per page)", repr(page_size), "Pass the cache's tokens per page as an int.")
+
+
 def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTable:
+    check_page_size("page_size", page_size)
     indptr = host_int_array("kv_indptr", kv_indptr)
     indices = host_int_array("kv_indices", kv_indices, widen=False)  # only scanned: no widening copy
     last = host_int_array("kv_last_page_len", kv_last_page_len)
@@ -73,7 +81,9 @@ def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTab
     probe = np.where(pages > 0, page_size - last, pages)
     if np.maximum.reduce(probe.view(np.uint64), initial=0) >= page_size:
         _raise_bad_pages(indptr, pages, last, page_size)
-    if indices.ndim != 1 or len(indices) != indptr[-1]:
+    if indices.ndim != 1:
+        raise fail("kv_indices", "a 1-D array of page ids", f"shape {list(indices.shape)}", "Flatten it (CSR order).")
+    if len(indices) != indptr[-1]:
         raise fail("kv_indices", f"kv_indptr[-1]={indptr[-1]} entries", len(indices),
                    "kv_indices must list exactly the pages kv_indptr counts.")
     top = _max_page_id(indices)  # one pass: the check below and the plan's bound on the cache
@@ -97,6 +107,7 @@ def _raise_bad_pages(indptr: np.ndarray, pages: np.ndarray, last: np.ndarray, pa
 
 def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
     """vLLM's form: per-request lengths [B] and a block table [B, max_pages]."""
+    check_page_size("page_size", page_size)
     lens = host_int_array("seq_lens", seq_lens)
     table = host_int_array("block_table", block_table)
     if table.ndim != 2 or table.shape[0] != len(lens):

@@ -111,6 +111,9 @@ class BatchPrefill:
         if qo_len is None or len(qo) < 1 or qo[0] != 0 or np.minimum.reduce(qo_len, initial=0) < 0:
             raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", paged.preview(qo),
                               "Build it as the prefix sum of query lengths.")
+        if qo[-1] >= 2**31:  # (before the work items: 2^33 tokens asked numpy for 48 GiB of them)
+            raise checks.fail("qo_indptr[-1]", "fewer than 2^31 query tokens in one plan", int(qo[-1]),
+                              "Split the batch into smaller plans (the kernels read these arrays as int32).")
         b = len(qo_len)
         if kv_indices is None:
             kvp = paged.host_int_array("kv_indptr", kv_indptr)

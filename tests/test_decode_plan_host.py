@@ -574,3 +574,15 @@ def test_plan_refuses_scales_that_would_reach_every_score(kw, match):
         assert w._plan is None, "nothing planned"
         w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=16, sm_scale=np.float32(0.1),
                k_scale=np.float64(0.5), v_scale=2)
+
+
+@pytest.mark.parametrize("page_size", [16.0, 0, False])
+def test_plan_names_a_page_size_that_is_not_a_positive_int(page_size):
+    """Decode's and MLA's plan name the page size itself (16.0 used to pass and fail as kv_last_page_len)."""
+    from attnforge import BatchMLADecode
+    for w in (BatchDecode.host_only(AttentionSpec()),
+              BatchMLADecode.host_only(AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1,
+                                                     head_dim_qk=576, head_dim_vo=512))):
+        with pytest.raises(ValueError, match=r"plan\(page_size=...\): expected an int >= 1"):
+            w.plan(np.array([0, 1]), np.array([0]), np.array([5]), page_size=page_size)
+        assert w._plan is None, "nothing planned"

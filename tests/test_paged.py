@@ -26,10 +26,21 @@ def test_block_table_matches_csr():
     (([0, 1], [-3], [1]), "page ids >= 0"),
     (([0, 1], [0], [1, 1]), "one per request"),
     (([0, 1], [0.5], [1]), "integer"),
+    (([0, 2], [[0, 1]], [1]), "kv_indices: expected a 1-D array of page ids, got shape \\[1, 2\\]"),
 ])
 def test_csr_errors(args, msg):
     with pytest.raises(ValueError, match=msg):
         paged.from_csr(*args, page_size=16)
+
+
+@pytest.mark.parametrize("page_size", [16.0, 0, -4, True, None, "16"])
+def test_page_size_must_be_an_int_of_at_least_one(page_size):
+    # 16.0 passed `>= 1` and the folded length checks then blamed kv_last_page_len: the page size is named first
+    for build in (lambda: paged.from_csr([0, 1], [0], [3], page_size=page_size),
+                  lambda: paged.from_block_table([3], [[0]], page_size=page_size)):
+        with pytest.raises(ValueError, match=r"page_size: expected an int >= 1 \(tokens per page\), got "):
+            build()
+    assert paged.from_csr([0, 1], [0], [3], page_size=np.int64(16)).kv_len.tolist() == [3]  # numpy ints are ints
 
 
 def test_block_table_too_narrow():

@@ -105,6 +105,9 @@ def test_a_plan_whose_offsets_overflow_int32_is_refused_before_any_launch(record
     w = BatchPrefill(SPEC, device="cpu")
     with pytest.raises(ValueError, match=r"fit in int32 \(< 2\^31\), got 2147483648\. Split the batch"):
         w.plan(np.array([0, 16]), np.array([0, 64]), kv_offset=np.array([2**31]))
+    # a query count past int32 is refused before its work items are built (2^33 tokens: 48 GiB of them)
+    with pytest.raises(ValueError, match=r"qo_indptr\[-1\]: expected fewer than 2\^31 query tokens in one plan"):
+        w.plan(np.array([0, 2**33]), np.array([0, 2**33]))
     assert w._plan is None and not recorder.launches
 
 

@@ -197,6 +197,7 @@ class QuestDecode:
             raise fail("QuestDecode(select=...)", "'kernel' (one radix-select launch) or 'torch' (topk)", repr(select),
                        "Use 'kernel' unless comparing the two.")
         self.select = select
+        paged.check_page_size("QuestDecode(page_size=...)", page_size)
         if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")
         if index.summary_shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
