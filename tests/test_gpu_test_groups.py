@@ -30,7 +30,7 @@ def test_every_collected_gpu_test_is_in_one_group():
 def test_a_bad_group_count_gets_the_usage_not_a_traceback():
     import subprocess
     import sys
-    for args in (["--help"], ["0"], ["3", "4"]):
+    for args in (["--help"], ["0"], ["00"], ["3", "4"]):
         run = subprocess.run([sys.executable, "tools/gpu_test_groups.py", *args], capture_output=True, text=True)
         assert run.returncode == 1 and "usage: python tools/gpu_test_groups.py [N]" in run.stderr, args
         assert "Traceback" not in run.stderr

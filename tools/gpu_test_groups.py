@@ -42,7 +42,7 @@ def groups(node_ids: list[str], n: int) -> list[list[str]]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1 or (argv and not argv[0].isdigit()) or argv == ["0"]:
+    if len(argv) > 1 or (argv and (not argv[0].isdigit() or int(argv[0]) < 1)):
         sys.exit(f"usage: python tools/gpu_test_groups.py [N]   (N >= 1 groups, default 14; got {' '.join(argv)!r})")
     n = int(argv[0]) if argv else 14
     print(";".join(" ".join(g) for g in groups(gpu_test_ids(), n)))
