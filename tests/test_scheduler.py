@@ -100,6 +100,44 @@ def test_window_ranges_respected():
         assert p.kv_begin[r] <= lo <= hi <= p.kv_end[r]
 
 
+def random_stream_plans(seed: int, n: int):
+    """n random (begin, end, kv heads, CTAs, plan_stream options) draws: batch shapes the fixed cases above do not
+    combine (windows with aligned spans, snap with whole items per span, tile-rounded cuts, 1 to 528 CTAs)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        b = int(rng.integers(1, 120))
+        end = [rng.integers(0, 50000, b), np.full(b, int(rng.integers(0, 20000))),
+               int(rng.integers(1, 9000)) + rng.integers(0, 64, b),  # near-equal (padded to the costliest)
+               np.where(rng.random(b) < 0.05, rng.integers(20000, 200000, b), rng.integers(0, 1024, b)),
+               rng.integers(0, 300, b)][int(rng.integers(0, 5))].astype(np.int64)
+        begin = np.maximum(end - int(rng.integers(1, 5000)), 0) if rng.random() < 0.3 else np.zeros(b, np.int64)
+        options = dict(align_equal_items=bool(rng.random() < 0.6), snap=int(rng.choice([0, 64, 128, 288])),
+                       snap_where_it_pays=bool(rng.random() < 0.5), whole_items_per_span=bool(rng.random() < 0.3),
+                       align_fraction=float(rng.choice([0.0, 0.04])), align_tile=int(rng.choice([0, 16, 32, 64])))
+        yield begin, end, int(rng.choice([1, 2, 4, 8, 16])), int(rng.choice([1, 7, 66, 132, 264, 528])), options
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_plans_across_every_option_cover_each_token_once(seed):
+    """Every (request, kv head)'s tokens [begin, end) in contiguous chunks, each split item's slots as the merge
+    finds them, and slots unique below 2 x CTAs, on 150 random draws per seed (25,500 such draws passed once)."""
+    for begin, end, hkv, ctas, options in random_stream_plans(seed, 150):
+        p = plan_stream(begin.copy(), end.copy(), hkv, ctas, **options)
+        chunks = expand(p)
+        g = groups(chunks)
+        assert set(g) == {(r, h) for r in range(len(end)) for h in range(hkv)}, options
+        for (r, h), parts in g.items():
+            spans = sorted((lo, hi) for lo, hi, _, _ in parts)
+            assert spans[0][0] == begin[r] and spans[-1][1] == end[r], (r, h, options)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and (len(spans) == 1 or
+                                                                             all(lo < hi for lo, hi in spans))
+            mine = [s for _, _, s, _ in sorted(parts)]
+            assert split_slots(p, r, h) == (mine if len(parts) > 1 else []), (r, h, options)
+        slots = chunks[:, 5][chunks[:, 5] >= 0]
+        assert chunks[:, 0].max() < ctas and len(set(slots.tolist())) == len(slots) and \
+            (len(slots) == 0 or slots.max() < 2 * ctas), options
+
+
 def test_stream_overflow_is_an_error():
     with pytest.raises(ValueError, match="int32"):
         plan_stream(np.zeros(2, dtype=np.int64), np.full(2, 2**30), 8, 264)
