@@ -16,4 +16,21 @@ def library(device="cuda"):
         "document_mask": m.document_mask(torch.randint(0, 4, (4, 3000), generator=g).sort(dim=1).values.to(device)),
         "prefix_lm": m.prefix_lm(torch.tensor([0, 5, 700, 10], device=device)),
         "attention_sink": m.attention_sink(torch.randn(HQ, generator=g).to(device) + 3),
+        "every_operation": every_operation(device),
     }
+
+
+def every_operation(device="cuda"):
+    """A score_mod of every integer and boolean operation the tracer knows, with torch's meanings: bitwise
+    & | ^ ~ << >> on integers, True + True is True, logical_xor on nonzero-ness, float // and % of positions,
+    an integer power, an int table. Discontinuities take positions only: a score's last ulp differs between
+    the kernel's MMA and the reference, and must not move a floor or a branch."""
+    table = torch.tensor([3, -2, 7, 1], dtype=torch.int32, device=device)
+
+    def every_op(score, b, h, q_idx, kv_idx):
+        i = ((kv_idx & 7) | (h << 2)) ^ (~q_idx >> 1)
+        pos = (kv_idx * 0.5) // 0.7 + kv_idx % 2.5 + (q_idx - kv_idx) // 3 + (kv_idx % 5) ** 2
+        flags = (kv_idx > q_idx) + (h > 1)
+        keep = torch.logical_xor(i > 3, kv_idx & 1) | ~(h == 2)
+        return torch.where(keep, score + 0.002 * pos + flags, score * 0.5 + table[i % 4] * 0.1)
+    return m.compile_mod(score_mod=every_op)

@@ -379,7 +379,7 @@ def test_paged_kv(page_size, layout):
 @pytest.mark.parametrize("name,backend", [("causal", None), ("sliding_window", None), ("softcap", None), ("alibi", None),
                                           ("relative_bias", None), ("document_mask", None), ("prefix_lm", None),
                                           ("attention_sink", None), ("alibi", "mma"), ("document_mask", "mma"),
-                                          ("softcap", "mma")])
+                                          ("softcap", "mma"), ("every_operation", None)])
 def test_library_mods_in_prefill(name, backend):
     # (mma: one m16 row tile a warp with a score modifier, mma_m_tiles; the soft-cap mod too)
     from mod_library import library

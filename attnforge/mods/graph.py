@@ -6,7 +6,7 @@ is their canonical text. Types: "f" (float32), "i" (int64), "b" (bool).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -23,12 +23,19 @@ BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
     "mod": (torch.remainder, "af_mod({a}, {b})"),
     "lt": (torch.lt, "({a} < {b})"), "le": (torch.le, "({a} <= {b})"), "gt": (torch.gt, "({a} > {b})"),
     "ge": (torch.ge, "({a} >= {b})"), "eq": (torch.eq, "({a} == {b})"), "ne": (torch.ne, "({a} != {b})"),
-    "and": (torch.logical_and, "({a} && {b})"), "or": (torch.logical_or, "({a} || {b})"),
     "minimum": (torch.minimum, "af_min({a}, {b})"), "maximum": (torch.maximum, "af_max({a}, {b})"),
     "pow": (torch.pow, "af_pow({a}, {b})"),
+    # & | ^ << >> as in torch: logical on two booleans, bitwise on integers (a boolean counts as 0 / 1)
+    "and": (torch.bitwise_and, "({a} & {b})"), "or": (torch.bitwise_or, "({a} | {b})"),
+    "xor": (torch.bitwise_xor, "({a} ^ {b})"),
+    "lshift": (torch.bitwise_left_shift, "({a} << {b})"), "rshift": (torch.bitwise_right_shift, "({a} >> {b})"),
 }
-UNARY = {"neg": (torch.neg, "(-{a})"), "abs": (torch.abs, "af_abs({a})"), "not": (torch.logical_not, "(!{a})")}
-COMPARE = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or"}
+BOOL_FORMS = {"and": "({a} && {b})", "or": "({a} || {b})", "xor": "({a} != {b})",  # two booleans give a boolean:
+              "add": "({a} || {b})", "mul": "({a} && {b})", "maximum": "({a} || {b})",  # torch's True + True is True
+              "minimum": "({a} && {b})"}
+UNARY = {"neg": (torch.neg, "(-{a})"), "abs": (torch.abs, "af_abs({a})"), "not": (torch.bitwise_not, "(~{a})")}
+COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
+INTEGER_ONLY = {"and", "or", "xor", "not", "lshift", "rshift"}  # refused on floats, as torch refuses them
 INPUT_TYPES = {"score": "f", "b": "i", "h": "i", "q_idx": "i", "kv_idx": "i"}
 
 
@@ -58,13 +65,30 @@ def applies_function_to_score(node) -> bool:
 
 
 def result_type(op: str, types: list[str]) -> str:
-    if op in COMPARE or op == "not":
+    """torch's promotion (bool < int64 < float32) for the graph's ops."""
+    if op in COMPARE:
         return "b"
     if op in FLOAT_FUNCS or op == "truediv":
         return "f"
-    if op == "pow":
-        return "f"
-    return "f" if "f" in types else ("i" if "i" in types or op in ("add", "sub", "mul", "neg", "abs") else types[0])
+    if op in ("lshift", "rshift"):
+        return "i"
+    return "f" if "f" in types else ("i" if "i" in types else "b")
+
+
+def type_error(op: str, types: list[str]) -> Optional[str]:
+    """Why torch refuses `op` on operands of these types (None when it accepts them): the reference
+    evaluates the graph in torch, so the tracer refuses what torch would."""
+    if op in INTEGER_ONLY and "f" in types:
+        return f"`{_SPELLING[op]}` is bitwise on integers and logical on booleans; torch refuses it on a float"
+    if op in ("sub", "neg") and "b" in types:
+        return "torch refuses `-` on a boolean; use `^` or `~` for booleans, or convert with .to(torch.int32)"
+    if op in ("abs", "floordiv", "mod", "pow") and all(t == "b" for t in types):
+        return f"torch refuses `{_SPELLING[op]}` on booleans; convert with .to(torch.int32) or .to(torch.float32)"
+    return None
+
+
+_SPELLING = {"and": "&", "or": "|", "xor": "^", "not": "~", "lshift": "<<", "rshift": ">>", "sub": "-", "neg": "-",
+             "abs": "abs", "floordiv": "//", "mod": "%", "pow": "**"}
 
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -86,8 +110,8 @@ def node_type(node: tuple, slots: dict[int, TensorSlot]) -> str:
         return INPUT_TYPES[node[1]]
     if op == "const":
         return node[2]
-    if op == "scalar":
-        return "f"
+    if op == "scalar":  # ("scalar", k) a float; ("scalar", k, kind) an integer or boolean one
+        return node[2] if len(node) > 2 else "f"
     if op == "load":
         return slots[node[1]].kind
     if op == "where":
@@ -108,7 +132,8 @@ def evaluate(node: tuple, env: dict[str, torch.Tensor], tensors: list[torch.Tens
         return torch.tensor(node[1], dtype=torch.float32 if node[2] == "f" else
                             (torch.bool if node[2] == "b" else torch.int64))
     if op == "scalar":
-        return torch.tensor(float(scalars[node[1]]), dtype=torch.float32)
+        v, kind = scalars[node[1]], node_type(node, {})
+        return torch.tensor({"f": float(v), "i": int(v), "b": v != 0}[kind])
     if op == "load":
         t = tensors[node[1]]
         idx = [_wrap_clamp(ev(i).to(torch.int64), t.shape[d]) for d, i in enumerate(node[2:])]
@@ -127,8 +152,10 @@ def evaluate(node: tuple, env: dict[str, torch.Tensor], tensors: list[torch.Tens
         return FLOAT_FUNCS[op][0](args[0].float())
     if op in UNARY:
         return UNARY[op][0](args[0])
-    if op == "truediv" or op == "pow":
-        return BINARY[op][0](args[0].float(), args[1].float() if op == "pow" else args[1])
+    if op == "truediv":
+        return torch.true_divide(args[0].float(), args[1])
+    if op == "pow" and (args[0].is_floating_point() or args[1].is_floating_point()):
+        return torch.pow(args[0].float(), args[1].float())
     return BINARY[op][0](*args)
 
 
@@ -154,8 +181,9 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
         if op == "const":
             v, t = node[1], node[2]
             return ("true" if v else "false") if t == "b" else (f"{float(v)!r}f" if t == "f" else f"af_int({int(v)})")
-        if op == "scalar":
-            expr = f"a.scalar({node[1]})"
+        if op == "scalar":  # (a float32 parameter; an integer one is exact below 2^24)
+            forms = {"f": "a.scalar({})", "i": "af_int(a.scalar({}))", "b": "(a.scalar({}) != 0.f)"}
+            expr = forms[node_type(node, slots)].format(node[1])
         elif op == "load":
             slot = slots[node[1]]
             idx = ", ".join(visit(i) for i in node[2:])
@@ -168,16 +196,27 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
             expr = _cpp_cast(visit(node[2]), node[1])
         elif op in FLOAT_FUNCS:
             expr = f"{FLOAT_FUNCS[op][1]}(float({visit(node[1])}))"
+        elif op == "not":  # logical on a boolean, bitwise on an integer
+            a = visit(node[1])
+            expr = f"(!{a})" if node_type(node[1], slots) == "b" else f"(~af_int({a}))"
         elif op in UNARY:
-            expr = UNARY[op][1].format(a=visit(node[1]))
+            a = visit(node[1])
+            expr = UNARY[op][1].format(a=f"({a})" if a.startswith("-") else a)  # (-(-1.5f), not --1.5f)
         elif op == "truediv":
             expr = _emit_division(visit(node[1]), visit(node[2]), node[2])
         else:
             a, b = visit(node[1]), visit(node[2])
-            if op in ("minimum", "maximum", "add", "sub", "mul") and "f" in (
-                    node_type(node[1], slots), node_type(node[2], slots)):
-                a, b = f"float({a})", f"float({b})"
-            expr = BINARY[op][1].format(a=a, b=b)
+            t = node_type(node, slots)
+            if op in COMPARE:  # C++ promotes as torch does: bool -> int -> float
+                expr = BINARY[op][1].format(a=a, b=b)
+            elif t == "b":
+                expr = BOOL_FORMS[op].format(a=a, b=b)
+            elif op == "pow" and t == "i":  # a non-negative constant exponent (the tracer checks)
+                expr = f"af_ipow(af_int({a}), af_int({b}))"
+            else:  # both operands in the result's type: one overload of af_min / af_floordiv / ... applies
+                if (node_type(node[1], slots), node_type(node[2], slots)) != (t, t):
+                    a, b = _cpp_cast(a, t), _cpp_cast(b, t)
+                expr = BINARY[op][1].format(a=a, b=b)
         name = f"v{len(names)}"
         names[node] = name
         lines.append(f"const {_CPP_TYPE[node_type(node, slots)]} {name} = {expr};")

@@ -38,9 +38,9 @@ def _in_scale(x: tuple) -> Optional[float]:
     if x[0] == "cast" and x[1] == "f":
         return _in_scale(x[2])
     c, rest = _split_product(x)
-    if c is not None and rest == _SCORE:
+    if c is not None and _in_scale(rest) == 1.0:  # (the score itself, or a float cast of it)
         return float(np.float32(c))
-    if x[0] == "truediv" and x[1] == _SCORE and (d := _const(x[2])) is not None and d != 0.0:
+    if x[0] == "truediv" and _in_scale(x[1]) == 1.0 and (d := _const(x[2])) is not None and d != 0.0:
         inv = float(np.float32(1.0 / d))
         return inv if np.isfinite(inv) and inv != 0.0 else None
     return None

@@ -3,9 +3,10 @@
     score_mod(score, b, h, q_idx, kv_idx) -> score      mask_mod(b, h, q_idx, kv_idx) -> bool
 
 The function is called once with `Sym` proxies; arithmetic, comparisons, torch.where, min/max,
-abs, exp, log, tanh, sigmoid, integer ops and indexing into captured tensors are recorded into an
-expression graph (attnforge.mods.graph). Anything data-dependent on traced values (an `if`, a
-loop, int()/float() of a traced value) or an unknown function raises ModTraceError naming the
+abs, exp, log, tanh, sigmoid, integer, bitwise and logical ops and indexing into captured tensors are
+recorded into an expression graph (attnforge.mods.graph), typed as torch types them. Anything
+data-dependent on traced values (an `if`, a loop, int()/float() of a traced value), an unknown
+function, or an operation torch refuses on its operands' types raises ModTraceError naming the
 construct and the line of the user's source where it happened.
 """
 from __future__ import annotations
@@ -60,8 +61,23 @@ class Tracer:
             if known is t:
                 return i
         self.scalar_sources.append(t)
-        self.scalars.append(float(t.item()))
+        self.scalars.append(scalar_value(t))
         return len(self.scalars) - 1
+
+
+SCALAR_KINDS = {torch.float32: "f", torch.float16: "f", torch.bfloat16: "f", torch.float64: "f", torch.bool: "b",
+                torch.int8: "i", torch.uint8: "i", torch.int16: "i", torch.int32: "i", torch.int64: "i"}
+EXACT_INT_SCALAR = 2 ** 24  # integers a float32 parameter carries exactly
+
+
+def scalar_value(t: torch.Tensor) -> float:
+    """A 0-d tensor's value as the kernel's float32 parameter; an integer one must survive the trip."""
+    v = t.item()
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= EXACT_INT_SCALAR:
+        raise ModTraceError(f"a captured 0-d integer tensor holds {v}; runtime scalars travel as float32 and "
+                            f"integers must stay below 2^24 in magnitude. Capture it in a 1-element tensor "
+                            f"indexed with [0] instead (loaded as an integer).")
+    return float(v)
 
 
 _TRACER: list[Tracer] = []
@@ -79,20 +95,43 @@ def _lift(x) -> tuple:
         if not math.isfinite(x):
             return ("const", x, "f")
         return ("const", float(x), "f")
-    if isinstance(x, torch.Tensor) and x.dim() == 0:
-        # a 0-d tensor is a runtime scalar: changing its value never triggers a rebuild
-        return ("scalar", _TRACER[-1].scalar_slot(x))
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype in SCALAR_KINDS:
+        # a 0-d tensor is a runtime scalar: changing its value never triggers a rebuild. It keeps its type
+        # (an integer one is passed as a float32, exact below 2^24, and converted back in the kernel)
+        kind = SCALAR_KINDS[x.dtype]
+        return ("scalar", _TRACER[-1].scalar_slot(x)) + ((kind,) if kind != "f" else ())
     raise ModTraceError(f"value of type {type(x).__name__} cannot take part in a modifier expression "
                         f"(at {_user_line()})")
 
 
+def _typed(node: tuple) -> "Sym":
+    """Sym(node) once its operands' types are ones torch accepts for the op (the reference evaluates the
+    graph in torch, and the C++ must agree with it)."""
+    slots = _TRACER[-1].slots
+    types = [graph.node_type(a, slots) for a in node[1:]]
+    why = graph.type_error(node[0], types)
+    if why is None and node[0] == "pow" and graph.result_type("pow", types) != "f":
+        exponent = node[2]
+        if not (exponent[0] == "const" and int(exponent[1]) >= 0):
+            why = ("an integer power needs a constant exponent >= 0 (torch refuses negative ones); for a float "
+                   "power convert the base with .to(torch.float32) or write a float exponent")
+    if why is not None:
+        raise ModTraceError(f"{why} (at {_user_line()})")
+    return Sym(node)
+
+
 def _binary(op):
     def f(self, other):
-        return Sym((op, self.node, _lift(other)))
+        return _typed((op, self.node, _lift(other)))
 
     def r(self, other):
-        return Sym((op, _lift(other), self.node))
+        return _typed((op, _lift(other), self.node))
     return f, r
+
+
+def _as_bool(node: tuple) -> tuple:
+    """node as a boolean (nonzero), for torch.logical_*: casts only what is not boolean already."""
+    return node if graph.node_type(node, _TRACER[-1].slots) == "b" else ("cast", "b", node)
 
 
 class Sym:
@@ -118,15 +157,18 @@ class Sym:
     __ne__ = _binary("ne")[0]  # type: ignore[assignment]
     __and__, __rand__ = _binary("and")
     __or__, __ror__ = _binary("or")
+    __xor__, __rxor__ = _binary("xor")
+    __lshift__, __rlshift__ = _binary("lshift")
+    __rshift__, __rrshift__ = _binary("rshift")
 
     def __neg__(self):
-        return Sym(("neg", self.node))
+        return _typed(("neg", self.node))
 
     def __abs__(self):
-        return Sym(("abs", self.node))
+        return _typed(("abs", self.node))
 
     def __invert__(self):
-        return Sym(("not", self.node))
+        return _typed(("not", self.node))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -175,8 +217,10 @@ _FUNC_NAMES = {torch.exp: "exp", torch.log: "log", torch.tanh: "tanh", torch.sqr
                torch.Tensor.sigmoid: "sigmoid", torch.Tensor.sqrt: "sqrt"}
 _BINARY_FUNCS = {torch.minimum: "minimum", torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum",
                  torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.eq: "eq", torch.ne: "ne",
-                 torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge",
-                 torch.logical_and: "and", torch.logical_or: "or", torch.pow: "pow", torch.remainder: "mod"}
+                 torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.pow: "pow",
+                 torch.remainder: "mod", torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_xor: "xor",
+                 torch.bitwise_left_shift: "lshift", torch.bitwise_right_shift: "rshift"}
+_LOGICAL_FUNCS = {torch.logical_and: "and", torch.logical_or: "or", torch.logical_xor: "xor"}  # on nonzero-ness
 
 
 def _dispatch(func, args, kwargs):
@@ -186,11 +230,15 @@ def _dispatch(func, args, kwargs):
     if func in _FUNC_NAMES and not kwargs:
         return Sym((_FUNC_NAMES[func], _lift(args[0])))
     if func in _BINARY_FUNCS and len(args) == 2 and not kwargs:
-        return Sym((_BINARY_FUNCS[func], _lift(args[0]), _lift(args[1])))
+        return _typed((_BINARY_FUNCS[func], _lift(args[0]), _lift(args[1])))
+    if func in _LOGICAL_FUNCS and len(args) == 2 and not kwargs:
+        return Sym((_LOGICAL_FUNCS[func], _as_bool(_lift(args[0])), _as_bool(_lift(args[1]))))
     if func in (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__):
-        return Sym(("abs", _lift(args[0])))
+        return _typed(("abs", _lift(args[0])))
     if func in (torch.logical_not, torch.Tensor.logical_not):
-        return Sym(("not", _lift(args[0])))
+        return Sym(("not", _as_bool(_lift(args[0]))))
+    if func in (torch.bitwise_not, torch.Tensor.bitwise_not):
+        return _typed(("not", _lift(args[0])))
     if func is torch.Tensor.__getitem__:
         tensor, index = args
         return _index(tensor, index)
@@ -204,8 +252,9 @@ def _dispatch(func, args, kwargs):
         return Sym(x)
     name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
     raise ModTraceError(f"torch function {name} is not supported in modifiers (at {_user_line()}). Supported: "
-                        "arithmetic, comparisons, torch.where, min/max, abs, clamp, exp, exp2, log, log2, sqrt, sin, cos, "
-                        "tanh, sigmoid, and indexing captured tensors (see docs/mods.md).")
+                        "arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, clamp, "
+                        "exp, exp2, log, log2, sqrt, sin, cos, tanh, sigmoid, and indexing captured tensors "
+                        "(see docs/mods.md).")
 
 
 def _index(tensor: torch.Tensor, index) -> Sym:
@@ -255,12 +304,12 @@ def trace(fn: Callable, kind: str):
             saved[name], patched = _builtin_min_max(name)
             setattr(builtins, name, patched)
         out = fn(*[Sym(("input", n)) for n in names])
+        root = _lift(out)  # (with the tracer: a returned 0-d tensor becomes one of its scalars)
     finally:
         for name, orig in saved.items():
             setattr(builtins, name, orig)
         _TRACER.pop()
         _TRACE_LOCK.release()
-    root = _lift(out)
     t = graph.node_type(root, tracer.slots)
     if kind == "mask" and t != "b":
         raise ModTraceError(f"mask_mod {getattr(fn, '__name__', fn)} must return a boolean expression, got a "

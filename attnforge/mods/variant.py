@@ -13,7 +13,7 @@ import torch
 
 from ..codegen import ParamField
 from . import affine, graph, scaled
-from .trace import ModTraceError, trace
+from .trace import ModTraceError, scalar_value, trace
 
 MAX_TENSORS, MAX_SCALARS = 8, 8
 _F_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -53,10 +53,27 @@ AF_HD float af_sqrt(float x) { return AF_PICK(af_sqrt_approx, sqrtf)(x); }
 // the device takes the 2-ulp forms, the host (the g++ test against torch) the exact ones
 AF_HD float af_div_exact(float a, float b) { return a / b; }
 AF_HD float af_div(float a, float b) { return AF_PICK(__fdividef, af_div_exact)(a, b); }
-// floor and modulo keep the exact quotient: an approximate one can land just below an exact multiple
-// (6 / 3 -> 1.9999999), which floor turns into an off-by-one
-AF_HD float af_floordiv(float a, float b) { return floorf(af_div_exact(a, b)); }
-AF_HD float af_mod(float a, float b) { return a - b * floorf(af_div_exact(a, b)); }
+// Float // and % as torch and Python compute them, from the exact remainder fmodf: floor(a / b) differs where
+// the rounded quotient reaches a multiple the exact one does not (2.1f // 0.7f is 2, floorf(2.1f / 0.7f) 3)
+AF_HD float af_mod(float a, float b) {
+  const float r = fmodf(a, b);
+  return (r != 0.f && ((r < 0.f) != (b < 0.f))) ? r + b : r;
+}
+AF_HD float af_floordiv(float a, float b) {
+  if (b == 0.f) return af_div_exact(a, b);
+  const float r = fmodf(a, b);
+  float q = af_div_exact(a - r, b);  // an integer up to rounding
+  if (r != 0.f && ((r < 0.f) != (b < 0.f))) q -= 1.f;
+  if (q == 0.f) return copysignf(0.f, af_div_exact(a, b));
+  const float f = floorf(q);
+  return q - f > 0.5f ? f + 1.f : f;
+}
+// an integer power, wrapping on overflow as the rest of the 32-bit arithmetic does
+AF_HD af_int af_ipow(af_int a, af_int n) {
+  unsigned r = 1u, x = unsigned(a);
+  for (; n > 0; n >>= 1, x *= x) if (n & 1) r *= x;
+  return af_int(r);
+}
 AF_HD float af_sigmoid(float x) { return af_div(1.f, 1.f + af_exp(-x)); }
 AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }
@@ -109,7 +126,7 @@ class ScoreMod:
     @property
     def kv_slope_root(self) -> Optional[tuple]:
         """B when the score modifier is score + A + B * kv_idx (attnforge/mods/affine.py), else None."""
-        return affine.kv_slope(self.score_root)
+        return affine.kv_slope(self.score_root, self.slots)
 
     # -- C++ --------------------------------------------------------------------------------
     def host_functions(self) -> str:
@@ -236,7 +253,7 @@ struct {n}_Access {{
         place counts from the next call on (a CUDA tensor's read synchronises). A ScoreMod given to a wrapper
         keeps the values read when it was built: build another for other values (the same kernel serves it)."""
         for k, t in enumerate(self.scalar_sources):
-            self.scalars[k] = float(t.item())
+            self.scalars[k] = scalar_value(t)
 
     # -- reference ------------------------------------------------------------------------------
     def torch_score(self, score, b, h, q_idx, kv_idx):
@@ -297,7 +314,7 @@ def _shift(node, t_off, s_off):
     if node[0] == "load":
         return ("load", node[1] + t_off, *[_shift(a, t_off, s_off) for a in node[2:]])
     if node[0] == "scalar":
-        return ("scalar", node[1] + s_off)
+        return ("scalar", node[1] + s_off, *node[2:])
     if node[0] in ("input", "const"):
         return node
     if node[0] == "cast":

@@ -174,8 +174,10 @@ SPLIT_DIMS = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, h
 
 def _mod_specs():
     import attnforge.mods as m
+    from mod_library import every_operation
     return [AttentionSpec(score_mod=m.document_mask(torch.zeros(2, 8, dtype=torch.int32))),
-            AttentionSpec(family="prefill", score_mod=m.attention_sink(torch.zeros(32)))]
+            AttentionSpec(family="prefill", score_mod=m.attention_sink(torch.zeros(32))),
+            AttentionSpec(score_mod=every_operation("cpu"))]  # (the C++ of every traced operation, for nvcc)
 
 
 def _wgmma_mla_kernels(normal):

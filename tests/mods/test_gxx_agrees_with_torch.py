@@ -10,6 +10,8 @@ import attnforge.mods as m
 from attnforge.mods import compile_mod
 from attnforge.mods.alibi import default_slopes
 
+from .host_program import run_on_host
+
 N = 400
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 
@@ -60,65 +62,6 @@ def library_mods():
             m.prefix_lm(torch.tensor([5, 17]))]
 
 
-def _host_program(mod, inputs, call=None) -> str:
-    tensors = []
-    for k, t in enumerate(mod.tensors):
-        flat = t.flatten()
-        vals = ", ".join(repr(float(v)) + "f" if t.is_floating_point() else f"{int(v)}LL" for v in flat.tolist())
-        ctype = "float" if t.is_floating_point() else "long long"
-        sizes = ", ".join(str(s) for s in t.shape)
-        tensors.append(f"static const {ctype} T{k}[] = {{{vals}}}; static const long long S{k}[] = {{{sizes}}};")
-    def loader(kind):
-        ctype = "float" if kind == "f" else "af_int"
-        cases = []
-        for k, s in mod.slots.items():
-            src = f"(({ctype})T{k}[off])"
-            cases.append(f"    if (k == {k}) {{ long long off = 0; int d = 0; for (af_int i : idx) {{ "
-                         f"off = off * S{k}[d] + af_index(i, S{k}[d]); ++d; }} return {src}; }}")
-        return "\n".join(cases)
-    scalars = "\n".join(f"    if (k == {k}) return {float(v)!r}f;" for k, v in enumerate(mod.scalars))
-    n = mod.cpp_struct_name
-    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
-    call = call or (f"{n}_score(in[i].s, in[i].b, in[i].h, in[i].q, in[i].kv, a)" if mod.score_root is not None
-                    else f"(float){n}_mask(in[i].b, in[i].h, in[i].q, in[i].kv, a)")
-    return f"""#include <cstdio>
-#include <initializer_list>
-{mod.host_functions()}
-{chr(10).join(tensors)}
-struct HostAccess {{
-  float load_f(int k, std::initializer_list<af_int> idx) const {{
-{loader("f")}
-    return 0.f;
-  }}
-  af_int load_i(int k, std::initializer_list<af_int> idx) const {{
-{loader("i")}
-    return 0;
-  }}
-  float scalar(int k) const {{
-{scalars}
-    return 0.f;
-  }}
-}};
-struct In {{ float s; af_int b, h, q, kv; }};
-static const In in[] = {{
-{rows}
-}};
-int main() {{
-  HostAccess a;
-  for (unsigned i = 0; i < sizeof(in) / sizeof(in[0]); ++i) std::printf("%.9g\\n", (double){call});
-}}
-"""
-
-
-def run_on_host(mod, inputs, tmp_path, call=None) -> torch.Tensor:
-    """_host_program compiled with g++ and run: one float per input."""
-    src, exe = tmp_path / "mod.cpp", tmp_path / "mod"
-    src.write_text(_host_program(mod, inputs, call))
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    return torch.tensor([float(x) for x in out.split()])
-
-
 @pytest.mark.parametrize("mod", user_mods() + library_mods(), ids=lambda x: x.name)
 def test_gxx_matches_torch(mod, tmp_path):
     g = torch.Generator().manual_seed(2)
@@ -137,13 +80,34 @@ def test_gxx_matches_torch(mod, tmp_path):
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want).abs().max()
 
 
-def test_floor_division_keeps_the_exact_quotient():
-    """An approximate quotient (__fdividef) can land just below an exact multiple and floor would make
-    it an off-by-one: the device prelude must use the exact division for // and % on floats."""
+def test_float_floor_division_and_modulo_match_torch_bitwise(tmp_path):
+    """Float // and % are discontinuous: one ulp of quotient moves floor by one. The prelude's af_floordiv and
+    af_mod must give torch's float32 results exactly (sign of zero included) where floor(a / b) does not:
+    multiples of b computed in float32, one ulp either side, mixed signs, and division by zero."""
     from attnforge.mods.variant import CPP_PRELUDE
-    for fn in ("af_floordiv(float a, float b)", "af_mod(float a, float b)"):
-        line = next(l for l in CPP_PRELUDE.splitlines() if fn in l)
-        assert "af_div_exact" in line and "af_div(" not in line, line
+    g = torch.Generator().manual_seed(5)
+    b = (torch.rand(300, generator=g) * 3 + 0.05) * torch.where(torch.rand(300, generator=g) < 0.5, -1.0, 1.0)
+    k = torch.randint(-40, 40, (300,), generator=g).float()
+    multiple = b * k
+    ulp_up, ulp_down = torch.nextafter(multiple, multiple + 1), torch.nextafter(multiple, multiple - 1)
+    edges = torch.tensor([2.1, -2.1, 0.0, -0.0])
+    a = torch.cat([multiple, ulp_up, ulp_down, torch.randn(300, generator=g) * 50, edges])
+    b = torch.cat([b, b, b, b, torch.tensor([0.7, 0.7, -3.0, 2.0])])
+    a, b = torch.cat([a, torch.tensor([1.0, -1.0, 0.0])]), torch.cat([b, torch.zeros(3)])
+    pairs = ",\n".join(f"{{{x!r}f, {y!r}f}}" for x, y in zip(a.tolist(), b.tolist()))
+    src = (f"#include <cstdio>\n{CPP_PRELUDE}\nstatic const float in[][2] = {{\n{pairs}\n}};\nint main() {{\n"
+           "  for (auto& p : in) std::printf(\"%.9g %.9g\\n\", (double)af_floordiv(p[0], p[1]), "
+           "(double)af_mod(p[0], p[1]));\n}\n")
+    (tmp_path / "fd.cpp").write_text(src)
+    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(tmp_path / "fd"), str(tmp_path / "fd.cpp")], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(tmp_path / "fd")], capture_output=True, text=True, check=True).stdout.split()
+    got = torch.tensor([float(x) for x in out]).view(-1, 2)
+    want = torch.stack([torch.div(a, b, rounding_mode="floor"), torch.remainder(a, b)], dim=1)
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert same.all(), (a[~same.all(1)][:5], b[~same.all(1)][:5], got[~same.all(1)][:5], want[~same.all(1)][:5])
+    naive = torch.floor(a / b)  # the form the prelude no longer uses: this input set must tell them apart
+    assert not torch.equal(naive[b != 0], want[b != 0, 0])
 
 
 def _affine_mods():

@@ -7,7 +7,7 @@ import torch
 import attnforge.mods as m
 from attnforge.mods import compile_mod
 
-from .test_gxx_agrees_with_torch import run_on_host
+from .host_program import run_on_host
 
 
 def mod(fn):

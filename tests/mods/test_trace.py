@@ -28,10 +28,50 @@ def test_if_on_traced_value_names_construct_and_line():
     (lambda s, b, h, q, kv: s + torch.zeros(4, 4)[kv], "rank 2 must be indexed with 2"),
     (lambda s, b, h, q, kv: s + torch.zeros(4)[0:kv], "slices"),
     (lambda s, b, h, q, kv: s + "x", "type str"),
+    # what torch itself refuses (the reference evaluates the graph in torch)
+    (lambda s, b, h, q, kv: s + ((kv > q) - (h > 1)), "refuses `-` on a boolean"),
+    (lambda s, b, h, q, kv: s + ((kv > q) - 1), "refuses `-` on a boolean"),
+    (lambda s, b, h, q, kv: s * -(kv > q), "refuses `-` on a boolean"),
+    (lambda s, b, h, q, kv: s + abs(kv > q), "refuses `abs` on booleans"),
+    (lambda s, b, h, q, kv: s + ((kv > q) // (h > 1)), "refuses `//` on booleans"),
+    (lambda s, b, h, q, kv: s + (s & 1), "`&` is bitwise on integers and logical on booleans"),
+    (lambda s, b, h, q, kv: s + (~s > 0), "`~` is bitwise"),
+    (lambda s, b, h, q, kv: s + (s >> 1), "`>>` is bitwise"),
+    (lambda s, b, h, q, kv: s + h ** -1, "integer power needs a constant exponent >= 0"),
+    (lambda s, b, h, q, kv: s + 2 ** kv, "integer power needs a constant exponent >= 0"),
 ])
 def test_unsupported_constructs(body, construct):
-    with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)")) as e:
         compile_mod(score_mod=body)
+    assert "test_trace.py" in str(e.value)  # the user's line
+
+
+def test_integer_and_boolean_operations_mean_what_torch_means():
+    """& | ^ ~ << >> are bitwise on integers, logical on booleans; True + True is True; logical_* read
+    nonzero-ness; an integer power stays an integer; a 0-d integer tensor is a runtime scalar that stays an
+    integer (exact below 2^24). Values from the graph against eager torch, types from the graph."""
+    from attnforge.mods import graph
+    lut, scale = torch.tensor([4, 5, 6]), torch.tensor(0.5)
+    cases = {
+        "bitwise": lambda s, b, h, q, kv: s + (((kv & 6) | (h << 3)) ^ (~q >> 1)),
+        "bool sum": lambda s, b, h, q, kv: s + ((kv > q) + (h > 1)) * 10,
+        "logical": lambda s, b, h, q, kv: s + torch.logical_xor(kv - q, h) + torch.logical_not(kv & 1),
+        "int power": lambda s, b, h, q, kv: s + (kv - q) ** 3 // 7,
+        "0-d int": lambda s, b, h, q, kv: s + (kv // lut[1]) + scale * s,
+    }
+    kv, q = torch.arange(-20, 20), torch.full((40,), 3)
+    h, score = torch.arange(40) % 4, torch.linspace(-2, 2, 40)
+    for name, fn in cases.items():
+        mod = compile_mod(score_mod=fn)
+        assert torch.equal(mod.torch_score(score, torch.zeros(40, dtype=torch.long), h, q, kv),
+                           fn(score, 0, h, q, kv)), name
+    power = compile_mod(score_mod=cases["int power"]).score_root
+    assert graph.node_type(power[2][1], {}) == "i"  # (kv - q) ** 3 // 7: integer floor division
+    zero_d = compile_mod(score_mod=cases["0-d int"])  # kv // lut[1]: an integer runtime scalar
+    assert zero_d.score_root[1][2] == ("floordiv", ("input", "kv_idx"), ("scalar", 0, "i"))
+    assert zero_d.scalars == [5.0, 0.5] and graph.node_type(zero_d.score_root[1][2], {}) == "i"
+    with pytest.raises(ModTraceError, match="below 2\\^24"):
+        compile_mod(score_mod=lambda s, b, h, q, kv: s + kv // torch.tensor(2 ** 24))
 
 
 def test_wrong_arity_and_mask_type():
@@ -116,3 +156,14 @@ def test_hot_path_math_avoids_ieee_division_and_sqrt():
     device = CPP_PRELUDE[CPP_PRELUDE.index("#ifdef __CUDA_ARCH__"):]
     assert "AF_PICK(__fdividef, af_div_exact)" in device and "AF_PICK(af_sqrt_approx, sqrtf)" in device
     assert "af_sigmoid(float x) { return af_div(" in device
+
+
+def test_a_modifier_may_return_a_captured_0d_tensor():
+    """A function that returns a 0-d tensor without touching its arguments (a switch) traces to its runtime
+    scalar; it used to fail after the trace, looking for a tracer that was gone."""
+    on = torch.tensor(True)
+    mod = compile_mod(mask_mod=lambda b, h, q_idx, kv_idx: on)
+    assert mod.mask_root == ("scalar", 0, "b")
+    on.fill_(False)
+    mod.refresh_scalars()
+    assert not mod.torch_mask(torch.tensor(0), torch.tensor(0), torch.tensor(3), torch.tensor(1))
