@@ -167,10 +167,43 @@ def _wrap_clamp(i: torch.Tensor, size: int) -> torch.Tensor:
 _CPP_TYPE = {"f": "float", "i": "af_int", "b": "bool"}  # af_int: 32-bit (attnforge/mods/variant.py)
 
 
+DISCONTINUOUS = COMPARE | {"floordiv", "mod"}  # and casts to int or bool: one rounding can move their result
+_ROUNDED = {"add": "af_add_rn", "sub": "af_sub_rn", "mul": "af_mul_rn"}
+
+
+def rounded_arithmetic(root: tuple, slots: dict[int, TensorSlot]) -> set:
+    """The float +, -, * nodes below a discontinuous operation. The device must round each of them as torch
+    does: nvcc's fusion of a * b + c into one FMA skips a rounding, and `kv * 0.1 - q * 0.1 <= 0` then drops
+    keys on the diagonal that the reference (and the block mask) keeps."""
+    marked, below, visited = set(), set(), set()
+
+    def mark_below(node):
+        if not isinstance(node, tuple) or node in below:
+            return
+        below.add(node)
+        if node[0] in _ROUNDED and node_type(node, slots) == "f":
+            marked.add(node)
+        for a in node[1:]:
+            mark_below(a)
+
+    def find(node):
+        if not isinstance(node, tuple) or node in visited:
+            return
+        visited.add(node)
+        if node[0] in DISCONTINUOUS or (node[0] == "cast" and node[1] != "f"):
+            for a in node[1:]:
+                mark_below(a)
+        for a in node[1:]:
+            find(a)
+    find(root)
+    return marked
+
+
 def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
     """One C++ statement per node (shared sub-expressions are emitted once), ending in a return."""
     names: dict[tuple, str] = {}
     lines: list[str] = []
+    rounded = rounded_arithmetic(root, slots)
 
     def visit(node: tuple) -> str:
         if node in names:
@@ -213,6 +246,8 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
                 expr = BOOL_FORMS[op].format(a=a, b=b)
             elif op == "pow" and t == "i":  # a non-negative constant exponent (the tracer checks)
                 expr = f"af_ipow(af_int({a}), af_int({b}))"
+            elif node in rounded:
+                expr = f"{_ROUNDED[op]}(float({a}), float({b}))"
             else:  # both operands in the result's type: one overload of af_min / af_floordiv / ... applies
                 if (node_type(node[1], slots), node_type(node[2], slots)) != (t, t):
                     a, b = _cpp_cast(a, t), _cpp_cast(b, t)

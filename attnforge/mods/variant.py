@@ -38,8 +38,17 @@ AF_HD af_int af_mod(af_int a, af_int b) { af_int r = a % b; return (r != 0 && ((
 #define AF_PICK(device_fn, host_fn) device_fn
 AF_HD float af_tanh_approx(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 AF_HD float af_sqrt_approx(float x) { float y; asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+// rounded products and sums that nvcc never fuses into an FMA (it fuses a * b + c by default): for the
+// arithmetic under a comparison, floor or integer cast, where one rounding more or less moves the result
+AF_HD float af_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+AF_HD float af_add_rn(float a, float b) { return __fadd_rn(a, b); }
+AF_HD float af_sub_rn(float a, float b) { return __fsub_rn(a, b); }
 #else
 #define AF_PICK(device_fn, host_fn) host_fn
+// (the host test builds with contraction on, as nvcc compiles: a volatile result is rounded and never fused)
+inline float af_mul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float af_add_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float af_sub_rn(float a, float b) { volatile float r = a - b; return r; }
 #endif
 AF_HD float af_exp(float x) { return AF_PICK(__expf, expf)(x); }
 AF_HD float af_log(float x) { return AF_PICK(__logf, logf)(x); }

@@ -75,12 +75,23 @@ int main() {{
 """
 
 
-def run_calls(calls, inputs, directory: Path) -> torch.Tensor:
-    """program() compiled with g++ and run: [len(calls), len(inputs)] float32 values (printed with 9
-    significant digits, which round-trip a float32 exactly)."""
+# nvcc fuses a * b + c into one FMA by default; g++ does the same with these flags on a CPU that has FMA
+DEVICE_LIKE = ("-mfma", "-ffp-contract=fast")
+
+
+def host_has_fma() -> bool:
+    try:
+        return " fma " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+def run_calls(calls, inputs, directory: Path, flags=()) -> torch.Tensor:
+    """program() compiled with g++ (and `flags`) and run: [len(calls), len(inputs)] float32 values (printed
+    with 9 significant digits, which round-trip a float32 exactly)."""
     src, exe = directory / "mods.cpp", directory / "mods"
     src.write_text(program(calls, inputs))
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    subprocess.run(["g++", "-std=c++17", "-O2", *flags, "-o", str(exe), str(src)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     return torch.tensor([float(x) for x in out.split()], dtype=torch.float32).view(len(calls), len(inputs))
 

@@ -203,7 +203,13 @@ class Generator:
 
     def _bool(self, d: int, exact: bool):
         r = self.rng
-        c = r.randrange(7)
+        c = r.randrange(8)
+        if c == 7:  # a tie: equal integers scaled by an inexact constant and compared (the diagonal of a
+            # mask written on scaled positions); an FMA would round one product less and break it
+            x, y = self._operands(["i", "i"], d, True)
+            k = r.choice([0.1, 0.3, 0.7])
+            return Expr(f"({x.src} * {k} {r.choice('+-')} 0.2 {r.choice(['<=', '>=', '=='])} {y.src} * {k} + 0.2)"
+                        if r.random() < 0.5 else f"({x.src} * {k} - {y.src} * {k} {r.choice(['<=', '>='])} 0)", "b", 1)
         if c <= 2:  # comparisons of any two kinds
             x, y = self._operands([r.choice("fib"), r.choice("fi")], d, True)
             if x.const and y.const:

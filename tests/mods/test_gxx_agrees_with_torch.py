@@ -9,8 +9,9 @@ import torch
 import attnforge.mods as m
 from attnforge.mods import compile_mod
 from attnforge.mods.alibi import default_slopes
+from attnforge.mods.variant import CPP_PRELUDE
 
-from .host_program import run_on_host
+from .host_program import DEVICE_LIKE, default_call, host_has_fma, run_calls, run_on_host
 
 N = 400
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
@@ -84,7 +85,6 @@ def test_float_floor_division_and_modulo_match_torch_bitwise(tmp_path):
     """Float // and % are discontinuous: one ulp of quotient moves floor by one. The prelude's af_floordiv and
     af_mod must give torch's float32 results exactly (sign of zero included) where floor(a / b) does not:
     multiples of b computed in float32, one ulp either side, mixed signs, and division by zero."""
-    from attnforge.mods.variant import CPP_PRELUDE
     g = torch.Generator().manual_seed(5)
     b = (torch.rand(300, generator=g) * 3 + 0.05) * torch.where(torch.rand(300, generator=g) < 0.5, -1.0, 1.0)
     k = torch.randint(-40, 40, (300,), generator=g).float()
@@ -139,3 +139,19 @@ def test_gxx_affine_slope_matches_torch(mod, tmp_path):
     kv0 = (kv // 128) * 128 + 2 * (kv % 4)
     stepped = score + mod.torch_score(torch.zeros(N), b, h, q, kv0) + slope * (kv - kv0)
     assert torch.allclose(stepped, mod.torch_score(score, b, h, q, kv), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not host_has_fma(), reason="the host CPU has no FMA to model the device's fusion with")
+def test_scaled_position_masks_keep_their_diagonal_under_fma_fusion(tmp_path):
+    """nvcc fuses a * b + c into one FMA, which skips a rounding: `kv * 0.1 - q * 0.1 <= 0` then fails on
+    88 of 199 diagonal keys that torch (the reference and the block mask) keeps. Arithmetic under a comparison,
+    floor or integer cast is emitted unfused (af_*_rn); g++ with FMA fusion on models the device."""
+    mods = [compile_mod(mask_mod=lambda b, h, q, kv: kv * 0.1 - q * 0.1 <= 0),
+            compile_mod(mask_mod=lambda b, h, q, kv: kv * 0.3 + 0.7 >= q * 0.3 + 0.7),
+            compile_mod(score_mod=lambda s, b, h, q, kv: s + (kv * 0.1 - q * 0.1 + 2.0) // 1.0)]
+    rows = [(0.5, 0, 0, i, i) for i in range(1, 200)]
+    got = run_calls([(mod, default_call(mod)) for mod in mods], rows, tmp_path, DEVICE_LIKE)
+    assert (got[:2] == 1.0).all() and (got[2] == 2.5).all()
+    assert "af_sub_rn(float(v0), float(v1))" in mods[0].cpp_decl and "af_mul_rn(" in mods[2].cpp_decl
+    plain = compile_mod(score_mod=lambda s, b, h, q, kv: s * 0.5 + kv * 0.1)  # no discontinuity: FMA welcome
+    assert "_rn(" not in plain.cpp_decl.replace(CPP_PRELUDE, "")
