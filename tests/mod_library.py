@@ -23,7 +23,7 @@ def library(device="cuda"):
 def every_operation(device="cuda"):
     """A score_mod of every integer and boolean operation the tracer knows, with torch's meanings: bitwise
     & | ^ ~ << >> on integers, True + True is True, logical_xor on nonzero-ness, float // and % of positions,
-    an integer power, an int table. Discontinuities take positions only: a score's last ulp differs between
+    an integer power, an int table, and -inf for some keys. Discontinuities take positions only: a score's last ulp differs between
     the kernel's MMA and the reference, and must not move a floor or a branch."""
     table = torch.tensor([3, -2, 7, 1], dtype=torch.int32, device=device)
 
@@ -32,5 +32,6 @@ def every_operation(device="cuda"):
         pos = (kv_idx * 0.5) // 0.7 + kv_idx % 2.5 + (q_idx - kv_idx) // 3 + (kv_idx % 5) ** 2
         flags = (kv_idx > q_idx) + (h > 1)
         keep = torch.logical_xor(i > 3, kv_idx & 1) | ~(h == 2)
-        return torch.where(keep, score + 0.002 * pos + flags, score * 0.5 + table[i % 4] * 0.1)
+        out = torch.where(keep, score + 0.002 * pos + flags, score * 0.5 + table[i % 4] * 0.1)
+        return torch.where(kv_idx % 97 == 5, float("-inf"), out)  # (masking in a score_mod, as Flex users do)
     return m.compile_mod(score_mod=every_op)

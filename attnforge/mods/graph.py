@@ -213,7 +213,7 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
             return node[1]
         if op == "const":
             v, t = node[1], node[2]
-            return ("true" if v else "false") if t == "b" else (f"{float(v)!r}f" if t == "f" else f"af_int({int(v)})")
+            return ("true" if v else "false") if t == "b" else (_float_literal(v) if t == "f" else f"af_int({int(v)})")
         if op == "scalar":  # (a float32 parameter; an integer one is exact below 2^24)
             forms = {"f": "a.scalar({})", "i": "af_int(a.scalar({}))", "b": "(a.scalar({}) != 0.f)"}
             expr = forms[node_type(node, slots)].format(node[1])
@@ -272,6 +272,16 @@ def _emit_division(a: str, b: str, divisor: tuple) -> str:
         if np.isfinite(inv) and inv != 0.0:
             return f"(float({a}) * {inv!r}f)"
     return f"af_div(float({a}), float({b}))"
+
+
+def _float_literal(v: float) -> str:
+    """A float32 constant in C++ for nvcc and g++ alike: `-inf` (torch.where(mask, score, -inf), the usual way
+    to mask in a score_mod) and NaN have no literal."""
+    if v != v:
+        return '__builtin_nanf("")'
+    if v in (float("inf"), float("-inf")):
+        return f"({'-' if v < 0 else ''}__builtin_huge_valf())"
+    return f"{float(v)!r}f"
 
 
 def _cpp_cast(expr: str, t: str) -> str:

@@ -47,11 +47,15 @@ def user_mods():
     def fast_forms(score, b, h, q_idx, kv_idx):  # af_sqrt, af_sigmoid and float floordiv / mod
         return torch.sqrt(abs(score) + 1.0) + torch.sigmoid(score * 3.0) + score // 0.7 + score % 1.5
 
+    def minus_inf(score, b, h, q_idx, kv_idx):  # FlexAttention's way to mask in a score_mod; NaN has no literal
+        return torch.where(kv_idx > q_idx + 3, float("-inf"), score) + torch.where(h == 9, float("nan"), 0.0)
+
     def mask_combo(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) % 4 != 0) | ~(kv_idx > q_idx) & (h < 2)
 
     return [compile_mod(score_mod=f) for f in (arith, where_minmax, intops, transcendental, table_negative_index,
-                                              clamp_and_cast, divisions, fast_forms)] + [compile_mod(mask_mod=mask_combo)]
+                                              clamp_and_cast, divisions, fast_forms, minus_inf)] + \
+        [compile_mod(mask_mod=mask_combo)]
 
 
 def library_mods():
