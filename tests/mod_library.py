@@ -21,17 +21,21 @@ def library(device="cuda"):
 
 
 def every_operation(device="cuda"):
-    """A score_mod of every integer and boolean operation the tracer knows, with torch's meanings: bitwise
+    """A score_mod of every operation the tracer knows beyond the library's, with torch's meanings: bitwise
     & | ^ ~ << >> on integers, True + True is True, logical_xor on nonzero-ness, float // and % of positions,
-    an integer power, an int table, and -inf for some keys. Discontinuities take positions only: a score's last ulp differs between
+    fmod, truncating division, round / ceil / sign, an integer power, an int table, rsqrt / log1p / expm1, and
+    -inf for some keys. Discontinuities take positions only: a score's last ulp differs between
     the kernel's MMA and the reference, and must not move a floor or a branch."""
     table = torch.tensor([3, -2, 7, 1], dtype=torch.int32, device=device)
 
     def every_op(score, b, h, q_idx, kv_idx):
         i = ((kv_idx & 7) | (h << 2)) ^ (~q_idx >> 1)
-        pos = (kv_idx * 0.5) // 0.7 + kv_idx % 2.5 + (q_idx - kv_idx) // 3 + (kv_idx % 5) ** 2
+        pos = (kv_idx * 0.5) // 0.7 + kv_idx % 2.5 + (q_idx - kv_idx) // 3 + (kv_idx % 5) ** 2 + \
+            torch.fmod(kv_idx * 0.5, 0.7) + torch.div(q_idx - kv_idx, 3, rounding_mode="trunc") + \
+            torch.round(kv_idx * 0.25) + torch.ceil(kv_idx * 0.3) + torch.sign(q_idx - kv_idx - 7)
+        smooth = torch.rsqrt(abs(score) + 1.0) + torch.log1p(abs(score)) + torch.expm1(score.clamp(-2.0, 2.0))
         flags = (kv_idx > q_idx) + (h > 1)
         keep = torch.logical_xor(i > 3, kv_idx & 1) | ~(h == 2)
-        out = torch.where(keep, score + 0.002 * pos + flags, score * 0.5 + table[i % 4] * 0.1)
+        out = torch.where(keep, score + 0.002 * pos + flags, score * 0.5 + table[i % 4] * 0.1 + 0.05 * smooth)
         return torch.where(kv_idx % 97 == 5, float("-inf"), out)  # (masking in a score_mod, as Flex users do)
     return m.compile_mod(score_mod=every_op)

@@ -15,6 +15,7 @@ FLOAT_FUNCS = {  # name -> (torch evaluation, C++ spelling: fast intrinsics on t
     "exp": (torch.exp, "af_exp"), "log": (torch.log, "af_log"), "tanh": (torch.tanh, "af_tanh"),
     "sqrt": (torch.sqrt, "af_sqrt"), "sin": (torch.sin, "af_sin"), "cos": (torch.cos, "af_cos"),
     "sigmoid": (torch.sigmoid, "af_sigmoid"), "log2": (torch.log2, "af_log2"), "exp2": (torch.exp2, "af_exp2"),
+    "log1p": (torch.log1p, "log1pf"), "expm1": (torch.expm1, "expm1f"), "rsqrt": (torch.rsqrt, "af_rsqrt"),
 }
 BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
     "add": (torch.add, "({a} + {b})"), "sub": (torch.sub, "({a} - {b})"), "mul": (torch.mul, "({a} * {b})"),
@@ -25,6 +26,8 @@ BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
     "ge": (torch.ge, "({a} >= {b})"), "eq": (torch.eq, "({a} == {b})"), "ne": (torch.ne, "({a} != {b})"),
     "minimum": (torch.minimum, "af_min({a}, {b})"), "maximum": (torch.maximum, "af_max({a}, {b})"),
     "pow": (torch.pow, "af_pow({a}, {b})"),
+    "truncdiv": (lambda a, b: torch.div(a, b, rounding_mode="trunc"), "af_truncdiv({a}, {b})"),
+    "fmod": (torch.fmod, "af_fmod({a}, {b})"),
     # & | ^ << >> as in torch: logical on two booleans, bitwise on integers (a boolean counts as 0 / 1)
     "and": (torch.bitwise_and, "({a} & {b})"), "or": (torch.bitwise_or, "({a} | {b})"),
     "xor": (torch.bitwise_xor, "({a} ^ {b})"),
@@ -33,7 +36,10 @@ BINARY = {  # op -> (torch evaluation, C++ template with {a} {b})
 BOOL_FORMS = {"and": "({a} && {b})", "or": "({a} || {b})", "xor": "({a} != {b})",  # two booleans give a boolean:
               "add": "({a} || {b})", "mul": "({a} && {b})", "maximum": "({a} || {b})",  # torch's True + True is True
               "minimum": "({a} && {b})"}
-UNARY = {"neg": (torch.neg, "(-{a})"), "abs": (torch.abs, "af_abs({a})"), "not": (torch.bitwise_not, "(~{a})")}
+UNARY = {"neg": (torch.neg, "(-{a})"), "abs": (torch.abs, "af_abs({a})"), "not": (torch.bitwise_not, "(~{a})"),
+         "sign": (torch.sign, "af_sign({a})")}
+ROUNDING = {"floor": (torch.floor, "floorf"), "ceil": (torch.ceil, "ceilf"), "round": (torch.round, "rintf"),
+            "trunc": (torch.trunc, "truncf")}  # (integers pass through unchanged; rintf rounds half to even)
 COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
 INTEGER_ONLY = {"and", "or", "xor", "not", "lshift", "rshift"}  # refused on floats, as torch refuses them
 INPUT_TYPES = {"score": "f", "b": "i", "h": "i", "q_idx": "i", "kv_idx": "i"}
@@ -82,13 +88,14 @@ def type_error(op: str, types: list[str]) -> Optional[str]:
         return f"`{_SPELLING[op]}` is bitwise on integers and logical on booleans; torch refuses it on a float"
     if op in ("sub", "neg") and "b" in types:
         return "torch refuses `-` on a boolean; use `^` or `~` for booleans, or convert with .to(torch.int32)"
-    if op in ("abs", "floordiv", "mod", "pow") and all(t == "b" for t in types):
+    if op in ("abs", "floordiv", "mod", "pow", "truncdiv", "fmod", *ROUNDING) and all(t == "b" for t in types):
         return f"torch refuses `{_SPELLING[op]}` on booleans; convert with .to(torch.int32) or .to(torch.float32)"
     return None
 
 
 _SPELLING = {"and": "&", "or": "|", "xor": "^", "not": "~", "lshift": "<<", "rshift": ">>", "sub": "-", "neg": "-",
-             "abs": "abs", "floordiv": "//", "mod": "%", "pow": "**"}
+             "abs": "abs", "floordiv": "//", "mod": "%", "pow": "**", "truncdiv": "div(rounding_mode='trunc')",
+             "fmod": "fmod", **{op: op for op in ROUNDING}}
 
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -152,6 +159,8 @@ def evaluate(node: tuple, env: dict[str, torch.Tensor], tensors: list[torch.Tens
         return FLOAT_FUNCS[op][0](args[0].float())
     if op in UNARY:
         return UNARY[op][0](args[0])
+    if op in ROUNDING:
+        return ROUNDING[op][0](args[0])
     if op == "truediv":
         return torch.true_divide(args[0].float(), args[1])
     if op == "pow" and (args[0].is_floating_point() or args[1].is_floating_point()):
@@ -167,7 +176,8 @@ def _wrap_clamp(i: torch.Tensor, size: int) -> torch.Tensor:
 _CPP_TYPE = {"f": "float", "i": "af_int", "b": "bool"}  # af_int: 32-bit (attnforge/mods/variant.py)
 
 
-DISCONTINUOUS = COMPARE | {"floordiv", "mod"}  # and casts to int or bool: one rounding can move their result
+DISCONTINUOUS = COMPARE | {"floordiv", "mod", "truncdiv", "fmod", "sign", *ROUNDING}  # and casts to int or bool:
+# one rounding more or less can move their result
 _ROUNDED = {"add": "af_add_rn", "sub": "af_sub_rn", "mul": "af_mul_rn"}
 
 
@@ -232,6 +242,9 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
         elif op == "not":  # logical on a boolean, bitwise on an integer
             a = visit(node[1])
             expr = f"(!{a})" if node_type(node[1], slots) == "b" else f"(~af_int({a}))"
+        elif op in ROUNDING:  # (an integer is its own floor)
+            a = visit(node[1])
+            expr = f"{ROUNDING[op][1]}({a})" if node_type(node[1], slots) == "f" else a
         elif op in UNARY:
             a = visit(node[1])
             expr = UNARY[op][1].format(a=f"({a})" if a.startswith("-") else a)  # (-(-1.5f), not --1.5f)

@@ -195,12 +195,56 @@ class Sym:
     def __len__(self):
         self._refuse("len()")
 
-    def to(self, dtype):
-        kind = "f" if dtype.is_floating_point else ("b" if dtype == torch.bool else "i")
-        return Sym(("cast", kind, self.node))
+    def to(self, *args, **kwargs):
+        """.to(dtype), .to(other), .to(device) (a no-op) and their keyword forms."""
+        target = kwargs.get("dtype", next((a for a in args if isinstance(a, (torch.dtype, Sym))), None))
+        if target is None:
+            return self
+        kind = target.kind if isinstance(target, Sym) else _dtype_kind(target)
+        return Sym(("cast", kind, self.node)) if kind != self.kind else self
 
-    def float(self):
-        return self.to(torch.float32)
+    @property
+    def kind(self) -> str:
+        return graph.node_type(self.node, _TRACER[-1].slots)
+
+    # the tensor attributes FlexAttention's helpers read (and_masks: b.new_ones((), dtype=torch.bool))
+    dtype = property(lambda self: _KIND_DTYPES[self.kind])
+    device = property(lambda self: torch.device("cpu"))
+    shape = property(lambda self: torch.Size([]))
+    ndim = 0
+
+    def dim(self):
+        return 0
+
+    def size(self, *dim):
+        return torch.Size([]) if not dim else self._refuse("size(dim) of a 0-d value")
+
+    def numel(self):
+        return 1
+
+    def new_ones(self, *size, dtype=None, **kwargs):
+        return self.new_full(kwargs.get("size", size[0] if len(size) == 1 else size), 1, dtype=dtype)
+
+    def new_zeros(self, *size, dtype=None, **kwargs):
+        return self.new_full(kwargs.get("size", size[0] if len(size) == 1 else size), 0, dtype=dtype)
+
+    def new_full(self, size, fill_value, dtype=None, **_):
+        """A constant of the given (0-d) size: (), [] or torch.Size([]) (device and the like are ignored)."""
+        size = (size,) if isinstance(size, int) else tuple(size)
+        if size != ():
+            raise ModTraceError(f"new_*(size={size}) in a modifier: values are per score, only size () "
+                                f"is supported (at {_user_line()})")
+        return Sym(_constant(fill_value, _dtype_kind(dtype) if dtype is not None else self.kind))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in _METHOD_ALIASES:
+            return lambda *args, **kwargs: _METHOD_ALIASES[name](self, *args, **kwargs)
+        if name in _CAST_METHODS:
+            return lambda: self.to(_CAST_METHODS[name])
+        raise ModTraceError(f"tensor method or attribute .{name} is not supported in modifiers (at {_user_line()}); "
+                            "see docs/mods.md for what is")
 
     def __repr__(self):
         return f"Sym({graph.canonical(self.node)})"
@@ -211,15 +255,47 @@ class Sym:
         return _dispatch(func, args, kwargs)
 
 
+_KIND_DTYPES = {"f": torch.float32, "i": torch.int32, "b": torch.bool}  # (Flex's index tensors are int32)
+_CAST_METHODS = {"float": torch.float32, "double": torch.float64, "int": torch.int32, "long": torch.int64,
+                 "bool": torch.bool}
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        raise ModTraceError(f"a cast to {dtype} in a modifier: its arithmetic is float32 and would not round as "
+                            f"torch does; leave the value in float32 (at {_user_line()})")
+    return "f" if dtype.is_floating_point else ("b" if dtype == torch.bool else "i")
+
+
+def _constant(value, kind: str) -> tuple:
+    return ("const", bool(value), "b") if kind == "b" else (
+        ("const", int(value), "i") if kind == "i" else ("const", float(value), "f"))
+
+
 _FUNC_NAMES = {torch.exp: "exp", torch.log: "log", torch.tanh: "tanh", torch.sqrt: "sqrt", torch.sigmoid: "sigmoid",
-               torch.sin: "sin", torch.cos: "cos", torch.log2: "log2", torch.exp2: "exp2",
+               torch.sin: "sin", torch.cos: "cos", torch.log2: "log2", torch.exp2: "exp2", torch.log1p: "log1p",
+               torch.expm1: "expm1", torch.rsqrt: "rsqrt",
                torch.Tensor.exp: "exp", torch.Tensor.log: "log", torch.Tensor.tanh: "tanh",
                torch.Tensor.sigmoid: "sigmoid", torch.Tensor.sqrt: "sqrt"}
 _BINARY_FUNCS = {torch.minimum: "minimum", torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum",
                  torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.eq: "eq", torch.ne: "ne",
                  torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.pow: "pow",
                  torch.remainder: "mod", torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_xor: "xor",
-                 torch.bitwise_left_shift: "lshift", torch.bitwise_right_shift: "rshift"}
+                 torch.bitwise_left_shift: "lshift", torch.bitwise_right_shift: "rshift", torch.fmod: "fmod",
+                 torch.floor_divide: "floordiv", torch.true_divide: "truediv"}
+_UNARY_FUNCS = {torch.neg: "neg", torch.floor: "floor", torch.ceil: "ceil", torch.round: "round", torch.trunc: "trunc",
+                torch.sign: "sign"}
+_LIKE_FUNCS = {torch.ones_like: 1, torch.zeros_like: 0}
+_METHOD_ALIASES = {  # tensor methods on traced values -> the torch function _dispatch handles
+    **{f.__name__: f for f in (torch.abs, torch.exp, torch.exp2, torch.log, torch.log2, torch.log1p, torch.expm1,
+                                torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.clamp,
+                                torch.clip, torch.add, torch.sub, torch.mul, torch.div, torch.true_divide,
+                                torch.floor_divide, torch.remainder, torch.fmod, torch.pow, torch.neg, torch.minimum,
+                                torch.maximum, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
+                                torch.logical_and, torch.logical_or, torch.logical_xor, torch.logical_not,
+                                torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not, torch.floor,
+                                torch.ceil, torch.round, torch.trunc, torch.sign, torch.square)},
+    "where": lambda x, cond, other: torch.where(cond, x, other), "type_as": lambda x, other: x.to(other)}
 _LOGICAL_FUNCS = {torch.logical_and: "and", torch.logical_or: "or", torch.logical_xor: "xor"}  # on nonzero-ness
 
 
@@ -229,6 +305,19 @@ def _dispatch(func, args, kwargs):
         return Sym(("where", _lift(cond), _lift(a), _lift(b)))
     if func in _FUNC_NAMES and not kwargs:
         return Sym((_FUNC_NAMES[func], _lift(args[0])))
+    if func in _UNARY_FUNCS and len(args) == 1 and not kwargs:
+        return _typed((_UNARY_FUNCS[func], _lift(args[0])))
+    if func is torch.square and len(args) == 1 and not kwargs:
+        x = _lift(args[0])
+        return _typed(("mul", x, x))
+    if func is torch.div and len(args) == 2 and set(kwargs) <= {"rounding_mode"}:
+        op = {None: "truediv", "floor": "floordiv", "trunc": "truncdiv"}[kwargs.get("rounding_mode")]
+        return _typed((op, _lift(args[0]), _lift(args[1])))
+    if func in _LIKE_FUNCS or func is torch.full_like:
+        like = args[0] if isinstance(args[0], Sym) else Sym(_lift(args[0]))
+        value = _LIKE_FUNCS[func] if func in _LIKE_FUNCS else (args[1] if len(args) > 1 else kwargs["fill_value"])
+        dtype = kwargs.get("dtype")
+        return Sym(_constant(value, _dtype_kind(dtype) if dtype is not None else like.kind))
     if func in _BINARY_FUNCS and len(args) == 2 and not kwargs:
         return _typed((_BINARY_FUNCS[func], _lift(args[0]), _lift(args[1])))
     if func in _LOGICAL_FUNCS and len(args) == 2 and not kwargs:
@@ -242,7 +331,7 @@ def _dispatch(func, args, kwargs):
     if func is torch.Tensor.__getitem__:
         tensor, index = args
         return _index(tensor, index)
-    if func in (torch.clamp, torch.Tensor.clamp):
+    if func in (torch.clamp, torch.Tensor.clamp, torch.clip):
         x = _lift(args[0])
         lo, hi = (list(args[1:]) + [kwargs.get("min"), kwargs.get("max")])[:2]
         if lo is not None:
@@ -253,8 +342,8 @@ def _dispatch(func, args, kwargs):
     name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
     raise ModTraceError(f"torch function {name} is not supported in modifiers (at {_user_line()}). Supported: "
                         "arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, clamp, "
-                        "exp, exp2, log, log2, sqrt, sin, cos, tanh, sigmoid, and indexing captured tensors "
-                        "(see docs/mods.md).")
+                        "div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, sqrt, rsqrt, "
+                        "sin, cos, tanh, sigmoid, *_like constants, and indexing captured tensors (see docs/mods.md).")
 
 
 def _index(tensor: torch.Tensor, index) -> Sym:

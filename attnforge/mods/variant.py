@@ -84,6 +84,15 @@ AF_HD af_int af_ipow(af_int a, af_int n) {
   return af_int(r);
 }
 AF_HD float af_sigmoid(float x) { return af_div(1.f, 1.f + af_exp(-x)); }
+AF_HD float af_rsqrt(float x) { return AF_PICK(rsqrtf, 1.f / sqrtf)(x); }
+// torch.div(rounding_mode="trunc") and torch.fmod: C's quotient and remainder (toward zero)
+AF_HD af_int af_truncdiv(af_int a, af_int b) { return a / b; }
+AF_HD float af_truncdiv(float a, float b) { return truncf(af_div_exact(a, b)); }
+AF_HD af_int af_fmod(af_int a, af_int b) { return a % b; }
+AF_HD float af_fmod(float a, float b) { return fmodf(a, b); }
+AF_HD af_int af_sign(af_int x) { return (x > 0) - (x < 0); }
+AF_HD float af_sign(float x) { return float((x > 0.f) - (x < 0.f)); }  // (NaN -> 0, as torch)
+AF_HD bool af_sign(bool x) { return x; }
 AF_HD af_int af_abs(af_int x) { return x < 0 ? -x : x; }
 AF_HD float af_abs(float x) { return fabsf(x); }
 AF_HD af_int af_min(af_int a, af_int b) { return a < b ? a : b; }

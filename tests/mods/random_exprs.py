@@ -103,7 +103,26 @@ class Generator:
 
     def _float(self, d: int, exact: bool):
         r = self.rng
-        c = r.randrange(12)
+        c = r.randrange(14)
+        if c == 12:  # rounding, sign, C-style remainder and quotient, in function or method form
+            x = self.gen(r.choice(["f", "f", "i"]), d, True)
+            if x.const:
+                return None
+            k = r.choice([0.7, -1.5, 2.5])
+            form = r.choice(["torch.floor({})", "torch.ceil({})", "({}).round()", "torch.trunc({})", "torch.sign({})",
+                             f"torch.fmod({{}}, {k})", f"torch.div({{}}, {k}, rounding_mode='trunc')",
+                             f"({{}}).div({k}, rounding_mode='floor')", "torch.square({})", "({}).abs()",
+                             "({}).clamp(min=-2.0)", "({}).clip(-3.0, 3.0)"])
+            bound = x.bound ** 2 if "square" in form else x.bound / 0.7 + 3
+            return Expr(form.format(x.src), "f" if x.kind == "f" or "." in form.split("(")[-1] else x.kind, bound)
+        if c == 13 and not exact:  # the other transcendentals, in function or method form
+            x = self.gen("f", d)
+            if x.const or x.bound > 1e4:
+                return None
+            form, bound = r.choice([("torch.log1p(abs({}))", 10), ("torch.expm1(torch.clamp({}, max=8.0))", 2981),
+                                    ("torch.rsqrt(abs({}) + 0.5)", 1.5), ("({}).tanh()", 1), ("({}).sigmoid()", 1),
+                                    ("({}).exp2().clamp(max=100.0)", 100)])
+            return Expr(form.format(x.src), "f", bound, False)
         if c <= 2:  # + - * with at least one float (bool: + and * only; torch refuses - on it)
             op = r.choice("+-*")
             x, y = self._operands(["f", r.choice(["f", "i", "b"] if op != "-" else ["f", "i"])], d, exact)
@@ -164,7 +183,16 @@ class Generator:
 
     def _int(self, d: int, exact: bool):
         r = self.rng
-        c = r.randrange(10)
+        c = r.randrange(11)
+        if c == 10:  # C-style quotient and remainder, sign, and method forms
+            x = self.gen("i", d, True)
+            if x.const:
+                return None
+            k = r.choice([2, -3, 5])
+            form = r.choice([f"torch.div({{}}, {k}, rounding_mode='trunc')", f"torch.fmod({{}}, {k})",
+                             "torch.sign({})", "({}).abs()", f"torch.floor_divide({{}}, {k})", f"({{}}).sub({k})",
+                             "({}).neg()", "torch.round({})"])
+            return Expr(form.format(x.src), "i", x.bound + abs(k))
         if c <= 2:
             op = r.choice("+-*")
             x, y = self._operands(["i", r.choice(["i", "b"] if op != "-" else ["i"])], d, True)

@@ -167,3 +167,50 @@ def test_a_modifier_may_return_a_captured_0d_tensor():
     on.fill_(False)
     mod.refresh_scalars()
     assert not mod.torch_mask(torch.tensor(0), torch.tensor(0), torch.tensor(3), torch.tensor(1))
+
+
+def test_flex_attention_helpers_and_tensor_methods_trace():
+    """What FlexAttention users write besides operators: its and_masks / or_masks / noop_mask (which call
+    b.new_ones((), dtype=...)), tensor methods (.abs(), .clamp(min=), .where(), .to(score.dtype), .long()),
+    torch.div's rounding modes, fmod, rounding, sign, square, *_like constants. Values from the graph against
+    eager torch."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def near(b, h, q, kv):
+        return (q - kv).abs() <= 5
+    masks = {"and_masks": flex.and_masks(causal, near), "or_masks": flex.or_masks(causal, near),
+             "noop_mask": flex.noop_mask, "new_zeros": lambda b, h, q, kv: b.new_zeros((), dtype=torch.bool) | near(
+                 b, h, q, kv), "bool method": lambda b, h, q, kv: (kv - q).bool().logical_not()}
+    scores = {
+        "methods": lambda s, b, h, q, kv: s.where(q >= kv, -float("inf")) + (kv - q).clamp(min=-8).to(s.dtype),
+        "divisions": lambda s, b, h, q, kv: s + torch.div(kv - q, 3, rounding_mode="trunc") + torch.div(
+            kv, 4, rounding_mode="floor") + torch.fmod(kv - q, 5) + torch.fmod(s, 0.7) + torch.floor_divide(kv, 3),
+        "rounding": lambda s, b, h, q, kv: torch.floor(s) + torch.ceil(s * 0.3) + (s * 2).round() + torch.trunc(-s)
+        + torch.sign(kv - q) + torch.sign(s) + torch.square(kv - q) * 0.01 + (kv // 2).long() * 0.5,
+        "like": lambda s, b, h, q, kv: torch.where(q >= kv, s, torch.full_like(s, -1e4)) + torch.zeros_like(s)
+        + torch.ones_like(kv),
+        "more math": lambda s, b, h, q, kv: torch.log1p(s.abs()) + torch.expm1(s.clamp(max=2.0)) + torch.rsqrt(
+            s.abs() + 1) + s.tanh() + s.sigmoid() + s.neg().exp().clamp(max=10.0),
+    }
+    kv, q = torch.arange(-20, 20), torch.full((40,), 3)
+    h, score, b = torch.arange(40) % 4, torch.linspace(-2, 2, 40), torch.zeros(40, dtype=torch.long)
+    for name, fn in masks.items():
+        got = compile_mod(mask_mod=fn).torch_mask(b, h, q, kv)
+        assert torch.equal(got.expand(40), torch.as_tensor(fn(b, h, q, kv)).expand(40)), name
+    for name, fn in scores.items():
+        got = compile_mod(score_mod=fn).torch_score(score, b, h, q, kv)
+        assert torch.allclose(got, fn(score, b, h, q, kv).float(), rtol=1e-6, atol=1e-6), name
+
+
+@pytest.mark.parametrize("body, construct", [
+    (lambda s, b, h, q, kv: s.cumsum(0), "tensor method or attribute .cumsum"),
+    (lambda s, b, h, q, kv: s.to(torch.bfloat16), "a cast to torch.bfloat16"),
+    (lambda s, b, h, q, kv: s + b.new_ones(3), "only size () is supported"),
+])
+def test_unsupported_methods_name_themselves_and_the_line(body, construct):
+    with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
+        compile_mod(score_mod=body)
+    assert "test_trace.py" in str(e.value)
