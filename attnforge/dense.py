@@ -28,18 +28,42 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
-              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False):
+              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False, *,
+              block_mask=None):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
-    the keys (Flex's q_idx when Lq == Lk).
+    the keys (Flex's q_idx when Lq == Lk). block_mask: a FlexAttention BlockMask, taken for its mask_mod (a
+    Flex call carries over unchanged; attnforge makes its own tile lists when it plans).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
     if ops.compiling():
         out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)
         return (out, lse) if return_lse else out
     mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
+    if mod is not None and mod.score_root is None and mod.mask_root is None:
+        mod = None  # (a mask that is always True, as Flex's noop_mask: the plain kernel)
     out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse)
     return (out, lse) if return_lse else out
+
+
+def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
+    """The mask_mod a call asks for: its own, or its FlexAttention BlockMask's (checked against q and k)."""
+    if block_mask is None:
+        return mask_mod
+    if mask_mod is not None:
+        raise ValueError("attention: got both a mask_mod and a block_mask; pass one (a block_mask stands for "
+                         "the mask_mod it was built from)")
+    fn = getattr(block_mask, "mask_mod", None)
+    if not callable(fn):
+        raise TypeError(f"attention: block_mask must be a FlexAttention BlockMask (create_block_mask(mask_mod, "
+                        f"B, H, Q_LEN, KV_LEN)), got {type(block_mask).__name__}")
+    built_for = tuple(getattr(block_mask, "seq_lengths", ()))
+    if built_for and built_for != (q.shape[-2], k.shape[-2]):
+        raise ValueError(f"attention: the block_mask was built for (Q_LEN, KV_LEN) = {built_for}, but q holds "
+                         f"{q.shape[-2]} queries and k {k.shape[-2]} keys; build it with create_block_mask(mask_mod, "
+                         f"B, H, {q.shape[-2]}, {k.shape[-2]})")
+    return fn
 
 
 def compiled_mod(score_mod, mask_mod):

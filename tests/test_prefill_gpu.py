@@ -838,3 +838,27 @@ def test_single_prefill(kv):
     spec = AttentionSpec(family="prefill", causal=True, kv_dtype="fp8_e4m3" if fp8 else "bf16")
     check_against_reference(spec, q, out, lse, [((k.float() * ks).bfloat16(), (v.float() * vs).bfloat16())],
                             np.array([0, 300]))
+
+
+def test_functional_attention_with_a_flex_block_mask_matches_flex():
+    """attention(q, k, v, score_mod=, block_mask=create_block_mask(...)) as FlexAttention is called: the same
+    output as mask_mod= (bitwise), and FlexAttention's own output within the bf16 tolerance."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(5)
+    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    docs = torch.arange(300, device="cuda") // 120
+
+    def mask(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+
+    def bias(s, b, h, qi, ki):
+        return s + 0.01 * (ki - qi).abs().clamp(max=50).to(s.dtype)
+    block_mask = flex.create_block_mask(mask, None, None, 300, 300, device="cuda")
+    out = attnforge.attention(q, k, v, score_mod=bias, block_mask=block_mask, enable_gqa=True)
+    assert torch.equal(out, attnforge.attention(q, k, v, score_mod=bias, mask_mod=mask, enable_gqa=True))
+    want = flex.flex_attention(q.float(), k.float(), v.float(), score_mod=bias, block_mask=block_mask,
+                               enable_gqa=True)
+    low = flex.flex_attention(q, k, v, score_mod=bias, block_mask=block_mask, enable_gqa=True)
+    assert_attention_close(out.transpose(1, 2), want.transpose(1, 2).double(), low.transpose(1, 2), "flex",
+                           lazy_rescale_allowance(torch.bfloat16, v.abs().max().item()))

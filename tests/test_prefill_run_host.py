@@ -430,3 +430,34 @@ def test_kv_maps_describe_each_kv_form(recorder, monkeypatch, form):
     assert box is not None and values["tma_box_rows"] == box.rows > 0
     assert values["k_tmap"] == (k.data_ptr(), box) and values["v_tmap"] == (v.data_ptr(), box)
     assert values["tma_page_per_request"] == per_request and values["tma_heads_inner"] == int(box.heads_inner)
+
+
+def test_attention_takes_a_flex_block_mask_for_its_mask_mod(recorder, monkeypatch):
+    """A FlexAttention call carries over: block_mask=create_block_mask(fn, ...) plans the tile lists mask_mod=fn
+    plans; noop_mask runs the plain kernel; a block mask of other lengths, a second mask or another object is
+    refused before any launch."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = sdpa_inputs(lq=256, lk=256)
+    docs = torch.arange(256) // 100
+
+    def same_doc(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+    dense.attention(q, k, v, mask_mod=same_doc, enable_gqa=True)
+    want = tile_lists(dense.dense_call(q, k, v, dense.compiled_mod(None, same_doc), True).wrapper).copy()
+    block_mask = flex.create_block_mask(same_doc, None, None, 256, 256, device="cpu")
+    dense.attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    w = dense.dense_call(q, k, v, dense.compiled_mod(None, block_mask.mask_mod), True).wrapper
+    assert recorder.launches[-1][0] == w._plan["kernel"].kernel_name and np.array_equal(tile_lists(w), want)
+    mods = []
+    monkeypatch.setattr(dense, "dense_call", lambda *a, call=dense.dense_call: mods.append(a[3]) or call(*a))
+    dense.attention(q, k, v, block_mask=flex.create_block_mask(flex.noop_mask, None, None, 256, 256, device="cpu"),
+                    enable_gqa=True)
+    assert mods == [None]  # (the plain kernel)
+    n = len(recorder.launches)
+    for kw, error in (({"block_mask": flex.create_block_mask(same_doc, None, None, 128, 256, device="cpu")},
+                       r"built for \(Q_LEN, KV_LEN\) = \(128, 256\).*create_block_mask\(mask_mod, B, H, 256, 256\)"),
+                      ({"block_mask": block_mask, "mask_mod": same_doc}, "both a mask_mod and a block_mask"),
+                      ({"block_mask": torch.ones(4)}, "must be a FlexAttention BlockMask")):
+        with pytest.raises((ValueError, TypeError), match=error):
+            dense.attention(q, k, v, enable_gqa=True, **kw)
+    assert len(recorder.launches) == n

@@ -308,7 +308,7 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
             slots[k + t_off] = graph.TensorSlot(k + t_off, s.kind, s.ndim, s.dtype)
         scalars += tracer.scalars
         sources += tracer.scalar_sources
-        roots[kind] = root
+        roots[kind] = None if kind == "mask" and root == ("const", True, "b") else root  # (noop_mask: no mask)
     if len(tensors) > MAX_TENSORS or len(scalars) > MAX_SCALARS:
         raise ModTraceError(f"modifiers capture {len(tensors)} tensors and {len(scalars)} scalars; at most "
                             f"{MAX_TENSORS} and {MAX_SCALARS} are supported")
