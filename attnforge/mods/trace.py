@@ -17,6 +17,7 @@ import threading
 import traceback
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import graph
@@ -87,6 +88,8 @@ _TRACE_LOCK = threading.Lock()
 def _lift(x) -> tuple:
     if isinstance(x, Sym):
         return x.node
+    if isinstance(x, np.generic) and x.ndim == 0:  # a numpy scalar: its Python value
+        x = x.item()
     if isinstance(x, bool):
         return ("const", bool(x), "b")
     if isinstance(x, int):

@@ -214,3 +214,11 @@ def test_unsupported_methods_name_themselves_and_the_line(body, construct):
     with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
         compile_mod(score_mod=body)
     assert "test_trace.py" in str(e.value)
+
+
+def test_numpy_scalars_are_constants_on_either_side():
+    import numpy as np
+    for c, want in ((np.float32(0.5), ("const", 0.5, "f")), (np.int64(3), ("const", 3, "i")),
+                    (np.bool_(True), ("const", True, "b"))):
+        assert compile_mod(score_mod=lambda s, b, h, q, kv: s * c).score_root == ("mul", ("input", "score"), want)
+        assert compile_mod(score_mod=lambda s, b, h, q, kv: c * s).score_root[1] == want
