@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import graph
+from . import torch_names as names
 
 
 class ModTraceError(TypeError):
@@ -211,7 +212,7 @@ class Sym:
         return graph.node_type(self.node, _TRACER[-1].slots)
 
     # the tensor attributes FlexAttention's helpers read (and_masks: b.new_ones((), dtype=torch.bool))
-    dtype = property(lambda self: _KIND_DTYPES[self.kind])
+    dtype = property(lambda self: names.KIND_DTYPES[self.kind])
     device = property(lambda self: torch.device("cpu"))
     shape = property(lambda self: torch.Size([]))
     ndim = 0
@@ -220,7 +221,9 @@ class Sym:
         return 0
 
     def size(self, *dim):
-        return torch.Size([]) if not dim else self._refuse("size(dim) of a 0-d value")
+        if dim:
+            raise ModTraceError(f"size({dim[0]}) of a traced value: it is 0-d, one value per score (at {_user_line()})")
+        return torch.Size([])
 
     def numel(self):
         return 1
@@ -242,10 +245,10 @@ class Sym:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        if name in _METHOD_ALIASES:
-            return lambda *args, **kwargs: _METHOD_ALIASES[name](self, *args, **kwargs)
-        if name in _CAST_METHODS:
-            return lambda: self.to(_CAST_METHODS[name])
+        if name in names.METHOD_ALIASES:
+            return lambda *args, **kwargs: names.METHOD_ALIASES[name](self, *args, **kwargs)
+        if name in names.CAST_METHODS:
+            return lambda: self.to(names.CAST_METHODS[name])
         raise ModTraceError(f"tensor method or attribute .{name} is not supported in modifiers (at {_user_line()}); "
                             "see docs/mods.md for what is")
 
@@ -256,11 +259,6 @@ class Sym:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         return _dispatch(func, args, kwargs)
-
-
-_KIND_DTYPES = {"f": torch.float32, "i": torch.int32, "b": torch.bool}  # (Flex's index tensors are int32)
-_CAST_METHODS = {"float": torch.float32, "double": torch.float64, "int": torch.int32, "long": torch.int64,
-                 "bool": torch.bool}
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:
@@ -275,56 +273,29 @@ def _constant(value, kind: str) -> tuple:
         ("const", int(value), "i") if kind == "i" else ("const", float(value), "f"))
 
 
-_FUNC_NAMES = {torch.exp: "exp", torch.log: "log", torch.tanh: "tanh", torch.sqrt: "sqrt", torch.sigmoid: "sigmoid",
-               torch.sin: "sin", torch.cos: "cos", torch.log2: "log2", torch.exp2: "exp2", torch.log1p: "log1p",
-               torch.expm1: "expm1", torch.rsqrt: "rsqrt",
-               torch.Tensor.exp: "exp", torch.Tensor.log: "log", torch.Tensor.tanh: "tanh",
-               torch.Tensor.sigmoid: "sigmoid", torch.Tensor.sqrt: "sqrt"}
-_BINARY_FUNCS = {torch.minimum: "minimum", torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum",
-                 torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.eq: "eq", torch.ne: "ne",
-                 torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.pow: "pow",
-                 torch.remainder: "mod", torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_xor: "xor",
-                 torch.bitwise_left_shift: "lshift", torch.bitwise_right_shift: "rshift", torch.fmod: "fmod",
-                 torch.floor_divide: "floordiv", torch.true_divide: "truediv"}
-_UNARY_FUNCS = {torch.neg: "neg", torch.floor: "floor", torch.ceil: "ceil", torch.round: "round", torch.trunc: "trunc",
-                torch.sign: "sign"}
-_LIKE_FUNCS = {torch.ones_like: 1, torch.zeros_like: 0}
-_METHOD_ALIASES = {  # tensor methods on traced values -> the torch function _dispatch handles
-    **{f.__name__: f for f in (torch.abs, torch.exp, torch.exp2, torch.log, torch.log2, torch.log1p, torch.expm1,
-                                torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.clamp,
-                                torch.clip, torch.add, torch.sub, torch.mul, torch.div, torch.true_divide,
-                                torch.floor_divide, torch.remainder, torch.fmod, torch.pow, torch.neg, torch.minimum,
-                                torch.maximum, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
-                                torch.logical_and, torch.logical_or, torch.logical_xor, torch.logical_not,
-                                torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not, torch.floor,
-                                torch.ceil, torch.round, torch.trunc, torch.sign, torch.square)},
-    "where": lambda x, cond, other: torch.where(cond, x, other), "type_as": lambda x, other: x.to(other)}
-_LOGICAL_FUNCS = {torch.logical_and: "and", torch.logical_or: "or", torch.logical_xor: "xor"}  # on nonzero-ness
-
-
 def _dispatch(func, args, kwargs):
     if func is torch.where:
         cond, a, b = (list(args) + [kwargs.get("input"), kwargs.get("other")])[:3]
         return Sym(("where", _lift(cond), _lift(a), _lift(b)))
-    if func in _FUNC_NAMES and not kwargs:
-        return Sym((_FUNC_NAMES[func], _lift(args[0])))
-    if func in _UNARY_FUNCS and len(args) == 1 and not kwargs:
-        return _typed((_UNARY_FUNCS[func], _lift(args[0])))
+    if func in names.FUNC_NAMES and not kwargs:
+        return Sym((names.FUNC_NAMES[func], _lift(args[0])))
+    if func in names.UNARY_FUNCS and len(args) == 1 and not kwargs:
+        return _typed((names.UNARY_FUNCS[func], _lift(args[0])))
     if func is torch.square and len(args) == 1 and not kwargs:
         x = _lift(args[0])
         return _typed(("mul", x, x))
     if func is torch.div and len(args) == 2 and set(kwargs) <= {"rounding_mode"}:
         op = {None: "truediv", "floor": "floordiv", "trunc": "truncdiv"}[kwargs.get("rounding_mode")]
         return _typed((op, _lift(args[0]), _lift(args[1])))
-    if func in _LIKE_FUNCS or func is torch.full_like:
+    if func in names.LIKE_FUNCS or func is torch.full_like:
         like = args[0] if isinstance(args[0], Sym) else Sym(_lift(args[0]))
-        value = _LIKE_FUNCS[func] if func in _LIKE_FUNCS else (args[1] if len(args) > 1 else kwargs["fill_value"])
+        value = names.LIKE_FUNCS.get(func, args[1] if len(args) > 1 else kwargs.get("fill_value"))
         dtype = kwargs.get("dtype")
         return Sym(_constant(value, _dtype_kind(dtype) if dtype is not None else like.kind))
-    if func in _BINARY_FUNCS and len(args) == 2 and not kwargs:
-        return _typed((_BINARY_FUNCS[func], _lift(args[0]), _lift(args[1])))
-    if func in _LOGICAL_FUNCS and len(args) == 2 and not kwargs:
-        return Sym((_LOGICAL_FUNCS[func], _as_bool(_lift(args[0])), _as_bool(_lift(args[1]))))
+    if func in names.BINARY_FUNCS and len(args) == 2 and not kwargs:
+        return _typed((names.BINARY_FUNCS[func], _lift(args[0]), _lift(args[1])))
+    if func in names.LOGICAL_FUNCS and len(args) == 2 and not kwargs:
+        return Sym((names.LOGICAL_FUNCS[func], _as_bool(_lift(args[0])), _as_bool(_lift(args[1]))))
     if func in (torch.abs, torch.Tensor.abs, torch.Tensor.__abs__):
         return _typed(("abs", _lift(args[0])))
     if func in (torch.logical_not, torch.Tensor.logical_not):
