@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 ROWS, HEADS, POSITIONS, TABLE = 2, 4, 64, 16
+SCORE_PARAMS, MASK_PARAMS = "score, b, h, q_idx, kv_idx", "b, h, q_idx, kv_idx"
 INT_LIMIT = 2 ** 28  # |integer values| stay below this: no 32-bit overflow anywhere on the device
 FLOAT_LIMIT = 1e6
 
@@ -29,28 +30,42 @@ class Expr:
     const: bool = False  # a Python literal (torch.minimum / maximum want tensors)
 
 
-def captured(seed: int) -> dict:
-    """The tensors a generated function may capture: a float table [HEADS, POSITIONS], an int table
-    [TABLE], and a 0-d float and a 0-d int (runtime scalars)."""
+def captured(seed: int, device="cpu") -> dict:
+    """The tensors a generated function may capture: a float table [HEADS, POSITIONS] and an int table [TABLE]
+    (on `device`), and a 0-d float and a 0-d int (runtime scalars, on the CPU)."""
     g = torch.Generator().manual_seed(seed)
-    return {"tf": torch.randn(HEADS, POSITIONS, generator=g), "ti": torch.randint(-5, 10, (TABLE,), generator=g),
+    return {"tf": torch.randn(HEADS, POSITIONS, generator=g).to(device),
+            "ti": torch.randint(-5, 10, (TABLE,), generator=g).to(device),
             "s0": torch.tensor(0.75), "n0": torch.tensor(5), "torch": torch}
 
 
 class Generator:
-    """gen(kind, depth) -> Expr over score, b, h, q_idx, kv_idx (score only if with_score)."""
+    """gen(kind, depth) -> Expr over score, b, h, q_idx, kv_idx (score only if with_score).
 
-    def __init__(self, seed: int, with_score: bool = True):
+    For the GPU, whose scores differ from the reference's in their last bits: steps_see_score=False keeps the
+    score out of every discontinuous operation's operands (exact=True draws), `bounds` (rows, heads,
+    positions: the batch, the query heads, the longest request) bound the integers, float_limit keeps logits
+    moderate."""
+
+    def __init__(self, seed: int, with_score: bool = True, steps_see_score: bool = True,
+                 bounds: tuple = (ROWS, HEADS, POSITIONS), float_limit: float = FLOAT_LIMIT):
         self.rng = random.Random(seed)
-        self.with_score = with_score
+        self.with_score, self.steps_see_score = with_score, steps_see_score
+        self.bounds, self.float_limit = dict(zip(("b", "h", "pos"), bounds)), float_limit
 
     def gen(self, kind: str, depth: int, exact: bool = False) -> Expr:
         """An expression of `kind`; exact=True: its value must be exact (see the module docstring). One
         without inputs that Python folds to a number is marked `const` (torch functions refuse those); a
         boolean one is drawn again (torch.where and ~ would take it as a Python bool)."""
+        if exact and self.with_score and not self.steps_see_score:
+            self.with_score = False  # (an operand of a step: no score below it)
+            try:
+                return self.gen(kind, depth, exact)
+            finally:
+                self.with_score = True
         for _ in range(20):
             e = self._leaf(kind, exact) if depth <= 0 or self.rng.random() < 0.15 else self._node(kind, depth, exact)
-            if e is None or e.bound > (INT_LIMIT if kind != "f" else FLOAT_LIMIT) or (exact and not e.exact):
+            if e is None or e.bound > (INT_LIMIT if kind != "f" else self.float_limit) or (exact and not e.exact):
                 continue
             if _python_number(e.src):
                 if kind == "b":
@@ -69,7 +84,7 @@ class Generator:
             c = r.random()
             if c < 0.6:
                 name = r.choice(["b", "h", "q_idx", "kv_idx", "kv_idx", "q_idx"])
-                return Expr(name, "i", {"b": ROWS, "h": HEADS}.get(name, POSITIONS))
+                return Expr(name, "i", self.bounds.get(name, self.bounds["pos"]))
             if c < 0.8:
                 v = r.randint(-3, 9)
                 return Expr(str(v), "i", abs(v), const=True)
@@ -260,6 +275,20 @@ class Generator:
         if x.const:
             return None
         return Expr(f"torch.logical_not({x.src})", "b", 1)
+
+
+def draw(seed: int, count: int, mask: bool, device="cpu", **generator_kw):
+    """count random (function, exact) pairs: score mods of mixed roots (each reads the score), or mask mods;
+    their tables on `device`. generator_kw: Generator's options."""
+    gen, ns = Generator(seed, with_score=not mask, **generator_kw), captured(seed, device)
+    out = []
+    for _ in range(count):
+        kind = "b" if mask else gen.rng.choice("ffffib")
+        e = gen.gen(kind, gen.rng.randint(1, 5))
+        if not mask and "score" not in e.src:
+            e = Expr(f"(score + {e.src})" if kind != "b" else f"torch.where({e.src}, score, -score)", "f", 0, e.exact)
+        out.append((make_function(e.src, MASK_PARAMS if mask else SCORE_PARAMS, ns), e.exact))
+    return out
 
 
 def _python_number(src: str) -> bool:

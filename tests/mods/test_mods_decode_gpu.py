@@ -144,3 +144,37 @@ def test_user_mods_match_flex_attention():
     err = (out.float() - flex.float()).abs().max().item()
     assert err < 2e-2, err
     assert math.isfinite(err)
+
+
+def _random_gpu_mods(seed: int, count: int, mask: bool):
+    """Random modifiers the GPU can be held to the reference on (tests/mods/random_exprs.py): no score under a
+    step (the kernel's scores differ from the reference's in their last bits), integers bounded by these tests'
+    batch, heads and lengths, logits within +-64; tables on the GPU."""
+    from .random_exprs import draw
+    return [m.compile_mod(**{"mask_mod" if mask else "score_mod": fn}) for fn, _ in
+            draw(seed, count, mask, device="cuda", steps_see_score=False, bounds=(8, HQ, 4096), float_limit=64.0)]
+
+
+@pytest.mark.parametrize("pipeline", ["normal", "transposed"])
+def test_random_modifiers_in_decode(pipeline):
+    """Eight random score_mods and four random mask_mods (every traced operation, FMA-sensitive ties included)
+    through batch decode against the float64 reference."""
+    for k, mod in enumerate(_random_gpu_mods(11, 8, False) + _random_gpu_mods(12, 4, True)):
+        out, lse, ref, ref_lse, low = decode_with_mod(mod, pipeline)
+        assert_attention_close(out, ref, low, f"random mod {k}/{pipeline}: {mod.score_root or mod.mask_root}")
+        assert_lse_close(lse, ref_lse, f"random mod {k}")
+
+
+def test_random_modifiers_in_prefill():
+    """The same draws through the wgmma prefill (ragged, causal, GQA 32/8) against the float64 reference."""
+    from test_prefill_gpu import check_against_reference, ragged_case
+
+    from attnforge import BatchPrefill
+    for k, mod in enumerate(_random_gpu_mods(11, 8, False) + _random_gpu_mods(12, 4, True)):
+        spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, causal=True, score_mod=mod)
+        q, kk, v, qo, kv = ragged_case(spec, [200, 1, 515, 64], [200, 700, 515, 2999], seed=k)
+        w = BatchPrefill(spec)
+        w.plan(qo, kv)
+        out, lse = w.run(q, (kk, v), return_lse=True)
+        per = [(kk[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+        check_against_reference(spec, q, out, lse, per, qo)

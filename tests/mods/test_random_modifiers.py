@@ -11,11 +11,11 @@ import torch
 from attnforge.mods import compile_mod, graph
 
 from .host_program import DEVICE_LIKE, default_call, host_has_fma, run_calls
-from .random_exprs import HEADS, POSITIONS, ROWS, Generator, captured, make_function
+from .random_exprs import HEADS, MASK_PARAMS, POSITIONS, ROWS, SCORE_PARAMS, Generator, captured, draw, \
+    make_function
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 N = 256
-SCORE_PARAMS, MASK_PARAMS = "score, b, h, q_idx, kv_idx", "b, h, q_idx, kv_idx"
 
 
 def inputs(seed: int) -> dict:
@@ -50,19 +50,6 @@ def same_value(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Equal floats, or both NaN. (-0 equals 0: min / max may return either zero, and a score's sign of
     zero never shows: exp(-0) = exp(0).)"""
     return (x == y) | (x.isnan() & y.isnan())
-
-
-def draw(seed: int, count: int, mask: bool):
-    """count random (function, exact) pairs: score mods of mixed roots, or mask mods."""
-    gen, ns = Generator(seed, with_score=not mask), captured(seed)
-    out = []
-    for _ in range(count):
-        kind = "b" if mask else gen.rng.choice("ffffib")
-        e = gen.gen(kind, gen.rng.randint(1, 5))
-        if not mask and "score" not in e.src:
-            e = type(e)(f"(score + {e.src})" if kind != "b" else f"torch.where({e.src}, score, -score)", "f", 0, e.exact)
-        out.append((make_function(e.src, MASK_PARAMS if mask else SCORE_PARAMS, ns), e.exact))
-    return out
 
 
 @pytest.mark.parametrize("seed", range(4))
