@@ -805,3 +805,14 @@ def test_runs_recheck_what_differs_from_the_last_checked_inputs(heads):
         fresh.plan(indptr, indices, last, page_size=64)
         out = poison(q_nope.shape, q_nope.dtype)
         assert torch.equal(w.run(qn, q_pe, *caches, out=out), fresh.run(qn, q_pe, *caches))
+
+
+@pytest.mark.parametrize("heads,pipeline", [(16, "transposed"), (128, "normal")])
+def test_random_modifiers(heads, pipeline):
+    """Random score_mods and mask_mods (tests/mods/random_exprs.py: every traced operation, no score under a
+    step) on MLA decode's default kernels, two draft tokens a request, against the float64 reference."""
+    from mods.random_exprs import gpu_mods
+    for mod in gpu_mods(21, 4, False, heads) + gpu_mods(22, 2, True, heads):
+        ref_kw = {"score_mod": mod.torch_score if mod.score_root is not None else None,
+                  "mask_mod": mod.torch_mask if mod.mask_root is not None else None}
+        run_case(mla_spec(heads, pipeline, score_mod=mod), [500, 3, 64, 0], 64, q_len=2, ref_kw=ref_kw)

@@ -291,6 +291,15 @@ def draw(seed: int, count: int, mask: bool, device="cpu", **generator_kw):
     return out
 
 
+def gpu_mods(seed: int, count: int, mask: bool, heads: int = 32) -> list:
+    """Random modifiers, compiled, that a GPU kernel can be held to the reference on: no score under a step
+    (the kernel's scores differ from the reference's in their last bits), integers bounded by a batch of 8,
+    `heads` query heads and 4096 positions, logits within +-64; their tables on the GPU."""
+    from attnforge.mods import compile_mod
+    return [compile_mod(**{"mask_mod" if mask else "score_mod": fn}) for fn, _ in
+            draw(seed, count, mask, device="cuda", steps_see_score=False, bounds=(8, heads, 4096), float_limit=64.0)]
+
+
 def _python_number(src: str) -> bool:
     """Whether src, free of inputs, is folded by Python to a plain number."""
     try:

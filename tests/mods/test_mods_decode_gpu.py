@@ -11,6 +11,8 @@ from attnforge.jit import registry
 from helpers import assert_attention_close, assert_lse_close, make_paged_case, poison
 from mod_library import HQ, library
 
+from .random_exprs import gpu_mods
+
 pytestmark = pytest.mark.gpu
 HKV, D = 8, 128
 
@@ -146,20 +148,11 @@ def test_user_mods_match_flex_attention():
     assert math.isfinite(err)
 
 
-def _random_gpu_mods(seed: int, count: int, mask: bool):
-    """Random modifiers the GPU can be held to the reference on (tests/mods/random_exprs.py): no score under a
-    step (the kernel's scores differ from the reference's in their last bits), integers bounded by these tests'
-    batch, heads and lengths, logits within +-64; tables on the GPU."""
-    from .random_exprs import draw
-    return [m.compile_mod(**{"mask_mod" if mask else "score_mod": fn}) for fn, _ in
-            draw(seed, count, mask, device="cuda", steps_see_score=False, bounds=(8, HQ, 4096), float_limit=64.0)]
-
-
 @pytest.mark.parametrize("pipeline", ["normal", "transposed"])
 def test_random_modifiers_in_decode(pipeline):
     """Eight random score_mods and four random mask_mods (every traced operation, FMA-sensitive ties included)
     through batch decode against the float64 reference."""
-    for k, mod in enumerate(_random_gpu_mods(11, 8, False) + _random_gpu_mods(12, 4, True)):
+    for k, mod in enumerate(gpu_mods(11, 8, False) + gpu_mods(12, 4, True)):
         out, lse, ref, ref_lse, low = decode_with_mod(mod, pipeline)
         assert_attention_close(out, ref, low, f"random mod {k}/{pipeline}: {mod.score_root or mod.mask_root}")
         assert_lse_close(lse, ref_lse, f"random mod {k}")
@@ -170,7 +163,7 @@ def test_random_modifiers_in_prefill():
     from test_prefill_gpu import check_against_reference, ragged_case
 
     from attnforge import BatchPrefill
-    for k, mod in enumerate(_random_gpu_mods(11, 8, False) + _random_gpu_mods(12, 4, True)):
+    for k, mod in enumerate(gpu_mods(11, 8, False) + gpu_mods(12, 4, True)):
         spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, causal=True, score_mod=mod)
         q, kk, v, qo, kv = ragged_case(spec, [200, 1, 515, 64], [200, 700, 515, 2999], seed=k)
         w = BatchPrefill(spec)
