@@ -28,6 +28,11 @@ class ModTraceError(TypeError):
     pass
 
 
+class ModTraceAttributeError(ModTraceError, AttributeError):
+    """A tensor attribute a traced value does not have: an AttributeError too, so hasattr() and getattr(x, name,
+    default) answer as for any object instead of failing."""
+
+
 def _user_line() -> str:
     """The innermost frame outside attnforge and torch: where the user's code did it."""
     for frame in reversed(traceback.extract_stack()):
@@ -249,8 +254,8 @@ class Sym:
             return lambda *args, **kwargs: names.METHOD_ALIASES[name](self, *args, **kwargs)
         if name in names.CAST_METHODS:
             return lambda: self.to(names.CAST_METHODS[name])
-        raise ModTraceError(f"tensor method or attribute .{name} is not supported in modifiers (at {_user_line()}); "
-                            "see docs/mods.md for what is")
+        raise ModTraceAttributeError(f"tensor method or attribute .{name} is not supported in modifiers (at "
+                                     f"{_user_line()}); see docs/mods.md for what is")
 
     def __repr__(self):
         return f"Sym({graph.canonical(self.node)})"

@@ -222,3 +222,11 @@ def test_numpy_scalars_are_constants_on_either_side():
                     (np.bool_(True), ("const", True, "b"))):
         assert compile_mod(score_mod=lambda s, b, h, q, kv: s * c).score_root == ("mul", ("input", "score"), want)
         assert compile_mod(score_mod=lambda s, b, h, q, kv: c * s).score_root[1] == want
+
+
+def test_hasattr_on_a_traced_value_answers_instead_of_failing():
+    """Library code probes objects with hasattr() / getattr(x, name, default): an attribute a traced value lacks
+    is an AttributeError (and a ModTraceError naming the line when used)."""
+    mod = compile_mod(score_mod=lambda s, b, h, q, kv: s + (1.0 if hasattr(s, "cumsum") else 0.0)
+                      + getattr(kv, "no_such_field", 2))
+    assert mod.score_root == ("add", ("add", ("input", "score"), ("const", 0.0, "f")), ("const", 2, "i"))
