@@ -81,3 +81,41 @@ def test_item_costs_count_kv_tokens_like_the_causal_planner():
     _, ragged_cost = scheduler.prefill_work(np.full(n_docs, doc_len), np.full(n_docs, doc_len), g, 1, tile_q, True)
     # the same items (documents are whole query tiles here), the ragged costs rounded up to whole tiles
     assert blockmask.item_costs(indptr, tile_kv).tolist() == (-(-ragged_cost // tile_kv) * tile_kv).tolist()
+
+
+def full_grid(mod, request, heads, qo_len, kv_len, tq, tk, causal, window):
+    """brute()'s tiles from the whole [rows, keys] grid evaluated at once (packed row = token * G + head)."""
+    g = len(heads)
+    pos = torch.arange(qo_len)[:, None, None] + (kv_len - qo_len)
+    kv = torch.arange(kv_len)[None, None, :]
+    own = mod.torch_mask(torch.tensor(request), heads[None, :, None], pos, kv).expand(qo_len, g, kv_len)
+    keep = own & ((kv <= pos) if causal else True) & ((kv >= pos - window) if window >= 0 else True)
+    keep, own = keep.reshape(qo_len * g, kv_len).numpy(), own.reshape(qo_len * g, kv_len).numpy()
+    diag = np.broadcast_to((kv <= pos).numpy(), (qo_len, g, kv_len)).reshape(qo_len * g, kv_len)
+    n_qt, n_kt = -(-(qo_len * g) // tq), -(-kv_len // tk)
+    vis, full, causal_eq = (np.zeros((n_qt, n_kt), dtype=bool) for _ in range(3))
+    for i in range(n_qt):
+        for j in range(n_kt):
+            tile = (slice(i * tq, (i + 1) * tq), slice(j * tk, (j + 1) * tk))
+            vis[i, j], full[i, j] = keep[tile].any(), keep[tile].all()
+            causal_eq[i, j] = vis[i, j] and not full[i, j] and (own[tile] == diag[tile]).all()
+    return vis, full, causal_eq
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_visible_tiles_of_random_masks_match_the_whole_grid(seed, monkeypatch):
+    """Random mask_mods (tests/mods/random_exprs.py) over random lengths, groups, tile sizes, causal and window
+    settings and chunk sizes (chunks starting inside tiles): the chunked tile flags equal the whole grid's."""
+    from mods.random_exprs import draw
+    rng = np.random.default_rng(seed)
+    for fn, _ in draw(900 + seed, 6, mask=True):
+        mod = m.compile_mod(mask_mod=fn)
+        g, qo_len = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+        kv_len = qo_len + int(rng.integers(0, 60))
+        tq, tk = int(rng.choice([4, 16, 64])), int(rng.choice([8, 16, 64]))
+        causal, window = bool(rng.integers(0, 2)), int(rng.choice([-1, -1, 3, 20]))
+        monkeypatch.setattr(blockmask, "MAX_ELEMENTS", int(rng.choice([1 << 26, 37, 200])))
+        heads = torch.arange(g) + int(rng.integers(0, 2)) * g
+        got = blockmask.visible_tiles(mod, 1, heads, qo_len, kv_len, tq, tk, causal, window, "cpu")
+        want = full_grid(mod, 1, heads, qo_len, kv_len, tq, tk, causal, window)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), (fn.source, g, qo_len, kv_len, tq, tk)
