@@ -1,8 +1,9 @@
 """Differential tests on random modifiers (CPU): the same Python function run eagerly on torch tensors
 (what FlexAttention computes), traced and evaluated from its graph (attnforge's reference), and traced,
-emitted as C++ and built with g++ (the kernels' code) must agree; where a modifier takes the affine or the
-scaled-core fast form, that form must reproduce it too. tests/mods/random_exprs.py says which values are
-compared bit for bit and which to a tolerance."""
+emitted as C++ and built with g++ (the kernels' code; a second build with FMA fusion on models nvcc) must
+agree; where a modifier takes the affine or the scaled-core fast form, that form must reproduce it too; and
+the reference must agree with FlexAttention itself. tests/mods/random_exprs.py says which values are compared
+exactly and which to a tolerance."""
 import shutil
 
 import pytest
@@ -68,10 +69,10 @@ def test_eager_traced_and_gxx_agree_on_random_modifiers(seed, mask, tmp_path):
         eager = fn(**env)
         eager = (eager if isinstance(eager, torch.Tensor) else torch.tensor(eager)).float().expand(N)
         traced = (mod.torch_mask(**env) if mask else mod.torch_score(**env)).float().expand(N)
+        tol = 1e-5 * (1 + magnitude(mod.mask_root if mask else mod.score_root, env, mod))
         if exact:
             differ = lambda a, b: ~same_value(a, b)  # noqa: E731
         else:  # (torch's x ** 2.0 squares where the graph's pow calls powf: an ulp)
-            tol = 1e-5 * (1 + magnitude(mod.mask_root if mask else mod.score_root, env, mod))
             differ = lambda a, b: ~((a - b).abs() <= tol) & ~same_value(a, b)  # noqa: E731
         # the graph computes what the function computes
         bad = differ(traced, eager)
@@ -80,7 +81,6 @@ def test_eager_traced_and_gxx_agree_on_random_modifiers(seed, mask, tmp_path):
         bad = differ(got, traced)
         assert not bad.any(), (f"g++ != torch at {int(bad.sum())} of {N} inputs, e.g. {got[bad][:3].tolist()} "
                                f"against {traced[bad][:3].tolist()}\n{fn.source}")
-        tol = 1e-5 * (1 + magnitude(mod.mask_root if mask else mod.score_root, env, mod))
         bad = ~((got_fused - traced).abs() <= tol) & ~same_value(got_fused, traced)
         assert not bad.any(), (f"g++ with FMA fusion != torch at {int(bad.sum())} of {N} inputs, e.g. "
                                f"{got_fused[bad][:3].tolist()} against {traced[bad][:3].tolist()}\n{fn.source}")
@@ -185,10 +185,10 @@ def test_reference_agrees_with_flex_attention_on_random_modifiers(seed):
             kw = ({"block_mask": flex.create_block_mask(fn, ROWS, HEADS, POSITIONS, POSITIONS, device="cpu")}
                   if is_mask else {"score_mod": fn})
             want, want_lse = flex.flex_attention(q, k, v, scale=1.0, enable_gqa=True, return_lse=True, **kw)
+        ref_kw = {"mask_mod": mod.torch_mask} if is_mask else {"score_mod": mod.torch_score}
         for b in range(ROWS):
             out, lse = reference.attention(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
-                                           sm_scale=1.0, batch_index=b, score_mod=mod.torch_score if not is_mask else
-                                           None, mask_mod=mod.torch_mask if is_mask else None)
+                                           sm_scale=1.0, batch_index=b, **ref_kw)
             lse_want = want_lse[b].transpose(0, 1).double()
             assert torch.allclose(out.float(), want[b].transpose(0, 1), atol=1e-4, rtol=1e-4), fn.source
             both_empty = lse.isinf() & lse_want.isinf()
