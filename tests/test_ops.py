@@ -204,3 +204,22 @@ def test_the_run_op_rebuilds_each_run_signature_from_its_flat_arguments():
     assert got_q is q and isinstance(got_kv, tuple) and same(got_kv, (k, v))
     assert same(BatchMLADecode._op_run_args([q, k, cache]), (q, k, cache, None))  # MLA: q_nope, q_pe, ckv[, kpe]
     assert same(BatchMLADecode._op_run_args([q, k, cache, kpe]), (q, k, cache, kpe))
+
+
+def test_a_flex_block_mask_compiles_to_its_mask_mod(fake_mode):
+    """attention(..., block_mask=create_block_mask(...)) inside torch.compile: one op whose modifier is the
+    BlockMask's mask_mod (the block mask built before, as a model builds it)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    docs = torch.arange(64) // 20
+
+    def same_doc(b, h, q, kv):
+        return docs[q] == docs[kv]
+    block_mask = flex.create_block_mask(same_doc, None, None, 64, 64, device="cpu")
+    with fake_mode:
+        rec = Recorder()
+        q = cuda(1, 8, 64, 128)
+        fn = compiled(lambda q, k, v: attnforge.attention(q, k, v, block_mask=block_mask), rec)
+        assert fn(q, q, q).shape == q.shape
+    (node,) = rec.op_nodes("attention")
+    assert ops.lookup(node.args[3]).mask_root == ("eq", ("load", 0, ("input", "q_idx")),
+                                                    ("load", 0, ("input", "kv_idx")))
