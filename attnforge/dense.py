@@ -58,6 +58,11 @@ def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
     if not callable(fn):
         raise TypeError(f"attention: block_mask must be a FlexAttention BlockMask (create_block_mask(mask_mod, "
                         f"B, H, Q_LEN, KV_LEN)), got {type(block_mask).__name__}")
+    if q.shape[-2] != k.shape[-2]:  # (a BlockMask holds Flex's positions; taking its function would move them)
+        raise ValueError(f"attention: a block_mask needs as many queries as keys, got {q.shape[-2]} and "
+                         f"{k.shape[-2]}: FlexAttention's q_idx starts at 0 while attnforge aligns queries to the "
+                         f"end of the keys, so the same mask_mod would mask other pairs. Pass mask_mod= written "
+                         f"for end-aligned positions (q_idx = {k.shape[-2] - q.shape[-2]} + the query's row)")
     built_for = tuple(getattr(block_mask, "seq_lengths", ()))
     if built_for and built_for != (q.shape[-2], k.shape[-2]):
         raise ValueError(f"attention: the block_mask was built for (Q_LEN, KV_LEN) = {built_for}, but q holds "

@@ -434,8 +434,8 @@ def test_kv_maps_describe_each_kv_form(recorder, monkeypatch, form):
 
 def test_attention_takes_a_flex_block_mask_for_its_mask_mod(recorder, monkeypatch):
     """A FlexAttention call carries over: block_mask=create_block_mask(fn, ...) plans the tile lists mask_mod=fn
-    plans; noop_mask runs the plain kernel; a block mask of other lengths, a second mask or another object is
-    refused before any launch."""
+    plans; noop_mask runs the plain kernel; a block mask of other lengths, fewer queries than keys (Flex's q_idx
+    starts at 0, attnforge's is end-aligned), a second mask or another object is refused before any launch."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     q, k, v = sdpa_inputs(lq=256, lk=256)
     docs = torch.arange(256) // 100
@@ -456,8 +456,9 @@ def test_attention_takes_a_flex_block_mask_for_its_mask_mod(recorder, monkeypatc
     n = len(recorder.launches)
     for kw, error in (({"block_mask": flex.create_block_mask(same_doc, None, None, 128, 256, device="cpu")},
                        r"built for \(Q_LEN, KV_LEN\) = \(128, 256\).*create_block_mask\(mask_mod, B, H, 256, 256\)"),
+                      ({"block_mask": block_mask, "q": q[:, :, :100]}, "as many queries as keys, got 100 and 256"),
                       ({"block_mask": block_mask, "mask_mod": same_doc}, "both a mask_mod and a block_mask"),
                       ({"block_mask": torch.ones(4)}, "must be a FlexAttention BlockMask")):
         with pytest.raises((ValueError, TypeError), match=error):
-            dense.attention(q, k, v, enable_gqa=True, **kw)
+            dense.attention(kw.pop("q", q), k, v, enable_gqa=True, **kw)
     assert len(recorder.launches) == n
