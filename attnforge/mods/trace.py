@@ -57,6 +57,13 @@ class Tracer:
             raise ModTraceError(f"captured tensor of dtype {t.dtype} and rank {t.dim()} cannot be indexed by a "
                                 f"modifier; use a float32/float16/bfloat16/int32/int64 tensor of rank 1..4 "
                                 f"(at {_user_line()})")
+        if t.dtype == torch.int64 and t.numel() and t.device.type != "meta" and \
+                not isinstance(t, torch._subclasses.FakeTensor):
+            lo, hi = int(t.min()), int(t.max())  # (once, when traced: the kernel reads int64 values as 32-bit)
+            if lo < -2 ** 31 or hi >= 2 ** 31:
+                raise ModTraceError(f"a captured int64 tensor holds values in [{lo}, {hi}], outside 32 bits; modifier "
+                                    f"integers are 32-bit on the device, so they would wrap. Remap the values (e.g. "
+                                    f"torch.unique(t, return_inverse=True)[1]) (at {_user_line()})")
         self.tensors.append(t)
         kind = "f" if t.is_floating_point() else "i"
         self.slots[len(self.tensors) - 1] = graph.TensorSlot(len(self.tensors) - 1, kind, t.dim(),

@@ -230,3 +230,13 @@ def test_hasattr_on_a_traced_value_answers_instead_of_failing():
     mod = compile_mod(score_mod=lambda s, b, h, q, kv: s + (1.0 if hasattr(s, "cumsum") else 0.0)
                       + getattr(kv, "no_such_field", 2))
     assert mod.score_root == ("add", ("add", ("input", "score"), ("const", 0.0, "f")), ("const", 2, "i"))
+
+
+def test_int64_tables_outside_32_bits_are_refused_when_traced():
+    """The device reads int64 tables as 32-bit integers (docs/mods.md): ids past 2^31 would wrap and two
+    documents could share an id. A table that fits traces."""
+    ids = torch.tensor([0, 5, 2 ** 33])
+    with pytest.raises(ModTraceError, match=r"values in \[0, 8589934592\], outside 32 bits.*test_trace.py"):
+        compile_mod(mask_mod=lambda b, h, q, kv: ids[q] == ids[kv])
+    fits = torch.tensor([0, 5, 2 ** 31 - 1, -2 ** 31])
+    assert compile_mod(mask_mod=lambda b, h, q, kv: fits[q] == fits[kv]).tensors[0] is fits
