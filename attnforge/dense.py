@@ -41,8 +41,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
         out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)
         return (out, lse) if return_lse else out
     mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
-    if mod is not None and mod.score_root is None and mod.mask_root is None:
-        mod = None  # (a mask that is always True, as Flex's noop_mask: the plain kernel)
+    if mod is not None and mod.is_identity:
+        mod = None
     out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse)
     return (out, lse) if return_lse else out
 

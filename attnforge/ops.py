@@ -130,8 +130,8 @@ def mod_handle(score_mod, mask_mod) -> str:
         return ""
     from .dense import compiled_mod
     mod = compiled_mod(score_mod, mask_mod)
-    if mod.score_root is None and mod.mask_root is None:
-        return ""  # (a mask that is always True, as Flex's noop_mask: the plain kernel)
+    if mod.is_identity:
+        return ""
     for k, t in enumerate(mod.tensors):
         if isinstance(t, torch._subclasses.FakeTensor):
             raise ValueError(f"score_mod captured tensor #{k}: under torch.compile a modifier may capture only "

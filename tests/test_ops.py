@@ -223,3 +223,7 @@ def test_a_flex_block_mask_compiles_to_its_mask_mod(fake_mode):
     (node,) = rec.op_nodes("attention")
     assert ops.lookup(node.args[3]).mask_root == ("eq", ("load", 0, ("input", "q_idx")),
                                                     ("load", 0, ("input", "kv_idx")))
+    noop = flex.create_block_mask(flex.noop_mask, None, None, 64, 64, device="cpu")
+    with fake_mode:  # a mask that is always True: no modifier (the plain kernel)
+        compiled(lambda q, k, v: attnforge.attention(q, k, v, block_mask=noop), rec)(q, q, q)
+    assert rec.op_nodes("attention")[-1].args[3] == ""

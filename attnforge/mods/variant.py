@@ -120,6 +120,11 @@ class ScoreMod:
     scalar_sources: list = field(default_factory=list)  # the 0-d tensors the scalars were read from (traced mods)
 
     @property
+    def is_identity(self) -> bool:
+        """Nothing to apply (a traced mask that is always True, as Flex's noop_mask): the plain kernel serves."""
+        return self.score_root is None and self.mask_root is None and self.sink is None and self.raw_cpp is None
+
+    @property
     def cache_key(self) -> str:
         parts = [graph.canonical(self.score_root), graph.canonical(self.mask_root),
                  repr(sorted((k, s.kind, s.ndim, s.dtype) for k, s in self.slots.items())), str(len(self.scalars)),

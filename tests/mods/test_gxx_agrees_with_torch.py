@@ -120,8 +120,10 @@ def _affine_mods():
 
     def distance_scaled(score, b, h, q_idx, kv_idx):  # a slope from h and b, an intercept from q
         return score + 0.5 * (kv_idx - q_idx) * h - (kv_idx * 2 - b)
+    def negated(score, b, h, q_idx, kv_idx):  # a slope of -(-1.25): once emitted as `--1.25f`, which no compiler takes
+        return score + -(kv_idx * -1.25)
     return [m.alibi(default_slopes(4)), compile_mod(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (q - kv) * 0.25),
-            compile_mod(score_mod=distance_scaled)]
+            compile_mod(score_mod=distance_scaled), compile_mod(score_mod=negated)]
 
 
 @pytest.mark.parametrize("mod", _affine_mods(), ids=lambda x: x.name)

@@ -185,7 +185,8 @@ def test_flex_attention_helpers_and_tensor_methods_trace():
              "noop_mask": flex.noop_mask, "new_zeros": lambda b, h, q, kv: b.new_zeros((), dtype=torch.bool) | near(
                  b, h, q, kv), "bool method": lambda b, h, q, kv: (kv - q).bool().logical_not()}
     scores = {
-        "methods": lambda s, b, h, q, kv: s.where(q >= kv, -float("inf")) + (kv - q).clamp(min=-8).to(s.dtype),
+        "methods": lambda s, b, h, q, kv: s.where(q >= kv, -float("inf")) + (kv - q).clamp(min=-8).to(s.dtype)
+        + (kv > q).to(kv.device).type_as(s),
         "divisions": lambda s, b, h, q, kv: s + torch.div(kv - q, 3, rounding_mode="trunc") + torch.div(
             kv, 4, rounding_mode="floor") + torch.fmod(kv - q, 5) + torch.fmod(s, 0.7) + torch.floor_divide(kv, 3),
         "rounding": lambda s, b, h, q, kv: torch.floor(s) + torch.ceil(s * 0.3) + (s * 2).round() + torch.trunc(-s)
@@ -209,6 +210,7 @@ def test_flex_attention_helpers_and_tensor_methods_trace():
     (lambda s, b, h, q, kv: s.cumsum(0), "tensor method or attribute .cumsum"),
     (lambda s, b, h, q, kv: s.to(torch.bfloat16), "a cast to torch.bfloat16"),
     (lambda s, b, h, q, kv: s + b.new_ones(3), "only size () is supported"),
+    (lambda s, b, h, q, kv: s + s.size(0), "size(0) of a traced value: it is 0-d"),
 ])
 def test_unsupported_methods_name_themselves_and_the_line(body, construct):
     with pytest.raises(ModTraceError, match=construct.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
