@@ -403,7 +403,7 @@ class BatchDecode:
         slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack
         snap = scheduler.SPAN_SNAP if self.span_snap is None else self.span_snap
         return scheduler.plan_stream(kv_begin, kv_end, items_per_request, self.num_ctas, align_equal_items=True,
-                                     align_slack=slack, snap=snap, short_item_extra=scheduler.SHORT_ITEM_EXTRA)
+                                     align_slack=slack, snap=snap)
 
     def default_sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.spec.head_dim_qk)

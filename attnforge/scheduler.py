@@ -41,10 +41,6 @@ EQUAL_ITEM_TOLERANCE = CHUNK_FIXED_COST
 # Span boundaries this close (token-equivalents) to an item's start or end move there (plan_stream's
 # snap), on batches where that pays (snap_pays): 128 beat 192 and 256 on two random short batches
 SPAN_SNAP = 128
-# Positions a short item (one that fits a span) is padded by on plans with an item longer than a span
-# (plan_stream(short_item_extra=...)): 0 until measured (the skew trace: CTAs of six short items exit ~5 us
-# after those holding one chunk of the long request)
-SHORT_ITEM_EXTRA = 0
 # A kernel of one CTA per SM that reads each item whole (BatchDecode(whole_items=...)) may leave SMs idle
 # for that: its span may grow by this fraction of itself. Measured on the H200 (twenty-first session,
 # benchmarks/bench_decode_whole_items.py): 128 equal items on 132 SMs (+3.1%) won 1.4-8.2% over the
@@ -75,7 +71,7 @@ class StreamPlan(NamedTuple):  # (immutable, and built in a third of a frozen da
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
                 snap_where_it_pays: bool = True, whole_items_per_span: bool = False,
-                align_fraction: float = 0.0, align_tile: int = 0, short_item_extra: int = 0) -> StreamPlan:
+                align_fraction: float = 0.0, align_tile: int = 0) -> StreamPlan:
     """kv_begin/kv_end [B]: the token range each request attends (begin > 0 under a sliding window).
     align_equal_items: when every item costs the same (within EQUAL_ITEM_TOLERANCE: each is padded to the
     costliest) and there are at most num_ctas of them, cut each
@@ -97,9 +93,6 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     whole_items_per_span: with align_equal_items, equal items that outnumber the CTAs go ceil(items /
     num_ctas) whole to a span (each padded to the costliest) where that lengthens the span by less than
     align_slack: no item is split, so none is merged (MLA's 64-row blocks, whose chunks cost most).
-    short_item_extra: on plans not aligned to equal items, each item that fits a span is padded by this many
-    positions past its tokens (its stride grows; the kernel skips the padding): a short item's prologue costs
-    more than the fixed cost its chunk is counted at.
     An item's stream length (its stride) is what the kernel reads back: (prefix[r+1] - prefix[r]) / heads."""
     if align_tile and (not isinstance(align_tile, int) or align_tile < 0 or CHUNK_FIXED_COST % align_tile):
         raise ValueError(f"plan_stream(align_tile=...) (BatchMLADecode.align_tile): expected 0 or a positive divisor "
@@ -139,13 +132,6 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
                               longest=longest)
     if snap_where_it_pays and not snap_pays(costliest, span, total // max(items, 1)):
         snap = 0
-    if short_item_extra > 0 and items and costliest > span:  # (where every item fits a span, all alike)
-        item_cost += np.where(item_cost <= span, short_item_extra, 0)
-        np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])
-        total = int(prefix[-1])
-        if total >= 2**31:
-            raise ValueError(f"plan: {total} token-heads in one batch exceed the int32 stream; split the batch")
-        span = max(-(-total // num_ctas), MIN_SPAN + CHUNK_FIXED_COST)
     # cuts stay increasing: each moves by less than half a span (span >= MIN_SPAN + CHUNK_FIXED_COST keeps
     # the cap at or above CHUNK_FIXED_COST)
     return StreamPlan(prefix, kv_begin, kv_end, num_kv_heads, num_ctas, span, total, min(snap, (span - 1) // 2),

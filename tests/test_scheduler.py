@@ -113,8 +113,7 @@ def random_stream_plans(seed: int, n: int):
         begin = np.maximum(end - int(rng.integers(1, 5000)), 0) if rng.random() < 0.3 else np.zeros(b, np.int64)
         options = dict(align_equal_items=bool(rng.random() < 0.6), snap=int(rng.choice([0, 64, 128, 288])),
                        snap_where_it_pays=bool(rng.random() < 0.5), whole_items_per_span=bool(rng.random() < 0.3),
-                       align_fraction=float(rng.choice([0.0, 0.04])), align_tile=int(rng.choice([0, 16, 32, 64])),
-                       short_item_extra=int(rng.choice([0, 0, 16, 40])))
+                       align_fraction=float(rng.choice([0.0, 0.04])), align_tile=int(rng.choice([0, 16, 32, 64])))
         yield begin, end, int(rng.choice([1, 2, 4, 8, 16])), int(rng.choice([1, 7, 66, 132, 264, 528])), options
 
 
@@ -610,19 +609,6 @@ def test_snap_keeps_short_items_whole_beside_a_long_request():
     assert any(r > 0 for r, _ in split(before[1]))  # without snapping, short items straddle spans
     assert {r for r, _ in split(after[1])} == {0}  # with it only the long request's items are cut
     assert after[0].span == before[0].span  # the same spans, cut elsewhere
-
-
-def test_short_item_extra_pads_only_the_items_that_fit_a_span_and_only_beside_a_longer_one():
-    end = np.array([65536] + [512] * 127)
-    base, padded = (plan_stream(np.zeros(128, np.int64), end.copy(), HKV, 396, short_item_extra=e) for e in (0, 48))
-    stride = [np.diff(p.prefix) // HKV for p in (base, padded)]
-    assert stride[1][0] == stride[0][0] == 65536 + CHUNK_FIXED_COST  # the long request: as it was
-    assert (stride[1][1:] == 512 + CHUNK_FIXED_COST + 48).all()  # the short ones: padded past their tokens
-    per_cta = [np.bincount(np.bincount(expand(p)[:, 0], minlength=396)) for p in (base, padded)]
-    assert per_cta[1][6:].sum() < per_cta[0][6:].sum()  # fewer CTAs walk six short items
-    equal = np.full(64, 512)  # every item fits a span: padding them all alike would change nothing
-    same = [plan_stream(np.zeros(64, np.int64), equal.copy(), HKV, 396, short_item_extra=e) for e in (0, 48)]
-    assert (same[0].prefix == same[1].prefix).all() and same[0].span == same[1].span
 
 
 @pytest.mark.parametrize("name,lengths,pays", [

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next device session's first call (one `run`, carry .anchors): every GPU test in 14 balanced groups with
-# memcheck beside them, then the short-item A/B (short-item-extra-ab.py) in what is left of the 600 s.
+# memcheck beside them.
 #   bash docs/prepared/call1-every-gpu-test.sh      (on the GPU machine, repo root; logs and JSON under $OUT)
 set -u
 start=$(date +%s)
@@ -9,6 +9,4 @@ TEST_GROUPS="$(python3 tools/gpu_test_groups.py 14)" BENCH=0 SASS=0 SANITIZE=1 S
 echo "tests done at $(( $(date +%s) - start )) s"
 grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log"; grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 cat "$OUT/memcheck.log"
-export PYTHONPATH=$PWD ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_JOBS=16
-timeout $(( 585 - ($(date +%s) - start) )) python3 docs/prepared/short-item-extra-ab.py 2>&1 | grep -v "^attnforge:" | tail -n 12
 echo "done at $(( $(date +%s) - start )) s"
