@@ -242,3 +242,14 @@ def test_int64_tables_outside_32_bits_are_refused_when_traced():
         compile_mod(mask_mod=lambda b, h, q, kv: ids[q] == ids[kv])
     fits = torch.tensor([0, 5, 2 ** 31 - 1, -2 ** 31])
     assert compile_mod(mask_mod=lambda b, h, q, kv: fits[q] == fits[kv]).tensors[0] is fits
+
+
+def test_only_a_modifier_with_nothing_to_apply_is_identity():
+    """attention() and the compiled op run the plain kernel for an identity modifier (Flex's noop_mask: a mask
+    that is the constant True); a sink or raw C++ alone has work to do and is kept."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    assert compile_mod(mask_mod=flex.noop_mask).is_identity
+    assert not compile_mod(mask_mod=lambda b, h, q, kv: q >= kv).is_identity
+    assert not compile_mod(score_mod=lambda s, b, h, q, kv: s * 2).is_identity
+    assert not compile_mod(mask_mod=flex.noop_mask, sink=torch.zeros(4)).is_identity
+    assert not raw_mod("return score;").is_identity
