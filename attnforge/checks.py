@@ -82,16 +82,18 @@ def check_aligned_rows(name: str, t: torch.Tensor) -> None:
 
 
 def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str) -> None:
-    """A given output buffer: its device, dtype, shape and unit stride along the head dimension."""
+    """A given output buffer: its device, dtype, shape, unit stride along the head dimension and 16-byte aligned
+    rows (every kernel stores its rows as 16-byte vectors)."""
     check_cuda("out", out, device)
     check_dtype("out", out, (dtype,))
     check_shape("out", out, shape, meaning)
     check_contiguous_last("out", out)
+    check_aligned_rows("out", out)
 
 
 def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str):
     """The (out, lse) a wrapper writes: allocated when not given (lse only if asked for), else checked
-    (device, dtype, shape, unit stride; lse is float32 [shape[0], shape[1]] and contiguous)."""
+    (check_out; lse is float32 [shape[0], shape[1]] and contiguous)."""
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
     else:

@@ -307,12 +307,15 @@ class BatchDecode:
                               "Use one page size or leave spec.page_size=None.")
         if block_table is not None or seq_lens is not None:
             if kv_indptr is not None or kv_indices is not None:
-                raise TypeError("plan: pass either the CSR arrays or (seq_lens, block_table), not both")
+                raise TypeError("plan: expected either the CSR arrays or seq_lens= and block_table=, got both. "
+                                "Pass one form of the page table.")
             table = paged.from_block_table(seq_lens, block_table, page_size)
         else:
-            if kv_indptr is None or kv_indices is None or kv_last_page_len is None:
-                raise TypeError("plan: pass kv_indptr, kv_indices and kv_last_page_len "
-                                "(or seq_lens and block_table)")
+            missing = [n for n, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                                      ("kv_last_page_len", kv_last_page_len)) if x is None]
+            if missing:
+                raise TypeError(f"plan: expected kv_indptr, kv_indices and kv_last_page_len (or seq_lens= and "
+                                f"block_table=), got None for {', '.join(missing)}. Pass the page table's host arrays.")
             table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
         if len(table.indices) > self.max_num_pages:
             if self.use_cuda_graph:

@@ -110,6 +110,8 @@ def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
     check_page_size("page_size", page_size)
     lens = host_int_array("seq_lens", seq_lens)
     table = host_int_array("block_table", block_table)
+    if lens.ndim != 1:
+        raise fail("seq_lens", "a 1-D array [B] of KV lengths", f"shape {list(lens.shape)}", "Pass one length a request.")
     if table.ndim != 2 or table.shape[0] != len(lens):
         raise fail("block_table.shape", f"[B={len(lens)}, max_pages]", list(table.shape),
                    "One row of page ids per request.")
@@ -148,6 +150,7 @@ def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):
         checks.check_dtype(name, t, (checks.TORCH_DTYPES[s.kv_dtype],))
         checks.check_shape(name, t, shape, meaning)
         checks.check_contiguous_last(name, t)
+        checks.check_aligned_rows(name, t)  # the kernels copy rows as 16-byte vectors
     if k.stride() != v.stride() or k.shape[0] != v.shape[0]:
         raise checks.fail("kv_cache", "K and V with the same shape and strides",
                           f"{list(k.shape)}/{k.stride()} vs {list(v.shape)}/{v.stride()}", "Allocate them alike.")

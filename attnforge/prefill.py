@@ -329,7 +329,6 @@ class BatchPrefill:
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
         checks.check_out(out, tuple(shape), checks.TORCH_DTYPES[self.spec.out_dtype], self.device, "like q")
-        checks.check_aligned_rows("out", out)
 
     def _dense_fields(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
         """attention()'s contiguous q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D or Dv] as params: one page a request (plain

@@ -1,0 +1,73 @@
+"""The bad-input fuzz on the CPU (tests/input_fuzz.py): every mutation of each API's valid call, with the launches
+stubbed. A refused input must raise a clear ValueError or TypeError before any launch; a SAME one must launch as
+the valid call does. (The GPU file compares the accepted calls' outputs, and adds the device mutations.)"""
+import numpy as np
+import pytest
+import torch
+
+from attnforge import BatchDecode, BatchMLADecode, BatchPrefill
+from attnforge.jit import tma as tma_maps
+from helpers import stub_launches
+from input_fuzz import EITHER, REFUSE, SAME, clear_refusal
+from input_fuzz_apis import APIS, Env
+
+
+class HostPlanned:
+    """A host-only decode or MLA wrapper (HostOnlyUpload) whose run() reads host buffers."""
+
+    def __init__(self, w):
+        self.w = w
+        w.pdl, w.launch_after_own_kernel = True, False
+        w._partial_o, w._partial_lse = torch.zeros(1 << 16), torch.zeros(1 << 12)
+        w._merge_count = torch.zeros(1 << 10, dtype=torch.int32)
+
+    def plan(self, *args, **kwargs):
+        self.w.plan(*args, **kwargs)
+        self.w._upload.dev = torch.zeros(1 << 16, dtype=torch.int32)  # (the host-only upload has no device copy)
+
+    def run(self, *args, **kwargs):
+        return self.w.run(*args, **kwargs)
+
+
+def cpu_wrapper(cls, spec):
+    if cls in (BatchDecode, BatchMLADecode):
+        return HostPlanned(cls.host_only(spec))
+    assert cls is BatchPrefill
+    w = cls(spec, device="cpu")
+    return w
+
+
+@pytest.fixture
+def env(monkeypatch):
+    import types
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(tma_maps, "encode", lambda t, box: bytes(128))
+    return Env(False, torch.device("cpu"), cpu_wrapper), rec
+
+
+CPU_CASES = [(api, m) for api in APIS if api.cpu
+             for m in api.mutations(api.build(Env(False, torch.device("cpu"), None)), Env(False, None, None))]
+
+
+@pytest.mark.parametrize("api,mutation", CPU_CASES, ids=[f"{a.name}-{m.id}" for a, m in CPU_CASES])
+def test_each_mutation_is_refused_clearly_or_runs(env, api, mutation):
+    env, rec = env
+    args = api.build(env)
+    api.invoke(env, dict(args))
+    launched = len(rec.launches)
+    assert launched > 0
+    bad = dict(args)
+    bad[mutation.arg] = mutation.change(args[mutation.arg])
+    try:
+        api.invoke(env, bad)
+    except Exception as err:  # noqa: BLE001 (the point: which exception, and what it says)
+        assert mutation.kind != SAME, f"a SAME input was refused: {type(err).__name__}: {err}"
+        problem = clear_refusal(err)
+        assert problem is None, problem
+        assert len(rec.launches) == launched, "a kernel launched before the refusal"
+        return
+    assert mutation.kind != REFUSE, f"{mutation.id} was accepted"
+    assert len(rec.launches) == 2 * launched  # the valid call's launches again
