@@ -111,7 +111,8 @@ def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
     lens = host_int_array("seq_lens", seq_lens)
     table = host_int_array("block_table", block_table)
     if lens.ndim != 1:
-        raise fail("seq_lens", "a 1-D array [B] of KV lengths", f"shape {list(lens.shape)}", "Pass one length a request.")
+        raise fail("seq_lens", "a 1-D array [B] of KV lengths", f"shape {list(lens.shape)}",
+                   "Pass one length a request.")
     if table.ndim != 2 or table.shape[0] != len(lens):
         raise fail("block_table.shape", f"[B={len(lens)}, max_pages]", list(table.shape),
                    "One row of page ids per request.")

@@ -73,7 +73,7 @@ def _padded(t: torch.Tensor, extra: int) -> torch.Tensor:
     return buf[..., :t.shape[-1]]
 
 
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
+def misaligned(t: torch.Tensor) -> torch.Tensor:
     """t's values at an address one element past a 16-byte boundary."""
     flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
     view = flat[1:].view(t.shape)
@@ -99,7 +99,7 @@ def tensor(arg: str, t: torch.Tensor, gpu: bool, rows: bool = True, padded: str 
            Mutation(arg, "extra-dim", REFUSE, lambda x: x[None]),
            Mutation(arg, "narrow-last", REFUSE, lambda x: x[..., :-8].contiguous()),
            Mutation(arg, "strided-last", REFUSE, lambda x: x.transpose(-1, -2).contiguous().transpose(-1, -2)),
-           Mutation(arg, "misaligned", REFUSE, _misaligned),
+           Mutation(arg, "misaligned", REFUSE, misaligned),
            Mutation(arg, "odd-row-stride", REFUSE, lambda x: _padded(x, 1)),
            Mutation(arg, "padded-rows", padded, lambda x: _padded(x, 8)),
            Mutation(arg, "copy", SAME, lambda x: x.clone())]
@@ -145,6 +145,7 @@ def outputs_equal(a, b) -> bool:
         return len(a) == len(b) and all(outputs_equal(x, y) for x, y in zip(a, b))
     if a is None or b is None:
         return a is b
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8) if a.dtype.is_floating_point
-                                                                     else a.cpu(), b.cpu().view(torch.uint8)
-                                                                     if b.dtype.is_floating_point else b.cpu())
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = (lambda t: t.cpu().view(torch.uint8)) if a.dtype.is_floating_point else (lambda t: t.cpu())
+    return torch.equal(bits(a), bits(b))  # (bitwise: NaN equals NaN, -0 differs from 0)

@@ -251,7 +251,8 @@ def merge_build(env: Env) -> dict:
 def merge_mutations(a: dict, env: Env) -> list:
     m = tensor("v", a["v"], env.gpu, padded=EITHER)
     return m + [x for x in tensor("s", a["s"], env.gpu) if x.name not in ("dtype", "float32", "narrow-last")] + \
-        [Mutation("s", "bf16", REFUSE, lambda t: t.bfloat16()), Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1])]
+        [Mutation("s", "bf16", REFUSE, lambda t: t.bfloat16()),
+         Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1])]
 
 
 def merge_invoke(env: Env, a: dict):
@@ -275,7 +276,8 @@ def append_mutations(a: dict, env: Env) -> list:
     m += [x for x in tensor("kv_cache", a["kv_cache"], env.gpu) if x.name != "one-row-short"]
     for arg in ("batch_indices", "positions", "kv_indices", "kv_indptr"):
         m += [Mutation(arg, "float", REFUSE, lambda t: t.float()), Mutation(arg, "2d", REFUSE, lambda t: t[None]),
-              Mutation(arg, "int64", SAME, lambda t: t.long()), Mutation(arg, "numpy", REFUSE, lambda t: t.cpu().numpy())]
+              Mutation(arg, "int64", SAME, lambda t: t.long()),
+              Mutation(arg, "numpy", REFUSE, lambda t: t.cpu().numpy())]
         if env.gpu:
             m.append(Mutation(arg, "cpu", REFUSE, lambda t: t.cpu()))
     m += [Mutation("batch_indices", "one-short", REFUSE, lambda t: t[:-1]),
@@ -290,11 +292,11 @@ def append_invoke(env: Env, a: dict):
     return cache
 
 
-APIS = [Api("decode", decode_build, decode_mutations, decode_invoke),
-        Api("decode-block-table", block_table_build, block_table_mutations, block_table_invoke),
-        Api("mla", mla_build, mla_mutations, mla_invoke),
-        Api("prefill-paged", prefill_build, prefill_mutations, prefill_invoke),
-        Api("prefill-ragged", ragged_build, ragged_mutations, ragged_invoke),
-        Api("attention", attention_build, attention_mutations, attention_invoke, cpu=False),
-        Api("merge-states", merge_build, merge_mutations, merge_invoke, cpu=False),
-        Api("append", append_build, append_mutations, append_invoke, cpu=False)]
+CORE_APIS = [Api("decode", decode_build, decode_mutations, decode_invoke),
+             Api("decode-block-table", block_table_build, block_table_mutations, block_table_invoke),
+             Api("mla", mla_build, mla_mutations, mla_invoke),
+             Api("prefill-paged", prefill_build, prefill_mutations, prefill_invoke),
+             Api("prefill-ragged", ragged_build, ragged_mutations, ragged_invoke),
+             Api("attention", attention_build, attention_mutations, attention_invoke, cpu=False),
+             Api("merge-states", merge_build, merge_mutations, merge_invoke, cpu=False),
+             Api("append", append_build, append_mutations, append_invoke, cpu=False)]

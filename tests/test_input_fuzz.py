@@ -9,7 +9,8 @@ from attnforge import BatchDecode, BatchMLADecode, BatchPrefill
 from attnforge.jit import tma as tma_maps
 from helpers import stub_launches
 from input_fuzz import EITHER, REFUSE, SAME, clear_refusal
-from input_fuzz_apis import APIS, Env
+from input_fuzz_apis import Env
+from input_fuzz_more_apis import APIS
 
 
 class HostPlanned:

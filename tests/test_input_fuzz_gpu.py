@@ -8,7 +8,8 @@ import torch
 from attnforge.jit.loader import LoadedKernel
 from helpers import count_calls
 from input_fuzz import REFUSE, SAME, clear_refusal, outputs_equal
-from input_fuzz_apis import APIS, Env
+from input_fuzz_apis import Env
+from input_fuzz_more_apis import APIS
 
 pytestmark = pytest.mark.gpu
 

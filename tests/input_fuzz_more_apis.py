@@ -1,0 +1,203 @@
+"""More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer and fp8 cache, MLA's one 576-wide
+cache, cascade, Quest, single_prefill, merge_state and the slot-mapped append. Each is a valid call as a dict of
+named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import attnforge
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
+from attnforge.cascade import CascadeDecode
+from attnforge.sparse import QuestDecode, QuestIndex
+from input_fuzz import EITHER, REFUSE, SAME, Mutation, misaligned, index_array, scale, tensor
+from input_fuzz_apis import (CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _csr, _plan_kwargs,
+                             _plan_mutations, _rand, decode_build, mla_build)
+
+
+def decode_lse_build(env: Env) -> dict:
+    a = decode_build(env)
+    a["lse"] = torch.full((3, 8), float("nan"), device=env.device)
+    return a
+
+
+def decode_lse_mutations(a: dict, env: Env) -> list:
+    m = [x for x in tensor("lse", a["lse"], env.gpu) if x.name not in ("float32", "misaligned", "padded-rows")]
+    return m + [Mutation("lse", "transposed", REFUSE, lambda t: t.T.contiguous().T),
+                Mutation("lse", "bf16", REFUSE, lambda t: t.bfloat16()),
+                Mutation("lse", "4-byte-aligned", EITHER, misaligned)]  # (scalar stores)
+
+
+def decode_lse_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchDecode, DECODE_SPEC)
+    w.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"], **_plan_kwargs(a))
+    return w.run(a["q"], a["kv_cache"], out=a["out"], lse=a["lse"], return_lse=True)
+
+
+FP8_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, kv_dtype="fp8_e4m3")
+
+
+def decode_fp8_build(env: Env) -> dict:
+    a = decode_build(env)
+    a.update(kv_cache=a["kv_cache"].float().mul(2).to(torch.float8_e4m3fn), k_scale=0.5, v_scale=2.0)
+    return a
+
+
+def decode_fp8_mutations(a: dict, env: Env) -> list:
+    m = scale("k_scale") + scale("v_scale")
+    return m + [x for x in tensor("kv_cache", a["kv_cache"], env.gpu) if x.name != "int32"] + \
+        [Mutation("kv_cache", "bf16", REFUSE, lambda t: t.to(torch.bfloat16)),
+         Mutation("kv_cache", "uint8-view", REFUSE, lambda t: t.view(torch.uint8))]
+
+
+def decode_fp8_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchDecode, FP8_SPEC)
+    w.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"], **_plan_kwargs(a))
+    return w.run(a["q"], a["kv_cache"], out=a["out"])
+
+
+def mla_unified_build(env: Env) -> dict:
+    a = mla_build(env)
+    a["ckv_cache"] = torch.cat([a["ckv_cache"], a.pop("kpe_cache")], -1)
+    return a
+
+
+def mla_unified_mutations(a: dict, env: Env) -> list:
+    return tensor("ckv_cache", a["ckv_cache"], env.gpu) + \
+        [Mutation("ckv_cache", "575-wide", REFUSE, lambda t: t[..., :575].contiguous()),
+         Mutation("ckv_cache", "577-wide", REFUSE, lambda t: torch.cat([t, t[..., :1]], -1))]
+
+
+def mla_unified_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchMLADecode, MLA_SPEC)
+    w.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"], **_plan_kwargs(a))
+    return w.run(a["q_nope"], a["q_pe"], a["ckv_cache"], out=a["out"])
+
+
+# -- CascadeDecode: one shared level (pages 0..3 shared by requests 0-1, request 2 alone), each request's suffix --
+def cascade_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(7)
+    suffix = _csr((20, 9, 33), PAGE, 2 + 1 + 3, g)
+    return {"group_indptr": np.array([0, 2, 3], np.int32), "level_kv_indptr": np.array([0, 4, 4], np.int32),
+            "level_kv_indices": np.array([6, 7, 8, 9], np.int32), "level_last": np.array([16, 16], np.int32),
+            "suffix_kv_indptr": suffix[0], "suffix_kv_indices": suffix[1], "suffix_last": suffix[2],
+            "q": _rand(g, (3, 8, 128), torch.bfloat16, env.device),
+            "kv_cache": _rand(g, (10, 2, PAGE, 2, 128), torch.bfloat16, env.device),
+            "out": torch.full((3, 8, 128), float("nan"), dtype=torch.bfloat16, device=env.device)}
+
+
+def cascade_mutations(a: dict, env: Env) -> list:
+    m = index_array("group_indptr", a["group_indptr"], env.gpu) + index_array("suffix_kv_indptr", a["suffix_kv_indptr"],
+                                                                              env.gpu)
+    m += index_array("level_kv_indices", a["level_kv_indices"], env.gpu)
+    m += index_array("suffix_last", a["suffix_last"], env.gpu, bad_value=0)
+    m += [Mutation("group_indptr", "not-covering", REFUSE, lambda x: np.array([0, 2], np.int32))]
+    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+
+
+def cascade_invoke(env: Env, a: dict):
+    c = CascadeDecode(DECODE_SPEC, max_batch_size=4)
+    level = (a["group_indptr"], a["level_kv_indptr"], a["level_kv_indices"], a["level_last"])
+    c.plan([level], (a["suffix_kv_indptr"], a["suffix_kv_indices"], a["suffix_last"]), page_size=PAGE)
+    return c.run(a["q"], a["kv_cache"], out=a["out"])
+
+
+# -- QuestDecode: page summaries of every held key, a budget of 3 pages ---------------------------------------
+def quest_build(env: Env) -> dict:
+    a = decode_build(env)
+    a["index_cache"] = a["kv_cache"]  # the summaries are built from this cache at the call (see quest_invoke)
+    return a
+
+
+def quest_mutations(a: dict, env: Env) -> list:
+    m = [x for x in _plan_mutations(a, env) if x.arg != "q_len" and not x.arg.startswith("page_size")]
+    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+
+
+def quest_invoke(env: Env, a: dict):
+    cache = a["index_cache"]
+    index = QuestIndex(NUM_PAGES, 2, 128, device=env.device)
+    keys = cache[:, 0].float()  # [pages, page, Hkv, D]
+    for p in range(NUM_PAGES):
+        index.append(keys[p], torch.full((PAGE,), p, dtype=torch.int64, device=env.device))
+    quest = QuestDecode(DECODE_SPEC, index, budget_tokens=3 * PAGE, page_size=PAGE,
+                        max_batch_size=4, max_num_pages=NUM_PAGES, max_pages_per_request=8)
+    quest.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"],
+               **{k: a[k] for k in ("sm_scale", "k_scale", "v_scale")})
+    return quest.run(a["q"], a["kv_cache"], out=a["out"])
+
+
+# -- single_prefill, merge_state, append_kv_by_slots ------------------------------------------------------------
+def single_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(8)
+    shapes = {"q": (40, 8, 128), "k": (70, 2, 128), "v": (70, 2, 128)}
+    return {**{n: _rand(g, s, torch.bfloat16, env.device) for n, s in shapes.items()}, "sm_scale": 0.1}
+
+
+def single_mutations(a: dict, env: Env) -> list:
+    m = scale("sm_scale", refuse_zero=False)
+    for arg in ("q", "k", "v"):
+        m += [x for x in tensor(arg, a[arg], env.gpu) if not (arg == "q" and x.name == "one-row-short")]
+    return m + [Mutation("v", "other-length", REFUSE, lambda t: t[:-1].contiguous()),
+                Mutation("k", "three-heads", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1).contiguous())]
+
+
+def single_invoke(env: Env, a: dict):
+    return attnforge.single_prefill(a["q"], a["k"], a["v"], causal=True, sm_scale=a["sm_scale"])
+
+
+def merge_state_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(9)
+    return {f"{n}_{side}": _rand(g, (5, 4, 128) if n == "v" else (5, 4), torch.bfloat16 if n == "v" else torch.float32,
+                                 env.device) for side in "ab" for n in "vs"}
+
+
+def merge_state_mutations(a: dict, env: Env) -> list:
+    m = tensor("v_a", a["v_a"], env.gpu) + tensor("v_b", a["v_b"], env.gpu)
+    for arg in ("s_a", "s_b"):
+        m += [x for x in tensor(arg, a[arg], env.gpu) if x.name not in ("dtype", "float32", "narrow-last")]
+        m.append(Mutation(arg, "bf16", REFUSE, lambda t: t.bfloat16()))
+    return m
+
+
+def merge_state_invoke(env: Env, a: dict):
+    return attnforge.merge_state(a["v_a"], a["s_a"], a["v_b"], a["s_b"])
+
+
+def slots_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(10)
+    dev = env.device
+    return {"k": _rand(g, (3, 2, 128), torch.bfloat16, dev), "v": _rand(g, (3, 2, 128), torch.bfloat16, dev),
+            "slot_mapping": torch.tensor([5, -1, 7 * PAGE + 3], dtype=torch.int64, device=dev),
+            "kv_cache": _rand(g, (8, 2, PAGE, 2, 128), torch.bfloat16, dev)}
+
+
+def slots_mutations(a: dict, env: Env) -> list:
+    m = tensor("k", a["k"], env.gpu) + tensor("v", a["v"], env.gpu)
+    m += [x for x in tensor("kv_cache", a["kv_cache"], env.gpu) if x.name != "one-row-short"]
+    m += [Mutation("slot_mapping", "float", REFUSE, lambda t: t.float()),
+          Mutation("slot_mapping", "2d", REFUSE, lambda t: t[None]),
+          Mutation("slot_mapping", "one-short", REFUSE, lambda t: t[:-1]),
+          Mutation("slot_mapping", "int32", SAME, lambda t: t.int()),
+          Mutation("slot_mapping", "list", REFUSE, lambda t: t.tolist())]
+    if env.gpu:
+        m.append(Mutation("slot_mapping", "cpu", REFUSE, lambda t: t.cpu()))
+    return m
+
+
+def slots_invoke(env: Env, a: dict):
+    cache = a["kv_cache"].clone() if isinstance(a["kv_cache"], torch.Tensor) else a["kv_cache"]
+    attnforge.append_kv_by_slots(a["k"], a["v"], a["slot_mapping"], cache)
+    return cache
+
+
+MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
+             Api("decode-fp8", decode_fp8_build, decode_fp8_mutations, decode_fp8_invoke),
+             Api("mla-unified", mla_unified_build, mla_unified_mutations, mla_unified_invoke),
+             Api("cascade", cascade_build, cascade_mutations, cascade_invoke, cpu=False),
+             Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
+             Api("single-prefill", single_build, single_mutations, single_invoke, cpu=False),
+             Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke, cpu=False),
+             Api("append-slots", slots_build, slots_mutations, slots_invoke, cpu=False)]
+
+APIS = CORE_APIS + MORE_APIS  # every API the fuzz calls
