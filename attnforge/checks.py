@@ -76,9 +76,18 @@ def check_aligned_rows(name: str, t: torch.Tensor) -> None:
     """16-byte aligned start and rows: the kernels copy and store rows in 16-byte vectors."""
     step = 16 // t.element_size()
     if t.data_ptr() % 16 or any(st % step for st in t.stride()[:-1]):
+        fix = (f"Pass {name}.clone() (a view at an offset that is not 16-byte aligned)" if t.is_contiguous() else
+               f"Call {name}.contiguous() (or allocate it unpadded)")
         raise fail(name, f"16-byte aligned rows (data_ptr % 16 == 0, strides other than the last multiples of "
-                   f"{step} elements)", f"data_ptr % 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())}",
-                   f"Call {name}.contiguous() (or allocate it unpadded).")
+                   f"{step} elements)", f"data_ptr % 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())}", f"{fix}.")
+
+
+def dense_copy(t: torch.Tensor) -> torch.Tensor:
+    """t itself where it is contiguous and 16-byte aligned, else a contiguous copy (of a view at an offset too):
+    for the calls that take any layout (attention(), the merges) over kernels that read 16-byte vectors."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str) -> None:

@@ -192,8 +192,8 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     if mod is not None and mod.scalar_sources:
         mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
     call = dense_call(q, k, v, mod, enable_gqa)
-    if not call.contiguous:  # (the usual [B, H, L, D] is contiguous)
-        q, k, v = (t.contiguous() for t in (q, k, v))
+    if not call.contiguous or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # (the usual case is neither)
+        q, k, v = (checks.dense_copy(t) for t in (q, k, v))  # any layout, as SDPA takes
     bq, hq, lq, _ = q.shape
     hkv, lk, d = k.shape[1], k.shape[2], v.shape[3]  # (d: the output's, V's width)
     call.plan(bq, hq, hkv, lq, lk, scale)

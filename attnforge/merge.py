@@ -75,6 +75,7 @@ def _prepare_out(out, like: torch.Tensor, shape, dtype):
     checks.check_dtype("out", out, (torch.bfloat16, torch.float16, torch.float32))
     if not out.is_contiguous():
         raise checks.fail("out", "a contiguous tensor", f"strides {out.stride()}", "Pass out.contiguous().")
+    checks.check_aligned_rows("out", out)  # (stored as 16-byte vectors)
     return out
 
 
@@ -99,7 +100,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
     out = _prepare_out(out, v, (n, h, d), out_dtype or v.dtype)
     lse = torch.empty((n, h), dtype=torch.float32, device=v.device)
     if n * h:
-        _run("merge_states_kernel", v.contiguous(), s.contiguous(), None, None, ns, out, lse)
+        _run("merge_states_kernel", checks.dense_copy(v), s.contiguous(), None, None, ns, out, lse)
     return out, lse
 
 
@@ -123,6 +124,6 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     out = _prepare_out(out, v_a, (n, h, d), out_dtype or v_a.dtype)
     lse = torch.empty((n, h), dtype=torch.float32, device=v_a.device)
     if n * h:
-        _run("merge_state_pair_kernel", v_a.contiguous(), s_a.contiguous(), v_b.contiguous(),
+        _run("merge_state_pair_kernel", checks.dense_copy(v_a), s_a.contiguous(), checks.dense_copy(v_b),
              s_b.contiguous(), 2, out, lse)
     return out, lse

@@ -110,6 +110,13 @@ def tensor(arg: str, t: torch.Tensor, gpu: bool, rows: bool = True, padded: str 
     return out
 
 
+def retag(mutations: list, kind: str, *names: str) -> list:
+    """The mutations named `names` as `kind` (an API that copies its inputs contiguous takes strided ones), the
+    others as they are; kind None drops them (an API that also takes other dtypes or widths)."""
+    return [m._replace(kind=kind) if m.name in names else m for m in mutations
+            if kind is not None or m.name not in names]
+
+
 def scale(arg: str, refuse_zero: bool = True) -> list[Mutation]:
     """A float argument: refused as NaN, an infinity, a string or (refuse_zero) 0 and negative; the same value
     as a numpy float64 is SAME."""

@@ -9,7 +9,7 @@ import torch
 
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
-from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, page_size, scale, tensor
+from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, page_size, retag, scale, tensor
 
 
 class Env(NamedTuple):
@@ -221,7 +221,10 @@ def ragged_invoke(env: Env, a: dict):
     return w.run(a["q"], (a["k"], a["v"]))
 
 
-# -- attention(), merge_states(), the appends: GPU only (their launches go through module-level caches) ------
+COPIED = ("strided-last", "misaligned", "odd-row-stride", "padded-rows")  # taken as a contiguous copy
+
+
+# -- attention(), merge_states(), the appends ---------------------------------------------------------------
 def attention_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(4)
     return {"q": _rand(g, (2, 8, 40, 128), torch.bfloat16, env.device),
@@ -231,8 +234,8 @@ def attention_build(env: Env) -> dict:
 
 def attention_mutations(a: dict, env: Env) -> list:
     m = scale("scale", refuse_zero=False)
-    for arg in ("q", "k", "v"):
-        m += tensor(arg, a[arg], env.gpu, padded=EITHER)
+    for arg in ("q", "k", "v"):  # attention() copies what its kernel cannot read, as SDPA takes any layout
+        m += retag(tensor(arg, a[arg], env.gpu), SAME, *COPIED)
     m += [Mutation("k", "heads-not-dividing", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1, -1).contiguous()),
           Mutation("v", "other-length", REFUSE, lambda t: t[:, :, :-1].contiguous())]
     return m
@@ -249,10 +252,10 @@ def merge_build(env: Env) -> dict:
 
 
 def merge_mutations(a: dict, env: Env) -> list:
-    m = tensor("v", a["v"], env.gpu, padded=EITHER)
-    return m + [x for x in tensor("s", a["s"], env.gpu) if x.name not in ("dtype", "float32", "narrow-last")] + \
-        [Mutation("s", "bf16", REFUSE, lambda t: t.bfloat16()),
-         Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1])]
+    m = retag(retag(tensor("v", a["v"], env.gpu), SAME, *COPIED), None, "dtype", "float32", "narrow-last")
+    m += retag(retag(tensor("s", a["s"], env.gpu), SAME, *COPIED), None, "dtype", "float32", "narrow-last")
+    return m + [Mutation("s", "bf16", REFUSE, lambda t: t.bfloat16()),
+                Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1])]
 
 
 def merge_invoke(env: Env, a: dict):
@@ -286,10 +289,9 @@ def append_mutations(a: dict, env: Env) -> list:
 
 
 def append_invoke(env: Env, a: dict):
-    cache = a["kv_cache"].clone() if isinstance(a["kv_cache"], torch.Tensor) else a["kv_cache"]
-    attnforge.append_paged_kv_cache(a["k"], a["v"], a["batch_indices"], a["positions"], cache, a["kv_indices"],
+    attnforge.append_paged_kv_cache(a["k"], a["v"], a["batch_indices"], a["positions"], a["kv_cache"], a["kv_indices"],
                                     a["kv_indptr"])
-    return cache
+    return a["kv_cache"]  # (each call's arguments are built afresh)
 
 
 CORE_APIS = [Api("decode", decode_build, decode_mutations, decode_invoke),
@@ -297,6 +299,6 @@ CORE_APIS = [Api("decode", decode_build, decode_mutations, decode_invoke),
              Api("mla", mla_build, mla_mutations, mla_invoke),
              Api("prefill-paged", prefill_build, prefill_mutations, prefill_invoke),
              Api("prefill-ragged", ragged_build, ragged_mutations, ragged_invoke),
-             Api("attention", attention_build, attention_mutations, attention_invoke, cpu=False),
-             Api("merge-states", merge_build, merge_mutations, merge_invoke, cpu=False),
-             Api("append", append_build, append_mutations, append_invoke, cpu=False)]
+             Api("attention", attention_build, attention_mutations, attention_invoke),
+             Api("merge-states", merge_build, merge_mutations, merge_invoke),
+             Api("append", append_build, append_mutations, append_invoke)]

@@ -10,8 +10,8 @@ import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestIndex
-from input_fuzz import EITHER, REFUSE, SAME, Mutation, misaligned, index_array, scale, tensor
-from input_fuzz_apis import (CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _csr, _plan_kwargs,
+from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, misaligned, retag, scale, tensor
+from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _csr, _plan_kwargs,
                              _plan_mutations, _rand, decode_build, mla_build)
 
 
@@ -153,11 +153,11 @@ def merge_state_build(env: Env) -> dict:
 
 
 def merge_state_mutations(a: dict, env: Env) -> list:
-    m = tensor("v_a", a["v_a"], env.gpu) + tensor("v_b", a["v_b"], env.gpu)
-    for arg in ("s_a", "s_b"):
-        m += [x for x in tensor(arg, a[arg], env.gpu) if x.name not in ("dtype", "float32", "narrow-last")]
-        m.append(Mutation(arg, "bf16", REFUSE, lambda t: t.bfloat16()))
-    return m
+    m = []
+    for arg in ("v_a", "v_b", "s_a", "s_b"):
+        m += retag(tensor(arg, a[arg], env.gpu), SAME, *COPIED)
+    m = retag(m, None, "float32") + [Mutation(arg, "bf16", REFUSE, lambda t: t.bfloat16()) for arg in ("s_a", "s_b")]
+    return [x for x in m if not (x.arg.startswith("s") and x.name in ("dtype", "narrow-last"))]
 
 
 def merge_state_invoke(env: Env, a: dict):
@@ -186,9 +186,8 @@ def slots_mutations(a: dict, env: Env) -> list:
 
 
 def slots_invoke(env: Env, a: dict):
-    cache = a["kv_cache"].clone() if isinstance(a["kv_cache"], torch.Tensor) else a["kv_cache"]
-    attnforge.append_kv_by_slots(a["k"], a["v"], a["slot_mapping"], cache)
-    return cache
+    attnforge.append_kv_by_slots(a["k"], a["v"], a["slot_mapping"], a["kv_cache"])
+    return a["kv_cache"]
 
 
 MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
@@ -196,8 +195,8 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("mla-unified", mla_unified_build, mla_unified_mutations, mla_unified_invoke),
              Api("cascade", cascade_build, cascade_mutations, cascade_invoke, cpu=False),
              Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
-             Api("single-prefill", single_build, single_mutations, single_invoke, cpu=False),
-             Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke, cpu=False),
-             Api("append-slots", slots_build, slots_mutations, slots_invoke, cpu=False)]
+             Api("single-prefill", single_build, single_mutations, single_invoke),
+             Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke),
+             Api("append-slots", slots_build, slots_mutations, slots_invoke)]
 
 APIS = CORE_APIS + MORE_APIS  # every API the fuzz calls

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import BatchDecode, BatchMLADecode, BatchPrefill
+from attnforge import BatchDecode, BatchMLADecode, BatchPrefill, append, dense, prefill
 from attnforge.jit import tma as tma_maps
 from helpers import stub_launches
 from input_fuzz import EITHER, REFUSE, SAME, clear_refusal
@@ -46,6 +46,8 @@ def env(monkeypatch):
         multi_processor_count=132))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(tma_maps, "encode", lambda t, box: bytes(128))
+    for owner, table in ((dense, "_CALLS"), (prefill, "_WRAPPERS"), (append, "_LAUNCHES")):
+        monkeypatch.setattr(owner, table, {})  # (their entries hold an earlier test's stubbed libraries)
     return Env(False, torch.device("cpu"), cpu_wrapper), rec
 
 
