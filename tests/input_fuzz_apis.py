@@ -15,7 +15,7 @@ from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, page_size, r
 class Env(NamedTuple):
     gpu: bool
     device: torch.device
-    wrapper: Callable[..., Any]  # (cls, spec) -> a wrapper that plans and runs here
+    wrapper: Callable[..., Any]  # (cls, spec, **constructor keywords) -> a wrapper that plans and runs here
 
 
 class Api(NamedTuple):

@@ -56,6 +56,55 @@ def decode_fp8_invoke(env: Env, a: dict):
     return w.run(a["q"], a["kv_cache"], out=a["out"])
 
 
+# -- speculative decoding's verify step: two tokens a request, an HND cache ------------------------------------
+VERIFY_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, kv_layout="HND")
+
+
+def verify_build(env: Env) -> dict:
+    a = decode_build(env)
+    g = torch.Generator().manual_seed(11)
+    a.update(q_len=2, q=_rand(g, (6, 8, 128), torch.bfloat16, env.device),
+             kv_cache=a["kv_cache"].transpose(2, 3).contiguous(), out=a["out"].repeat(2, 1, 1))
+    return a
+
+
+def verify_mutations(a: dict, env: Env) -> list:
+    m = [Mutation("q_len", v, REFUSE, lambda x, v=v: int(v)) for v in ("0", "3")]
+    m += [Mutation("q_len", "one-token", REFUSE, lambda x: 1)]  # (q then holds two rows a request)
+    m += [Mutation("kv_cache", "NHD", REFUSE, lambda t: t.transpose(2, 3).contiguous())]  # page 16 vs 2 heads
+    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+
+
+def verify_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchDecode, VERIFY_SPEC, max_q_len=2)
+    w.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"], **_plan_kwargs(a))
+    return w.run(a["q"], a["kv_cache"], out=a["out"])
+
+
+def mla_block_table_build(env: Env) -> dict:
+    a = mla_build(env)
+    indptr, indices = a.pop("kv_indptr"), a.pop("kv_indices")
+    a.pop("kv_last_page_len")
+    table = np.zeros((len(indptr) - 1, 8), dtype=np.int32)
+    for b in range(len(indptr) - 1):
+        table[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
+    lengths = [(indptr[b + 1] - indptr[b] - 1) * PAGE for b in range(len(indptr) - 1)]
+    return {"seq_lens": np.array(lengths, np.int32) + np.array([10, 5, 4], np.int32), "block_table": table, **a}
+
+
+def mla_block_table_mutations(a: dict, env: Env) -> list:
+    return index_array("seq_lens", a["seq_lens"], env.gpu) + \
+        [Mutation("block_table", "transposed", REFUSE, lambda t: np.ascontiguousarray(np.asarray(t).T)),
+         Mutation("block_table", "id-past-cache", REFUSE, lambda t: np.where(np.asarray(t) == 0, NUM_PAGES, t)),
+         Mutation("block_table", "strided", SAME, lambda t: np.repeat(np.asarray(t), 2, axis=1)[:, ::2])]
+
+
+def mla_block_table_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchMLADecode, MLA_SPEC)
+    w.plan(seq_lens=a["seq_lens"], block_table=a["block_table"], **_plan_kwargs(a))
+    return w.run(a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], out=a["out"])
+
+
 def mla_unified_build(env: Env) -> dict:
     a = mla_build(env)
     a["ckv_cache"] = torch.cat([a["ckv_cache"], a.pop("kpe_cache")], -1)
@@ -192,7 +241,9 @@ def slots_invoke(env: Env, a: dict):
 
 MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
              Api("decode-fp8", decode_fp8_build, decode_fp8_mutations, decode_fp8_invoke),
+             Api("verify", verify_build, verify_mutations, verify_invoke),
              Api("mla-unified", mla_unified_build, mla_unified_mutations, mla_unified_invoke),
+             Api("mla-block-table", mla_block_table_build, mla_block_table_mutations, mla_block_table_invoke),
              Api("cascade", cascade_build, cascade_mutations, cascade_invoke, cpu=False),
              Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
              Api("single-prefill", single_build, single_mutations, single_invoke),

@@ -30,12 +30,11 @@ class HostPlanned:
         return self.w.run(*args, **kwargs)
 
 
-def cpu_wrapper(cls, spec):
+def cpu_wrapper(cls, spec, **kwargs):
     if cls in (BatchDecode, BatchMLADecode):
-        return HostPlanned(cls.host_only(spec))
-    assert cls is BatchPrefill
-    w = cls(spec, device="cpu")
-    return w
+        return HostPlanned(cls.host_only(spec, **kwargs))
+    assert cls is BatchPrefill and not kwargs
+    return cls(spec, device="cpu")
 
 
 @pytest.fixture

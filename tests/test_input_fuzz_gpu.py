@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 def gpu_env() -> Env:
     return Env(True, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
-               lambda cls, spec: cls(spec))
+               lambda cls, spec, **kwargs: cls(spec, **kwargs))
 
 
 def _cases():
