@@ -100,22 +100,32 @@ def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str
     check_aligned_rows("out", out)
 
 
-def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str):
+def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,
+                   memo: Optional["RunMemo"] = None):
     """The (out, lse) a wrapper writes: allocated when not given (lse only if asked for), else checked
-    (check_out; lse is float32 [shape[0], shape[1]] and contiguous)."""
+    (check_out; lse is float32 [shape[0], shape[1]] and contiguous), once per buffer layout with a memo."""
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
-    else:
+    elif memo is None:
         check_out(out, shape, dtype, device, meaning)
+    else:
+        memo.get("out", (out,), lambda: check_out(out, shape, dtype, device, meaning), shape)
     if return_lse and lse is None:
         lse = torch.empty(tuple(shape[:2]), dtype=torch.float32, device=device)
     elif lse is not None:
-        check_cuda("lse", lse, device)
-        check_dtype("lse", lse, (torch.float32,))
-        check_shape("lse", lse, tuple(shape[:2]), lse_meaning)
-        if not lse.is_contiguous():
-            raise fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
+        if memo is None:
+            _check_lse(lse, shape, device, lse_meaning)
+        else:
+            memo.get("lse", (lse,), lambda: _check_lse(lse, shape, device, lse_meaning), shape)
     return out, lse
+
+
+def _check_lse(lse, shape, device, meaning: str) -> None:
+    check_cuda("lse", lse, device)
+    check_dtype("lse", lse, (torch.float32,))
+    check_shape("lse", lse, tuple(shape[:2]), meaning)
+    if not lse.is_contiguous():
+        raise fail("lse", "a contiguous tensor", lse.stride(), "Pass lse.contiguous().")
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:

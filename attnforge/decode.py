@@ -470,7 +470,7 @@ class BatchDecode:
         paged.check_page_bound(self._plan["max_page"], pages)
         out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
-                                         "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]")
+                                         "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo)
         kernel, ctas = self._plan["kernel"], self._plan["ctas"]
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}

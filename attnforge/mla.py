@@ -365,7 +365,7 @@ class BatchMLADecode(BatchDecode):
         paged.check_page_bound(self._plan["max_page"], pages, "the latent cache")
         out, lse = checks.output_buffers(out, lse, return_lse, (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
-                                         "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]")
+                                         "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]", memo)
         lib = memo.once("lib", lambda: registry.get_library(self.kernel, self.kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
         params = memo.once("params", lambda: self._params_template(tuple(cache))).fill(

@@ -103,6 +103,32 @@ def test_repeated_inputs_skip_the_checks_and_a_new_plan_keeps_them(recorder, mon
     assert len(recorder.launches) == 3 * len(layers)
 
 
+@pytest.mark.parametrize("cls", [BatchDecode, BatchMLADecode])
+def test_given_out_and_lse_are_checked_once_per_layout(recorder, monkeypatch, cls):
+    """A caller's out and lse buffers are checked at their first run and again only when their address, shape,
+    strides, dtype or device differ (a view at the same address in another dtype is refused)."""
+    from attnforge import checks
+    calls = count_calls(monkeypatch, checks, "check_out")
+    mla = cls is BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         pipeline="normal") if mla else AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w = host_wrapper(cls, spec)
+    plan(w, 2, 64 if mla else 16)
+    heads, d = (16, 512) if mla else (32, 128)
+    shapes = [(1, 16, 512), (1, 16, 64), (3, 64, 576)] if mla else [(1, 32, 128), (6, 2, 16, 8, 128)]
+    inputs = [torch.randn(s).bfloat16() for s in shapes]
+    out, lse = torch.empty(1, heads, d).bfloat16(), torch.empty(1, heads)
+    for _ in range(3):
+        assert w.run(*inputs, out=out, lse=lse, return_lse=True)[0] is out
+    assert calls["n"] == 1
+    with pytest.raises(ValueError, match="out.dtype"):
+        w.run(*inputs, out=out.view(torch.float16))
+    with pytest.raises(ValueError, match="lse.shape"):
+        w.run(*inputs, out=out, lse=lse[:, :-1], return_lse=True)
+    w.run(*inputs, out=out)
+    assert calls["n"] == 2
+
+
 def test_a_modifiers_runtime_values_reach_each_launch(recorder):
     """A modifier's captured scalar and tensor are kernel parameters, set by each run over the plan's template."""
     from attnforge import mods
