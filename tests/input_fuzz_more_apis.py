@@ -239,6 +239,32 @@ def slots_invoke(env: Env, a: dict):
     return a["kv_cache"]
 
 
+def mla_append_build(env: Env) -> dict:
+    a = mla_build(env)
+    g, dev = torch.Generator().manual_seed(12), env.device
+    a.update(ckv=_rand(g, (3, 512), torch.bfloat16, dev), kpe=_rand(g, (3, 64), torch.bfloat16, dev),
+             batch_indices=torch.arange(3, dtype=torch.int32, device=dev),
+             positions=torch.tensor([9, 36, 99], dtype=torch.int32, device=dev))
+    a["kv_indices"] = torch.tensor(a["kv_indices"], device=dev)
+    a["kv_indptr"] = torch.tensor(a["kv_indptr"], device=dev)
+    return a
+
+
+def mla_append_mutations(a: dict, env: Env) -> list:
+    m = [x for arg in ("ckv", "kpe") for x in tensor(arg, a[arg], env.gpu)]
+    m += [x for arg in ("ckv_cache", "kpe_cache") for x in tensor(arg, a[arg], env.gpu) if x.name != "one-row-short"]
+    m += [Mutation("kpe_cache", "fewer-pages", REFUSE, lambda t: t[:-1])]
+    for arg in ("batch_indices", "positions", "kv_indices", "kv_indptr"):
+        m += [Mutation(arg, "float", REFUSE, lambda t: t.float()), Mutation(arg, "int64", SAME, lambda t: t.long())]
+    return m
+
+
+def mla_append_invoke(env: Env, a: dict):
+    attnforge.append_paged_mla_kv_cache(a["ckv"], a["kpe"], a["batch_indices"], a["positions"], a["ckv_cache"],
+                                        a["kpe_cache"], a["kv_indices"], a["kv_indptr"])
+    return a["ckv_cache"], a["kpe_cache"]
+
+
 MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
              Api("decode-fp8", decode_fp8_build, decode_fp8_mutations, decode_fp8_invoke),
              Api("verify", verify_build, verify_mutations, verify_invoke),
@@ -248,6 +274,7 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
              Api("single-prefill", single_build, single_mutations, single_invoke),
              Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke),
-             Api("append-slots", slots_build, slots_mutations, slots_invoke)]
+             Api("append-slots", slots_build, slots_mutations, slots_invoke),
+             Api("append-mla", mla_append_build, mla_append_mutations, mla_append_invoke)]
 
 APIS = CORE_APIS + MORE_APIS  # every API the fuzz calls
