@@ -71,7 +71,14 @@ class CascadeDecode:
         """levels: [(group_indptr, kv_indptr, kv_indices, kv_last_page_len)] per shared level; suffix: each
         request's own (kv_indptr, kv_indices, kv_last_page_len). k_scale / v_scale: an fp8 cache's per-tensor
         scales, read alike by every level and the suffix."""
-        batch = len(paged.host_int_array("suffix kv_indptr", suffix[0])) - 1
+        if not isinstance(suffix, (tuple, list)) or len(suffix) != 3:
+            raise checks.fail("plan(suffix=...)", "(kv_indptr, kv_indices, kv_last_page_len) of each request's own "
+                              "pages", type(suffix).__name__, "Pass the suffix's page table as three host arrays.")
+        indptr = paged.host_int_array("suffix kv_indptr", suffix[0])
+        if indptr.ndim != 1 or len(indptr) < 1:
+            raise checks.fail("suffix kv_indptr", "a 1-D array [B + 1]", f"shape {list(indptr.shape)}",
+                              "Build it as a prefix sum of each request's own pages.")
+        batch = len(indptr) - 1
         check_levels(batch, levels)
         if self.use_cuda_graph and self.levels and len(self.levels) != len(levels):
             raise checks.fail("plan: number of levels in CUDA-graph mode", f"{len(self.levels)} (as captured)",
@@ -89,6 +96,7 @@ class CascadeDecode:
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
         if not hasattr(self, "batch"):
             raise RuntimeError("CascadeDecode.run: call plan(...) first")
+        self.suffix.check_inputs(q, kv_cache, out)  # (before the levels launch: q, the cache and out, as decode's)
         outs, lses = [], []
         for w in self.levels:
             o, s = w.run(q, kv_cache, return_lse=True)

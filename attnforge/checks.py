@@ -102,21 +102,34 @@ def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str
 
 def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,
                    memo: Optional["RunMemo"] = None):
-    """The (out, lse) a wrapper writes: allocated when not given (lse only if asked for), else checked
-    (check_out; lse is float32 [shape[0], shape[1]] and contiguous), once per buffer layout with a memo."""
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=device)
-    elif memo is None:
-        check_out(out, shape, dtype, device, meaning)
-    else:
-        memo.get("out", (out,), lambda: check_out(out, shape, dtype, device, meaning), shape)
-    if return_lse and lse is None:
-        lse = torch.empty(tuple(shape[:2]), dtype=torch.float32, device=device)
-    elif lse is not None:
+    """The (out, lse) a wrapper writes: checked where given (check_output_buffers), else allocated (lse only if
+    asked for)."""
+    check_output_buffers(out, lse, shape, dtype, device, meaning, lse_meaning, memo)
+    return allocate_outputs(out, lse, return_lse, shape, dtype, device)
+
+
+def check_output_buffers(out, lse, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,
+                         memo: Optional["RunMemo"] = None) -> None:
+    """A caller's out (check_out) and lse (float32 [shape[0], shape[1]], contiguous), where given; with a memo,
+    once per buffer layout."""
+    if out is not None:
+        if memo is None:
+            check_out(out, shape, dtype, device, meaning)
+        else:
+            memo.get("out", (out,), lambda: check_out(out, shape, dtype, device, meaning), shape)
+    if lse is not None:
         if memo is None:
             _check_lse(lse, shape, device, lse_meaning)
         else:
             memo.get("lse", (lse,), lambda: _check_lse(lse, shape, device, lse_meaning), shape)
+
+
+def allocate_outputs(out, lse, return_lse: bool, shape, dtype: torch.dtype, device) -> tuple:
+    """(out, lse): the caller's, or new ones (lse only if asked for)."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    if return_lse and lse is None:
+        lse = torch.empty(tuple(shape[:2]), dtype=torch.float32, device=device)
     return out, lse
 
 

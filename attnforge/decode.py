@@ -449,6 +449,22 @@ class BatchDecode:
             v_scale=self._plan["v_scale"], merge_launch=int(self._plan["merge_launch"]), q_len=self._plan["q_len"],
             **variants.variant_values(s, self._plan["sm_scale"]))
 
+    def check_inputs(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
+                     lse: Optional[torch.Tensor] = None) -> tuple:
+        """run()'s checks of its arguments against the plan, each once per tensor layout (checks.RunMemo), and
+        the plan's page ids against the cache; raises before any launch. Wrappers that launch kernels of their
+        own before the decode (Quest's scoring, cascade's levels) call it first. Returns the cache's (K address,
+        V address, page / token / head strides, pages)."""
+        s, memo = self.spec, self._memo
+        b = self._plan["batch"] * self._plan["q_len"]  # query rows
+        memo.get("q", (q,), lambda: self._check_q(q), b)
+        cache = memo.get("kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
+        paged.check_page_bound(self._plan["max_page"], cache[-1])
+        if out is not None or lse is not None:
+            checks.check_output_buffers(out, lse, (b, s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype],
+                                        self.device, "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo)
+        return cache
+
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, return_lse: bool = False):
         """q [B, Hq, D]; kv_cache [P, 2, page, Hkv, D] / [P, 2, Hkv, page, D] or a (K, V) pair.
@@ -463,14 +479,10 @@ class BatchDecode:
         if self._plan is None:
             raise RuntimeError("BatchDecode.run: call plan(...) first (once per batch, outside graph capture).")
         s, memo = self.spec, self._memo
-        b = self._plan["batch"] * self._plan["q_len"]  # query rows
-        memo.get("q", (q,), lambda: self._check_q(q), b)
-        k, v, stride_page, stride_token, stride_head, pages = memo.get(
-            "kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
-        paged.check_page_bound(self._plan["max_page"], pages)
-        out, lse = checks.output_buffers(out, lse, return_lse, (b, s.num_qo_heads, s.head_dim_vo),
-                                         checks.TORCH_DTYPES[s.out_dtype], self.device,
-                                         "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo)
+        k, v, stride_page, stride_token, stride_head, _ = self.check_inputs(q, kv_cache, out, lse)
+        if out is None or (return_lse and lse is None):
+            out, lse = checks.allocate_outputs(out, lse, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
+                                               checks.TORCH_DTYPES[s.out_dtype], self.device)
         kernel, ctas = self._plan["kernel"], self._plan["ctas"]
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}

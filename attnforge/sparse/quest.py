@@ -371,7 +371,8 @@ class QuestDecode:
                                     return_lse)
         if self._planned is None:
             raise RuntimeError("QuestDecode.run: call plan(...) first (once per step, outside graph capture).")
-        self._select(self.scores(q))  # (scores checks q)
+        self.decode.check_inputs(q, kv_cache, out)  # all of run()'s inputs, before the scoring launches
+        self._select(self.scores(q))
         return self.decode.run(q, kv_cache, out=out, return_lse=return_lse)
 
     def _op_out_shape(self, args: list):  # (attnforge::run's fake)

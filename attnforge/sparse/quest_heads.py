@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .. import ops, paged
+from .. import checks, ops, paged
 from ..checks import fail
 from ..jit.loader import on_device
 from .quest import QuestDecode, QuestIndex
@@ -143,6 +143,9 @@ class QuestHeadDecode(QuestDecode):
         if q.dim() != 3 or q.shape[1:] != (s.num_qo_heads, s.head_dim_qk):
             raise fail("q.shape", f"[B, {s.num_qo_heads}, {s.head_dim_qk}]", list(q.shape), "One query token per request.")
         rows = q.reshape(q.shape[0] * hkv, s.group_size, s.head_dim_qk)
+        if out is not None:  # (before the scoring launches)
+            checks.check_out(out, tuple(q.shape[:2]) + (s.head_dim_vo,), checks.TORCH_DTYPES[s.out_dtype], self.device,
+                             "[B, num_qo_heads, head_dim]")
         self._ratio = r
         self._select(self.scores(rows))  # page * Hkv + h, into the page table or the scratch table
         if r != hkv:  # the cache's virtual pages are p * r + h
