@@ -90,14 +90,15 @@ def dense_copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str) -> None:
-    """A given output buffer: its device, dtype, shape, unit stride along the head dimension and 16-byte aligned
-    rows (every kernel stores its rows as 16-byte vectors)."""
+def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str, aligned: bool = True) -> None:
+    """A given output buffer: its device, dtype, shape, unit stride along the head dimension and, where the kernel
+    stores its rows as 16-byte vectors (aligned), 16-byte aligned rows (decode stores at any alignment)."""
     check_cuda("out", out, device)
     check_dtype("out", out, (dtype,))
     check_shape("out", out, shape, meaning)
     check_contiguous_last("out", out)
-    check_aligned_rows("out", out)
+    if aligned:
+        check_aligned_rows("out", out)
 
 
 def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,
@@ -109,14 +110,14 @@ def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device
 
 
 def check_output_buffers(out, lse, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,
-                         memo: Optional["RunMemo"] = None) -> None:
+                         memo: Optional["RunMemo"] = None, aligned: bool = True) -> None:
     """A caller's out (check_out) and lse (float32 [shape[0], shape[1]], contiguous), where given; with a memo,
     once per buffer layout."""
     if out is not None:
         if memo is None:
-            check_out(out, shape, dtype, device, meaning)
+            check_out(out, shape, dtype, device, meaning, aligned)
         else:
-            memo.get("out", (out,), lambda: check_out(out, shape, dtype, device, meaning), shape)
+            memo.get("out", (out,), lambda: check_out(out, shape, dtype, device, meaning, aligned), shape)
     if lse is not None:
         if memo is None:
             _check_lse(lse, shape, device, lse_meaning)

@@ -462,7 +462,8 @@ class BatchDecode:
         paged.check_page_bound(self._plan["max_page"], cache[-1])
         if out is not None or lse is not None:
             checks.check_output_buffers(out, lse, (b, s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype],
-                                        self.device, "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo)
+                                        self.device, "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo,
+                                        aligned=False)  # (store_floats: rows at any alignment)
         return cache
 
     def run(self, q: torch.Tensor, kv_cache: KVCache, out: Optional[torch.Tensor] = None,

@@ -67,15 +67,20 @@ def _run(kernel: str, v_a, s_a, v_b, s_b, num_states, out, out_lse):
         lib[kernel].launch(grid, block, params)
 
 
-def _prepare_out(out, like: torch.Tensor, shape, dtype):
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=like.device)
-    checks.check_cuda("out", out, like.device)
+def check_merge_out(out: torch.Tensor, device, shape) -> None:
+    """A caller's merged output: on the inputs' device, of the shape, a merge's dtype, contiguous (stored an element
+    at a time, so at any alignment)."""
+    checks.check_cuda("out", out, device)
     checks.check_shape("out", out, shape, "merged output")
     checks.check_dtype("out", out, (torch.bfloat16, torch.float16, torch.float32))
     if not out.is_contiguous():
         raise checks.fail("out", "a contiguous tensor", f"strides {out.stride()}", "Pass out.contiguous().")
-    checks.check_aligned_rows("out", out)  # (stored as 16-byte vectors)
+
+
+def _prepare_out(out, like: torch.Tensor, shape, dtype):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    check_merge_out(out, like.device, shape)
     return out
 
 

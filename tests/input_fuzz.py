@@ -117,6 +117,12 @@ def retag(mutations: list, kind: str, *names: str) -> list:
             if kind is not None or m.name not in names]
 
 
+def decode_out(arg: str, t: torch.Tensor, gpu: bool) -> list:
+    """A decode kernel's out: its rows leave as one 8- or 16-byte store where the address allows, else a store an
+    element, so rows at any offset or stride may be taken (tests/test_decode_gpu.py checks them bitwise)."""
+    return retag(tensor(arg, t, gpu), EITHER, "misaligned", "odd-row-stride")
+
+
 def scale(arg: str, refuse_zero: bool = True) -> list[Mutation]:
     """A float argument: refused as NaN, an infinity, a string or (refuse_zero) 0 and negative; the same value
     as a numpy float64 is SAME."""

@@ -9,7 +9,7 @@ import torch
 
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
-from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, page_size, retag, scale, tensor
+from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, page_size, retag, scale, tensor
 
 
 class Env(NamedTuple):
@@ -90,7 +90,7 @@ def decode_build(env: Env) -> dict:
 
 def decode_mutations(a: dict, env: Env) -> list:
     return (_plan_mutations(a, env) + tensor("q", a["q"], env.gpu) + tensor("kv_cache", a["kv_cache"], env.gpu) +
-            _cache_forms("kv_cache") + tensor("out", a["out"], env.gpu))
+            _cache_forms("kv_cache") + decode_out("out", a["out"], env.gpu))
 
 
 def decode_invoke(env: Env, a: dict):

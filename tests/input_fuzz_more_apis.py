@@ -10,7 +10,7 @@ import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestIndex
-from input_fuzz import EITHER, REFUSE, SAME, Mutation, index_array, misaligned, retag, scale, tensor
+from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, misaligned, retag, scale, tensor
 from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _csr, _plan_kwargs,
                              _plan_mutations, _rand, decode_build, mla_build)
 
@@ -72,7 +72,8 @@ def verify_mutations(a: dict, env: Env) -> list:
     m = [Mutation("q_len", v, REFUSE, lambda x, v=v: int(v)) for v in ("0", "3")]
     m += [Mutation("q_len", "one-token", REFUSE, lambda x: 1)]  # (q then holds two rows a request)
     m += [Mutation("kv_cache", "NHD", REFUSE, lambda t: t.transpose(2, 3).contiguous())]  # page 16 vs 2 heads
-    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+    return m + tensor("q", a["q"], env.gpu) + tensor("kv_cache", a["kv_cache"], env.gpu) + \
+        decode_out("out", a["out"], env.gpu)
 
 
 def verify_invoke(env: Env, a: dict):
@@ -141,7 +142,8 @@ def cascade_mutations(a: dict, env: Env) -> list:
     m += index_array("level_kv_indices", a["level_kv_indices"], env.gpu)
     m += index_array("suffix_last", a["suffix_last"], env.gpu, bad_value=0)
     m += [Mutation("group_indptr", "not-covering", REFUSE, lambda x: np.array([0, 2], np.int32))]
-    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+    return m + tensor("q", a["q"], env.gpu) + tensor("kv_cache", a["kv_cache"], env.gpu) + \
+        retag(tensor("out", a["out"], env.gpu), EITHER, "misaligned")  # (the final merge stores elements)
 
 
 def cascade_invoke(env: Env, a: dict):
@@ -160,7 +162,8 @@ def quest_build(env: Env) -> dict:
 
 def quest_mutations(a: dict, env: Env) -> list:
     m = [x for x in _plan_mutations(a, env) if x.arg != "q_len" and not x.arg.startswith("page_size")]
-    return m + [x for arg in ("q", "kv_cache", "out") for x in tensor(arg, a[arg], env.gpu)]
+    return m + tensor("q", a["q"], env.gpu) + tensor("kv_cache", a["kv_cache"], env.gpu) + \
+        decode_out("out", a["out"], env.gpu)
 
 
 def quest_invoke(env: Env, a: dict):

@@ -145,7 +145,7 @@ class QuestHeadDecode(QuestDecode):
         rows = q.reshape(q.shape[0] * hkv, s.group_size, s.head_dim_qk)
         if out is not None:  # (before the scoring launches)
             checks.check_out(out, tuple(q.shape[:2]) + (s.head_dim_vo,), checks.TORCH_DTYPES[s.out_dtype], self.device,
-                             "[B, num_qo_heads, head_dim]")
+                             "[B, num_qo_heads, head_dim]", aligned=False)  # (as decode's)
         self._ratio = r
         self._select(self.scores(rows))  # page * Hkv + h, into the page table or the scratch table
         if r != hkv:  # the cache's virtual pages are p * r + h
