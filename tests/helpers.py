@@ -284,6 +284,19 @@ class LaunchRecorder:
         return next(p for name, _, p in reversed(self.launches) if name == w._plan["kernel"].kernel_name)
 
 
+def stub_host_prefill(monkeypatch, encode) -> LaunchRecorder:
+    """stub_launches, and what a BatchPrefill on device "cpu" asks of a GPU: its SM count (132), pinned memory
+    and the TMA encoder (encode(tensor, box) -> a map's 128 bytes)."""
+    import types
+    from attnforge.jit import tma
+    rec = stub_launches(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(tma, "encode", encode)
+    return rec
+
+
 def stub_launches(monkeypatch) -> LaunchRecorder:
     """Run wrappers' run() without a GPU: every library is a LaunchRecorder, device checks and guards pass."""
     import contextlib

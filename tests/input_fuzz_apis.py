@@ -78,12 +78,26 @@ def _plan_kwargs(a: dict) -> dict:
 DECODE_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2)
 
 
-def decode_build(env: Env) -> dict:
-    g = torch.Generator().manual_seed(0)
+def _paged_plan(g, sm_scale: float) -> dict:
+    """A decode-like plan's arguments: LENGTHS over a shuffled table of NUM_PAGES pages, one token a request."""
     indptr, indices, last = _csr(LENGTHS, PAGE, NUM_PAGES, g)
     return {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last, "page_size": PAGE,
-            "sm_scale": 0.1, "k_scale": 1.0, "v_scale": 1.0, "q_len": 1,
-            "q": _rand(g, (3, 8, 128), torch.bfloat16, env.device),
+            "sm_scale": sm_scale, "k_scale": 1.0, "v_scale": 1.0, "q_len": 1}
+
+
+def _as_block_table(a: dict) -> dict:
+    """A plan's CSR arrays as vLLM's form: per-request lengths and a block table whose unused slots hold -1."""
+    indptr, indices = a.pop("kv_indptr"), a.pop("kv_indices")
+    a.pop("kv_last_page_len")
+    table = np.full((len(LENGTHS), 8), -1, dtype=np.int32)
+    for b in range(len(LENGTHS)):
+        table[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
+    return {"seq_lens": np.array(LENGTHS, dtype=np.int32), "block_table": table, **a}
+
+
+def decode_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {**_paged_plan(g, 0.1), "q": _rand(g, (3, 8, 128), torch.bfloat16, env.device),
             "kv_cache": _rand(g, (NUM_PAGES, 2, PAGE, 2, 128), torch.bfloat16, env.device),
             "out": torch.full((3, 8, 128), float("nan"), dtype=torch.bfloat16, device=env.device)}
 
@@ -101,13 +115,7 @@ def decode_invoke(env: Env, a: dict):
 
 # -- BatchDecode, vLLM's form: per-request lengths and a block table -------------------------------------
 def block_table_build(env: Env) -> dict:
-    a = decode_build(env)
-    indptr, indices = a.pop("kv_indptr"), a.pop("kv_indices")
-    a.pop("kv_last_page_len")
-    table = np.full((len(LENGTHS), 8), -1, dtype=np.int32)  # unused slots hold garbage (-1) past each row's pages
-    for b in range(len(LENGTHS)):
-        table[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
-    return {"seq_lens": np.array(LENGTHS, dtype=np.int32), "block_table": table, **a}
+    return _as_block_table(decode_build(env))
 
 
 def block_table_mutations(a: dict, env: Env) -> list:
@@ -144,10 +152,7 @@ MLA_SPEC = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, h
 
 def mla_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(1)
-    indptr, indices, last = _csr(LENGTHS, PAGE, NUM_PAGES, g)
-    return {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last, "page_size": PAGE,
-            "sm_scale": 0.07, "k_scale": 1.0, "v_scale": 1.0, "q_len": 1,
-            "q_nope": _rand(g, (3, 16, 512), torch.bfloat16, env.device),
+    return {**_paged_plan(g, 0.07), "q_nope": _rand(g, (3, 16, 512), torch.bfloat16, env.device),
             "q_pe": _rand(g, (3, 16, 64), torch.bfloat16, env.device),
             "ckv_cache": _rand(g, (NUM_PAGES, PAGE, 512), torch.bfloat16, env.device),
             "kpe_cache": _rand(g, (NUM_PAGES, PAGE, 64), torch.bfloat16, env.device),

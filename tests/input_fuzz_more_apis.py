@@ -11,8 +11,8 @@ from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestIndex
 from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, misaligned, retag, scale, tensor
-from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _csr, _plan_kwargs,
-                             _plan_mutations, _rand, decode_build, mla_build)
+from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _as_block_table,
+                             _csr, _plan_kwargs, _plan_mutations, _rand, _with, decode_build, mla_build)
 
 
 def decode_lse_build(env: Env) -> dict:
@@ -83,20 +83,13 @@ def verify_invoke(env: Env, a: dict):
 
 
 def mla_block_table_build(env: Env) -> dict:
-    a = mla_build(env)
-    indptr, indices = a.pop("kv_indptr"), a.pop("kv_indices")
-    a.pop("kv_last_page_len")
-    table = np.zeros((len(indptr) - 1, 8), dtype=np.int32)
-    for b in range(len(indptr) - 1):
-        table[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
-    lengths = [(indptr[b + 1] - indptr[b] - 1) * PAGE for b in range(len(indptr) - 1)]
-    return {"seq_lens": np.array(lengths, np.int32) + np.array([10, 5, 4], np.int32), "block_table": table, **a}
+    return _as_block_table(mla_build(env))
 
 
 def mla_block_table_mutations(a: dict, env: Env) -> list:
     return index_array("seq_lens", a["seq_lens"], env.gpu) + \
         [Mutation("block_table", "transposed", REFUSE, lambda t: np.ascontiguousarray(np.asarray(t).T)),
-         Mutation("block_table", "id-past-cache", REFUSE, lambda t: np.where(np.asarray(t) == 0, NUM_PAGES, t)),
+         Mutation("block_table", "id-past-cache", REFUSE, lambda t: _with(t, (2, 0), NUM_PAGES)),
          Mutation("block_table", "strided", SAME, lambda t: np.repeat(np.asarray(t), 2, axis=1)[:, ::2])]
 
 

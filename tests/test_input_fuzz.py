@@ -1,14 +1,12 @@
 """The bad-input fuzz on the CPU (tests/input_fuzz.py): every mutation of each API's valid call, with the launches
 stubbed. A refused input must raise a clear ValueError or TypeError before any launch; a SAME one must launch as
 the valid call does. (The GPU file compares the accepted calls' outputs, and adds the device mutations.)"""
-import numpy as np
 import pytest
 import torch
 
 from attnforge import BatchDecode, BatchMLADecode, BatchPrefill, append, dense, prefill
-from attnforge.jit import tma as tma_maps
-from helpers import stub_launches
-from input_fuzz import EITHER, REFUSE, SAME, clear_refusal
+from helpers import stub_host_prefill
+from input_fuzz import REFUSE, SAME, clear_refusal
 from input_fuzz_apis import Env
 from input_fuzz_more_apis import APIS
 
@@ -39,12 +37,7 @@ def cpu_wrapper(cls, spec, **kwargs):
 
 @pytest.fixture
 def env(monkeypatch):
-    import types
-    rec = stub_launches(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
-        multi_processor_count=132))
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(tma_maps, "encode", lambda t, box: bytes(128))
+    rec = stub_host_prefill(monkeypatch, lambda t, box: bytes(128))
     for owner, table in ((dense, "_CALLS"), (prefill, "_WRAPPERS"), (append, "_LAUNCHES")):
         monkeypatch.setattr(owner, table, {})  # (their entries hold an earlier test's stubbed libraries)
     return Env(False, torch.device("cpu"), cpu_wrapper), rec

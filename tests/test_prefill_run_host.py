@@ -3,7 +3,6 @@ the SM count and the TMA encoder are stubbed, and each launched params struct is
 own tensors over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate) with the bytes a full pack
 gives; attention() plans once per call signature and again only when the scale or the mask's inputs change."""
 import math
-import types
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import torch
 from attnforge import AttentionSpec, BatchPrefill, dense, variants
 from attnforge.jit import tma as tma_maps
 from attnforge.prefill import RAGGED_PAGE
-from helpers import count_calls, stub_launches
+from helpers import count_calls, stub_host_prefill
 
 
 def fake_map(t, box) -> bytes:
@@ -22,12 +21,7 @@ def fake_map(t, box) -> bytes:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    rec = stub_launches(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
-        multi_processor_count=132))
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(tma_maps, "encode", fake_map)
-    return rec
+    return stub_host_prefill(monkeypatch, fake_map)
 
 
 def full_pack(w, q, k, v, out, lse, strides):
