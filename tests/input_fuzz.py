@@ -134,8 +134,9 @@ def scale(arg: str, refuse_zero: bool = True) -> list[Mutation]:
 
 
 def page_size(arg: str = "page_size") -> list[Mutation]:
-    return [Mutation(arg, v, REFUSE, lambda x, v=v: {"0": 0, "-1": -1, "float": float(x), "bool": True,
-                                                      "string": str(x)}[v]) for v in ("0", "-1", "float", "string")] + \
+    """Tokens a page: refused as 0, -1, a float, a bool or a string; a numpy int is SAME."""
+    bad = {"0": lambda x: 0, "-1": lambda x: -1, "float": float, "bool": lambda x: True, "string": str}
+    return [Mutation(arg, name, REFUSE, f) for name, f in bad.items()] + \
         [Mutation(arg, "np-int", SAME, lambda x: np.int64(x))]
 
 
