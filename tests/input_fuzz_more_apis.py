@@ -1,6 +1,7 @@
-"""More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer and fp8 cache, MLA's one 576-wide
-cache, cascade, Quest, single_prefill, merge_state and the slot-mapped append. Each is a valid call as a dict of
-named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api)."""
+"""More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
+one 576-wide cache and block table, cascade, Quest, single_prefill, merge_state, the slot-mapped and MLA appends.
+Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
+APIS is every call form the fuzz runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -117,7 +118,7 @@ def mla_unified_invoke(env: Env, a: dict):
     return w.run(a["q_nope"], a["q_pe"], a["ckv_cache"], out=a["out"])
 
 
-# -- CascadeDecode: one shared level (pages 0..3 shared by requests 0-1, request 2 alone), each request's suffix --
+# -- CascadeDecode: one shared level (pages 6-9 shared by requests 0-1; request 2's group none), suffixes in 0-5 ---
 def cascade_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(7)
     suffix = _csr((20, 9, 33), PAGE, 2 + 1 + 3, g)
