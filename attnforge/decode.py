@@ -161,6 +161,7 @@ class BatchDecode:
         self._merge_count = torch.zeros(max_batch_size * self._stream_items(), dtype=torch.int32, device=self.device)
         self._alloc_int_buffers(max_num_pages)
         self._plan = None
+        self._captured = paged.CapturedPages()  # (use_cuda_graph: the captured caches' pages bound each plan)
         self._memo = checks.RunMemo()  # run()'s checked inputs and the plan's params template
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
@@ -206,6 +207,7 @@ class BatchDecode:
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
         self._head_splits, self.merge_in_launch, self.max_q_len = None, None, 1
+        self._captured = paged.CapturedPages()
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
         return self.kernel.item_rows
@@ -317,6 +319,7 @@ class BatchDecode:
                 raise TypeError(f"plan: expected kv_indptr, kv_indices and kv_last_page_len (or seq_lens= and "
                                 f"block_table=), got None for {', '.join(missing)}. Pass the page table's host arrays.")
             table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        self._captured.check(table.max_page_index)
         if len(table.indices) > self.max_num_pages:
             if self.use_cuda_graph:
                 raise checks.fail("plan: number of pages", f"at most max_num_pages={self.max_num_pages}",
@@ -460,6 +463,7 @@ class BatchDecode:
         memo.get("q", (q,), lambda: self._check_q(q), b)
         cache = memo.get("kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
         paged.check_page_bound(self._plan["max_page"], cache[-1])
+        self._captured.note(self.use_cuda_graph, cache[-1])
         if out is not None or lse is not None:
             checks.check_output_buffers(out, lse, (b, s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype],
                                         self.device, "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo,

@@ -189,6 +189,7 @@ class BatchMLADecode(BatchDecode):
     def _host_only_defaults(self) -> None:
         self._backend, self._schedule, self._kernel_fields, self.max_q_len, self._graph_lanes = None, None, {}, 1, None
         self._default_kernel = self._transposed_kernel = None  # (host_only sets the kernel after: filled at plan())
+        self._captured = paged.CapturedPages()
 
     def _make_transposed_kernel(self) -> Optional[MLADecodeKernel]:
         """The kernel plan() runs one request (LONG_REQUEST_TRANSPOSED), or a batch of one query token each
@@ -363,6 +364,7 @@ class BatchMLADecode(BatchDecode):
         cache, pages = memo.get("kv", (ckv_cache, kpe_cache), lambda: self._cache_args(ckv_cache, kpe_cache),
                                 self._plan["page_size"])
         paged.check_page_bound(self._plan["max_page"], pages, "the latent cache")
+        self._captured.note(self.use_cuda_graph, pages)
         out, lse = checks.output_buffers(out, lse, return_lse, (b * q_len, s.num_qo_heads, MLA_HEAD_DIM_VO),
                                          checks.TORCH_DTYPES[s.out_dtype], self.device,
                                          "[batch * q_len, num_heads, 512]", "[batch * q_len, num_heads]", memo)

@@ -160,6 +160,24 @@ def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):
     return k, v, k.stride(0), k.stride(tok), k.stride(head)
 
 
+class CapturedPages:
+    """In a graph-mode wrapper, the fewest pages of any cache a captured run() read: a replay reads that cache
+    with no run() to check the page ids, so every later plan's ids must index it (plan() calls check)."""
+
+    def __init__(self):
+        self.pages: Optional[int] = None
+
+    def note(self, use_cuda_graph: bool, num_pages: int) -> None:
+        """A run's cache (its pages), kept where the run is being captured."""
+        if use_cuda_graph and torch.cuda.is_current_stream_capturing():
+            self.pages = num_pages if self.pages is None else min(self.pages, num_pages)
+
+    def check(self, max_page: int) -> None:
+        if self.pages is not None and max_page >= self.pages:
+            raise fail("kv_indices", f"page ids < {self.pages} (the pages of the cache a captured graph reads)",
+                       f"max id {max_page}", "Capture the graph over a cache holding every page a plan may name.")
+
+
 def check_page_bound(max_page: int, num_pages: int, cache: str = "the cache") -> None:
     """The plan's largest page id must index the cache passed to run()."""
     if max_page >= num_pages:

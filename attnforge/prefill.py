@@ -86,6 +86,7 @@ class BatchPrefill:
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)
         self._plan = None
+        self._captured = paged.CapturedPages()  # (use_cuda_graph: the captured caches' pages bound each plan)
         self._upload = None  # plan()'s staged uploads outside graph mode (made by the first plan)
         self._num_sms = None
         self._memo = checks.RunMemo()  # run()'s checked inputs and the plan's params template
@@ -140,6 +141,7 @@ class BatchPrefill:
                                   "Pass one page range per request.")
             kv_len, ragged, indices, kvp = table.kv_len, False, table.indices, table.indptr
             kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index
+            self._captured.check(max_page)
         q_off = qo[:-1] if q_offset is None else paged.host_int_array("q_offset", q_offset)
         tile_q, tile_kv = self.kernel.tile_q, self.kernel.tile_kv
         # Work: one CTA per (request, kv head, tile_q packed query rows); the longest KV range first.
@@ -356,6 +358,7 @@ class BatchPrefill:
                                     pl["page_size"], pl["kv_tokens"])
         if not pl["ragged"]:
             paged.check_page_bound(pl["max_page"], pages)
+            self._captured.note(self.use_cuda_graph, pages)
         out_shape = (q.shape[0], s.num_qo_heads, s.head_dim_vo)
         if out is None:
             out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)

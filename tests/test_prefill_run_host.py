@@ -95,6 +95,22 @@ def test_paged_runs_recheck_page_ids_and_what_differs(recorder):
         w.run(q, cache, out=out.half())
 
 
+def test_graph_mode_plans_name_only_pages_of_the_captured_cache(recorder, monkeypatch):
+    """As decode's (tests/test_run_host.py): after a captured run over 8 pages, a plan naming page 8 is refused."""
+    w = BatchPrefill(SPEC, device="cpu", use_cuda_graph=True, max_batch_size=1, max_num_pages=16)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    q = torch.randn(20, 32, 128).bfloat16()
+    w.plan(np.array([0, 20]), np.array([0, 2]), np.array([4, 9]), np.array([16]), page_size=16)
+    w.run(q, torch.randn(10, 2, 16, 8, 128).bfloat16())
+    capturing["now"] = True
+    w.run(q, torch.randn(10, 2, 16, 8, 128).bfloat16())
+    w.run(q, torch.randn(12, 2, 16, 8, 128).bfloat16())
+    w.plan(np.array([0, 20]), np.array([0, 2]), np.array([4, 9]), np.array([16]), page_size=16)
+    with pytest.raises(ValueError, match=r"page ids < 10 \(the pages of the cache a captured graph reads\)"):
+        w.plan(np.array([0, 20]), np.array([0, 2]), np.array([4, 10]), np.array([16]), page_size=16)
+
+
 def test_a_plan_whose_offsets_overflow_int32_is_refused_before_any_launch(recorder):
     w = BatchPrefill(SPEC, device="cpu")
     with pytest.raises(ValueError, match=r"fit in int32 \(< 2\^31\), got 2147483648\. Split the batch"):

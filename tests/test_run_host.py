@@ -104,6 +104,39 @@ def test_repeated_inputs_skip_the_checks_and_a_new_plan_keeps_them(recorder, mon
 
 
 @pytest.mark.parametrize("cls", [BatchDecode, BatchMLADecode])
+def test_graph_mode_plans_name_only_pages_of_the_captured_caches(recorder, monkeypatch, cls):
+    """A replay reads the cache its run captured, with no run() to check page ids: in a graph-mode wrapper, a plan
+    naming a page past the fewest pages a captured run read is refused (eager runs do not bound it)."""
+    mla = cls is BatchMLADecode
+    spec = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
+                         pipeline="normal") if mla else AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    w = host_wrapper(cls, spec)
+    w.use_cuda_graph = True
+    page = 64 if mla else 16
+    shapes = [(1, 16, 512), (1, 16, 64)] if mla else [(1, 32, 128)]
+    q = [torch.randn(s).bfloat16() for s in shapes]
+    cache_shape = (64, 576) if mla else (2, 16, 8, 128)
+
+    def cache(pages):
+        return torch.randn(pages, *cache_shape).bfloat16()
+
+    def plan_pages(ids):
+        w.plan(np.array([0, len(ids)], np.int32), np.array(ids, np.int32), np.array([5], np.int32), page_size=page)
+        w._upload.dev = torch.zeros(1 << 16, dtype=torch.int32)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    plan_pages([0, 1])
+    w.run(*q, cache(4))  # eager: no bound
+    plan_pages([6, 7])
+    capturing["now"] = True
+    for pages in (10, 8, 9):  # each layer's cache: the fewest pages bound the plans
+        w.run(*q, cache(pages))
+    plan_pages([7, 3])
+    with pytest.raises(ValueError, match=r"page ids < 8 \(the pages of the cache a captured graph reads\)"):
+        plan_pages([8, 0])
+
+
+@pytest.mark.parametrize("cls", [BatchDecode, BatchMLADecode])
 def test_given_out_and_lse_are_checked_once_per_layout(recorder, monkeypatch, cls):
     """A caller's out and lse buffers are checked at their first run and again only when their address, shape,
     strides, dtype or device differ (a view at the same address in another dtype is refused)."""
