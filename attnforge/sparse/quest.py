@@ -264,6 +264,7 @@ class QuestDecode:
         """The step's page table (host arrays). sm_scale, k_scale and v_scale are the decode's (BatchDecode.plan:
         an fp8 cache's per-tensor scales); the selection ranks pages by their summaries alone."""
         table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len)
+        self.decode._captured.check(table.max_page_index)  # (the decode plans placeholder ids; these are the real ones)
         b, n = table.batch_size, len(table.indices)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size,
                          sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
