@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnforge import paged
 from attnforge.sparse import QuestIndex, page_scores, select_pages
 
 
@@ -332,6 +333,8 @@ def test_plan_hands_the_decode_its_scales():
     from attnforge.sparse import QuestDecode
 
     class DecodeRecorder:
+        _captured = paged.CapturedPages()  # (no captured run: nothing bounds the plan)
+
         def plan(self, *args, **kw):
             self.kw, self._plan = kw, {}
 
