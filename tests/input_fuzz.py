@@ -8,7 +8,7 @@ A mutation is one of three kinds:
   EITHER  keeps the values in a form an API may refuse (rows padded in memory, a list for a pair): a refusal as
           clear as REFUSE's, or the valid call's result.
 A call is a dict of named arguments; `Api.invoke(env, args)` plans and runs it. tests/test_input_fuzz.py runs every
-mutation on the CPU with the launches stubbed (plan() and run()'s checks are host code), and
+mutation of the APIs marked cpu on the CPU with the launches stubbed (plan() and run()'s checks are host code), and
 tests/test_input_fuzz_gpu.py on a GPU, where each accepted call's output is compared with the valid call's."""
 from __future__ import annotations
 
