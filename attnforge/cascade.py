@@ -28,6 +28,19 @@ from .prefill import BatchPrefill
 from .spec import AttentionSpec
 
 
+def suffix_batch(suffix) -> int:
+    """The batch size a plan's suffix table (kv_indptr, kv_indices, kv_last_page_len) names, its form checked."""
+    if not isinstance(suffix, (tuple, list)) or len(suffix) != 3:
+        raise checks.fail("plan(suffix=...)", "(kv_indptr, kv_indices, kv_last_page_len) of each request's own pages",
+                          f"{type(suffix).__name__} of {len(suffix) if hasattr(suffix, '__len__') else 1}",
+                          "Pass the suffix's page table as three host arrays.")
+    indptr = paged.host_int_array("suffix kv_indptr", suffix[0])
+    if indptr.ndim != 1 or len(indptr) < 1:
+        raise checks.fail("suffix kv_indptr", "a 1-D array [B + 1]", f"shape {list(indptr.shape)}",
+                          "Build it as a prefix sum of each request's own pages.")
+    return len(indptr) - 1
+
+
 def check_levels(batch: int, levels: Sequence[tuple]) -> None:
     """Each level's groups must cover requests 0..B-1 in order (host-side, before any launch)."""
     for i, level in enumerate(levels):
@@ -71,14 +84,7 @@ class CascadeDecode:
         """levels: [(group_indptr, kv_indptr, kv_indices, kv_last_page_len)] per shared level; suffix: each
         request's own (kv_indptr, kv_indices, kv_last_page_len). k_scale / v_scale: an fp8 cache's per-tensor
         scales, read alike by every level and the suffix."""
-        if not isinstance(suffix, (tuple, list)) or len(suffix) != 3:
-            raise checks.fail("plan(suffix=...)", "(kv_indptr, kv_indices, kv_last_page_len) of each request's own "
-                              "pages", type(suffix).__name__, "Pass the suffix's page table as three host arrays.")
-        indptr = paged.host_int_array("suffix kv_indptr", suffix[0])
-        if indptr.ndim != 1 or len(indptr) < 1:
-            raise checks.fail("suffix kv_indptr", "a 1-D array [B + 1]", f"shape {list(indptr.shape)}",
-                              "Build it as a prefix sum of each request's own pages.")
-        batch = len(indptr) - 1
+        batch = suffix_batch(suffix)
         check_levels(batch, levels)
         if self.use_cuda_graph and self.levels and len(self.levels) != len(levels):
             raise checks.fail("plan: number of levels in CUDA-graph mode", f"{len(self.levels)} (as captured)",

@@ -3,8 +3,16 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, reference
-from attnforge.cascade import CascadeDecode, check_levels
+from attnforge.cascade import CascadeDecode, check_levels, suffix_batch
 from helpers import replays_after_replans
+
+
+def test_suffix_table_form_errors():
+    assert suffix_batch(([0, 2, 5], list(range(5)), [3, 16])) == 2
+    with pytest.raises(ValueError, match=r"plan\(suffix=...\): expected \(kv_indptr, .*got tuple of 2\. Pass"):
+        suffix_batch(([0, 2, 5], list(range(5))))
+    with pytest.raises(ValueError, match=r"suffix kv_indptr: expected a 1-D array \[B \+ 1\], got shape \[\]"):
+        suffix_batch((5, list(range(5)), [3]))
 
 
 def test_level_bookkeeping_errors():

@@ -333,7 +333,8 @@ def test_plan_hands_the_decode_its_scales():
     from attnforge.sparse import QuestDecode
 
     class DecodeRecorder:
-        _captured = paged.CapturedPages()  # (no captured run: nothing bounds the plan)
+        def __init__(self):
+            self._captured = paged.CapturedPages()  # (no captured run yet: nothing bounds the plan)
 
         def plan(self, *args, **kw):
             self.kw, self._plan = kw, {}
@@ -344,3 +345,7 @@ def test_plan_hands_the_decode_its_scales():
     q.plan(np.array([0, 3, 5]), np.array([0, 1, 2, 3, 4]), np.array([16, 5]), sm_scale=0.1, k_scale=0.5, v_scale=2.0)
     assert q.decode.kw == {"page_size": 16, "sm_scale": 0.1, "k_scale": 0.5, "v_scale": 2.0}
     assert q._planned == {"batch": 2, "width": 3}
+    # a graph captured over a 5-page cache: the decode plans placeholder ids, so Quest checks the real ones
+    q.decode._captured.pages = 5
+    with pytest.raises(ValueError, match=r"page ids < 5 \(the pages of the cache a captured graph reads\)"):
+        q.plan(np.array([0, 3, 5]), np.array([0, 1, 2, 3, 5]), np.array([16, 5]))
