@@ -1,5 +1,5 @@
 """More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
-one 576-wide cache and block table, cascade, Quest, single_prefill, merge_state, the slot-mapped and MLA appends.
+one 576-wide cache and block table, cascade, Quest (a selection per request or per KV head), single_prefill, merge_state, the slot-mapped and MLA appends.
 Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
 APIS is every call form the fuzz runs."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.cascade import CascadeDecode
-from attnforge.sparse import QuestDecode, QuestIndex
+from attnforge.sparse import QuestDecode, QuestHeadDecode, QuestIndex
 from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, misaligned, retag, scale, tensor
 from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _as_block_table,
                              _csr, _plan_kwargs, _plan_mutations, _rand, _with, decode_build, mla_build)
@@ -173,6 +173,35 @@ def quest_invoke(env: Env, a: dict):
     return quest.run(a["q"], a["kv_cache"], out=a["out"])
 
 
+# -- QuestHeadDecode: a selection per (request, KV head) over an HND cache, a budget of 3 pages -----------------
+def quest_heads_build(env: Env) -> dict:
+    a = quest_build(env)
+    a["kv_cache"] = a["index_cache"] = a["kv_cache"].transpose(2, 3).contiguous()  # [P, 2, Hkv, page, D]
+    return a
+
+
+def quest_heads_mutations(a: dict, env: Env) -> list:
+    m = [Mutation("kv_cache", "NHD", REFUSE, lambda t: t.transpose(2, 3).contiguous())]  # page 16 vs 2 heads
+    # (q is read per KV head's group as q.reshape: a strided q is copied there, as SDPA takes any layout)
+    return m + retag(quest_mutations(a, env), EITHER, "strided-last")
+
+
+def quest_heads_invoke(env: Env, a: dict):
+    cache = a["index_cache"]
+    index = QuestIndex(NUM_PAGES, 2, 128, device=env.device)
+    keys = cache[:, 0].transpose(1, 2).float()  # [pages, page, Hkv, D]
+    for p in range(NUM_PAGES):
+        index.append(keys[p], torch.full((PAGE,), p, dtype=torch.int64, device=env.device))
+    quest = QuestHeadDecode(QUEST_HEADS_SPEC, index, budget_tokens=3 * PAGE, page_size=PAGE,
+                            max_batch_size=4, max_num_pages=NUM_PAGES, max_pages_per_request=8)
+    quest.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"],
+               **{k: a[k] for k in ("sm_scale", "k_scale", "v_scale")})
+    return quest.run(a["q"], a["kv_cache"], out=a["out"])
+
+
+QUEST_HEADS_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, kv_layout="HND")
+
+
 # -- single_prefill, merge_state, append_kv_by_slots ------------------------------------------------------------
 def single_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(8)
@@ -269,6 +298,7 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("mla-block-table", mla_block_table_build, mla_block_table_mutations, mla_block_table_invoke),
              Api("cascade", cascade_build, cascade_mutations, cascade_invoke, cpu=False),
              Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
+             Api("quest-heads", quest_heads_build, quest_heads_mutations, quest_heads_invoke, cpu=False),
              Api("single-prefill", single_build, single_mutations, single_invoke),
              Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke),
              Api("append-slots", slots_build, slots_mutations, slots_invoke),

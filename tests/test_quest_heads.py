@@ -85,3 +85,29 @@ def test_head_wise_plans_stage_the_request_table_beside_the_expanded_regions():
                      "raw_indptr": 4, "raw_pages": 50}
     q._stage({"raw_indptr": np.array([0, 30, 50]), "raw_pages": np.arange(50)})
     assert q._region("raw_indptr")[:3].tolist() == [0, 30, 50] and q._region("raw_pages").tolist() == list(range(50))
+
+
+def test_plans_are_bounded_by_a_captured_runs_real_cache():
+    """In graph mode a replay reads the cache its captured run() read, with no run() to check the selection's
+    page ids: plan() refuses real ids past that cache's pages before staging anything. (The decode's own bound
+    counts the per-head view's virtual pages, which its placeholder ids never reach, so it cannot stand in.)"""
+    from attnforge import paged
+    from attnforge.sparse import QuestHeadDecode
+    from test_quest import staged_quest
+
+    class DecodeRecorder:
+        def __init__(self):
+            self._captured, self.calls = paged.CapturedPages(), 0
+
+        def plan(self, *args, **kw):
+            self.calls += 1
+
+    hkv, index = 2, QuestIndex(8, 2, 64)
+    quest = staged_quest(QuestHeadDecode, max_batch_size=2 * hkv, max_num_pages=8 * hkv, index=index.per_head_view(),
+                         page_size=16, budget_pages=2, use_cuda_graph=True, max_pages_per_request=8,
+                         _scores=torch.zeros(8 * hkv), num_kv_heads=hkv, decode=DecodeRecorder(),
+                         _captured_cache=paged.CapturedPages())
+    quest._captured_cache.pages = 5  # a graph captured over a 5-page cache (the index holds 8 pages)
+    with pytest.raises(ValueError, match=r"page ids < 5 \(the pages of the cache a captured graph reads\)"):
+        quest.plan(np.array([0, 3, 5]), np.array([0, 1, 2, 3, 5]), np.array([16, 5]))
+    assert quest.decode.calls == 0 and (quest._upload.dev == -7).all(), "refused before planning or staging"

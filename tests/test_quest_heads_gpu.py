@@ -222,3 +222,43 @@ def test_bad_specs_and_plans_are_refused():
     quest = QuestHeadDecode(SPEC, index, budget_tokens=64, page_size=PAGE)
     with pytest.raises(ValueError, match="below the QuestIndex's 7 pages"):  # the index's pages, not its rows
         quest.plan([0, 2], [3, 7], [4])
+    # an out the decode cannot write is refused before the scoring kernel launches
+    quest.plan(indptr.cpu(), indices.cpu(), last)
+    quest._scores.fill_(-7.0)
+    q = torch.randn(1, HQ, D, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="out"):
+        quest.run(q, kv, out=torch.empty(1, HQ, D, device="cuda"))  # float32, the spec's out is bf16
+    torch.cuda.synchronize()
+    assert (quest._scores == -7.0).all(), "no scoring launched"
+
+
+def test_a_captured_graph_bounds_later_plans_by_its_cache():
+    """The captured run read a 1024-page cache of the index's 2048 pages: a replay reads that cache with no run()
+    to check ids, so a plan naming page 1024 is refused, and plans within it still replay right."""
+    rng = np.random.default_rng(1)
+    pages_total, held, batch = 2048, 1024, 3
+    cache = torch.randn(pages_total, 2, HKV, PAGE, D, device="cuda").bfloat16()
+    index = QuestIndex(pages_total, HKV, D, device="cuda")
+    index.append(cache[:, 0].permute(0, 2, 1, 3).reshape(-1, HKV, D),
+                 torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
+    small = cache[:held]
+    q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    quest = QuestHeadDecode(SPEC, index, budget_tokens=512, page_size=PAGE, use_cuda_graph=True,
+                            max_batch_size=batch, max_num_pages=pages_total, max_pages_per_request=512)
+
+    def replan():
+        lengths, indptr, indices, last = random_page_table(rng, batch, PAGE, held, 4000)  # (<= 750 pages)
+        quest.plan(indptr, indices, last)
+        return lengths, torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda()
+
+    def refresh():
+        q.copy_(torch.randn_like(q.float()).bfloat16())
+        out.fill_(float("nan"))
+
+    for i, (lengths, indptr, indices) in replays_after_replans(lambda: quest.run(q, small, out=out), replan,
+                                                               refresh, 2):
+        ref = reference_per_head(q, small, indptr, indices, list(lengths), index, 512 // PAGE, quest)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"replay {i}")
+    with pytest.raises(ValueError, match=r"page ids < 1024 \(the pages of the cache a captured graph reads\)"):
+        quest.plan(np.array([0, 2]), np.array([5, held]), np.array([16]))

@@ -84,6 +84,9 @@ class QuestHeadDecode(QuestDecode):
         self.model_index = index
         self._raw_ids = None  # scratch for the selected ids when they need rewriting (see _selection_out)
         self._ratio = hkv  # the cache's virtual page stride in heads (run() reads it from the cache)
+        # (use_cuda_graph: the captured caches' real pages bound each plan; the decode's own bound counts the
+        # per-head view's virtual pages, which the placeholder ids it plans never reach)
+        self._captured_cache = paged.CapturedPages()
 
     def _selection_out(self) -> torch.Tensor:
         # ids p * Hkv + h go straight to the decode page table when the cache's pages are Hkv heads
@@ -101,6 +104,7 @@ class QuestHeadDecode(QuestDecode):
         """As QuestDecode.plan, one selection per (request, KV head)."""
         hkv = self.num_kv_heads
         table, width, sel_indptr, last = self._plan_selection(kv_indptr, kv_indices, kv_last_page_len, hkv)
+        self._captured_cache.check(table.max_page_index)
         b, n = table.batch_size, len(table.indices)
         self.decode.plan(sel_indptr, np.zeros(int(sel_indptr[-1]), dtype=np.int32), last, page_size=self.page_size,
                          sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
@@ -147,6 +151,7 @@ class QuestHeadDecode(QuestDecode):
             checks.check_out(out, tuple(q.shape[:2]) + (s.head_dim_vo,), checks.TORCH_DTYPES[s.out_dtype], self.device,
                              "[B, num_qo_heads, head_dim]", aligned=False)  # (as decode's)
         self._ratio = r
+        self._captured_cache.note(self.use_cuda_graph, k.shape[0])
         self._select(self.scores(rows))  # page * Hkv + h, into the page table or the scratch table
         if r != hkv:  # the cache's virtual pages are p * r + h
             raw = self._raw_ids
