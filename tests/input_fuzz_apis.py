@@ -24,6 +24,10 @@ class Api(NamedTuple):
     mutations: Callable[[dict, Env], list]  # of one argument at a time
     invoke: Callable[[Env, dict], Any]  # plan and run; returns the outputs
     cpu: bool = True  # runs on the CPU with the launches stubbed
+    # kernels a valid plan() launches (planning on the device: QuestHeadDecode's table expansion), and the
+    # arguments run() takes: a refusal of those may follow plan()'s launches, a refusal of plan()'s may not
+    plan_kernels: tuple = ()
+    run_args: tuple = ()
 
 
 def _rand(g, shape, dtype, device):
