@@ -7,6 +7,7 @@ import torch
 
 from attnforge import paged
 from attnforge.sparse import QuestIndex, page_scores, select_pages
+from input_fuzz import REFUSE, SAME, clear_refusal, index_array, tensor
 
 
 def test_index_tracks_min_and_max_and_resets():
@@ -349,3 +350,51 @@ def test_plan_hands_the_decode_its_scales():
     q.decode._captured.pages = 5
     with pytest.raises(ValueError, match=r"page ids < 5 \(the pages of the cache a captured graph reads\)"):
         q.plan(np.array([0, 3, 5]), np.array([0, 1, 2, 3, 5]), np.array([16, 5]))
+
+
+def _appended(k, page_ids) -> QuestIndex:
+    idx = QuestIndex(6, 2, 8)
+    idx.append(k, page_ids)
+    return idx
+
+
+APPEND_MUTATIONS = tensor("k", torch.zeros(16, 2, 8), False) + index_array("page_ids", np.zeros(16, np.int32), False)
+
+
+@pytest.mark.parametrize("mutation", APPEND_MUTATIONS, ids=[m.id for m in APPEND_MUTATIONS])
+def test_append_refuses_bad_keys_and_ids_before_writing(mutation):
+    """QuestIndex.append's inputs one at a time (the bad-input fuzz's mutations): a key tensor or page-id array
+    that breaks a rule is refused with expected / got before any summary is written; the same keys in another
+    layout or float dtype, and the same ids in another container, fold into the same summaries."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(16, 2, 8, generator=g).bfloat16()
+    k = torch.where(k.abs() < 1e-3, 0.5, k).bfloat16()  # (no fp16 subnormals: bf16 -> fp16 stays exact)
+    args = {"k": k, "page_ids": torch.randint(0, 6, (16,), generator=g).numpy().astype(np.int32)}
+    want = _appended(**args)
+    # keys in another float dtype hold the same values; ids past the index's 6 pages are out of range
+    kind = SAME if mutation.id in ("k:dtype", "k:float32", "k:strided-last", "k:misaligned", "k:odd-row-stride",
+                                   "k:padded-rows") else mutation.kind
+    bad = dict(args, **{mutation.arg: mutation.change(args[mutation.arg])})
+    idx = QuestIndex(6, 2, 8)
+    try:
+        idx.append(**bad)
+    except Exception as err:  # noqa: BLE001 (the point: which exception, and what it says)
+        assert kind != SAME, f"a SAME input was refused: {type(err).__name__}: {err}"
+        assert clear_refusal(err) is None, clear_refusal(err)
+        assert torch.all(idx._min_rows == math.inf) and torch.all(idx._max_rows == -math.inf), "written before"
+        return
+    assert kind != REFUSE, f"{mutation.id} was accepted"
+    assert torch.equal(idx.kmin, want.kmin) and torch.equal(idx.kmax, want.kmax)
+
+
+def test_reset_and_append_never_wrap_a_negative_id_onto_the_last_page():
+    """torch indexing wraps -1 onto the last row: a reset([-1]) would have forgotten the last page's keys."""
+    idx = QuestIndex(4, 1, 8)
+    idx.append(torch.ones(2, 1, 8), [3, 3])
+    for call in (lambda: idx.reset([-1]), lambda: idx.reset(torch.tensor([1, 4])),
+                 lambda: idx.append(torch.zeros(1, 1, 8), torch.tensor([-1]))):
+        with pytest.raises(ValueError, match=r"page ids in \[0, num_pages=4\)"):
+            call()
+    assert torch.all(idx.kmin[3] == 1) and torch.all(idx.kmax[3] == 1), "page 3 kept its keys"
+    with pytest.raises(TypeError, match="expected a floating torch tensor"):
+        idx.assign(np.zeros((4, 1, 8)), idx.kmax)

@@ -363,3 +363,21 @@ def test_select_kernel_ranks_a_narrow_boundary_bin_with_exact_ties():
     quest._select(quest._scores)
     position = {int(p): j for j, p in enumerate(indices)}
     assert [position[int(p)] for p in table[:k].cpu().numpy()] == kernel_model(scores, k)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.float32, "fp8-channels", "int4"])
+def test_device_page_ids_out_of_range_are_never_folded(index_dtype):
+    """Page ids on the GPU are not read back: those outside [0, num_pages) are not folded (a CUDA index past the
+    rows would end the process's CUDA context, and -1 would wrap onto the last page); check_indices=True counts
+    them and raises before writing. The summaries equal an index given only the valid ids."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(6, 2, 16, generator=g).cuda()
+    fmt = summary_format(index_dtype, k)
+    idx, want = (QuestIndex(4, 2, 16, device="cuda", **fmt) for _ in range(2))
+    idx.append(k, torch.tensor([0, -1, 4, 2**40, 3, 0], device="cuda"))
+    idx.reset(torch.tensor([3, 7, -2], device="cuda"))  # page 3 forgotten, the others ignored
+    want.append(k[[0, 5]], torch.tensor([0, 0], device="cuda"))
+    with pytest.raises(ValueError, match=r"2 outside, first page_ids\[1\] = -1"):
+        idx.append(k[:2], torch.tensor([2, -1], device="cuda"), check_indices=True)
+    torch.cuda.synchronize()
+    assert torch.equal(idx.kmin, want.kmin) and torch.equal(idx.kmax, want.kmax)

@@ -45,16 +45,20 @@ class QuestIndex:
             raise fail("QuestIndex head_dim", "an even number for int4 summaries (two codes a byte)", head_dim,
                        "Use fp8 summaries.")
         self.scale = summaries.checked_scale(scale, self.format, num_kv_heads, head_dim, device)
-        shape = (num_pages, num_kv_heads, head_dim)
+        self.num_pages = num_pages
+        # one spare row past the pages: device page ids out of range land there (see _rows), and no score reads it
+        shape = (num_pages + 1, num_kv_heads, head_dim)
         self.quantized = self.format in summaries.LEVELS
         master = torch.bfloat16 if self.quantized else dtype
-        self._min = torch.full(shape, math.inf, dtype=master, device=device)
-        self._max = torch.full(shape, -math.inf, dtype=master, device=device)
+        self._min_rows = torch.full(shape, math.inf, dtype=master, device=device)
+        self._max_rows = torch.full(shape, -math.inf, dtype=master, device=device)
         if self.quantized:  # what the scoring reads; empty pages: lo > hi (no key yet)
-            self.kmin = summaries.encode(self.format, self._min, self.scale, up=False)
-            self.kmax = summaries.encode(self.format, self._max, self.scale, up=True)
+            self._kmin_rows = summaries.encode(self.format, self._min_rows, self.scale, up=False)
+            self._kmax_rows = summaries.encode(self.format, self._max_rows, self.scale, up=True)
         else:
-            self.kmin, self.kmax = self._min, self._max
+            self._kmin_rows, self._kmax_rows = self._min_rows, self._max_rows
+        self._min, self._max = self._min_rows[:num_pages], self._max_rows[:num_pages]  # (contiguous views)
+        self.kmin, self.kmax = self._kmin_rows[:num_pages], self._kmax_rows[:num_pages]
 
     @property
     def summary_shape(self) -> tuple[int, int, int]:
@@ -62,25 +66,67 @@ class QuestIndex:
         n, h, d = self.kmin.shape
         return (n, h, 2 * d if self.format == "int4" else d)
 
-    def reset(self, pages: torch.Tensor) -> None:
-        """Pages just (re)allocated to a request: forget their old keys."""
-        self._min[pages] = math.inf
-        self._max[pages] = -math.inf
-        self._encode(pages)
+    def reset(self, pages, check_indices: bool = False) -> None:
+        """Pages just (re)allocated to a request: forget their old keys. pages: ids as append's page_ids."""
+        rows = self._rows("pages", pages, None, check_indices)
+        self._min_rows[rows] = math.inf
+        self._max_rows[rows] = -math.inf
+        self._encode(rows)
 
-    def append(self, k: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Fold new keys k [N, Hkv, D] written to pages page_ids [N] into the summaries."""
+    def append(self, k: torch.Tensor, page_ids, check_indices: bool = False) -> None:
+        """Fold new keys k [N, Hkv, D] (any float dtype, on the index's device) written to pages page_ids [N]
+        into the summaries. page_ids: a tensor on the index's device, read without synchronising: ids
+        outside [0, num_pages) are not folded (check_indices=True counts them and raises, a sync); or host ids
+        (a list, a numpy array, a CPU tensor), checked here before anything is written."""
+        if not isinstance(k, torch.Tensor):
+            raise TypeError(f"k: expected a torch tensor [N, Hkv, D], got {type(k).__name__}. Pass the keys.")
+        if not k.dtype.is_floating_point:
+            raise fail("k.dtype", "a floating dtype (the keys as written to the cache)", k.dtype, "Pass the keys.")
+        if k.device != self._min_rows.device:
+            raise fail("k.device", f"the index's device {self._min_rows.device}", k.device,
+                       "Build the index on the keys' device, or move them.")
         if k.dim() != 3 or k.shape[1:] != self._min.shape[1:]:
             raise fail("k.shape", f"[N, {self._min.shape[1]}, {self._min.shape[2]}]", list(k.shape),
                        "Pass the keys being appended, one row per token.")
-        idx = page_ids.to(torch.int64)[:, None, None].expand_as(k)
-        self._min.scatter_reduce_(0, idx, k.to(self._min.dtype), reduce="amin")
-        self._max.scatter_reduce_(0, idx, k.to(self._max.dtype), reduce="amax")
-        self._encode(page_ids.to(torch.int64))
+        rows = self._rows("page_ids", page_ids, k.shape[0], check_indices)
+        idx = rows[:, None, None].expand_as(k)
+        self._min_rows.scatter_reduce_(0, idx, k.to(self._min_rows.dtype), reduce="amin")
+        self._max_rows.scatter_reduce_(0, idx, k.to(self._max_rows.dtype), reduce="amax")
+        self._encode(rows)
+
+    def _rows(self, name: str, ids, count, check_indices: bool) -> torch.Tensor:
+        """Page ids as int64 rows on the index's device, never out of bounds: torch's indexing would fault
+        on a CUDA id past the rows (a device assert ends the process's CUDA context) and wrap a negative one
+        onto the last pages. Ids already on a CUDA index's device are not read back: those out of range go
+        to the spare row num_pages. Host ids are checked and refused here."""
+        device = self._min_rows.device
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise fail(f"{name}.dtype", "an integer tensor of page ids", ids.dtype, f"Pass int32 or int64 {name}.")
+        else:
+            ids = torch.from_numpy(paged.host_int_array(name, ids))
+        if ids.dim() != 1 or (count is not None and ids.shape[0] != count):
+            want = "a 1-D tensor of page ids" + ("" if count is None else f" [{count}] (one per key row)")
+            raise fail(name, want, f"shape {list(ids.shape)}", f"Pass one page id per {'key' if count else 'page'}.")
+        if ids.device.type == "cuda" and ids.device != device:
+            raise fail(f"{name}.device", f"the index's device {device} or the host", ids.device, f"Move {name}.")
+        ids = ids.to(torch.int64)
+        bad = (ids < 0) | (ids >= self.num_pages)
+        if ids.device.type == "cpu" or check_indices:  # (a host check, or the sync asked for)
+            if bool(bad.any()):
+                first = int(bad.nonzero()[0])
+                raise fail(name, f"page ids in [0, num_pages={self.num_pages})",
+                           f"{int(bad.sum())} outside, first {name}[{first}] = {int(ids[first])}",
+                           "Nothing was written; fix the ids or build the index with more pages.")
+            return ids.to(device)
+        return torch.where(bad, self.num_pages, ids)
 
     def assign(self, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         """Set every page's summaries at once, kmin / kmax [num_pages, Hkv, D] (e.g. built from a cache)."""
         for name, t in (("kmin", kmin), ("kmax", kmax)):
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+                raise TypeError(f"assign({name}): expected a floating torch tensor {list(self._min.shape)}, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}. Pass the summaries as tensors.")
             if t.shape != self._min.shape:
                 raise fail(f"assign({name}.shape)", list(self._min.shape), list(t.shape), "One row per page.")
         written = kmin <= kmax  # the scoring kernel tests one dim per 16 bytes of a head's summary
@@ -97,9 +143,9 @@ class QuestIndex:
             self.kmax.copy_(summaries.encode(self.format, self._max, self.scale, up=True))
 
     def _encode(self, pages: torch.Tensor) -> None:
-        if self.quantized:  # only the touched pages: rounded outward from the exact master
-            self.kmin[pages] = summaries.encode(self.format, self._min[pages], self.scale, up=False)
-            self.kmax[pages] = summaries.encode(self.format, self._max[pages], self.scale, up=True)
+        if self.quantized:  # only the touched pages (rows from _rows): rounded outward from the exact master
+            self._kmin_rows[pages] = summaries.encode(self.format, self._min_rows[pages], self.scale, up=False)
+            self._kmax_rows[pages] = summaries.encode(self.format, self._max_rows[pages], self.scale, up=True)
 
     def per_head_view(self) -> "QuestIndex":
         """The same summaries as [num_pages * Hkv, 1, D]: one "KV head" per (page, head), for a
