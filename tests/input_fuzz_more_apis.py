@@ -160,12 +160,15 @@ def quest_mutations(a: dict, env: Env) -> list:
         decode_out("out", a["out"], env.gpu)
 
 
-def quest_invoke(env: Env, a: dict):
-    cache = a["index_cache"]
+def _quest_index(env: Env, keys: torch.Tensor) -> QuestIndex:
+    """Summaries of every cache page's keys [pages, page, Hkv, D]."""
     index = QuestIndex(NUM_PAGES, 2, 128, device=env.device)
-    keys = cache[:, 0].float()  # [pages, page, Hkv, D]
-    for p in range(NUM_PAGES):
-        index.append(keys[p], torch.full((PAGE,), p, dtype=torch.int64, device=env.device))
+    index.append(keys.reshape(-1, 2, 128), torch.arange(NUM_PAGES, device=env.device).repeat_interleave(PAGE))
+    return index
+
+
+def quest_invoke(env: Env, a: dict):
+    index = _quest_index(env, a["index_cache"][:, 0].float())  # (NHD: [pages, page, Hkv, D])
     quest = QuestDecode(DECODE_SPEC, index, budget_tokens=3 * PAGE, page_size=PAGE,
                         max_batch_size=4, max_num_pages=NUM_PAGES, max_pages_per_request=8)
     quest.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"],
@@ -187,11 +190,7 @@ def quest_heads_mutations(a: dict, env: Env) -> list:
 
 
 def quest_heads_invoke(env: Env, a: dict):
-    cache = a["index_cache"]
-    index = QuestIndex(NUM_PAGES, 2, 128, device=env.device)
-    keys = cache[:, 0].transpose(1, 2).float()  # [pages, page, Hkv, D]
-    for p in range(NUM_PAGES):
-        index.append(keys[p], torch.full((PAGE,), p, dtype=torch.int64, device=env.device))
+    index = _quest_index(env, a["index_cache"][:, 0].transpose(1, 2).float())  # (HND: [pages, Hkv, page, D])
     quest = QuestHeadDecode(QUEST_HEADS_SPEC, index, budget_tokens=3 * PAGE, page_size=PAGE,
                             max_batch_size=4, max_num_pages=NUM_PAGES, max_pages_per_request=8)
     quest.plan(a["kv_indptr"], a["kv_indices"], a["kv_last_page_len"],

@@ -140,20 +140,22 @@ def test_needle_is_kept_by_its_own_head():
         assert p * HKV + 5 in kept and all(x % HKV == 5 for x in kept)
 
 
-def test_cuda_graph_replay_after_replans():
-    rng = np.random.default_rng(0)
+def graph_replays(rng, held: int, max_len: int, rounds: int):
+    """QuestHeadDecode in graph mode over an index of 2048 pages, its run captured reading the cache's first `held`
+    pages: replays after re-plans (tables drawn from those pages) against float64. Returns the wrapper."""
     pages_total, batch = 2048, 3
     cache = torch.randn(pages_total, 2, HKV, PAGE, D, device="cuda").bfloat16()
     index = QuestIndex(pages_total, HKV, D, device="cuda")
     index.append(cache[:, 0].permute(0, 2, 1, 3).reshape(-1, HKV, D),
                  torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
+    read = cache[:held]
     q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
     out = torch.empty_like(q)
     quest = QuestHeadDecode(SPEC, index, budget_tokens=512, page_size=PAGE, use_cuda_graph=True,
                             max_batch_size=batch, max_num_pages=pages_total, max_pages_per_request=512)
 
     def replan():
-        lengths, indptr, indices, last = random_page_table(rng, batch, PAGE, pages_total, 6000)
+        lengths, indptr, indices, last = random_page_table(rng, batch, PAGE, held, max_len)
         quest.plan(indptr, indices, last)
         return lengths, torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda()
 
@@ -161,10 +163,15 @@ def test_cuda_graph_replay_after_replans():
         q.copy_(torch.randn_like(q.float()).bfloat16())
         out.fill_(float("nan"))
 
-    for i, (lengths, indptr, indices) in replays_after_replans(lambda: quest.run(q, cache, out=out), replan,
-                                                               refresh, 6):
-        ref = reference_per_head(q, cache, indptr, indices, list(lengths), index, 512 // PAGE, quest)
+    for i, (lengths, indptr, indices) in replays_after_replans(lambda: quest.run(q, read, out=out), replan,
+                                                               refresh, rounds):
+        ref = reference_per_head(q, read, indptr, indices, list(lengths), index, 512 // PAGE, quest)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"replay {i}")
+    return quest
+
+
+def test_cuda_graph_replay_after_replans():
+    graph_replays(np.random.default_rng(0), held=2048, max_len=6000, rounds=6)
 
 
 def test_plans_queued_back_to_back_expand_each_table():
@@ -235,30 +242,7 @@ def test_bad_specs_and_plans_are_refused():
 def test_a_captured_graph_bounds_later_plans_by_its_cache():
     """The captured run read a 1024-page cache of the index's 2048 pages: a replay reads that cache with no run()
     to check ids, so a plan naming page 1024 is refused, and plans within it still replay right."""
-    rng = np.random.default_rng(1)
-    pages_total, held, batch = 2048, 1024, 3
-    cache = torch.randn(pages_total, 2, HKV, PAGE, D, device="cuda").bfloat16()
-    index = QuestIndex(pages_total, HKV, D, device="cuda")
-    index.append(cache[:, 0].permute(0, 2, 1, 3).reshape(-1, HKV, D),
-                 torch.arange(pages_total, device="cuda").repeat_interleave(PAGE))
-    small = cache[:held]
-    q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
-    out = torch.empty_like(q)
-    quest = QuestHeadDecode(SPEC, index, budget_tokens=512, page_size=PAGE, use_cuda_graph=True,
-                            max_batch_size=batch, max_num_pages=pages_total, max_pages_per_request=512)
-
-    def replan():
-        lengths, indptr, indices, last = random_page_table(rng, batch, PAGE, held, 4000)  # (<= 750 pages)
-        quest.plan(indptr, indices, last)
-        return lengths, torch.as_tensor(indptr).cuda(), torch.as_tensor(indices).cuda()
-
-    def refresh():
-        q.copy_(torch.randn_like(q.float()).bfloat16())
-        out.fill_(float("nan"))
-
-    for i, (lengths, indptr, indices) in replays_after_replans(lambda: quest.run(q, small, out=out), replan,
-                                                               refresh, 2):
-        ref = reference_per_head(q, small, indptr, indices, list(lengths), index, 512 // PAGE, quest)
-        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=f"replay {i}")
+    held = 1024
+    quest = graph_replays(np.random.default_rng(1), held=held, max_len=4000, rounds=2)  # (<= 750 pages)
     with pytest.raises(ValueError, match=r"page ids < 1024 \(the pages of the cache a captured graph reads\)"):
         quest.plan(np.array([0, 2]), np.array([5, held]), np.array([16]))
