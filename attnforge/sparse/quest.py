@@ -111,15 +111,16 @@ class QuestIndex:
         if ids.device.type == "cuda" and ids.device != device:
             raise fail(f"{name}.device", f"the index's device {device} or the host", ids.device, f"Move {name}.")
         ids = ids.to(torch.int64)
-        bad = (ids < 0) | (ids >= self.num_pages)
         if ids.device.type == "cpu" or check_indices:  # (a host check, or the sync asked for)
+            bad = (ids < 0) | (ids >= self.num_pages)
             if bool(bad.any()):
                 first = int(bad.nonzero()[0])
                 raise fail(name, f"page ids in [0, num_pages={self.num_pages})",
                            f"{int(bad.sum())} outside, first {name}[{first}] = {int(ids[first])}",
                            "Nothing was written; fix the ids or build the index with more pages.")
             return ids.to(device)
-        return torch.where(bad, self.num_pages, ids)
+        # two small kernels, nothing read back: an id below 0 or past the pages becomes num_pages (the spare row)
+        return torch.remainder(ids.clamp(-1, self.num_pages), self.num_pages + 1)
 
     def assign(self, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         """Set every page's summaries at once, kmin / kmax [num_pages, Hkv, D] (e.g. built from a cache)."""
