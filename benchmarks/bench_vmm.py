@@ -32,7 +32,7 @@ def run(report: Report, peers: bool = True) -> None:
             k[slot, :n].normal_()
             v[slot, :n].normal_()
         w = BatchDecode(spec, max_batch_size=max(b, 256))
-        w.plan(*VirtualKVCache.decode_plan(range(b), lengths), page_size=vc.max_len)
+        w.plan(*vc.decode_plan(range(b), lengths), page_size=vc.max_len)
         out = torch.empty_like(q)
         report.add("vmm", case, "attnforge-vmm", time_us(lambda: w.run(q, (k, v), out=out)), nbytes)
         pages = [-(-n // PAGE) for n in lengths]

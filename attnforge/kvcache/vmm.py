@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..checks import cuda_device, fail
+from ..paged import host_int_array
 
 
 class OutOfPhysicalMemory(RuntimeError):
@@ -216,11 +217,24 @@ class VirtualKVCache:
             out.append(t.view(self.dtype))
         return tuple(out)
 
-    @staticmethod
-    def decode_plan(slots, lengths):
-        """CSR page-table arguments for BatchDecode: one page per slot, page_size = max_len."""
-        slots = np.asarray(slots, dtype=np.int64)
-        lengths = np.asarray(lengths, dtype=np.int64)
+    def decode_plan(self, slots, lengths):
+        """CSR page-table arguments for BatchDecode and BatchPrefill's paged K/V: one page per slot, page_size =
+        max_len. Each request's length must be backed (grow(slot, length) first): past backed_tokens a slot is
+        unmapped memory, and a kernel reading it would fault, which ends the process's CUDA context."""
+        slots = host_int_array("decode_plan(slots)", slots)
+        lengths = host_int_array("decode_plan(lengths)", lengths)
+        if slots.ndim != 1 or lengths.shape != slots.shape:
+            raise fail("decode_plan(slots, lengths)", "two 1-D arrays, a slot and a length per request",
+                       f"shapes {list(slots.shape)} and {list(lengths.shape)}", "Pass one slot and one length each.")
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.max_batch):
+            raise fail("decode_plan(slots)", f"slots in [0, max_batch={self.max_batch})",
+                       f"{int(slots.min())}..{int(slots.max())}", "Use slots the cache was sized for.")
+        backed = np.minimum(self.chunks[slots] * self.tokens_per_chunk, self.max_len)
+        short = (lengths < 0) | (lengths > backed)
+        if short.any():
+            i = int(np.argmax(short))
+            raise fail(f"decode_plan(lengths)[{i}]", f"a length in [0, {int(backed[i])}] (the tokens backed in slot "
+                       f"{int(slots[i])})", int(lengths[i]), "Call grow(slot, length) before planning over it.")
         has = lengths > 0
         indptr = np.concatenate([[0], np.cumsum(has)])
         return indptr, slots[has], np.where(has, lengths, 0)

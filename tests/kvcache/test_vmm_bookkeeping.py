@@ -127,5 +127,21 @@ def test_memory_against_a_paged_cache_and_decode_plan():
     vmm = c.mapped_bytes
     paged = paged_bytes(lengths, 16, c.token_bytes, 2)
     assert paged <= vmm <= paged + 4 * 2 * 2 * GRAN  # at most one partial chunk per slot and region
-    indptr, indices, last = VirtualKVCache.decode_plan([0, 1, 2, 3], lengths)
+    indptr, indices, last = c.decode_plan([0, 1, 2, 3], lengths)
     assert indptr.tolist() == [0, 1, 2, 2, 3] and indices.tolist() == [0, 1, 3] and last.tolist() == [100, 1500, 0, 4097]
+
+
+def test_decode_plan_refuses_lengths_past_the_backed_tokens():
+    """Past backed_tokens a slot is unmapped virtual memory: a kernel reading it would fault (and end the CUDA
+    context), so the page table is refused before any plan, naming the slot and how to back it."""
+    c = cache()
+    c.grow(0, 1500)  # two chunks: 2048 tokens backed
+    c.grow(1, 1)
+    assert c.decode_plan([0, 1], [2048, 1024])[2].tolist() == [2048, 1024]
+    bad = [([0, 1], [2049, 1], r"lengths\)\[0\]: expected a length in \[0, 2048\] \(the tokens backed in slot 0\)"),
+           ([0, 2], [5, 1], r"lengths\)\[1\]: expected a length in \[0, 0\] \(the tokens backed in slot 2\), got 1"),
+           ([1], [-1], r"got -1"), ([4], [0], r"slots in \[0, max_batch=4\)"), ([-1], [0], r"got -1..-1"),
+           ([0, 1], [5], r"two 1-D arrays"), ([0.5], [5], r"an integer array")]
+    for slots, lengths, message in bad:
+        with pytest.raises(ValueError, match=message):
+            c.decode_plan(slots, lengths)

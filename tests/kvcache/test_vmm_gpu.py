@@ -23,7 +23,7 @@ def test_decode_reads_the_virtual_cache():
         v[slot, :n] = torch.randn(n, 8, 128, device="cuda").bfloat16()
     q = torch.randn(4, 32, 128, device="cuda").bfloat16()
     w = BatchDecode(AttentionSpec(num_qo_heads=32, num_kv_heads=8))
-    w.plan(*VirtualKVCache.decode_plan(range(4), lengths), page_size=c.max_len)
+    w.plan(*c.decode_plan(range(4), lengths), page_size=c.max_len)
     out = w.run(q, (k, v))
     for b, n in enumerate(lengths):
         ref, _ = reference.attention(q[b:b + 1], k[b, :n], v[b, :n])
@@ -76,7 +76,7 @@ def test_graph_replays_while_slots_grow_and_take_appends(kv_dtype):
         append_kv_by_slots(k_new, v_new, slots, (k, v), k_scale=scales[0], v_scale=scales[1])
         for slot in range(3):
             lengths[slot] += 1
-        w.plan(*VirtualKVCache.decode_plan(range(3), lengths), page_size=c.max_len, k_scale=scales[0],
+        w.plan(*c.decode_plan(range(3), lengths), page_size=c.max_len, k_scale=scales[0],
                v_scale=scales[1])
         return k_new, v_new
 
@@ -120,7 +120,7 @@ def test_chunked_prefill_reads_the_virtual_cache(backend, max_len):
     q = torch.randn(sum(qo_lens), 32, 128, device="cuda", generator=g).bfloat16()
     qo = [0, 300, 300, 1000]
     w = BatchPrefill(spec, backend=backend)
-    w.plan(qo, *VirtualKVCache.decode_plan(range(3), kv_lens), page_size=c.max_len)
+    w.plan(qo, *c.decode_plan(range(3), kv_lens), page_size=c.max_len)
     out, lse = w.run(q, (k, v), out=torch.full_like(q, float("nan")), return_lse=True)
     torch.cuda.synchronize()
     check_against_reference(spec, q, out, lse, [(k[b, :n], v[b, :n]) for b, n in enumerate(kv_lens)], qo)
