@@ -377,7 +377,7 @@ def test_device_page_ids_out_of_range_are_never_folded(index_dtype):
     idx.append(k, torch.tensor([0, -1, 4, 2**40, 3, 0], device="cuda"))
     idx.reset(torch.tensor([3, 7, -2], device="cuda"))  # page 3 forgotten, the others ignored
     want.append(k[[0, 5]], torch.tensor([0, 0], device="cuda"))
-    with pytest.raises(ValueError, match=r"2 outside, first page_ids\[1\] = -1"):
+    with pytest.raises(ValueError, match=r"1 outside, first page_ids\[1\] = -1"):
         idx.append(k[:2], torch.tensor([2, -1], device="cuda"), check_indices=True)
     torch.cuda.synchronize()
     assert torch.equal(idx.kmin, want.kmin) and torch.equal(idx.kmax, want.kmax)
