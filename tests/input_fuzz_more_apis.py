@@ -1,5 +1,6 @@
 """More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
-one 576-wide cache and block table, cascade, Quest (a selection per request or per KV head), single_prefill, merge_state, the slot-mapped and MLA appends.
+one 576-wide cache and block table, cascade, Quest (a selection per request or per KV head), single_prefill,
+merge_state, the slot-mapped and MLA appends.
 Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
 APIS is every call form the fuzz runs."""
 from __future__ import annotations
