@@ -145,12 +145,19 @@ class VirtualKVCache:
             self.created += 1
         return handle
 
+    def _slot(self, call: str, slot) -> int:
+        """A slot index as an int in [0, max_batch): numpy would wrap -1 onto the last slot (free(-1) unmapped
+        a live sequence's memory) and refuse a float with an IndexError."""
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_batch:
+            raise fail(f"{call}(slot)", f"an int in [0, max_batch={self.max_batch})", repr(slot),
+                       "Use a slot the cache was sized for.")
+        return int(slot)
+
     def grow(self, slot: int, new_len: int) -> None:
         """Back tokens [0, new_len) of `slot` in every layer's K and V. All or nothing."""
-        if not 0 <= slot < self.max_batch:
-            raise fail("grow(slot)", f"a slot in [0, {self.max_batch})", slot, "Use a slot the cache was sized for.")
-        if not 0 <= new_len <= self.max_len:
-            raise fail("grow(new_len)", f"a length in [0, max_len={self.max_len}]", new_len,
+        slot = self._slot("grow", slot)
+        if isinstance(new_len, bool) or not isinstance(new_len, (int, np.integer)) or not 0 <= new_len <= self.max_len:
+            raise fail("grow(new_len)", f"an int in [0, max_len={self.max_len}]", repr(new_len),
                        "Build the cache with a larger max_len.")
         have, need = int(self.chunks[slot]), self.chunks_needed(new_len)
         done = []
@@ -178,6 +185,7 @@ class VirtualKVCache:
 
     def free(self, slot: int) -> None:
         """Unmap the slot's chunks and keep them for reuse."""
+        slot = self._slot("free", slot)
         for layer in self.regions:
             for region in layer:
                 for c in range(int(self.chunks[slot])):
@@ -202,6 +210,7 @@ class VirtualKVCache:
 
     # -- tensors -------------------------------------------------------------------------------
     def backed_tokens(self, slot: int) -> int:
+        slot = self._slot("backed_tokens", slot)
         return min(int(self.chunks[slot]) * self.tokens_per_chunk, self.max_len)
 
     def tensors(self, layer: int):
