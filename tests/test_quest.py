@@ -398,3 +398,14 @@ def test_reset_and_append_never_wrap_a_negative_id_onto_the_last_page():
     assert torch.all(idx.kmin[3] == 1) and torch.all(idx.kmax[3] == 1), "page 3 kept its keys"
     with pytest.raises(TypeError, match="expected a floating torch tensor"):
         idx.assign(np.zeros((4, 1, 8)), idx.kmax)
+
+
+def test_an_index_on_another_device_is_refused():
+    """The scoring kernel reads the summaries by address: an index on the host (or another GPU) would be read
+    through a pointer the GPU cannot follow. The wrapper refuses it before building anything."""
+    from attnforge import AttentionSpec
+    from attnforge.sparse import QuestDecode, QuestHeadDecode
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, kv_layout="HND")
+    for cls in (QuestDecode, QuestHeadDecode):
+        with pytest.raises(ValueError, match=r"QuestIndex device: expected the wrapper's device cpu, got meta"):
+            cls(spec, QuestIndex(8, 2, 128, device="meta"), budget_tokens=64, page_size=16, device="cpu")

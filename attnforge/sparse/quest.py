@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from .. import ops, paged
+from .. import checks, ops, paged
 from ..checks import fail
 from ..jit.loader import on_device
 from ..jit.upload import StagedUpload
@@ -250,6 +250,10 @@ class QuestDecode:
         if index.summary_shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
             raise fail("QuestIndex shape", f"[pages, {spec.num_kv_heads}, {spec.head_dim_qk}] (the spec's KV heads, "
                        "head_dim)", list(index.summary_shape), "Build the index for this model.")
+        device = checks.cuda_device(decode_kwargs.get("device"))  # (the decode's)
+        if index.kmin.device != device:  # the scoring kernel reads the summaries by address
+            raise fail("QuestIndex device", f"the wrapper's device {device}", index.kmin.device,
+                       "Build the index with device= the GPU that decodes.")
         self.index, self.page_size, self.spec = index, page_size, spec
         self.budget_pages = budget_tokens // page_size
         # whole_items also under CUDA graphs: every request longer than the budget keeps the same number of
