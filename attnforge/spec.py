@@ -200,6 +200,10 @@ class AttentionSpec:
         if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):
             raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key",
                        "Build modifiers with the attnforge.mods factories.")
+        sink = getattr(self.score_mod, "sink", None)  # (read by query head: one logit each, or reads run past it)
+        if sink is not None and sink.numel() != self.num_qo_heads:
+            raise _bad("score_mod", f"attention sink logits of {sink.numel()} heads",
+                       f"one sink logit per query head ({self.num_qo_heads})", "Pass sink logits [num_qo_heads].")
         if self.score_mod is not None and self.logits_soft_cap > 0:
             raise _bad("logits_soft_cap", self.logits_soft_cap, "0 when a score_mod is given",
                        "Put the cap inside the modifier: attnforge.mods.softcap(cap), or compose it in your score_mod.")

@@ -268,6 +268,9 @@ struct {n}_Access {{
         for k, v in enumerate(self.scalars):
             vals[f"mod_s{k}"] = float(v)
         if self.sink is not None:
+            if self.sink.device != device:  # (read by address, as the captured tensors)
+                raise ValueError(f"attention sink logits: expected a tensor on {device}, got {self.sink.device}. "
+                                 f"Create them on the GPU (or call .to('{device}')) before building the mod.")
             vals["mod_sink"] = self.sink.data_ptr()
         return vals
 

@@ -253,3 +253,16 @@ def test_only_a_modifier_with_nothing_to_apply_is_identity():
     assert not compile_mod(score_mod=lambda s, b, h, q, kv: s * 2).is_identity
     assert not compile_mod(mask_mod=flex.noop_mask, sink=torch.zeros(4)).is_identity
     assert not raw_mod("return score;").is_identity
+
+
+def test_sink_logits_are_one_per_query_head_on_the_kernels_device():
+    """The kernels read sink[qo_head] by address: a sink of fewer heads would be read past its end, one on the host
+    through a pointer the GPU cannot follow. The spec refuses the first, the launch parameters the second (as they
+    refuse a captured tensor on another device)."""
+    sink = m.attention_sink(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"one sink logit per query head \(8\), got 'attention sink logits of 4"):
+        AttentionSpec(num_qo_heads=8, num_kv_heads=2, score_mod=sink)
+    assert AttentionSpec(num_qo_heads=4, num_kv_heads=2, score_mod=sink).score_mod is sink
+    with pytest.raises(ValueError, match="attention sink logits: expected a tensor on meta, got cpu"):
+        sink.param_values(torch.device("meta"))
+    assert sink.param_values(torch.device("cpu"))["mod_sink"] == sink.sink.data_ptr()
