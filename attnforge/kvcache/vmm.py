@@ -216,6 +216,9 @@ class VirtualKVCache:
     def tensors(self, layer: int):
         """(K, V) of one layer: [max_batch, max_len, Hkv, D] views of the virtual ranges (zero copy).
         Only the backed part of each slot (backed_tokens) may be read or written."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < len(self.regions):
+            raise fail("tensors(layer)", f"an int in [0, num_layers={len(self.regions)})", repr(layer),
+                       "Pass the layer's index (a closed cache has none).")
         esz = torch.empty((), dtype=self.dtype).element_size()
         b, n, h, d = self.shape
         strides = (self.slot_stride_tokens * h * d * esz, h * d * esz, d * esz, esz)

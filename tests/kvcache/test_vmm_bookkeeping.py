@@ -149,12 +149,13 @@ def test_decode_plan_refuses_lengths_past_the_backed_tokens():
 
 def test_slot_arguments_are_ints_in_range():
     """numpy indexing would wrap free(-1) onto the last slot, unmapping a live sequence a kernel may still read, and
-    refuse a float slot with an IndexError: every slot argument is checked first, and nothing changes."""
+    refuse a float slot with an IndexError: every slot (and layer) argument is checked first, and nothing changes."""
     c = cache()
     c.grow(3, 100)
     before = c.mapped_bytes
     for call in (lambda: c.free(-1), lambda: c.grow(4, 1), lambda: c.grow(1.0, 5), lambda: c.grow(True, 5),
-                 lambda: c.backed_tokens("3"), lambda: c.grow(0, 10.5), lambda: c.grow(0, 5001)):
-        with pytest.raises(ValueError, match=r"expected an int in \[0, max_"):
+                 lambda: c.backed_tokens("3"), lambda: c.grow(0, 10.5), lambda: c.grow(0, 5001),
+                 lambda: c.tensors(-1), lambda: c.tensors(2)):
+        with pytest.raises(ValueError, match=r"expected an int in \[0, (max_|num_layers)"):
             call()
     assert c.mapped_bytes == before and c.backed_tokens(np.int64(3)) == 1024  # (one chunk)
