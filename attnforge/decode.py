@@ -461,6 +461,8 @@ class BatchDecode:
         s, memo = self.spec, self._memo
         b = self._plan["batch"] * self._plan["q_len"]  # query rows
         memo.get("q", (q,), lambda: self._check_q(q), b)
+        if s.score_mod is not None:  # (run() reads them again at the launch; Quest scores before it)
+            memo.once("mod_device", lambda: s.score_mod.check_device(self.device))
         cache = memo.get("kv", paged.cache_list(kv_cache), lambda: self._cache_args(kv_cache), self._plan["page_size"])
         paged.check_page_bound(self._plan["max_page"], cache[-1])
         self._captured.note(self.use_cuda_graph, cache[-1])

@@ -176,3 +176,24 @@ def test_a_modifiers_runtime_values_reach_each_launch(recorder):
             p = recorder.launches[-1][2]
             assert (p.mod_s0, p.mod_t0, p.mod_t0_size0) == (0.5, slopes.data_ptr(), 32)
             assert_plan_fields(w, p)
+
+
+def test_check_inputs_refuses_modifier_tensors_on_another_device(recorder):
+    """check_inputs (run()'s checks, which Quest calls before its scoring launches) also checks the tensors a
+    modifier's kernels read by address, here sink logits: on another device, refused before any launch."""
+    from attnforge import mods
+    q, cache = torch.randn(1, 32, 128).bfloat16(), torch.randn(6, 2, 16, 8, 128).bfloat16()
+    for device, refused in (("meta", True), ("cpu", False)):
+        sink = mods.attention_sink(torch.zeros(32, device=device))
+        spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, score_mod=sink)
+        w = host_wrapper(BatchDecode, spec)
+        plan(w, 4, 16)
+        if refused:
+            with pytest.raises(ValueError, match="attention sink logits: expected a tensor on cpu, got meta"):
+                w.check_inputs(q, cache)
+            with pytest.raises(ValueError, match="attention sink logits"):
+                w.run(q, cache)
+            assert not recorder.launches
+        else:
+            w.run(q, cache)
+            assert recorder.launches[-1][2].mod_sink == spec.score_mod.sink.data_ptr()

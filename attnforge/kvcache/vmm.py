@@ -22,6 +22,13 @@ from ..checks import cuda_device, fail
 from ..paged import host_int_array
 
 
+def _int_below(what: str, value, limit: int, allowed: str, fix: str) -> int:
+    """value as an int in [0, limit), `allowed` saying so (numpy ints too; a bool, a float or a string is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
+        raise fail(what, f"an int in {allowed}", repr(value), fix)
+    return int(value)
+
+
 class OutOfPhysicalMemory(RuntimeError):
     """grow() could not get the physical memory it needs; every existing sequence is intact."""
 
@@ -146,19 +153,16 @@ class VirtualKVCache:
         return handle
 
     def _slot(self, call: str, slot) -> int:
-        """A slot index as an int in [0, max_batch): numpy would wrap -1 onto the last slot (free(-1) unmapped
-        a live sequence's memory) and refuse a float with an IndexError."""
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_batch:
-            raise fail(f"{call}(slot)", f"an int in [0, max_batch={self.max_batch})", repr(slot),
-                       "Use a slot the cache was sized for.")
-        return int(slot)
+        """A slot index: numpy would wrap -1 onto the last slot (free(-1) unmapped a live sequence's memory) and
+        refuse a float with an IndexError."""
+        return _int_below(f"{call}(slot)", slot, self.max_batch, f"[0, max_batch={self.max_batch})",
+                          "Use a slot the cache was sized for.")
 
     def grow(self, slot: int, new_len: int) -> None:
         """Back tokens [0, new_len) of `slot` in every layer's K and V. All or nothing."""
         slot = self._slot("grow", slot)
-        if isinstance(new_len, bool) or not isinstance(new_len, (int, np.integer)) or not 0 <= new_len <= self.max_len:
-            raise fail("grow(new_len)", f"an int in [0, max_len={self.max_len}]", repr(new_len),
-                       "Build the cache with a larger max_len.")
+        new_len = _int_below("grow(new_len)", new_len, self.max_len + 1, f"[0, max_len={self.max_len}]",
+                             "Build the cache with a larger max_len.")
         have, need = int(self.chunks[slot]), self.chunks_needed(new_len)
         done = []
         try:
@@ -216,9 +220,8 @@ class VirtualKVCache:
     def tensors(self, layer: int):
         """(K, V) of one layer: [max_batch, max_len, Hkv, D] views of the virtual ranges (zero copy).
         Only the backed part of each slot (backed_tokens) may be read or written."""
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < len(self.regions):
-            raise fail("tensors(layer)", f"an int in [0, num_layers={len(self.regions)})", repr(layer),
-                       "Pass the layer's index (a closed cache has none).")
+        layer = _int_below("tensors(layer)", layer, len(self.regions), f"[0, num_layers={len(self.regions)})",
+                           "Pass the layer's index (a closed cache has none).")
         esz = torch.empty((), dtype=self.dtype).element_size()
         b, n, h, d = self.shape
         strides = (self.slot_stride_tokens * h * d * esz, h * d * esz, d * esz, esz)

@@ -249,12 +249,20 @@ struct {n}_Access {{
             fields.append(ParamField("mod_sink", "const void*", "ptr"))
         return fields
 
-    def param_values(self, device: torch.device) -> dict:
-        vals = {}
+    def check_device(self, device: torch.device) -> None:
+        """Every tensor the kernels read by address (captured tensors, sink logits) on `device`."""
         for k, t in enumerate(self.tensors):
             if t.device != device:
                 raise ValueError(f"score_mod captured tensor #{k}: expected a tensor on {device}, got {t.device}. "
                                  f"Create it on the GPU (or call .to('{device}')) before building the mod.")
+        if self.sink is not None and self.sink.device != device:
+            raise ValueError(f"attention sink logits: expected a tensor on {device}, got {self.sink.device}. "
+                             f"Create them on the GPU (or call .to('{device}')) before building the mod.")
+
+    def param_values(self, device: torch.device) -> dict:
+        self.check_device(device)
+        vals = {}
+        for k, t in enumerate(self.tensors):
             if not t.is_contiguous():
                 raise ValueError(f"score_mod captured tensor #{k}: expected a contiguous tensor. Pass t.contiguous().")
             code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}.get(t.dtype)
@@ -268,9 +276,6 @@ struct {n}_Access {{
         for k, v in enumerate(self.scalars):
             vals[f"mod_s{k}"] = float(v)
         if self.sink is not None:
-            if self.sink.device != device:  # (read by address, as the captured tensors)
-                raise ValueError(f"attention sink logits: expected a tensor on {device}, got {self.sink.device}. "
-                                 f"Create them on the GPU (or call .to('{device}')) before building the mod.")
             vals["mod_sink"] = self.sink.data_ptr()
         return vals
 
