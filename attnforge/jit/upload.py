@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -30,6 +31,21 @@ def coalesce(ranges, gap: int = COPY_GAP) -> list:
     return merged
 
 
+def _release(events: list, hosts: list, wait, destroy) -> None:
+    """A dropped StagedUpload's end (weakref.finalize). torch's pinned allocator hands a freed block out again at
+    once unless a copy torch made itself is pending on it, and ours go straight to the driver: so the pinned
+    buffers (`hosts`, held by the finalizer) go back only once this object's last copies have read them, and its
+    events are destroyed (a driver resource)."""
+    for event in events:
+        if event is not None:
+            try:
+                wait(event)
+                destroy(event)
+            except Exception:  # noqa: BLE001 (a context already torn down: nothing is left to wait for)
+                pass
+    del hosts
+
+
 class StagedUpload:
     """host() -> the numpy buffer to fill; upload(n) copies its first n values to `dev`."""
 
@@ -39,6 +55,8 @@ class StagedUpload:
         self._host_nps = [h.numpy() for h in self._hosts]
         self._events: list = [None, None]  # per buffer: recorded after its last copy
         self._turn = 0
+        # (the finalizer holds the lists, not self: it sees the latest events and keeps the buffers to the end)
+        weakref.finalize(self, _release, self._events, self._hosts, *self._event_ends()).atexit = False
 
     def host(self) -> np.ndarray:
         """The host buffer of the next upload, once its previous copy has read it."""
@@ -108,6 +126,11 @@ class StagedUpload:
     def _wait(self, event) -> None:
         check(driver().cuEventSynchronize(event), "cuEventSynchronize(plan upload)")
 
+    def _event_ends(self) -> tuple:
+        """(wait, destroy) for the finalizer: functions that do not hold self."""
+        return (lambda e: check(driver().cuEventSynchronize(e), "cuEventSynchronize(plan upload)"),
+                lambda e: check(driver().cuEventDestroy(e), "cuEventDestroy(plan upload)"))
+
 
 class HostOnlyUpload(StagedUpload):
     """StagedUpload without a GPU, for tests and host-cost timing: `dev` is host memory, the copy is
@@ -138,3 +161,7 @@ class HostOnlyUpload(StagedUpload):
 
     def _wait(self, event) -> None:
         self.log.append(("wait", event))
+
+    def _event_ends(self) -> tuple:
+        log = self.log
+        return lambda e: log.append(("wait", e)), lambda e: log.append(("destroy", e))

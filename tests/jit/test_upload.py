@@ -36,3 +36,25 @@ def test_stage_writes_its_pieces_and_copies_only_their_extents():
     assert dev[far:far + 2].tolist() == [6, 7]
     assert (dev[8:far] == -7).all() and (dev[far + 2:] == -7).all()
     assert up.log == [("record", 0)], "one event for the plan's copies"
+
+
+def test_a_dropped_upload_waits_for_its_copies_before_its_buffers_go_back():
+    """torch's pinned allocator hands a freed block out again at once (it waits only for copies torch made), so a
+    dropped upload's finalizer waits for each buffer's last copy, then destroys its event; it must not hold the
+    upload itself, or no upload would ever be freed."""
+    import gc
+    import weakref
+    up = HostOnlyUpload(64)
+    up.upload(8)
+    up.upload(8)  # both buffers now have a copy in flight (events 0 and 1)
+    log, gone = up.log, weakref.ref(up)
+    assert log == [("record", 0), ("record", 1)]
+    del up
+    gc.collect()
+    assert gone() is None, "the finalizer kept the upload alive"
+    assert log[2:] == [("wait", 0), ("destroy", 0), ("wait", 1), ("destroy", 1)]
+    unused = HostOnlyUpload(64)  # no copy yet: nothing to wait for
+    log = unused.log
+    del unused
+    gc.collect()
+    assert log == []
