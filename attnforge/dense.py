@@ -22,7 +22,9 @@ from .merge import merge_states
 from .prefill import BatchPrefill
 from .spec import PREFILL_QK_VO_DIMS, AttentionSpec
 
-_MODS: dict = {}  # kept for good: compiled graphs name their modifiers by weak handles (attnforge.ops)
+_MODS: dict = {}  # eager calls' modifiers, bounded: a call that defines its modifier anew builds one a call
+MAX_MODS = 64
+_GRAPH_MODS: dict = {}  # kept for good: compiled graphs name their modifiers by weak handles (attnforge.ops)
 _CALLS: dict = {}
 MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table starts over
 
@@ -71,13 +73,24 @@ def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
     return fn
 
 
-def compiled_mod(score_mod, mask_mod):
-    """The C++ modifier of FlexAttention-style functions, built once per (function, captured objects)."""
+def compiled_mod(score_mod, mask_mod, for_graph: bool = False):
+    """The C++ modifier of FlexAttention-style functions, built once per (function, captured objects).
+    for_graph: a compiled graph will name it by its handle, so it is kept for good; eager calls' modifiers are
+    kept in a bounded table (each entry holds its function and the tensors it captured)."""
     from .mods import compile_mod
     key = (_mod_key(score_mod), _mod_key(mask_mod))
-    if key not in _MODS:
-        _MODS[key] = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
-    return _MODS[key]
+    mod = _GRAPH_MODS.get(key)
+    if mod is None:
+        mod = _MODS.get(key)
+    if mod is None:
+        mod = compile_mod(score_mod=score_mod, mask_mod=mask_mod)
+        if not for_graph:
+            if len(_MODS) >= MAX_MODS:
+                _MODS.clear()
+            _MODS[key] = mod
+    if for_graph:
+        _GRAPH_MODS[key] = mod
+    return mod
 
 
 def _mod_key(fn):

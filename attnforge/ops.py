@@ -129,7 +129,7 @@ def mod_handle(score_mod, mask_mod) -> str:
     if score_mod is None and mask_mod is None:
         return ""
     from .dense import compiled_mod
-    mod = compiled_mod(score_mod, mask_mod)
+    mod = compiled_mod(score_mod, mask_mod, for_graph=True)
     if mod.is_identity:
         return ""
     for k, t in enumerate(mod.tensors):

@@ -430,12 +430,17 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 
 _WRAPPERS: dict = {}
+MAX_WRAPPERS = 64  # single_prefill's wrappers kept (a model has a few specs); past it the table starts over
 
 
 def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
     # specs compare a score modifier by its expression: its identity keys its captured tensors' wrapper (the
-    # wrapper holds the modifier, so its id is not reused while the entry lives)
+    # wrapper holds the modifier, so its id is not reused while the entry lives). Bounded: a caller that builds
+    # a modifier a call would otherwise keep every wrapper, its buffers and its modifier's tensors for good.
     key = (spec, str(device), id(spec.score_mod))
-    if key not in _WRAPPERS:
-        _WRAPPERS[key] = BatchPrefill(spec, device=device)
-    return _WRAPPERS[key]
+    w = _WRAPPERS.get(key)
+    if w is None:
+        if len(_WRAPPERS) >= MAX_WRAPPERS:
+            _WRAPPERS.clear()  # (their uploads' finalizers wait for copies still in flight)
+        w = _WRAPPERS[key] = BatchPrefill(spec, device=device)
+    return w

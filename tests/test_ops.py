@@ -227,3 +227,29 @@ def test_a_flex_block_mask_compiles_to_its_mask_mod(fake_mode):
     with fake_mode:  # a mask that is always True: no modifier (the plain kernel)
         compiled(lambda q, k, v: attnforge.attention(q, k, v, block_mask=noop), rec)(q, q, q)
     assert rec.op_nodes("attention")[-1].args[3] == ""
+
+
+def test_eager_modifiers_are_kept_in_a_bounded_table_and_graph_ones_for_good(monkeypatch):
+    """attention() called with a modifier defined anew each call (a closure over a fresh tensor) must not keep
+    every build and its tensors; a modifier a compiled graph names by handle (mod_handle) must outlive them."""
+    import weakref
+    from attnforge import dense
+    monkeypatch.setattr(dense, "_MODS", {})
+    monkeypatch.setattr(dense, "_GRAPH_MODS", {})
+    bias = torch.rand(8)
+    pinned = lambda score, b, h, q_idx, kv_idx: score + bias[h]  # noqa: E731
+    graph_mod = dense.compiled_mod(pinned, None, for_graph=True)
+    def per_call(t):  # what a model that defines its modifier in forward() passes each call
+        return lambda score, b, h, q_idx, kv_idx: score + t[h]
+
+    first_bias = None
+    for _ in range(3 * dense.MAX_MODS):
+        fresh = torch.rand(8)
+        first_bias = first_bias or weakref.ref(fresh)
+        dense.compiled_mod(per_call(fresh), None)
+        assert len(dense._MODS) <= dense.MAX_MODS
+        del fresh
+    gc.collect()
+    assert first_bias() is None, "an evicted eager modifier still holds its captured tensor"
+    assert dense.compiled_mod(pinned, None) is graph_mod, "the graph's modifier was rebuilt or dropped"
+    assert ops.lookup(ops.handle(graph_mod)) is graph_mod

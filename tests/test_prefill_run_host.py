@@ -474,3 +474,23 @@ def test_attention_takes_a_flex_block_mask_for_its_mask_mod(recorder, monkeypatc
         with pytest.raises((ValueError, TypeError), match=error):
             dense.attention(kw.pop("q", q), k, v, enable_gqa=True, **kw)
     assert len(recorder.launches) == n
+
+
+def test_single_prefills_wrappers_are_kept_in_a_bounded_table(monkeypatch):
+    """single_prefill keys its cached wrapper by the modifier's identity: a caller that builds a modifier each
+    call (ALiBi over fresh slopes) must not keep every wrapper, its buffers and the slopes for good."""
+    import gc
+    import weakref
+    from attnforge import mods, prefill
+    monkeypatch.setattr(prefill, "_WRAPPERS", {})
+    first = None
+    for _ in range(2 * prefill.MAX_WRAPPERS + 1):
+        slopes = torch.rand(32)
+        first = first or weakref.ref(slopes)
+        spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, score_mod=mods.alibi(slopes))
+        w = prefill._cached_wrapper(spec, "cpu")
+        assert prefill._cached_wrapper(spec, "cpu") is w, "the same modifier's wrapper is reused"
+        assert len(prefill._WRAPPERS) <= prefill.MAX_WRAPPERS
+        del slopes, spec, w
+    gc.collect()
+    assert first() is None, "an evicted wrapper's modifier still holds its tensor"
