@@ -31,19 +31,38 @@ def coalesce(ranges, gap: int = COPY_GAP) -> list:
     return merged
 
 
-def _release(events: list, hosts: list, wait, destroy) -> None:
-    """A dropped StagedUpload's end (weakref.finalize). torch's pinned allocator hands a freed block out again at
-    once unless a copy torch made itself is pending on it, and ours go straight to the driver: so the pinned
-    buffers (`hosts`, held by the finalizer) go back only once this object's last copies have read them, and its
-    events are destroyed (a driver resource)."""
-    for event in events:
-        if event is not None:
-            try:
-                wait(event)
-                destroy(event)
-            except Exception:  # noqa: BLE001 (a context already torn down: nothing is left to wait for)
-                pass
-    del hosts
+# Dropped uploads whose last copies may still be queued: (events, pinned buffers, ready, destroy) each. torch's
+# pinned allocator hands a freed block out again at once unless a copy torch made itself is pending on it, and
+# ours go straight to the driver, so a dropped upload's buffers are held here until its copies are done.
+_PENDING: list = []
+
+
+def _release(events: list, hosts: list, ready, destroy) -> None:
+    """A dropped StagedUpload's end (weakref.finalize): no driver call here (the collector may run it anywhere,
+    a graph capture included); reap_dropped gives the buffers back later."""
+    if any(e is not None for e in events):
+        _PENDING.append((events, hosts, ready, destroy))
+
+
+def reap_dropped() -> None:
+    """Give back the buffers of dropped uploads whose copies are done and destroy their events; never blocks
+    (each new upload and each plan's host() calls it: one list test when nothing is pending)."""
+    if not _PENDING:
+        return
+    keep = []
+    for item in _PENDING:
+        events, _, ready, destroy = item
+        try:
+            done = all(e is None or ready(e) for e in events)
+            if done:
+                for e in events:
+                    if e is not None:
+                        destroy(e)
+        except Exception:  # noqa: BLE001 (a context already torn down: nothing is left to wait for)
+            done = True
+        if not done:
+            keep.append(item)
+    _PENDING[:] = keep
 
 
 class StagedUpload:
@@ -57,9 +76,12 @@ class StagedUpload:
         self._turn = 0
         # (the finalizer holds the lists, not self: it sees the latest events and keeps the buffers to the end)
         weakref.finalize(self, _release, self._events, self._hosts, *self._event_ends()).atexit = False
+        reap_dropped()
 
     def host(self) -> np.ndarray:
         """The host buffer of the next upload, once its previous copy has read it."""
+        if _PENDING:
+            reap_dropped()
         if self._events[self._turn] is not None:
             self._wait(self._events[self._turn])
         return self._host_nps[self._turn]
@@ -127,9 +149,12 @@ class StagedUpload:
         check(driver().cuEventSynchronize(event), "cuEventSynchronize(plan upload)")
 
     def _event_ends(self) -> tuple:
-        """(wait, destroy) for the finalizer: functions that do not hold self."""
-        return (lambda e: check(driver().cuEventSynchronize(e), "cuEventSynchronize(plan upload)"),
-                lambda e: check(driver().cuEventDestroy(e), "cuEventDestroy(plan upload)"))
+        """(ready, destroy) for a dropped upload's events: functions that do not hold self. ready() asks nothing
+        of the driver while this thread captures a graph (a query there would end the capture)."""
+        drv = driver()
+        ready = lambda e: (not torch.cuda.is_current_stream_capturing()  # noqa: E731
+                           and drv.cuEventQuery(e)[0] == drv.CUresult.CUDA_SUCCESS)
+        return ready, lambda e: check(drv.cuEventDestroy(e), "cuEventDestroy(plan upload)")
 
 
 class HostOnlyUpload(StagedUpload):
@@ -138,6 +163,7 @@ class HostOnlyUpload(StagedUpload):
 
     def __init__(self, num_int32: int):
         self.log: list = []
+        self.in_flight: set = set()  # events whose "copies" a test holds as not done (a dropped upload waits)
         self._next_event = 0
         super().__init__(num_int32, torch.device("cpu"))
 
@@ -163,5 +189,5 @@ class HostOnlyUpload(StagedUpload):
         self.log.append(("wait", event))
 
     def _event_ends(self) -> tuple:
-        log = self.log
-        return lambda e: log.append(("wait", e)), lambda e: log.append(("destroy", e))
+        log, in_flight = self.log, self.in_flight
+        return lambda e: e not in in_flight, lambda e: log.append(("destroy", e))

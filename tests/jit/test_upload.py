@@ -38,23 +38,30 @@ def test_stage_writes_its_pieces_and_copies_only_their_extents():
     assert up.log == [("record", 0)], "one event for the plan's copies"
 
 
-def test_a_dropped_upload_waits_for_its_copies_before_its_buffers_go_back():
-    """torch's pinned allocator hands a freed block out again at once (it waits only for copies torch made), so a
-    dropped upload's finalizer waits for each buffer's last copy, then destroys its event; it must not hold the
-    upload itself, or no upload would ever be freed."""
+def test_a_dropped_upload_keeps_its_buffers_until_its_copies_are_done():
+    """torch's pinned allocator hands a freed block out again at once (it knows only copies torch made), so a
+    dropped upload's pinned buffers are held until its copies are done, then given back and its events
+    destroyed, by the next upload or plan (never a wait); its finalizer must not hold the upload itself."""
     import gc
     import weakref
+    from attnforge.jit import upload as upload_module
     up = HostOnlyUpload(64)
     up.upload(8)
     up.upload(8)  # both buffers now have a copy in flight (events 0 and 1)
-    log, gone = up.log, weakref.ref(up)
-    assert log == [("record", 0), ("record", 1)]
+    up.in_flight.add(1)  # the second copy has not run yet
+    log, in_flight, gone = up.log, up.in_flight, weakref.ref(up)
+    pinned = [weakref.ref(h) for h in up._hosts]
     del up
     gc.collect()
     assert gone() is None, "the finalizer kept the upload alive"
-    assert log[2:] == [("wait", 0), ("destroy", 0), ("wait", 1), ("destroy", 1)]
-    unused = HostOnlyUpload(64)  # no copy yet: nothing to wait for
-    log = unused.log
+    other = HostOnlyUpload(64)  # (reaps: event 1 is not done, so nothing is given back)
+    assert all(p() is not None for p in pinned) and log == [("record", 0), ("record", 1)]
+    in_flight.clear()
+    other.host()  # (a plan's first step reaps too)
+    gc.collect()
+    assert log[2:] == [("destroy", 0), ("destroy", 1)] and all(p() is None for p in pinned)
+    assert upload_module._PENDING == []
+    unused = HostOnlyUpload(64)  # no copy yet: nothing to hold
     del unused
     gc.collect()
-    assert log == []
+    assert upload_module._PENDING == []

@@ -1,5 +1,5 @@
 """StagedUpload on the GPU: a dropped upload's pinned buffers go back to torch only once its copies have read
-them (attnforge/jit/upload.py, _release)."""
+them (attnforge/jit/upload.py, _release and reap_dropped)."""
 import gc
 
 import pytest
