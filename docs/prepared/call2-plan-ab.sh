@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# plan B256 on the GPU host: main against main + plan-zero-begins.patch, fresh processes in rotation (two orders).
+# Before the call (here):  bash tools/stage_trees.sh base=HEAD next=HEAD && (cd abtrees/next && git apply \
+#   ../../docs/prepared/plan-zero-begins.patch)      then carry abtrees; delete abtrees/ before committing.
+#   bash docs/prepared/call2-plan-ab.sh      (on the GPU machine, repo root; the lines under $OUT/plan_ab.txt)
+set -u
+export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
+for t in base next next base base next; do
+  echo "$t: $(cd abtrees/$t && PYTHONPATH=$PWD:$PWD/tools timeout 150 python3 tools/plan_gpu_cost.py 2>&1 | grep 'whole call')"
+done | tee "$OUT/plan_ab.txt"
