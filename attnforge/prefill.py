@@ -441,6 +441,6 @@ def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
     w = _WRAPPERS.get(key)
     if w is None:
         if len(_WRAPPERS) >= MAX_WRAPPERS:
-            _WRAPPERS.clear()  # (their uploads' finalizers wait for copies still in flight)
+            _WRAPPERS.clear()  # (an upload's pinned buffers are held until its copies are done: jit/upload.py)
         w = _WRAPPERS[key] = BatchPrefill(spec, device=device)
     return w

@@ -49,8 +49,8 @@ def reap_dropped() -> None:
     (each new upload and each plan's host() calls it: one list test when nothing is pending)."""
     if not _PENDING:
         return
-    keep = []
-    for item in _PENDING:
+    keep, n = [], len(_PENDING)  # (a finalizer may append while this runs, even in this thread: those stay)
+    for item in _PENDING[:n]:
         events, _, ready, destroy = item
         try:
             done = all(e is None or ready(e) for e in events)
@@ -62,7 +62,7 @@ def reap_dropped() -> None:
             done = True
         if not done:
             keep.append(item)
-    _PENDING[:] = keep
+    _PENDING[:n] = keep
 
 
 class StagedUpload:
@@ -163,7 +163,7 @@ class HostOnlyUpload(StagedUpload):
 
     def __init__(self, num_int32: int):
         self.log: list = []
-        self.in_flight: set = set()  # events whose "copies" a test holds as not done (a dropped upload waits)
+        self.in_flight: set = set()  # events whose "copies" a test holds as not done (their buffers are held)
         self._next_event = 0
         super().__init__(num_int32, torch.device("cpu"))
 

@@ -65,3 +65,19 @@ def test_a_dropped_upload_keeps_its_buffers_until_its_copies_are_done():
     del unused
     gc.collect()
     assert upload_module._PENDING == []
+
+
+def test_an_upload_dropped_while_the_list_is_reaped_stays_on_it(monkeypatch):
+    """The collector may run a finalizer in the middle of reap_dropped (any allocation can trigger it): the
+    upload it adds must stay listed, not be given back unchecked."""
+    from attnforge.jit import upload as upload_module
+    late = ([7], [], lambda e: False, lambda e: None)  # its copy not done
+
+    def ready_and_drop_another(e):
+        upload_module._PENDING.append(late)
+        return True
+
+    destroyed = []
+    monkeypatch.setattr(upload_module, "_PENDING", [([1], [], ready_and_drop_another, destroyed.append)])
+    upload_module.reap_dropped()
+    assert destroyed == [1] and upload_module._PENDING == [late]
