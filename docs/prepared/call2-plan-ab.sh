@@ -5,6 +5,7 @@
 #   bash docs/prepared/call2-plan-ab.sh      (on the GPU machine, repo root; the lines under $OUT/plan_ab.txt)
 set -u
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
-for t in base next next base base next; do
-  echo "$t: $(cd abtrees/$t && PYTHONPATH=$PWD:$PWD/tools timeout 150 python3 tools/plan_gpu_cost.py 2>&1 | grep 'whole call')"
-done | tee "$OUT/plan_ab.txt"
+whole_call() {  # one fresh process in tree $1: plan B256's whole call, min and median
+  (cd "abtrees/$1" && PYTHONPATH=$PWD:$PWD/tools timeout 150 python3 tools/plan_gpu_cost.py 2>&1 | grep 'whole call')
+}
+for t in base next next base base next; do echo "$t: $(whole_call $t)"; done | tee "$OUT/plan_ab.txt"
