@@ -239,6 +239,7 @@ def test_eager_modifiers_are_kept_in_a_bounded_table_and_graph_ones_for_good(mon
     bias = torch.rand(8)
     pinned = lambda score, b, h, q_idx, kv_idx: score + bias[h]  # noqa: E731
     graph_mod = dense.compiled_mod(pinned, None, for_graph=True)
+
     def per_call(t):  # what a model that defines its modifier in forward() passes each call
         return lambda score, b, h, q_idx, kv_idx: score + t[h]
 
