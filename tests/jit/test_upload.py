@@ -38,13 +38,15 @@ def test_stage_writes_its_pieces_and_copies_only_their_extents():
     assert up.log == [("record", 0)], "one event for the plan's copies"
 
 
-def test_a_dropped_upload_keeps_its_buffers_until_its_copies_are_done():
+def test_a_dropped_upload_keeps_its_buffers_until_its_copies_are_done(monkeypatch):
     """torch's pinned allocator hands a freed block out again at once (it knows only copies torch made), so a
     dropped upload's pinned buffers are held until its copies are done, then given back and its events
     destroyed, by the next upload or plan (never a wait); its finalizer must not hold the upload itself."""
     import gc
     import weakref
     from attnforge.jit import upload as upload_module
+    gc.collect()  # (uploads other tests dropped go to the real list, not this test's)
+    monkeypatch.setattr(upload_module, "_PENDING", [])
     up = HostOnlyUpload(64)
     up.upload(8)
     up.upload(8)  # both buffers now have a copy in flight (events 0 and 1)
