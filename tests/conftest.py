@@ -33,6 +33,18 @@ def _rngs_seeded_by_test_id(request):
     random.seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_log(request):
+    """With ATTNFORGE_TEST_MEMLOG=<file>, a line per test: its id and the CUDA bytes torch holds after it (live and
+    reserved), so a test that leaves tensors alive shows as a step (the memcheck process ran out of memory once)."""
+    yield
+    path = os.environ.get("ATTNFORGE_TEST_MEMLOG")
+    if path and HAS_GPU and torch.cuda.is_initialized():
+        live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        with open(path, "a") as log:
+            log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved: {request.node.nodeid}\n")
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (METHOD.md)."""
     out, ref = out.double(), ref.double()

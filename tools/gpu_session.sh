@@ -13,6 +13,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 memcheck() {
+  # the memory torch holds after each test (this process ran out of memory once beside the test groups)
+  ATTNFORGE_TEST_MEMLOG="$OUT/memcheck-memory.log" \
   timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
     ${SANITIZE_TESTS:-tests/test_merge_gpu.py "tests/test_decode_gpu.py::test_pages_layouts_pipelines" \
     tests/test_mla_gpu.py::test_heads_and_odd_lengths "tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles" \
