@@ -1,3 +1,4 @@
+import gc
 import os
 import random
 import tempfile
@@ -36,13 +37,16 @@ def _rngs_seeded_by_test_id(request):
 @pytest.fixture(autouse=True)
 def _gpu_memory_log(request):
     """With ATTNFORGE_TEST_MEMLOG=<file>, a line per test: its id and the CUDA bytes torch holds after it (live and
-    reserved), so a test that leaves tensors alive shows as a step (the memcheck process ran out of memory once)."""
+    reserved), so a test that leaves tensors alive shows as a step (the memcheck process ran out of memory once);
+    the cached blocks go back after each."""
     yield
     path = os.environ.get("ATTNFORGE_TEST_MEMLOG")
     if path and HAS_GPU and torch.cuda.is_initialized():
+        gc.collect()  # (tensors held only by reference cycles are not a leak)
         live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         with open(path, "a") as log:
             log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved: {request.node.nodeid}\n")
+        torch.cuda.empty_cache()  # (and only live tensors stay held: this process shares the card with others)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
