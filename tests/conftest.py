@@ -1,5 +1,4 @@
 import gc
-import inspect
 import os
 import random
 import tempfile
@@ -43,41 +42,15 @@ def _gpu_memory_log(request):
     yield
     path = os.environ.get("ATTNFORGE_TEST_MEMLOG")
     if path and HAS_GPU and torch.cuda.is_initialized():
+        from helpers import largest_holders, python_tensors  # (here: attnforge loads after the env above is set)
         gc.collect()  # (tensors held only by reference cycles are not a leak)
         live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        seen = _python_cuda_tensors()
+        seen = python_tensors(lambda t: t.is_cuda)
         with open(path, "a") as log:
             log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved, {len(seen)} CUDA tensors Python "
-                      f"holds ({sum(nbytes for nbytes, _ in seen) >> 20} MiB{_largest_holders(seen)}): "
+                      f"holds ({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen)}): "
                       f"{request.node.nodeid}\n")
         torch.cuda.empty_cache()  # (and only live tensors stay held: this process shares the card with others)
-
-
-def _python_cuda_tensors() -> list:
-    """(storage bytes, tensor) of each CUDA tensor the collector tracks: held by Python objects, where torch's
-    count of live bytes is also what C++ holds (a graph's pool, a storage shared with another library)."""
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            found.append((obj.untyped_storage().nbytes(), obj))
-    return found
-
-
-def _largest_holders(seen: list) -> str:
-    """For the largest such tensor (past 64 MiB): the types of what refers to it, and of what refers to those."""
-    if not seen:
-        return ""
-    nbytes, tensor = max(seen, key=lambda x: x[0])
-    if nbytes < 64 << 20:
-        return ""
-    ours = {id(seen), *(id(pair) for pair in seen)}  # (this function's own references are not holders)
-    here = [r for r in gc.get_referrers(tensor) if id(r) not in ours and not inspect.isframe(r)]
-    ours.add(id(here))
-    names = []
-    for r in here[:4]:
-        up = [type(u).__name__ for u in gc.get_referrers(r) if id(u) not in ours and not inspect.isframe(u)][:4]
-        names.append(f"{type(r).__name__} <- {'/'.join(up) or '?'}")
-    return f"; largest {nbytes >> 20} MiB {list(tensor.shape)}, held by {', '.join(names) or 'no Python object'}"
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,6 +1,8 @@
 """Shared test helpers: random paged caches, the tolerance rule, host programs over the headers."""
 from __future__ import annotations
 
+import gc
+import inspect
 import math
 import subprocess
 from pathlib import Path
@@ -307,3 +309,28 @@ def stub_launches(monkeypatch) -> LaunchRecorder:
     monkeypatch.setattr(checks, "check_cuda", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     return rec
+
+
+def python_tensors(which) -> list:
+    """(storage bytes, tensor) of each tensor the collector tracks for which which(tensor) holds: those Python
+    objects hold (torch's count of live CUDA bytes also has what C++ holds: a graph's pool, a shared storage)."""
+    return [(obj.untyped_storage().nbytes(), obj) for obj in gc.get_objects()
+            if issubclass(type(obj), torch.Tensor) and which(obj)]  # (type: isinstance warns on deprecated objects)
+
+
+def largest_holders(seen: list, min_bytes: int = 64 << 20) -> str:
+    """For the largest of python_tensors() (from min_bytes): the types of what refers to it, and of what refers
+    to those (conftest's memory log, after each GPU test)."""
+    if not seen:
+        return ""
+    nbytes, tensor = max(seen, key=lambda x: x[0])
+    if nbytes < min_bytes:
+        return ""
+    ours = {id(seen), *(id(pair) for pair in seen)}  # (this function's own references are not holders)
+    here = [r for r in gc.get_referrers(tensor) if id(r) not in ours and not inspect.isframe(r)][:4]
+    ours.add(id(here))
+    names = []
+    for r in here:
+        up = [type(u).__name__ for u in gc.get_referrers(r) if id(u) not in ours and not inspect.isframe(u)][:4]
+        names.append(f"{type(r).__name__} <- {'/'.join(up) or '?'}")
+    return f"; largest {nbytes >> 20} MiB {list(tensor.shape)}, held by {', '.join(names) or 'no Python object'}"

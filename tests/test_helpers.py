@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import lazy_rescale_allowance, poison_unused_slots, replays_after_replans
+from helpers import largest_holders, lazy_rescale_allowance, poison_unused_slots, python_tensors, replays_after_replans
 
 
 def test_replay_protocol_order(monkeypatch):
@@ -102,3 +102,17 @@ def test_lazy_rescale_allowance_bounds_weights_rounded_against_a_lagging_max(dty
             else:
                 worst_eager = max(worst_eager, err)
     assert worst_lazy > 1.5 * worst_eager  # the dominant weight, exact only under an eager max
+
+
+def test_memory_log_names_what_holds_the_largest_tensor():
+    """The memory log's diagnosis (conftest, ATTNFORGE_TEST_MEMLOG): the tensors Python holds, and for the largest
+    the types that refer to it and to those; nothing under the size bound, and this test's own lists not counted."""
+    class Table:  # a stand-in for a module-level cache that outlives a test
+        pass
+    table = Table()
+    table.entries = {"kv": torch.empty(9 << 20, dtype=torch.float64)}  # 72 MiB
+    mine = python_tensors(lambda t: t.untyped_storage().nbytes() >= 8 << 20)
+    assert sum(t is table.entries["kv"] for _, t in mine) == 1
+    said = largest_holders(mine)
+    assert said.startswith("; largest 72 MiB [9437184], held by dict <- T") and "no Python object" not in said
+    assert largest_holders(mine, min_bytes=1 << 30) == "" and largest_holders([]) == ""
