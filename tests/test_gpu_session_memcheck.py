@@ -1,0 +1,59 @@
+"""tools/gpu_session.sh's memcheck: each group of its default tests is a sanitizer process of its own, every id in
+them names collected GPU tests, and a group the time does not reach is said, not silently dropped."""
+import os
+import re
+import runpy
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path("tools/gpu_session.sh").read_text()
+groups_tool = runpy.run_path("tools/gpu_test_groups.py", run_name="lib")
+
+
+def memcheck_part() -> str:
+    """The script's MEMCHECK_GROUPS and memcheck() alone (the rest runs the demo and the tests)."""
+    return re.search(r"^MEMCHECK_GROUPS=.*?^}\n", SCRIPT, re.M | re.S).group(0)
+
+
+def default_groups() -> list:
+    text = re.search(r'^MEMCHECK_GROUPS="(.*?)"', SCRIPT, re.M | re.S).group(1)
+    return [group.split() for group in text.split(";")]
+
+
+def run_memcheck(tmp_path, timeout_s: int) -> tuple[str, list]:
+    """memcheck() with a compute-sanitizer that records its pytest arguments: (its log, one line per process)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(f'#!/bin/bash\necho "${{@:13}}" >> {calls}\necho "========= ERROR SUMMARY: 0 errors"\n')
+    fake.chmod(0o755)
+    part = tmp_path / "memcheck.sh"
+    part.write_text(memcheck_part())
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SANITIZE_TIMEOUT=str(timeout_s))
+    env.pop("SANITIZE_TESTS", None)
+    log = subprocess.run(["bash", "-c", f"source {part}; memcheck"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return log, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_each_group_runs_in_a_process_of_its_own(tmp_path):
+    log, calls = run_memcheck(tmp_path, 60)
+    groups = default_groups()
+    assert len(groups) >= 4 and log.startswith(f"memcheck exit 0 ({len(groups)} groups)")
+    assert [c.split()[-len(g):] for c, g in zip(calls, groups)] == groups and len(calls) == len(groups)
+
+
+def test_a_group_out_of_time_is_reported(tmp_path):
+    log, calls = run_memcheck(tmp_path, 2)
+    assert calls == [] and log.startswith("memcheck exit 124")
+    assert "no time left for: tests/test_merge_gpu.py" in (tmp_path / "out" / "memcheck.head").read_text()
+
+
+def test_every_id_names_collected_gpu_tests():
+    collected = groups_tool["gpu_test_ids"]()
+    for group in default_groups():
+        for test_id in group:  # a file, a function, or one parametrization
+            assert any(i == test_id or i.startswith(test_id + "[") or i.startswith(test_id + "::")
+                       for i in collected), f"{test_id}: no collected GPU test (renamed?)"
