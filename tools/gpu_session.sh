@@ -18,23 +18,27 @@ python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 MEMCHECK_GROUPS="tests/test_merge_gpu.py tests/test_decode_gpu.py::test_pages_layouts_pipelines
   tests/test_mla_gpu.py::test_heads_and_odd_lengths tests/test_decode_gpu.py::test_head_splits
   tests/test_decode_gpu.py::test_merge_of_many_chunks_in_passes_and_rounds[32-1-128-normal];
-  tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles tests/test_prefill_gpu.py::test_wgmma_producer_paged
-  tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv tests/test_prefill_gpu.py::test_d256_split_ring_schedules;
+  tests/test_prefill_gpu.py::test_empty_kv_and_lengths_off_the_tiles
+  tests/test_prefill_gpu.py::test_wgmma_producer_paged
+  tests/test_prefill_gpu.py::test_split_kv_few_queries_against_long_kv
+  tests/test_prefill_gpu.py::test_d256_split_ring_schedules;
   tests/test_prefill_gpu.py::test_persistent_ctas_walk_many_items;
   tests/test_mla_gpu.py::test_wgmma_backend[transposed-16] tests/test_mla_gpu.py::test_wgmma_backend[normal-128]
-  tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane tests/test_mla_gpu.py::test_long_request_split_across_ctas;
+  tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane
+  tests/test_mla_gpu.py::test_long_request_split_across_ctas;
   tests/test_quest_gpu.py"
 memcheck() {
   local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group
   local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}"
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
   : > "$OUT/memcheck.full"
-  for group in "${mgroups[@]}"; do  # (in turn: the time left goes to each next group; `timeout 0` would not stop)
+  for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
     [ $(( end - $(date +%s) )) -lt 5 ] && { echo "memcheck: no time left for: $group"; status=124; break; } \
       >> "$OUT/memcheck.full"
     # the memory torch holds after each test (ATTNFORGE_TEST_MEMLOG: tests/conftest.py)
-    ATTNFORGE_TEST_MEMLOG="$OUT/memcheck-memory.log" timeout $(( end - $(date +%s) )) compute-sanitizer --tool memcheck \
-      --report-api-errors no --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider $group \
+    ATTNFORGE_TEST_MEMLOG="$OUT/memcheck-memory.log" timeout $(( end - $(date +%s) )) \
+      compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+      python3 -m pytest -m gpu -q -x -p no:cacheprovider $group \
       >> "$OUT/memcheck.full" 2>&1
     rc=$?; [ $rc -ne 0 ] && status=$rc
   done
