@@ -4,7 +4,7 @@
 # memcheck, side by side: a step per test in both is a holder in attnforge or the tests (the log names the Python
 # object holding the largest tensor); a step only under memcheck is the sanitizer's.
 #   bash docs/prepared/call3-test-memory.sh      (on the GPU machine, repo root; ~2 min; logs under $OUT)
-export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
+export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache PYTHONPATH=$PWD  # (the checkout, not installed there)
 tests=(tests/test_merge_gpu.py tests/jit/test_upload_gpu.py
        "tests/test_prefill_gpu.py::test_persistent_ctas_walk_many_items")
 ( ATTNFORGE_TEST_MEMLOG=$OUT/plain-memory.log timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
