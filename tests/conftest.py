@@ -1,4 +1,3 @@
-import gc
 import os
 import random
 import tempfile
@@ -42,15 +41,8 @@ def _gpu_memory_log(request):
     yield
     path = os.environ.get("ATTNFORGE_TEST_MEMLOG")
     if path and HAS_GPU and torch.cuda.is_initialized():
-        from helpers import largest_holders, python_tensors  # (here: attnforge loads after the env above is set)
-        gc.collect()  # (tensors held only by reference cycles are not a leak)
-        live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        seen = python_tensors(lambda t: t.is_cuda)
-        with open(path, "a") as log:
-            log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved, {len(seen)} CUDA tensors Python "
-                      f"holds ({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen)}): "
-                      f"{request.node.nodeid}\n")
-        torch.cuda.empty_cache()  # (and only live tensors stay held: this process shares the card with others)
+        from helpers import log_test_memory  # (here: attnforge loads after the env above is set)
+        log_test_memory(path, request.node.nodeid)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

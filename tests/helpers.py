@@ -334,3 +334,16 @@ def largest_holders(seen: list, min_bytes: int = 64 << 20) -> str:
         up = [type(u).__name__ for u in gc.get_referrers(r) if id(u) not in ours and not inspect.isframe(u)][:4]
         names.append(f"{type(r).__name__} <- {'/'.join(up) or '?'}")
     return f"; largest {nbytes >> 20} MiB {list(tensor.shape)}, held by {', '.join(names) or 'no Python object'}"
+
+
+def log_test_memory(path: str, test_id: str) -> None:
+    """One line of the memory log (ATTNFORGE_TEST_MEMLOG, tests/conftest.py) after a test: the CUDA bytes torch
+    counts live and reserved once cycles are collected, the CUDA tensors Python holds and what holds the largest;
+    then the cached blocks go back (this process shares the card with others)."""
+    gc.collect()  # (tensors held only by reference cycles are not a leak)
+    live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    seen = python_tensors(lambda t: t.is_cuda)
+    with open(path, "a") as log:
+        log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved, {len(seen)} CUDA tensors Python holds "
+                  f"({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen)}): {test_id}\n")
+    torch.cuda.empty_cache()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import largest_holders, lazy_rescale_allowance, poison_unused_slots, python_tensors, replays_after_replans
+from helpers import (largest_holders, lazy_rescale_allowance, log_test_memory, poison_unused_slots, python_tensors,
+                     replays_after_replans)
 
 
 def test_replay_protocol_order(monkeypatch):
@@ -116,3 +117,18 @@ def test_memory_log_names_what_holds_the_largest_tensor():
     said = largest_holders(mine)
     assert said.startswith("; largest 72 MiB [9437184], held by dict <- T") and "no Python object" not in said
     assert largest_holders(mine, min_bytes=1 << 30) == "" and largest_holders([]) == ""
+
+
+def test_memory_log_writes_a_line_a_test_and_gives_the_cache_back(monkeypatch, tmp_path):
+    """The line conftest's fixture appends after each GPU test (torch's CUDA counters stubbed: no GPU here)."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 5 << 20)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    path = tmp_path / "memory.log"
+    log_test_memory(str(path), "tests/a.py::test_one")
+    log_test_memory(str(path), "tests/a.py::test_two")
+    lines = path.read_text().splitlines()
+    cuda = len(python_tensors(lambda t: t.is_cuda))  # (none on a machine without a GPU)
+    assert lines == [f"3 MiB live, 5 MiB reserved, {cuda} CUDA tensors Python holds (0 MiB): tests/a.py::test_{n}"
+                     for n in ("one", "two")] and emptied == [True, True]
