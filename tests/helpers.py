@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -320,20 +322,32 @@ def python_tensors(which) -> list:
 
 def largest_holders(seen: list, min_bytes: int = 64 << 20) -> str:
     """For the largest of python_tensors() (from min_bytes): the types of what refers to it, and of what refers
-    to those (conftest's memory log, after each GPU test)."""
+    to those (conftest's memory log, after each GPU test). A frame off the running stack is named by its function
+    and line (a stored traceback or a suspended generator keeps it); the running stack's own frames are skipped."""
     if not seen:
         return ""
     nbytes, tensor = max(seen, key=lambda x: x[0])
     if nbytes < min_bytes:
         return ""
     ours = {id(seen), *(id(pair) for pair in seen)}  # (this function's own references are not holders)
-    here = [r for r in gc.get_referrers(tensor) if id(r) not in ours and not inspect.isframe(r)][:4]
+    frame = inspect.currentframe()
+    while frame is not None:
+        ours.add(id(frame))
+        frame = frame.f_back
+
+    def name(obj) -> str:
+        if inspect.isframe(obj):
+            return f"frame {obj.f_code.co_name}@{os.path.basename(obj.f_code.co_filename)}:{obj.f_lineno}"
+        return type(obj).__name__
+
+    here = [r for r in gc.get_referrers(tensor) if id(r) not in ours][:4]
     ours.add(id(here))
     names = []
     for r in here:
-        up = [type(u).__name__ for u in gc.get_referrers(r) if id(u) not in ours and not inspect.isframe(u)][:4]
-        names.append(f"{type(r).__name__} <- {'/'.join(up) or '?'}")
-    return f"; largest {nbytes >> 20} MiB {list(tensor.shape)}, held by {', '.join(names) or 'no Python object'}"
+        up = [name(u) for u in gc.get_referrers(r) if id(u) not in ours][:4]
+        names.append(f"{name(r)} <- {'/'.join(up) or '?'}")
+    return (f"; largest {nbytes >> 20} MiB {list(tensor.shape)}, {sys.getrefcount(tensor) - 3} references, held by "
+            f"{', '.join(names) or 'no Python object'}")
 
 
 def log_test_memory(path: str, test_id: str) -> None:
@@ -345,5 +359,5 @@ def log_test_memory(path: str, test_id: str) -> None:
     seen = python_tensors(lambda t: t.is_cuda)
     with open(path, "a") as log:
         log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved, {len(seen)} CUDA tensors Python holds "
-                  f"({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen)}): {test_id}\n")
+                  f"({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen, min_bytes=0)}): {test_id}\n")
     torch.cuda.empty_cache()

@@ -115,8 +115,24 @@ def test_memory_log_names_what_holds_the_largest_tensor():
     mine = python_tensors(lambda t: t.untyped_storage().nbytes() >= 8 << 20)
     assert sum(t is table.entries["kv"] for _, t in mine) == 1
     said = largest_holders(mine)
-    assert said.startswith("; largest 72 MiB [9437184], held by dict <- T") and "no Python object" not in said
+    assert said.startswith("; largest 72 MiB [9437184], 1 references, held by dict <- T"), said
     assert largest_holders(mine, min_bytes=1 << 30) == "" and largest_holders([]) == ""
+
+
+def test_memory_log_names_a_frame_kept_after_its_function():
+    """A frame kept off the stack (here by a stored exception's traceback) holding a tensor is named by its
+    function, and the running stack's frames (this test's) are not named as holders."""
+    def fails(t):
+        raise ValueError(t.numel())
+    stored = {}
+    try:
+        fails(torch.empty(9 << 20, dtype=torch.float64))
+    except ValueError as e:
+        stored["error"] = e  # (its traceback keeps fails' frame, and the frame its argument)
+    mine = python_tensors(lambda t: t.untyped_storage().nbytes() == 72 << 20)
+    said = largest_holders(mine)
+    assert said.startswith("; largest 72 MiB [9437184], 1 references, held by frame fails@test_helpers.py:"), said
+    assert "traceback" in said and "test_memory_log_names_a_frame" not in said
 
 
 def test_memory_log_writes_a_line_a_test_and_gives_the_cache_back(monkeypatch, tmp_path):
