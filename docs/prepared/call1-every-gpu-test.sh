@@ -5,7 +5,7 @@
 set -u
 start=$(date +%s)
 TEST_GROUPS="$(python3 tools/gpu_test_groups.py 14)" BENCH=0 SASS=0 SANITIZE=1 SANITIZE_PARALLEL=1 \
-  SANITIZE_TIMEOUT=300 TEST_TIMEOUT=380 bash tools/gpu_session.sh > "$OUT/session.log" 2>&1
+  SANITIZE_TIMEOUT=440 TEST_TIMEOUT=380 bash tools/gpu_session.sh > "$OUT/session.log" 2>&1
 echo "tests done at $(( $(date +%s) - start )) s"
 grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log"; grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 cat "$OUT/memcheck.log"; head -3 "$OUT/memcheck-memory.log"; sort -n "$OUT/memcheck-memory.log" | tail -4
