@@ -1,5 +1,6 @@
-"""tools/gpu_session.sh's memcheck: each group of its default tests is a sanitizer process of its own, every id in
-them names collected GPU tests, and a group the time does not reach is said, not silently dropped."""
+"""tools/gpu_session.sh's memcheck: each group of its default tests is a sanitizer process of its own without host
+backtraces, every id in them names collected GPU tests, and a group the time does not reach is said, not silently
+dropped."""
 import os
 import re
 import runpy
@@ -43,6 +44,8 @@ def test_each_group_runs_in_a_process_of_its_own(tmp_path):
     groups = default_groups()
     assert len(groups) >= 4 and log.startswith(f"memcheck exit 0 ({len(groups)} groups)")
     assert [c.split()[-len(g):] for c, g in zip(calls, groups)] == groups and len(calls) == len(groups)
+    # (the host backtrace, the default, keeps every CUDA call's Python frames and their tensors alive)
+    assert all("--show-backtrace device" in c for c in calls)
 
 
 def test_a_group_out_of_time_is_reported(tmp_path):

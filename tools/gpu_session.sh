@@ -12,9 +12,10 @@ export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
-# memcheck's default tests, in groups (';'): each group is a process of its own, because the one process the
-# list used to run counted every test's tensors live after it and ran out of memory at its 69th test
-# (eighty-third session: perf-notes), leaving the tests after it unchecked
+# memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own.
+# --show-backtrace device: the host backtrace (the sanitizer's default, 'yes') keeps a reference to the Python
+# frames of every CUDA call, and through them every test's tensors: one process ran out of memory at its 69th
+# test (eighty-third and eighty-fourth sessions, perf-notes); a precise error still gets its device backtrace
 MEMCHECK_GROUPS="tests/test_merge_gpu.py tests/test_decode_gpu.py::test_pages_layouts_pipelines
   tests/test_mla_gpu.py::test_heads_and_odd_lengths tests/test_decode_gpu.py::test_head_splits
   tests/test_decode_gpu.py::test_merge_of_many_chunks_in_passes_and_rounds[32-1-128-normal];
@@ -37,7 +38,7 @@ memcheck() {
       >> "$OUT/memcheck.full"
     # the memory torch holds after each test (ATTNFORGE_TEST_MEMLOG: tests/conftest.py)
     ATTNFORGE_TEST_MEMLOG="$OUT/memcheck-memory.log" timeout $(( end - $(date +%s) )) \
-      compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+      compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 --show-backtrace device \
       python3 -m pytest -m gpu -q -x -p no:cacheprovider $group \
       >> "$OUT/memcheck.full" 2>&1
     rc=$?; [ $rc -ne 0 ] && status=$rc
