@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -323,7 +323,8 @@ def python_tensors(which) -> list:
 def largest_holders(seen: list, min_bytes: int = 64 << 20) -> str:
     """For the largest of python_tensors() (from min_bytes): the types of what refers to it, and of what refers
     to those (conftest's memory log, after each GPU test). A frame off the running stack is named by its function
-    and line (a stored traceback or a suspended generator keeps it); the running stack's own frames are skipped."""
+    and line (a stored traceback keeps one, or C code: compute-sanitizer's host backtraces); the running stack's
+    own frames are skipped."""
     if not seen:
         return ""
     nbytes, tensor = max(seen, key=lambda x: x[0])
