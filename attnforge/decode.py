@@ -337,7 +337,7 @@ class BatchDecode:
             raise checks.fail("plan: batch size in CUDA-graph mode", f"{self._plan['batch']} (as captured)",
                               table.batch_size, "Capture one graph per batch size.")
         kv_end = table.kv_len
-        kv_begin = np.zeros(len(kv_end), dtype=kv_end.dtype)  # (zeros_like: 4x the call overhead)
+        kv_begin = scheduler.zero_begins(len(kv_end))
         if self.spec.window_left >= 0:  # keys before the window are never read
             kv_begin = np.maximum(kv_end - q_len - self.spec.window_left, 0)
         kernel, ctas, work, items_per_request = self._launch_plan(kv_begin, kv_end, items_per_request)

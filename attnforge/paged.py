@@ -45,14 +45,18 @@ class PageTable(NamedTuple):  # (immutable, and built in a third of a frozen dat
         return int(self.indices.max()) if len(self.indices) else -1
 
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _max_page_id(indices: np.ndarray) -> int:
     """The largest page id in one pass that also catches negatives (viewed as unsigned, a negative id
     outranks every valid one); a negative result is the smallest id, for the error. -1 when empty."""
     if not len(indices):
         return -1
     if indices.dtype.kind == "u":
-        return int(indices.max())
-    top = int(indices.view(np.dtype(f"u{indices.dtype.itemsize}")).max())
+        return int(np.maximum.reduce(indices))
+    top = int(np.maximum.reduce(indices.view(_UNSIGNED[indices.dtype.itemsize])))  # (reduce: .max()'s wrapper
+    # costs ~0.3 us on plan()'s path, as does building the dtype from its name)
     return int(indices.min()) if top >= 1 << (8 * indices.dtype.itemsize - 1) else top
 
 

@@ -68,6 +68,21 @@ class StreamPlan(NamedTuple):  # (immutable, and built in a third of a frozen da
         return -(-self.total // self.span)
 
 
+_ZERO_BEGINS: dict = {}
+
+
+def zero_begins(batch: int) -> np.ndarray:
+    """kv_begin for a batch without a window: a shared read-only int64 zeros [batch], built once a batch size
+    (plan()'s path: np.zeros and its subtraction cost ~1 us a plan; plan_stream knows it by identity)."""
+    zeros = _ZERO_BEGINS.get(batch)
+    if zeros is None:
+        if len(_ZERO_BEGINS) > 4096:  # (an engine sees at most its max batch size of them)
+            _ZERO_BEGINS.clear()
+        zeros = _ZERO_BEGINS[batch] = np.zeros(batch, dtype=np.int64)
+        zeros.flags.writeable = False
+    return zeros
+
+
 def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num_ctas: int,
                 align_equal_items: bool = False, align_slack: int = ALIGN_SLACK, snap: int = 0,
                 snap_where_it_pays: bool = True, whole_items_per_span: bool = False,
@@ -101,8 +116,11 @@ def plan_stream(kv_begin: np.ndarray, kv_end: np.ndarray, num_kv_heads: int, num
     if snap and not (isinstance(snap, int) and snap >= CHUNK_FIXED_COST):
         raise ValueError(f"plan_stream(snap=...): expected 0 or an int >= {CHUNK_FIXED_COST} (the fixed cost), "
                          f"got {snap!r}; pass 0 for uncut span boundaries or scheduler.SPAN_SNAP")
-    item_cost = kv_end - kv_begin
-    item_cost += CHUNK_FIXED_COST
+    if kv_begin is _ZERO_BEGINS.get(len(kv_end)):  # (no window: one vector op, not two)
+        item_cost = kv_end + CHUNK_FIXED_COST
+    else:
+        item_cost = kv_end - kv_begin
+        item_cost += CHUNK_FIXED_COST
     prefix = np.zeros(len(kv_end) + 1, dtype=np.int64)
     np.add.accumulate(item_cost * num_kv_heads, out=prefix[1:])  # (np.cumsum: 2.5x the call overhead)
     total = int(prefix[-1])

@@ -138,6 +138,21 @@ def test_random_plans_across_every_option_cover_each_token_once(seed):
             (len(slots) == 0 or slots.max() < 2 * ctas), options
 
 
+def test_shared_zero_begins_plan_as_any_zeros_and_cannot_be_written():
+    """plan_stream knows scheduler.zero_begins(b) by identity and skips its subtraction: the same plans as from
+    a fresh zeros array, on random draws of every option; the shared array is read-only, so no caller can
+    turn another plan's begins into nonzero ones."""
+    for begin, end, hkv, ctas, options in random_stream_plans(7, 100):
+        shared = scheduler.zero_begins(len(end))
+        assert scheduler.zero_begins(len(end)) is shared and not shared.any()
+        fresh, fast = (plan_stream(b, end.copy(), hkv, ctas, **options) for b in (np.zeros_like(shared), shared))
+        assert fast.kv_begin is shared
+        for a, b in zip(fresh, fast):
+            assert np.array_equal(a, b), options
+    with pytest.raises(ValueError, match="read-only"):
+        scheduler.zero_begins(3)[0] = 1
+
+
 def test_stream_overflow_is_an_error():
     with pytest.raises(ValueError, match="int32"):
         plan_stream(np.zeros(2, dtype=np.int64), np.full(2, 2**30), 8, 264)
