@@ -424,6 +424,44 @@ def test_wgmma_transposed_early_scores(heads):
     wgmma_cases(heads, "transposed", **early)
 
 
+# The warp-specialised wgmma kernels: the transposed one with its producer warpgroup (mbarrier hand-overs, the
+# default at 8 and 16 heads), without it, and the roles kernel (named-barrier hand-overs, 64 and 128 heads)
+@pytest.mark.parametrize("heads,pipeline,fields", [(8, "transposed", None), (16, "transposed", None),
+                                                   (16, "transposed", {"producer": False}), (64, "normal", None),
+                                                   (128, "normal", None)])
+def test_repeated_runs_of_many_short_items_match_bitwise(heads, pipeline, fields):
+    """Hundreds of short requests, several items a persistent CTA: each CTA hands its stages, the output
+    staging tile over them and its barriers from item to item. A plan run 40 times must give the same bits
+    every time (a race between warpgroups shows as a run that differs), and the first run matches the
+    reference. This is the check racecheck cannot give here: on the producer kernel it reports hazards between
+    the two warpgroups across __syncthreads (its one-warpgroup twin is clean), and on the roles kernel its
+    arrive / sync hand-over (docs/measuring.md, "Correctness beside speed")."""
+    spec = mla_spec(heads, pipeline)
+    lengths = np.random.default_rng(heads).integers(1, 300, 600).tolist()
+    lengths[7] = 0  # an empty request among them
+    q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, 64, seed=heads)
+    kw = {"backend": "wgmma", "kernel_fields": fields} if fields else {}
+    w = BatchMLADecode(spec, max_batch_size=1024, **kw)
+    w.plan(indptr, indices, last, page_size=64)
+    assert w.kernel.backend == "wgmma" and w.kernel.uses_producer == (pipeline == "transposed" and not fields)
+    runs = []
+    for _ in range(40):
+        out = poison(q_nope.shape, q_nope.dtype)
+        w.run(q_nope, q_pe, *caches, out=out)
+        runs.append(out)
+    torch.cuda.synchronize()
+    differing = [i for i, o in enumerate(runs) if not torch.equal(o, runs[0])]
+    assert not differing, f"runs {differing} of 40 differ from the first: a race in {w.kernel.module().name}"
+    ref, _ = mla_reference(q_nope, q_pe, per_req, 1, DEEPSEEK_SM_SCALE)
+    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
+    low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, 1, DEEPSEEK_SM_SCALE, dtype=torch.float32)
+    lagging = 0.0
+    if w.kernel.rescale_slack > 0:
+        lagging = lazy_rescale_allowance(q_nope.dtype, max(r[:, :512].abs().max().item() for r in per_req if len(r)))
+    assert_attention_close(runs[0], ref.to(runs[0].device), low.to(q_nope.dtype).to(runs[0].device), spec.name,
+                           lagging)
+
+
 def test_one_long_request_at_16_heads_runs_the_transposed_kernel():
     """LONG_REQUEST_TRANSPOSED: a plan of one request at 16 heads runs the transposed wgmma kernel, a batch
     the default normal one, plan by plan in one wrapper; one request against the reference, long, split
