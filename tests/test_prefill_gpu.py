@@ -266,6 +266,31 @@ def test_speculative_verify_step(backend, page_size):
     assert_attention_close(out[row:row + 1], ref, ref, f"{spec.name} draft token {t}")
 
 
+@pytest.mark.parametrize("options", [{}, {"pingpong": True}])
+def test_persistent_repeated_runs_match_bitwise(options):
+    """120 short requests on the persistent grid, so each CTA walks many items: the producer warpgroup's ring,
+    the Q hand-over and the deferred epilogue run on from item to item. 20 runs of one plan must give the
+    same bits every time (a race between the warpgroups shows as a run that differs), and the first run, with
+    its LSE, matches the reference (as test_repeated_runs_of_many_short_items_match_bitwise does for MLA)."""
+    spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True)
+    rng = np.random.default_rng(3)
+    qo_lens = rng.integers(1, 200, 120).tolist()
+    kv_lens = [n + int(extra) for n, extra in zip(qo_lens, rng.integers(0, 300, 120))]  # chunked prefill
+    q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=3)
+    w = BatchPrefill(spec, persistent=True, **options)
+    w.plan(qo, kv)
+    assert w._plan["num_work"] > 4 * w._plan["grid"], "several items a CTA"
+    runs = []
+    for _ in range(20):
+        runs.append(w.run(q, (k, v), out=poison(q.shape, q.dtype), return_lse=True))
+    torch.cuda.synchronize()
+    differing = [i for i, (o, lse) in enumerate(runs) if not (torch.equal(o, runs[0][0]) and
+                                                              torch.equal(lse, runs[0][1]))]
+    assert not differing, f"runs {differing} of 20 differ from the first"
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(qo_lens))]
+    check_against_reference(spec, q, runs[0][0], runs[0][1], per, qo)
+
+
 @pytest.mark.parametrize("page_size,options", [(None, {}), (7, {}), (None, {"pingpong": True}),
                                                (7, {"pingpong": True, "num_stages": 2})])
 def test_persistent_ctas_walk_many_items(page_size, options):
