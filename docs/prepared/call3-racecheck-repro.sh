@@ -6,7 +6,8 @@
 #   bash docs/prepared/call3-racecheck-repro.sh      (on the GPU machine, repo root; ~3 min after the start)
 set -u
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache PYTHONPATH=$PWD
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_prefill_gpu.py -k repeated 2>&1 | tail -3  # (new, not yet run on a GPU)
+# (new, not yet run on a GPU)
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_prefill_gpu.py -k repeated 2>&1 | tail -3
 nvcc -arch=sm_90a -o /tmp/subset_barrier tools/racecheck_subset_barrier.cu || exit 1
 for v in 0 1 2 3; do
   compute-sanitizer --tool racecheck /tmp/subset_barrier $v 2>&1 | grep -E "variant|RACECHECK SUMMARY"
