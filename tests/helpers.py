@@ -362,3 +362,13 @@ def log_test_memory(path: str, test_id: str) -> None:
         log.write(f"{live >> 20} MiB live, {reserved >> 20} MiB reserved, {len(seen)} CUDA tensors Python holds "
                   f"({sum(nbytes for nbytes, _ in seen) >> 20} MiB{largest_holders(seen, min_bytes=0)}): {test_id}\n")
     torch.cuda.empty_cache()
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is scripts, not a package)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,8 +1,5 @@
 """tools/racecheck_summary.py: racecheck's reports grouped into classes, known ones named, a new one flagged."""
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "racecheck_summary.py"
+from helpers import load_tool
 
 # Lines as compute-sanitizer 2025.3 writes them (arguments shortened), two reports of known classes and one new
 LOG = """\
@@ -29,15 +26,9 @@ kernel.cu:12 [4 hazards]
 """
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("racecheck_summary", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_function_names_lose_templates_arguments_and_offsets():
-    tool = load_tool()
+    tool = load_tool("racecheck_summary")
     assert tool.function_name("void store_staged_rows<float, x<y>>(const Smem &)+0x10 in kernel.cu:1") == \
         "store_staged_rows"
     assert tool.function_name("attnforge::cp_async_16_at(unsigned int)+0x2b00 in cp_async.cuh:23") == "cp_async_16_at"
@@ -46,7 +37,7 @@ def test_function_names_lose_templates_arguments_and_offsets():
 
 
 def test_reports_group_into_classes_once_a_report():
-    found = load_tool().classes(LOG)
+    found = load_tool("racecheck_summary").classes(LOG)
     assert found == {("Read", "store_staged_rows", "Write", "cp_async_16_at"): 1,
                      ("Read", "store_staged_rows", "Write", "write_output"): 1,  # (two lines of one report)
                      ("Read", "roles_pv_tile", "Write", "roles_scores_tile"): 1,
@@ -54,7 +45,7 @@ def test_reports_group_into_classes_once_a_report():
 
 
 def test_a_new_class_fails_and_known_ones_pass(tmp_path, capsys):
-    tool = load_tool()
+    tool = load_tool("racecheck_summary")
     log = tmp_path / "race.log"
     log.write_text(LOG)
     assert tool.main([str(log)]) == 1

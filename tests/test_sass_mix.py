@@ -1,9 +1,9 @@
 """tools/sass_mix.py: a kernel's opcodes from nvdisasm text, and the counts it compares; the toolkit
 search it shares with the SASS tests (attnforge.jit.arch.nvdisasm_path)."""
-import importlib.util
 from pathlib import Path
 
 from attnforge.jit import arch
+from helpers import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "sass_mix.py"
 SASS = """
@@ -22,15 +22,9 @@ SASS = """
 """
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("sass_mix", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_opcodes_of_one_kernel_without_predicates():
-    tool = load_tool()
+    tool = load_tool("sass_mix")
     ops = tool.opcodes(SASS, "k")
     assert ops == ["LDC", "LDG.E.128.CONSTANT", "ACQBULK", "LDG.E.128", "BAR.SYNC.DEFER_BLOCKING", "EXIT"]
     assert tool.summary(ops) == {"instructions": 6, "BAR.SYNC": 1, "LDG": 2, "LDG.*.CONSTANT": 1}
@@ -52,7 +46,7 @@ def test_render_script_takes_kernel_objects_and_modules():
     render to the kernel's CUDA source (it once asked kernels for .source and failed on every one)."""
     import subprocess
     import sys
-    tool, root = load_tool(), TOOL.parents[1]
+    tool, root = load_tool("sass_mix"), TOOL.parents[1]
     for expr in ("DecodeKernel(AttentionSpec())", "DecodeKernel(AttentionSpec()).module()"):
         out = subprocess.run([sys.executable, "-c", tool.RENDER.format(expr=expr)], cwd=root, check=True,
                              capture_output=True, text=True).stdout

@@ -1,16 +1,7 @@
 """tools/stall_summary.py: the top stalled instructions of an ncu source page, with their reasons."""
 import csv
-import importlib.util
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "stall_summary.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("stall_summary", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_tool
 
 
 def test_ranks_instructions_by_samples_with_their_stall_reasons(tmp_path, capsys):
@@ -23,7 +14,7 @@ def test_ranks_instructions_by_samples_with_their_stall_reasons(tmp_path, capsys
         w.writerow(["0x10", "NOP", "3", "0", "0", "0"])
         w.writerow(["0x20", "ISETP.GE.AND P0, PT, R104, R85, PT", "1,981", "0", "1952", "480"])
         w.writerow(["0x30", "@P0 BRA 0x7f", "861", "837", "0", "0"])
-    load_tool().main(str(page), 2)
+    load_tool("stall_summary").main(str(page), 2)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "3 instructions, 2845 samples"
     assert "ISETP.GE.AND" in lines[1] and "69.6%" in lines[1] and "long_sb 1952" in lines[1]
