@@ -11,7 +11,7 @@ __syncthreads, every thread reads it back, __syncthreads. Thread 0 re-arms both 
 Under random interleavings the model checks what racecheck reports as hazards on this kernel (perf-notes,
 eighty-fifth section): no copy lands in a stage a warpgroup still reads, no tile is read before it
 landed, the staging tile is written only when no copy is in flight and nothing reads a stage, and read
-back only while it holds this item's rows; mbarriers are re-armed only with no phase pending; no deadlock.
+back only while it holds this item's rows; mbarriers are re-armed only with no arrival on its way; no deadlock.
 Each negative control drops one ordering and must fail.
 """
 import pytest
@@ -22,13 +22,13 @@ STAGES = 2
 
 
 class MBarrier:
-    """An mbarrier of one expected arrival (a warpgroup's 128 threads move as one agent here)."""
+    """An mbarrier of one expected arrival (a warpgroup's 128 threads move as one agent here): each arrival
+    completes a phase."""
 
     def __init__(self):
-        self.pending, self.completed = 0, 0
+        self.completed = 0
 
     def arrive(self):
-        assert self.pending == 0, "a second arrival in one phase"
         self.completed += 1
 
     def passed(self, phase: int) -> bool:  # try_wait.parity for the waiter's phase index
@@ -95,7 +95,10 @@ def copier(s, items):
 def computer(s, items, early_scores):
     bug = s["skip"]
     for item, n in enumerate(items):
-        assert all(b.pending == 0 for b in s["full"] + s["empty"]), "mbarriers re-armed with a phase pending"
+        # thread 0 re-arms the barriers: no arrival of the last item may still be on its way to them (the next
+        # item's first tiles may already fly: cp.async groups, which arrive on no barrier)
+        pending = s["arrivals"] or any(f[4] == "mbar" for f in s["flight"])
+        assert not pending, "mbarriers re-armed with a copy's arrival still to come"
         s["full"], s["empty"] = [MBarrier() for _ in range(STAGES)], [MBarrier() for _ in range(STAGES)]
         yield from s["cta_barrier"](0)
 
