@@ -22,7 +22,6 @@ SASS = """
 """
 
 
-
 def test_opcodes_of_one_kernel_without_predicates():
     tool = load_tool("sass_mix")
     ops = tool.opcodes(SASS, "k")
