@@ -64,6 +64,21 @@ def mla_reference(q_nope, q_pe, per_req, q_len, sm_scale, v_scale=1.0, dtype=tor
     return torch.cat(outs), torch.cat(lses)
 
 
+def check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale, ref_kw, what):
+    """out against the float64 reference, within the tolerance torch's own low-precision run sets (plus the
+    lagging row max's rounding where the wrapper's kernel has one); returns the reference LSE."""
+    ref, ref_lse = mla_reference(q_nope, q_pe, per_req, q_len, scale, v_scale, **ref_kw)
+    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
+    low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, q_len, scale, v_scale, dtype=torch.float32,
+                           **ref_kw)
+    lagging = 0.0  # (the roles kernel's row max lags: its dominant weights round)
+    if w.kernel.rescale_slack > 0 and any(len(r) for r in per_req):
+        max_v = max(r[:, :512].abs().max().item() for r in per_req if len(r))
+        lagging = lazy_rescale_allowance(q_nope.dtype, v_scale * max_v)
+    assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what, lagging)
+    return ref_lse
+
+
 def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=None, k_scale=1.0, v_scale=1.0,
              ref_kw=None, nan_unheld=False, out_pad=0, **wrapper_kw):
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, page_size, q_len, seed, unified)
@@ -82,17 +97,8 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     torch.cuda.synchronize()
     assert padded[..., 512:].isnan().all()  # the rows' padding is never written
     scale = (sm_scale or DEEPSEEK_SM_SCALE) * k_scale
-    ref_kw = ref_kw or {}
-    ref, ref_lse = mla_reference(q_nope, q_pe, per_req, q_len, scale, v_scale, **ref_kw)
-    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
-    low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, q_len, scale, v_scale, dtype=torch.float32,
-                           **ref_kw)
     what = f"{spec.name} page{page_size} q_len{q_len}"
-    lagging = 0.0  # (the roles kernel's row max lags: its dominant weights round)
-    if w.kernel.rescale_slack > 0 and any(len(r) for r in per_req):
-        max_v = max(r[:, :512].abs().max().item() for r in per_req if len(r))
-        lagging = lazy_rescale_allowance(q_nope.dtype, v_scale * max_v)
-    assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what, lagging)
+    ref_lse = check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale, ref_kw or {}, what)
     assert_lse_close(lse, ref_lse, what)
     empty = [i for i, L in enumerate(lengths) if L == 0]
     for b in empty:  # zeros; LSE -inf, or the sink's logit when the variant has one (checked above)
@@ -452,14 +458,7 @@ def test_repeated_runs_of_many_short_items_match_bitwise(heads, pipeline, fields
     torch.cuda.synchronize()
     differing = [i for i, o in enumerate(runs) if not torch.equal(o, runs[0])]
     assert not differing, f"runs {differing} of 40 differ from the first: a race in {w.kernel.module().name}"
-    ref, _ = mla_reference(q_nope, q_pe, per_req, 1, DEEPSEEK_SM_SCALE)
-    low_rows = [r.to(q_nope.dtype).float() for r in per_req]
-    low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, 1, DEEPSEEK_SM_SCALE, dtype=torch.float32)
-    lagging = 0.0
-    if w.kernel.rescale_slack > 0:
-        lagging = lazy_rescale_allowance(q_nope.dtype, max(r[:, :512].abs().max().item() for r in per_req if len(r)))
-    assert_attention_close(runs[0], ref.to(runs[0].device), low.to(q_nope.dtype).to(runs[0].device), spec.name,
-                           lagging)
+    check_against_reference(w, runs[0], q_nope, q_pe, per_req, 1, DEEPSEEK_SM_SCALE, 1.0, {}, spec.name)
 
 
 def test_one_long_request_at_16_heads_runs_the_transposed_kernel():

@@ -77,3 +77,16 @@ def test_folded_checks_accept_and_reject_exactly_what_the_rules_say():
         t = paged.from_csr(indptr, np.arange(indptr[-1], dtype=np.int32), last, page_size=ps)
         expect = [(p - 1) * ps + l if p > 0 else 0 for p, l in zip(pages, last)]
         assert t.kv_len.tolist() == expect
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint16, np.uint32])
+def test_page_id_bound_and_negative_ids_in_every_int_dtype(dtype):
+    """The largest page id by one unsigned pass (a negative id outranks every valid one there): the bound run()
+    checks the cache against, and a clear error naming the smallest id where one is negative."""
+    ids = np.array([5, 0, 100, 7], dtype=dtype)
+    t = paged.from_csr([0, 2, 4], ids, [1, 1], page_size=16)
+    assert t.max_page_index == 100
+    if np.issubdtype(dtype, np.signedinteger):
+        ids[2] = -2
+        with pytest.raises(ValueError, match="kv_indices: expected page ids >= 0, got -2"):
+            paged.from_csr([0, 2, 4], ids, [1, 1], page_size=16)
