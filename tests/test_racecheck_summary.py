@@ -1,4 +1,6 @@
 """tools/racecheck_summary.py: racecheck's reports grouped into classes, known ones named, a new one flagged."""
+import pytest
+
 from helpers import load_tool
 
 # Lines as compute-sanitizer 2025.3 writes them (arguments shortened), two reports of known classes and one new
@@ -54,3 +56,8 @@ def test_a_new_class_fails_and_known_ones_pass(tmp_path, capsys):
     known_only = tmp_path / "known.log"
     known_only.write_text(LOG.split("========= Error: Race reported between Write access at publish")[0])
     assert tool.main([str(known_only)]) == 0
+
+
+def test_a_missing_log_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="expected racecheck logs, got .*nowhere.log"):
+        load_tool("racecheck_summary").main([str(tmp_path / "nowhere.log")])

@@ -15,6 +15,8 @@ from test_mla_gpu import make_case, mla_spec  # noqa: E402
 CONFIGS = {"pw_es": (16, "transposed", None), "pw": (16, "transposed", {"producer": True, "early_scores": False}),
            "one_wg": (16, "transposed", {"producer": False}), "roles64": (64, "normal", None)}
 
+if len(sys.argv) != 2 or sys.argv[1] not in CONFIGS:
+    sys.exit(f"racecheck_mla.py: expected one CONFIG of {sorted(CONFIGS)}, got {sys.argv[1:]}")
 heads, pipeline, fields = CONFIGS[sys.argv[1]]
 spec = mla_spec(heads, pipeline)
 lengths = np.random.default_rng(1).integers(1, 300, 400).tolist()

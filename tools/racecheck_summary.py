@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 # Classes already read, with what they are (docs/perf-notes.md)
 KNOWN = {
@@ -57,6 +58,10 @@ def classes(text: str) -> Counter:
 
 
 def main(paths: list[str]) -> int:
+    missing = [p for p in paths if not Path(p).is_file()]
+    if not paths or missing:
+        raise SystemExit(f"racecheck_summary.py: expected racecheck logs, got {missing or 'none'}; "
+                         "pass the files compute-sanitizer --tool racecheck wrote")
     new = 0
     for path in paths:
         with open(path, errors="replace") as f:
