@@ -7,7 +7,8 @@
 set -u
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache PYTHONPATH=$PWD
 # (new, not yet run on a GPU)
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_prefill_gpu.py -k repeated 2>&1 | tail -3
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_prefill_gpu.py tests/test_mla_gpu.py \
+  -k "repeated or heads_and_odd" 2>&1 | tail -3  # (and the MLA reference check, a shared helper since)
 nvcc -arch=sm_90a -o /tmp/subset_barrier tools/racecheck_subset_barrier.cu || exit 1
 for v in 0 1 2 3; do
   compute-sanitizer --tool racecheck /tmp/subset_barrier $v 2>&1 | grep -E "variant|RACECHECK SUMMARY"
