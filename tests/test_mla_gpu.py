@@ -66,7 +66,7 @@ def mla_reference(q_nope, q_pe, per_req, q_len, sm_scale, v_scale=1.0, dtype=tor
 
 def check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale, ref_kw, what):
     """out against the float64 reference, within the tolerance torch's own low-precision run sets (plus the
-    lagging row max's rounding where the wrapper's kernel has one); returns the reference LSE."""
+    lagging row max's rounding where the wrapper's kernel has one); returns the reference output and LSE."""
     ref, ref_lse = mla_reference(q_nope, q_pe, per_req, q_len, scale, v_scale, **ref_kw)
     low_rows = [r.to(q_nope.dtype).float() for r in per_req]
     low, _ = mla_reference(q_nope.float(), q_pe.float(), low_rows, q_len, scale, v_scale, dtype=torch.float32,
@@ -76,11 +76,12 @@ def check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale
         max_v = max(r[:, :512].abs().max().item() for r in per_req if len(r))
         lagging = lazy_rescale_allowance(q_nope.dtype, v_scale * max_v)
     assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what, lagging)
-    return ref_lse
+    return ref, ref_lse
 
 
 def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=None, k_scale=1.0, v_scale=1.0,
              ref_kw=None, nan_unheld=False, out_pad=0, **wrapper_kw):
+    ref_kw = ref_kw or {}
     q_nope, q_pe, caches, (indptr, indices, last), per_req = make_case(spec, lengths, page_size, q_len, seed, unified)
     if nan_unheld:  # uninitialised cache memory: NaN wherever no request holds a row (per_req was taken before)
         unheld = unheld_slots(caches[0].shape[0], indptr, indices, last, page_size).to(caches[0].device)
@@ -98,7 +99,7 @@ def run_case(spec, lengths, page_size, q_len=1, seed=0, unified=False, sm_scale=
     assert padded[..., 512:].isnan().all()  # the rows' padding is never written
     scale = (sm_scale or DEEPSEEK_SM_SCALE) * k_scale
     what = f"{spec.name} page{page_size} q_len{q_len}"
-    ref_lse = check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale, ref_kw or {}, what)
+    ref, ref_lse = check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale, ref_kw, what)
     assert_lse_close(lse, ref_lse, what)
     empty = [i for i, L in enumerate(lengths) if L == 0]
     for b in empty:  # zeros; LSE -inf, or the sink's logit when the variant has one (checked above)
