@@ -4,7 +4,9 @@
 // buffer for the next item, with a __syncthreads between each step. The accesses are ordered by those barriers
 // in every variant, so racecheck should report 0 hazards in each; a hazard in variant 1 / 2 only is the tool's.
 //   nvcc -arch=sm_90a -o /tmp/subset_barrier tools/racecheck_subset_barrier.cu
-//   compute-sanitizer --tool racecheck /tmp/subset_barrier V    (V: 0 plain, 1 + subset bar.sync, 2 + mbarrier, 3 both)
+//   compute-sanitizer --tool racecheck /tmp/subset_barrier V    (V: 0 plain, 1 + subset bar.sync, 2 + mbarrier, 3 both,
+//   4 + a bar.arrive / bar.sync hand-over over all 256 threads, as the producer kernel without early S^T has; 5-7: 4
+//   with 1-3)
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -22,6 +24,10 @@ __global__ void __launch_bounds__(kThreads) item_loop(float* out, int items, int
     if (threadIdx.x == 0 && (variant & 2))
       asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(&bar)), "r"(kGroup) : "memory");
     __syncthreads();
+    if (variant & 4) {  // the stage hand-over by named barrier 2: the producer arrives, the computing warpgroup waits
+      if (group0) asm volatile("bar.sync 2, %0;" ::"n"(kThreads) : "memory");
+      else asm volatile("bar.arrive 2, %0;" ::"n"(kThreads) : "memory");
+    }
     if (group0) {  // write_output: the computing warpgroup stages its rows
       for (int i = threadIdx.x; i < kElems; i += kGroup) buf[i] = float(it * kElems + i);
       if (variant & 1) asm volatile("bar.sync 1, %0;" ::"n"(kGroup) : "memory");  // compute_sync
