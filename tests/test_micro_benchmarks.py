@@ -42,11 +42,13 @@ def test_roofline_fit_recovers_the_line(fixed_us, gbps):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_racecheck_reproducer_builds(tmp_path):
     """tools/racecheck_subset_barrier.cu (docs/prepared/call3-racecheck-repro.sh): an executable for sm_90a
-    whose kernel holds the barriers it models (a named barrier among a subset, an mbarrier hand-over)."""
+    whose kernel holds the barriers it models (a named barrier among a subset, an mbarrier hand-over, a named
+    barrier's arrive / sync hand-over)."""
     import subprocess
     src = Path(__file__).resolve().parents[1] / "tools" / "racecheck_subset_barrier.cu"
     ptx = tmp_path / "repro.ptx"
     subprocess.run(["nvcc", "-arch=sm_90a", "-ptx", "-o", str(ptx), str(src)], check=True, capture_output=True)
     text = ptx.read_text()
     assert "bar.sync 1, 128" in text and "mbarrier.test_wait.shared.b64" in text and "item_loop" in text
+    assert "bar.arrive 2, 256" in text and "bar.sync 2, 256" in text
     subprocess.run(["nvcc", "-arch=sm_90a", "-o", str(tmp_path / "repro"), str(src)], check=True, capture_output=True)
