@@ -41,7 +41,7 @@ def test_roofline_fit_recovers_the_line(fixed_us, gbps):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_racecheck_reproducer_builds(tmp_path):
-    """tools/racecheck_subset_barrier.cu (docs/prepared/call3-racecheck-repro.sh): an executable for sm_90a
+    """tools/racecheck_subset_barrier.cu (docs/measuring.md, racecheck): an executable for sm_90a
     whose kernel holds the barriers it models (a named barrier among a subset, an mbarrier hand-over, a named
     barrier's arrive / sync hand-over)."""
     import subprocess
