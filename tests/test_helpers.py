@@ -148,3 +148,29 @@ def test_memory_log_writes_a_line_a_test_and_gives_the_cache_back(monkeypatch, t
     cuda = len(python_tensors(lambda t: t.is_cuda))  # (none on a machine without a GPU)
     assert lines == [f"3 MiB live, 5 MiB reserved, {cuda} CUDA tensors Python holds (0 MiB): tests/a.py::test_{n}"
                      for n in ("one", "two")] and emptied == [True, True]
+
+
+@pytest.mark.parametrize("rescale_slack", [0, 8])
+def test_mla_reference_check_passes_the_rounded_reference_and_fails_a_wrong_row(rescale_slack):
+    """test_mla_gpu.check_against_reference (run_case's and the repeat test's check) on CPU tensors: the
+    float64 reference rounded to bf16 passes, with and without the lagging-max allowance; it returns the
+    reference output and LSE, one row a query head; one wrong output row fails it. (Its extraction from
+    run_case broke run_case on the GPU twice: eighty-sixth session.)"""
+    from types import SimpleNamespace
+    from test_mla_gpu import check_against_reference, mla_reference
+    g = torch.Generator().manual_seed(7)
+    heads, q_len, lengths = 16, 2, [5, 0, 70]
+    per_req = [torch.randn(n, 576, generator=g).bfloat16().float() for n in lengths]
+    q_nope = torch.randn(len(lengths) * q_len, heads, 512, generator=g).bfloat16()
+    q_pe = torch.randn(len(lengths) * q_len, heads, 64, generator=g).bfloat16()
+    w = SimpleNamespace(kernel=SimpleNamespace(rescale_slack=rescale_slack))
+    scale = 0.1
+    ref, _ = mla_reference(q_nope, q_pe, per_req, q_len, scale)
+    out = ref.bfloat16()
+    got, lse = check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, 1.0, {}, "cpu")
+    assert torch.equal(got, ref) and lse.shape == (len(lengths) * q_len, heads)
+    assert torch.isinf(lse[q_len:2 * q_len]).all() and torch.isfinite(lse[:q_len]).all()  # the empty request
+    wrong = out.clone()
+    wrong[-1, 3] += 0.25  # one head's row of the last query, off by far more than bf16's rounding
+    with pytest.raises(AssertionError, match="max err"):
+        check_against_reference(w, wrong, q_nope, q_pe, per_req, q_len, scale, 1.0, {}, "cpu")
