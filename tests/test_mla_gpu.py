@@ -441,8 +441,8 @@ def test_repeated_runs_of_many_short_items_match_bitwise(heads, pipeline, fields
     staging tile over them and its barriers from item to item. A plan run 40 times must give the same bits
     every time (a race between warpgroups shows as a run that differs), and the first run matches the
     reference. This is the check racecheck cannot give here: on the producer kernel it reports hazards between
-    the two warpgroups across __syncthreads (its one-warpgroup twin is clean), and on the roles kernel its
-    arrive / sync hand-over (docs/measuring.md, "Correctness beside speed")."""
+    the two warpgroups across __syncthreads, and on the roles kernel its arrive / sync hand-over, both the
+    tool's (a race-free reproducer draws them too: docs/measuring.md, "Correctness beside speed")."""
     spec = mla_spec(heads, pipeline)
     lengths = np.random.default_rng(heads).integers(1, 300, 600).tolist()
     lengths[7] = 0  # an empty request among them

@@ -28,7 +28,6 @@ kernel.cu:12 [4 hazards]
 """
 
 
-
 def test_function_names_lose_templates_arguments_and_offsets():
     tool = load_tool("racecheck_summary")
     assert tool.function_name("void store_staged_rows<float, x<y>>(const Smem &)+0x10 in kernel.cu:1") == \

@@ -18,7 +18,7 @@ KNOWN = set(dir(builtins)) | MODULE_DUNDERS
 def sources() -> list[Path]:
     """The package, its tests, benchmarks and committed tools (scratch `tools/_*` is gitignored)."""
     files = [p for d in ("attnforge", "tests", "benchmarks", "tools") for p in (ROOT / d).rglob("*.py")]
-    return sorted(p for p in files if not p.name.startswith("_") or p.name == "__init__.py" or p.name == "__main__.py")
+    return sorted(p for p in files if not (p.parent == ROOT / "tools" and p.name.startswith("_")))
 
 
 def module_bindings(table: symtable.SymbolTable) -> set[str]:
