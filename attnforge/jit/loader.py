@@ -67,9 +67,48 @@ def ensure_context(device: torch.device) -> None:
         ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         if ctx is not None and int(ctx) != 0:
             return
+        if index != torch.cuda.current_device():
+            # Another device than torch's current one: torch's own switch creates the context (cudaSetDevice) and
+            # its switch back is lazy where the first device has no context yet, so this one stays current for the
+            # driver while torch's current device stays as it was. Setting it here would move torch's device too.
+            with torch.cuda.device(index):
+                pass
+            ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            if ctx is not None and int(ctx) != 0:
+                return
         dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
         primary = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(drv.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+_retained: dict = {}  # device index -> its primary context, retained once (torch holds it for the process too)
+
+
+@contextlib.contextmanager
+def device_context(device: torch.device):
+    """Run the driver calls inside in `device`'s primary context. A CUfunction belongs to the context current when
+    it is looked up (cuKernelGetFunction), and a launch on another device's stream fails with it, so a library for
+    cuda:1 must be loaded in cuda:1's context even while torch's current device is 0. Where another device's context,
+    or none, is current, the primary context is pushed for the block and popped after, so torch's current device
+    never changes behind its back."""
+    drv = driver()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _ctx_lock:
+        check(drv.cuInit(0), "cuInit")
+        current = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is not None and int(current) != 0 and int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice")) == index:
+            primary = None  # (already the device's context: nothing to push)
+        else:
+            primary = _retained.get(index)
+            if primary is None:
+                dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
+                primary = _retained[index] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            check(drv.cuCtxPushCurrent(primary), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        if primary is not None:
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _raw_stream_getter():
@@ -125,8 +164,9 @@ def pdl_supported(device_index: Optional[int] = None) -> bool:
 
 
 class LoadedKernel:
-    def __init__(self, library_name: str, name: str, function):
+    def __init__(self, library_name: str, name: str, function, device: Optional[torch.device] = None):
         self.library_name, self.name, self.function = library_name, name, function
+        self.device = device  # (the function's own: occupancy queries run in its context)
         self._smem_limit = 48 * 1024
         self._pdl_configs: dict[tuple, object] = {}  # (grid, block, smem, stream) -> CUlaunchConfig
         self._pdl_ok: Optional[bool] = None  # pdl_supported() on this kernel's device, asked at its first PDL launch
@@ -155,10 +195,11 @@ class LoadedKernel:
     def max_active_ctas(self, threads: int, smem: int) -> int:
         """CTAs of `threads` threads with `smem` bytes of dynamic shared memory that one SM of the current
         device holds at once: the driver's occupancy calculator, over the cubin's registers as loaded."""
-        if smem > self._smem_limit:
-            self._allow_smem(smem)
-        return int(check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, smem),
-                         f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name}, {threads} threads, {smem} B)"))
+        with device_context(self.device) if self.device is not None else contextlib.nullcontext():
+            if smem > self._smem_limit:
+                self._allow_smem(smem)
+            return int(check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, smem),
+                             f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name}, {threads} threads, {smem} B)"))
 
     def launch(self, grid, block, params: ctypes.Structure, smem: int = 0, stream=None, pdl: bool = False) -> None:
         """Launch with one by-value params struct on torch's current stream (graph-capturable).
@@ -219,16 +260,16 @@ class LoadedLibrary:
 
     def __init__(self, path: Path, kernel_names: tuple[str, ...], device: torch.device):
         drv = driver()
-        ensure_context(device)
         self.path = path
         self._data = path.read_bytes()  # the driver may keep a pointer: keep the bytes alive
-        self.library = check(drv.cuLibraryLoadData(self._data, None, None, 0, None, None, 0),
-                             f"cuLibraryLoadData({path})")
         self.kernels: dict[str, LoadedKernel] = {}
-        for name in kernel_names:
-            k = check(drv.cuLibraryGetKernel(self.library, name.encode()), f"cuLibraryGetKernel({name})")
-            f = check(drv.cuKernelGetFunction(k), f"cuKernelGetFunction({name})")
-            self.kernels[name] = LoadedKernel(path.name, name, f)
+        with device_context(device):  # (each function handle is the device's own: see device_context)
+            self.library = check(drv.cuLibraryLoadData(self._data, None, None, 0, None, None, 0),
+                                 f"cuLibraryLoadData({path})")
+            for name in kernel_names:
+                k = check(drv.cuLibraryGetKernel(self.library, name.encode()), f"cuLibraryGetKernel({name})")
+                f = check(drv.cuKernelGetFunction(k), f"cuKernelGetFunction({name})")
+                self.kernels[name] = LoadedKernel(path.name, name, f, device)
 
     def __getitem__(self, name: str) -> LoadedKernel:
         return self.kernels[name]
