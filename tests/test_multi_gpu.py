@@ -198,6 +198,29 @@ def test_merge_append_and_attention_on_the_second_gpu():
     assert_attention_close(got, expect, low.half(), "attention() on cuda:1")
 
 
+def test_virtual_cache_on_the_second_gpu():
+    """VirtualKVCache maps its physical chunks on its own device (the location in cuMemCreate and cuMemSetAccess),
+    and a decode there reads them."""
+    from attnforge.kvcache import VirtualKVCache
+    lengths = [1, 3000, 0]
+    c = VirtualKVCache(num_layers=1, max_batch=3, max_len=4096, num_kv_heads=8, head_dim=128, device=SECOND)
+    k, v = c.tensors(0)
+    assert k.device == SECOND
+    for slot, n in enumerate(lengths):
+        c.grow(slot, n)
+        k[slot, :n] = torch.randn(n, 8, 128, device=SECOND).bfloat16()
+        v[slot, :n] = torch.randn(n, 8, 128, device=SECOND).bfloat16()
+    q = torch.randn(3, 32, 128, device=SECOND).bfloat16()
+    w = BatchDecode(AttentionSpec(), device=SECOND)
+    w.plan(*c.decode_plan(range(3), lengths), page_size=c.max_len)
+    out = w.run(q, (k, v))
+    for b, n in enumerate(lengths[:2]):
+        ref, _ = reference.attention(q[b:b + 1].cpu(), k[b, :n].cpu(), v[b, :n].cpu())
+        assert (out[b].cpu().double() - ref[0]).abs().max().item() < 2e-2
+    assert torch.all(out[2] == 0)
+    c.close()
+
+
 def test_a_fresh_process_whose_first_call_targets_the_second_gpu():
     """No CUDA context exists when the wrapper is built: building, planning and running on cuda:1 must leave torch's
     current device at 0 and give the reference's answer."""
