@@ -52,6 +52,7 @@ def decode_on(device, spec=None, lengths=LENGTHS, page_size=16, seed=0, **wrappe
 
 def check_decode(spec, q, out, lse, per_req):
     scale = 1 / math.sqrt(spec.head_dim_qk)
+    per_req = [(k.cpu(), v.cpu()) for k, v in per_req]
     ref, ref_lse = decode_reference(spec, q.cpu(), per_req, sm_scale=scale)
     low, _ = decode_reference(spec, q.cpu().float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
                                                       for k, v in per_req], sm_scale=scale, dtype=torch.float32)

@@ -133,13 +133,19 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
 
 
 _ALREADY_CURRENT = contextlib.nullcontext()
+_thread = threading.local()  # .has_context: this thread made a context current once (the driver's is per thread)
 
 
 def on_device(device: torch.device):
     """torch.cuda.device(device) around a launch, or a no-op where `device` is already torch's current device
     (the common case): the guard's switch and switch back cost 1.8-3.5 us of host time a run on the H200 hosts
-    (tools/launch_cost.py), the check ~0.4. The same effect either way: torch's guard changes nothing then."""
+    (tools/launch_cost.py), the check ~0.4. The same effect either way: torch's guard changes nothing then.
+    A thread's first call makes a context current: a new thread has none for the driver until torch's runtime
+    binds one, and a plan made in a worker thread may be its first CUDA work."""
     if device.index is not None and torch.cuda.current_device() == device.index:
+        if not getattr(_thread, "has_context", False):
+            ensure_context(device)
+            _thread.has_context = True
         return _ALREADY_CURRENT
     return torch.cuda.device(device)
 

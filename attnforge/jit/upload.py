@@ -83,7 +83,8 @@ class StagedUpload:
         if _PENDING:
             reap_dropped()
         if self._events[self._turn] is not None:
-            self._wait(self._events[self._turn])
+            with self._on_device():  # (a worker thread's first driver call may be this wait)
+                self._wait(self._events[self._turn])
         return self._host_nps[self._turn]
 
     def upload(self, num_int32: int) -> None:

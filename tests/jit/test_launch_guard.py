@@ -7,6 +7,7 @@ from attnforge.jit import loader
 
 def _fake_cuda(monkeypatch, current: int) -> list:
     guarded = []
+    monkeypatch.setattr(loader._thread, "has_context", True, raising=False)  # (this thread's context: made once)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "device", lambda d: guarded.append(d) or ("guard", d))
     return guarded
@@ -58,6 +59,7 @@ def test_plan_uploads_enqueue_on_their_own_device(monkeypatch):
         events.append(("enter", d))
         yield
         events.append(("exit", d))
+    monkeypatch.setattr(loader._thread, "has_context", True, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", guard)
     Recorded(8, torch.device("cuda", 1)).upload(4)
@@ -66,3 +68,22 @@ def test_plan_uploads_enqueue_on_their_own_device(monkeypatch):
     events.clear()
     Recorded(8, torch.device("cuda", 0)).upload(4)
     assert events == ["stream", "copy 16", "record"]
+
+
+def test_each_threads_first_call_makes_a_context_current_once(monkeypatch):
+    """The driver's current context is per thread and a new thread has none: on the current device, on_device makes
+    one current at a thread's first call (ensure_context) and not again; each new thread does the same."""
+    import threading
+    made = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(loader, "ensure_context", lambda device: made.append((threading.get_ident(), device)))
+
+    def calls():
+        for _ in range(3):
+            with loader.on_device(torch.device("cuda", 0)):
+                pass
+    for _ in range(2):
+        t = threading.Thread(target=calls)
+        t.start()
+        t.join()
+    assert len(made) == 2 and made[0][1] == torch.device("cuda", 0)
