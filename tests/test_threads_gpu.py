@@ -101,3 +101,23 @@ def test_prefill_and_mla_in_a_worker_thread():
         ref, _ = reference.mla_attention(q_nope[b:b + 1].double(), q_pe[b:b + 1].double(), rows[:, :512],
                                          rows[:, 512:], sm_scale=1 / math.sqrt(192))
         assert (out[b:b + 1].double() - ref).abs().max().item() < 3e-2, f"MLA request {b} in a thread"
+
+
+def test_virtual_cache_grown_in_a_worker_thread():
+    """VirtualKVCache maps physical chunks where a slot grows: an engine may grow slots from its scheduler thread."""
+    from attnforge.kvcache import VirtualKVCache
+    c = VirtualKVCache(num_layers=1, max_batch=2, max_len=4096, num_kv_heads=8, head_dim=128)
+    in_new_thread(lambda: [c.grow(slot, n) for slot, n in ((0, 3000), (1, 5))])
+    k, v = c.tensors(0)
+    for slot, n in ((0, 3000), (1, 5)):
+        k[slot, :n] = torch.randn(n, 8, 128, device="cuda").bfloat16()
+        v[slot, :n] = torch.randn(n, 8, 128, device="cuda").bfloat16()
+    q = torch.randn(2, 32, 128, device="cuda").bfloat16()
+    w = BatchDecode(AttentionSpec())
+    w.plan(*c.decode_plan(range(2), [3000, 5]), page_size=c.max_len)
+    out = w.run(q, (k, v))
+    for b, n in enumerate((3000, 5)):
+        ref, _ = reference.attention(q[b:b + 1].cpu(), k[b, :n].cpu(), v[b, :n].cpu())
+        assert (out[b].cpu().double() - ref[0]).abs().max().item() < 2e-2
+    in_new_thread(lambda: c.free(0))  # unmapped from another thread too
+    c.close()
