@@ -37,6 +37,32 @@ def make_paged_case(spec: AttentionSpec, lengths, page_size: int, seed: int = 0,
     return q, cache, (indptr, indices, last), per_request
 
 
+def decode_in_a_fresh_process(device: str) -> tuple[int, float]:
+    """A new Python process whose first CUDA work is building a BatchDecode on `device` (no context exists yet),
+    then a plan and a run: (torch's current device after it, max abs error against the float64 reference)."""
+    script = f"""
+import numpy as np, torch, attnforge
+from attnforge import reference
+w = attnforge.BatchDecode(attnforge.AttentionSpec(), device={device!r})  # the process's first CUDA work
+lengths, page = [3, 700], 16
+n = [-(-L // page) for L in lengths]
+indptr = np.cumsum([0] + n)
+indices = np.random.default_rng(0).permutation(indptr[-1])
+last = np.array([L - (p - 1) * page for L, p in zip(lengths, n)])
+w.plan(indptr, indices, last, page_size=page)
+cache = torch.randn(indptr[-1], 2, page, 8, 128).bfloat16()
+q = torch.randn(2, 32, 128).bfloat16()
+out = w.run(q.to({device!r}), cache.to({device!r}))
+per_req = reference.gather_paged(cache[:, 0].double(), cache[:, 1].double(), "NHD", indptr, indices, last, page)
+ref = torch.cat([reference.attention(q[b:b + 1].double(), k, v, batch_index=b)[0] for b, (k, v) in enumerate(per_req)])
+print(torch.cuda.current_device(), (out.cpu().double() - ref).abs().max().item())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    current, err = done.stdout.split()[-2:]
+    return int(current), float(err)
+
+
 def unheld_slots(num_pages: int, indptr, indices, last, page_size: int) -> torch.Tensor:
     """[pages, page_size] bool: True where no request holds the slot (pages past the table, tokens past
     a last page's length)."""

@@ -8,8 +8,6 @@ Skipped where fewer than two GPUs are present (the gpu marker's skip covers mach
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,8 @@ import torch
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill, reference
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from helpers import assert_attention_close, assert_lse_close, decode_reference, make_paged_case, poison
+from helpers import (assert_attention_close, assert_lse_close, decode_in_a_fresh_process, decode_reference,
+                     make_paged_case, poison)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -225,26 +224,5 @@ def test_virtual_cache_on_the_second_gpu():
 def test_a_fresh_process_whose_first_call_targets_the_second_gpu():
     """No CUDA context exists when the wrapper is built: building, planning and running on cuda:1 must leave torch's
     current device at 0 and give the reference's answer."""
-    script = """
-import numpy as np, torch, attnforge
-from attnforge import reference
-spec = attnforge.AttentionSpec()
-w = attnforge.BatchDecode(spec, device="cuda:1")  # the process's first CUDA work
-lengths, page = [3, 700], 16
-n = [-(-L // page) for L in lengths]
-indptr = np.cumsum([0] + n)
-indices = np.random.default_rng(0).permutation(indptr[-1])
-last = np.array([L - (p - 1) * page for L, p in zip(lengths, n)])
-w.plan(indptr, indices, last, page_size=page)
-cache = torch.randn(indptr[-1], 2, page, 8, 128).bfloat16()
-q = torch.randn(2, 32, 128).bfloat16()
-out = w.run(q.to("cuda:1"), cache.to("cuda:1"))
-per_req = reference.gather_paged(cache[:, 0].double(), cache[:, 1].double(), "NHD", indptr, indices, last, page)
-ref = torch.cat([reference.attention(q[b:b + 1].double(), k, v, batch_index=b)[0] for b, (k, v) in enumerate(per_req)])
-print("device", torch.cuda.current_device(), "err", (out.cpu().double() - ref).abs().max().item())
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    words = done.stdout.split()
-    assert words[words.index("device") + 1] == "0", done.stdout
-    assert float(words[words.index("err") + 1]) < 2e-2, done.stdout
+    current, err = decode_in_a_fresh_process("cuda:1")
+    assert current == 0 and err < 2e-2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill, reference
-from helpers import assert_attention_close, decode_reference, make_paged_case, poison
+from helpers import assert_attention_close, decode_in_a_fresh_process, decode_reference, make_paged_case, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -121,3 +121,10 @@ def test_virtual_cache_grown_in_a_worker_thread():
         assert (out[b].cpu().double() - ref[0]).abs().max().item() < 2e-2
     in_new_thread(lambda: c.free(0))  # unmapped from another thread too
     c.close()
+
+
+def test_a_fresh_process_whose_first_cuda_work_is_a_wrapper():
+    """No context exists when the library loads: it is loaded in the device's primary context, pushed and popped
+    (loader.device_context), and the launches after find it valid."""
+    current, err = decode_in_a_fresh_process("cuda:0")
+    assert current == 0 and err < 2e-2
