@@ -43,7 +43,7 @@ def decode_on(device, spec=None, lengths=LENGTHS, page_size=16, seed=0, **wrappe
     w.plan(indptr, indices, last, page_size=page_size)
     out, lse = w.run(q, cache, out=poison((len(lengths), spec.num_qo_heads, spec.head_dim_vo), q.dtype, device),
                      return_lse=True)
-    assert out.device == torch.device(device) and lse.device == torch.device(device)
+    assert out.device == w.device and lse.device == w.device  # (w.device: "cuda" resolved to an index)
     torch.cuda.synchronize(device)
     check_decode(spec, q, out, lse, per_req)
     return w
