@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 import weakref
 
 import numpy as np
@@ -44,11 +45,22 @@ def _release(events: list, hosts: list, ready, destroy) -> None:
         _PENDING.append((events, hosts, ready, destroy))
 
 
+_REAPING = threading.Lock()  # one thread reaps at a time: two would destroy the same events
+
+
 def reap_dropped() -> None:
     """Give back the buffers of dropped uploads whose copies are done and destroy their events; never blocks
-    (each new upload and each plan's host() calls it: one list test when nothing is pending)."""
-    if not _PENDING:
+    (each new upload and each plan's host() calls it: one list test when nothing is pending). Where another
+    thread is reaping, this call leaves the list to it (a later call reaps what is left)."""
+    if not _PENDING or not _REAPING.acquire(blocking=False):
         return
+    try:
+        _reap()
+    finally:
+        _REAPING.release()
+
+
+def _reap() -> None:
     keep, n = [], len(_PENDING)  # (a finalizer may append while this runs, even in this thread: those stay)
     for item in _PENDING[:n]:
         events, _, ready, destroy = item

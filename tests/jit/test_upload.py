@@ -83,3 +83,28 @@ def test_an_upload_dropped_while_the_list_is_reaped_stays_on_it(monkeypatch):
     monkeypatch.setattr(upload_module, "_PENDING", [([1], [], ready_and_drop_another, destroyed.append)])
     upload_module.reap_dropped()
     assert destroyed == [1] and upload_module._PENDING == [late]
+
+
+def test_threads_reaping_at_once_destroy_each_event_once(monkeypatch):
+    """Engines plan from several threads, and each plan reaps the dropped uploads: two threads walking the list at
+    once would both find an upload done and destroy its events twice (a driver error on a freed handle)."""
+    import threading
+    import time
+    from attnforge.jit import upload as upload_module
+    destroyed, start = [], threading.Barrier(8)
+
+    def slow_ready(e):
+        time.sleep(0.001)  # (a driver query: the window in which another thread walks the same list)
+        return True
+    monkeypatch.setattr(upload_module, "_PENDING", [([i], [], slow_ready, destroyed.append) for i in range(40)])
+
+    def reap():
+        start.wait()
+        upload_module.reap_dropped()
+    threads = [threading.Thread(target=reap) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    upload_module.reap_dropped()
+    assert sorted(destroyed) == list(range(40)) and upload_module._PENDING == []
