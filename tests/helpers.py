@@ -112,6 +112,17 @@ def decode_reference(spec: AttentionSpec, q, per_request, sm_scale=None, v_scale
     return torch.stack(outs), torch.stack(lses)
 
 
+def decode_expected(spec: AttentionSpec, q, per_request):
+    """(float64 reference, torch's low-precision result in q's dtype) of a decode on the CPU, at the default scale:
+    what assert_attention_close takes, whichever device q and the per-request K/V are on."""
+    per_request = [(k.cpu(), v.cpu()) for k, v in per_request]
+    scale = 1 / math.sqrt(spec.head_dim_qk)
+    ref, ref_lse = decode_reference(spec, q.cpu(), per_request, sm_scale=scale)
+    low, _ = decode_reference(spec, q.cpu().float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
+                                                      for k, v in per_request], sm_scale=scale, dtype=torch.float32)
+    return ref, ref_lse, low.to(q.dtype)
+
+
 def assert_attention_close(out, ref64, low_ref, what="", dominant_weight_error=0.0):
     """FlashAttention's rule: our error at most 2x that of torch in low precision, plus a small atol;
     and the relative error in the bf16 band of METHOD.md. dominant_weight_error: what a kernel that

@@ -16,7 +16,7 @@ import torch
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill, reference
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from helpers import (assert_attention_close, assert_lse_close, decode_in_a_fresh_process, decode_reference,
+from helpers import (assert_attention_close, assert_lse_close, decode_expected, decode_in_a_fresh_process,
                      make_paged_case, poison)
 
 pytestmark = [pytest.mark.gpu,
@@ -50,12 +50,8 @@ def decode_on(device, spec=None, lengths=LENGTHS, page_size=16, seed=0, **wrappe
 
 
 def check_decode(spec, q, out, lse, per_req):
-    scale = 1 / math.sqrt(spec.head_dim_qk)
-    per_req = [(k.cpu(), v.cpu()) for k, v in per_req]
-    ref, ref_lse = decode_reference(spec, q.cpu(), per_req, sm_scale=scale)
-    low, _ = decode_reference(spec, q.cpu().float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
-                                                      for k, v in per_req], sm_scale=scale, dtype=torch.float32)
-    assert_attention_close(out.cpu(), ref.cpu(), low.to(q.dtype), f"{spec.name} on {out.device}")
+    ref, ref_lse, low = decode_expected(spec, q, per_req)
+    assert_attention_close(out.cpu(), ref, low, f"{spec.name} on {out.device}")
     assert_lse_close(lse, ref_lse, spec.name)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill, reference
-from helpers import assert_attention_close, decode_in_a_fresh_process, decode_reference, make_paged_case, poison
+from helpers import assert_attention_close, decode_expected, decode_in_a_fresh_process, make_paged_case, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -37,12 +37,8 @@ def in_new_thread(fn):
 def decode_case(seed=0, spec=None):
     spec = spec or AttentionSpec(num_qo_heads=16, num_kv_heads=4)
     q, cache, table, per_req = make_paged_case(spec, [0, 1, 33, 900, 2500], 16, seed)
-    per_req = [(k.cpu(), v.cpu()) for k, v in per_req]
-    ref, _ = decode_reference(spec, q.cpu(), per_req, sm_scale=1 / math.sqrt(spec.head_dim_qk))
-    low, _ = decode_reference(spec, q.cpu().float(), [(k.to(q.dtype).float(), v.to(q.dtype).float())
-                                                      for k, v in per_req],
-                              sm_scale=1 / math.sqrt(spec.head_dim_qk), dtype=torch.float32)
-    return spec, q, cache, table, ref, low.to(q.dtype)
+    ref, _, low = decode_expected(spec, q, per_req)
+    return spec, q, cache, table, ref, low
 
 
 def test_plan_in_a_worker_thread_and_run_in_the_main_one():

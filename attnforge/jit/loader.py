@@ -54,6 +54,24 @@ def _failed(result) -> bool:
 _ctx_lock = threading.Lock()
 
 
+_retained: dict = {}  # device index -> its primary context, retained once (torch holds it for the process too)
+
+
+def _primary(index: int):
+    """The device's primary context (the one torch uses), retained at its first request (callers hold _ctx_lock)."""
+    primary = _retained.get(index)
+    if primary is None:
+        drv = driver()
+        dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
+        primary = _retained[index] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    return primary
+
+
+def _has_context(drv) -> bool:
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    return ctx is not None and int(ctx) != 0
+
+
 def ensure_context(device: torch.device) -> None:
     """Make torch's primary context current in this thread.
 
@@ -64,8 +82,7 @@ def ensure_context(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _ctx_lock:
         check(drv.cuInit(0), "cuInit")
-        ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if ctx is not None and int(ctx) != 0:
+        if _has_context(drv):
             return
         if index != torch.cuda.current_device():
             # Another device than torch's current one: torch's own switch creates the context (cudaSetDevice) and
@@ -73,15 +90,9 @@ def ensure_context(device: torch.device) -> None:
             # driver while torch's current device stays as it was. Setting it here would move torch's device too.
             with torch.cuda.device(index):
                 pass
-            ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-            if ctx is not None and int(ctx) != 0:
+            if _has_context(drv):
                 return
-        dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
-        primary = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        check(drv.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
-
-
-_retained: dict = {}  # device index -> its primary context, retained once (torch holds it for the process too)
+        check(drv.cuCtxSetCurrent(_primary(index)), "cuCtxSetCurrent")
 
 
 @contextlib.contextmanager
@@ -95,14 +106,10 @@ def device_context(device: torch.device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _ctx_lock:
         check(drv.cuInit(0), "cuInit")
-        current = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if current is not None and int(current) != 0 and int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice")) == index:
+        if _has_context(drv) and int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice")) == index:
             primary = None  # (already the device's context: nothing to push)
         else:
-            primary = _retained.get(index)
-            if primary is None:
-                dev = check(drv.cuDeviceGet(index), "cuDeviceGet")
-                primary = _retained[index] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            primary = _primary(index)
             check(drv.cuCtxPushCurrent(primary), "cuCtxPushCurrent")
     try:
         yield

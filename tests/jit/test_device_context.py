@@ -21,7 +21,7 @@ class FakeDriver:
 
     def __init__(self, current=None):
         self.stack = [current] if current is not None else []
-        self.retained = []
+        self.retained, self.set_current = [], []
 
     def _current(self):
         return self.stack[-1] if self.stack else None
@@ -49,6 +49,11 @@ class FakeDriver:
 
     def cuCtxPopCurrent(self):
         return 0, self.stack.pop()
+
+    def cuCtxSetCurrent(self, ctx):
+        self.set_current.append(ctx)
+        self.stack[-1:] = [ctx]
+        return (0,)
 
     def cuLibraryLoadData(self, *args):
         return 0, "library"
@@ -112,3 +117,31 @@ def test_the_primary_context_is_retained_once_and_popped_on_errors(fake):
         with loader.device_context(torch.device("cuda", 1)):
             raise RuntimeError("inside")
     assert drv.stack == [("ctx", 0)]
+
+
+@pytest.mark.parametrize("torch_device", [0, 1])
+def test_ensure_context_leaves_torchs_current_device_alone(fake, monkeypatch, torch_device):
+    """No context yet: for torch's current device the primary context is set current (what torch would bind); for
+    another device, torch's own switch makes that device's context (its switch back is lazy), and nothing is set
+    behind torch's back, which would move the device torch reports as current."""
+    drv = fake(None)
+    switched = []
+
+    class TorchSwitch:  # torch.cuda.device(1): cudaSetDevice makes the context current; the lazy switch back leaves it
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            switched.append(self.index)
+            drv.stack[-1:] = [("ctx", self.index)]
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch_device)
+    monkeypatch.setattr(torch.cuda, "device", TorchSwitch)
+    loader.ensure_context(torch.device("cuda", 1))
+    assert drv.stack == [("ctx", 1)]
+    if torch_device == 1:
+        assert drv.set_current == [("ctx", 1)] and switched == []
+    else:
+        assert drv.set_current == [] and switched == [1]
