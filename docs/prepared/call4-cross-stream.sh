@@ -6,10 +6,10 @@
 set -u
 export PYTHONPATH=$PWD ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_JOBS=16
 git apply --include='tests/*' docs/prepared/cross-stream-order.patch  # the tests alone first: main's behaviour
-timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_streams_gpu.py > "$OUT/streams_main.log" 2>&1
+timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_streams_gpu.py > "$OUT/streams_main.log" 2>&1
 echo "== main"; tail -6 "$OUT/streams_main.log"
 git checkout -q -- tests && rm -f tests/test_streams_gpu.py && git apply docs/prepared/cross-stream-order.patch
-timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_streams_gpu.py tests/jit/test_upload.py \
+timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_streams_gpu.py tests/jit/test_upload.py \
   > "$OUT/streams_patch.log" 2>&1
 echo "== patch"; tail -15 "$OUT/streams_patch.log"
 bash docs/prepared/call1-every-gpu-test.sh
