@@ -494,3 +494,34 @@ def test_single_prefills_wrappers_are_kept_in_a_bounded_table(monkeypatch):
         del slopes, spec, w
     gc.collect()
     assert first() is None, "an evicted wrapper's modifier still holds its tensor"
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_plans_ordered_by_tiles_upload_what_the_item_sort_uploads(recorder, monkeypatch, kind):
+    """plan() orders prefill_work's own items from their query tiles (scheduler.grouped_order_by_tiles) from
+    GROUPED_BY_TILES_MIN items on: every byte it uploads is what the sort of all items gives (the bound raised
+    past every batch here), on ragged and paged batches with empty, short and long requests."""
+    from attnforge import scheduler
+    rng = np.random.default_rng(5)
+    batches = [np.array([100, 0, 30])] + [rng.choice([0, 1, 77, 640, 3000], size=b) for b in (3, 12, 40)]
+    batches.append(np.full(16, 2048))
+    items, least = [], scheduler.GROUPED_BY_TILES_MIN
+    for qo in batches:
+        kv = qo + rng.choice([0, 500], size=len(qo))
+        qo_indptr = np.concatenate([[0], np.cumsum(qo)])
+        if kind == "ragged":
+            args, kw = (qo_indptr, np.concatenate([[0], np.cumsum(kv)])), {}
+        else:
+            pages = -(-kv // 16)
+            indptr = np.concatenate([[0], np.cumsum(pages)])
+            args = (qo_indptr, indptr, rng.permutation(int(indptr[-1])), np.where(pages > 0, kv - (pages - 1) * 16, 0))
+            kw = {"page_size": 16}
+        uploads = []
+        for bound in (least, 1 << 40):
+            monkeypatch.setattr(scheduler, "GROUPED_BY_TILES_MIN", bound)
+            w = BatchPrefill(SPEC, device="cpu")
+            w.plan(*args, **kw)
+            uploads.append(np.array(w._plan["host"]))
+        assert (uploads[0] == uploads[1]).all()
+        items.append(w._plan["num_work"])
+    assert min(items) < least <= max(items), "batches on both sides of the bound"

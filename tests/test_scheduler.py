@@ -714,3 +714,31 @@ def test_plans_carry_their_longest_item(name, lengths):
     bare = p._replace(longest=-1)
     assert scheduler.longest_item(bare) == expect
     assert scheduler.longest_merge_rows(p, 4) == (0 if not len(end) else (expect // p.span + 2) * 4)
+
+
+def test_the_grouped_order_by_tiles_is_order_prefill_works():
+    """BatchPrefill.plan orders prefill_work's own items (unsplit, no block mask) from their query tiles: the same
+    permutation as order_prefill_work's grouped order, on batches with empty requests, tied requests and tiles,
+    requests of fewer keys than queries (costs <= 0) and costs too large for the composite key."""
+    rng = np.random.default_rng(21)
+    for draw in range(60):
+        b, heads, group = int(rng.integers(1, 40)), int(rng.integers(1, 9)), int(rng.choice([1, 3, 4, 8]))
+        tile_q = int(rng.choice([64, 128]))
+        qo = rng.choice([0, 1, 5, 64, 300, 640, 2048], size=b)
+        kv = np.maximum(qo + rng.choice([-200, 0, 0, 256, 3000], size=b), 0)
+        work, cost = scheduler.prefill_work(qo, kv, group, heads, tile_q, causal=bool(rng.integers(2)))
+        if draw % 7 == 6:
+            cost = cost + 2**61  # the composite key would pass int64
+        tiles = scheduler.prefill_tiles(qo, group, tile_q)
+        got = scheduler.grouped_order_by_tiles(tiles, cost[::heads], heads)
+        assert (got == scheduler.order_prefill_work(work, cost, "grouped")).all(), draw
+    assert scheduler.grouped_order_by_tiles(np.zeros(3, np.int64), np.zeros(0, np.int64), 4).size == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_unsplit_work_keeps_each_item_and_gives_it_the_whole_range(dtype):
+    work = np.random.default_rng(2).integers(0, 1000, size=(50, 3)).astype(dtype)
+    out = scheduler.unsplit_prefill_work(work[::2]).work  # (a strided view: copied whole)
+    assert out.dtype == np.int64 and out.shape == (25, 6)
+    assert (out[:, :3] == work[::2]).all() and (out[:, 3] == 0).all() and (out[:, 4] == 2**31 - 1).all()
+    assert (out[:, 5] == 0).all()
