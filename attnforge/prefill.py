@@ -178,7 +178,7 @@ class BatchPrefill:
         if tile_indptr is not None:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         flat = np.concatenate(parts)  # (int64: every part is an integer array; one range check, not one a part)
-        largest = max(int(np.maximum.reduce(flat)), -int(np.minimum.reduce(flat)))  # (abs: a temporary and a pass more)
+        largest = int(np.abs(flat).max())
         if largest >= 2**31:
             raise checks.fail("plan: offsets, lengths and page ids", "values that fit in int32 (< 2^31)", largest,
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")

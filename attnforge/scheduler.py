@@ -353,6 +353,11 @@ _WHOLE_ITEM_TAIL = np.array([0, 2**31 - 1, 0], dtype=np.int64).view(_ROW_HALF)[0
 def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
     """Every item [N, 3] whole: an unbounded KV chunk, slot 0 (rows written straight to the output)."""
     n = len(work)
+    if n < 64:  # (a short plan's numpy calls cost more than its values)
+        out = np.zeros((n, 6), np.int64)
+        out[:, :3] = work
+        out[:, 4] = 2**31 - 1
+        return PrefillSplit(out, 1, 0)
     out = np.empty((n, 6), np.int64)
     # each row's halves as 24-byte elements: two element copies a row, not six strided values (8192 items: -64%)
     halves = out.view(_ROW_HALF).reshape(n, 2)

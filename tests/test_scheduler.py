@@ -736,9 +736,10 @@ def test_the_grouped_order_by_tiles_is_order_prefill_works():
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])
-def test_unsplit_work_keeps_each_item_and_gives_it_the_whole_range(dtype):
-    work = np.random.default_rng(2).integers(0, 1000, size=(50, 3)).astype(dtype)
+@pytest.mark.parametrize("items", [0, 25, 300])  # (short plans take the column-wise path)
+def test_unsplit_work_keeps_each_item_and_gives_it_the_whole_range(dtype, items):
+    work = np.random.default_rng(2).integers(0, 1000, size=(2 * items, 3)).astype(dtype)
     out = scheduler.unsplit_prefill_work(work[::2]).work  # (a strided view: copied whole)
-    assert out.dtype == np.int64 and out.shape == (25, 6)
+    assert out.dtype == np.int64 and out.shape == (items, 6)
     assert (out[:, :3] == work[::2]).all() and (out[:, 3] == 0).all() and (out[:, 4] == 2**31 - 1).all()
     assert (out[:, 5] == 0).all()
