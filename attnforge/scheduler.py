@@ -488,12 +488,15 @@ def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.nda
     # many (a ragged batch: 138) as one array op (the same pick: the first round of the least |d - gap / 2|)
     vector = full >= SWAP_VECTOR_ROUNDS
     cols = np.ascontiguousarray(c.T) if vector else c.T.tolist()
+    # the loads also as Python numbers (read without numpy's scalar calls); numpy's copy finds the extremes
+    values = load.tolist()
+    trades = []  # (round, a, b) in order, applied to the grid after the loop
     for _ in range(SWAP_PASSES * ctas):
         a, b = int(load.argmax()), int(load.argmin())
-        top = load[a].item()
+        top = values[a]
         if top <= good_enough:
             break
-        gap = top - load[b].item()
+        gap = top - values[b]
         half, best, r = gap / 2, math.inf, -1
         if vector:
             d = cols[a] - cols[b]  # a trade in round i moves d[i] from a to b
@@ -508,10 +511,13 @@ def _swap_within_rounds(perm: np.ndarray, cost: np.ndarray, ctas: int) -> np.nda
                     best, r = abs(d - half), i
         if r < 0:
             break
-        grid[r, a], grid[r, b] = grid[r, b], grid[r, a]
+        trades.append((r, a, b))
+        d = cols[a][r] - cols[b][r]  # what the trade moves from a to b
         cols[a][r], cols[b][r] = cols[b][r], cols[a][r]
-        load[a] -= cols[b][r] - cols[a][r]  # (the trade's d, read after the swap)
-        load[b] += cols[b][r] - cols[a][r]
+        load[a] = values[a] = values[a] - d
+        load[b] = values[b] = values[b] + d
+    for r, a, b in trades:
+        grid[r, a], grid[r, b] = grid[r, b], grid[r, a]
     out = perm.copy()
     out[:full * ctas] = grid.reshape(-1)
     return out
