@@ -307,18 +307,7 @@ class BatchDecode:
         if self.spec.page_size is not None and page_size != self.spec.page_size:
             raise checks.fail("plan(page_size=...)", f"{self.spec.page_size} (the spec's)", page_size,
                               "Use one page size or leave spec.page_size=None.")
-        if block_table is not None or seq_lens is not None:
-            if kv_indptr is not None or kv_indices is not None:
-                raise TypeError("plan: expected either the CSR arrays or seq_lens= and block_table=, got both. "
-                                "Pass one form of the page table.")
-            table = paged.from_block_table(seq_lens, block_table, page_size)
-        else:
-            missing = [n for n, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                                      ("kv_last_page_len", kv_last_page_len)) if x is None]
-            if missing:
-                raise TypeError(f"plan: expected kv_indptr, kv_indices and kv_last_page_len (or seq_lens= and "
-                                f"block_table=), got None for {', '.join(missing)}. Pass the page table's host arrays.")
-            table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        table = paged.from_either_form(kv_indptr, kv_indices, kv_last_page_len, seq_lens, block_table, page_size)
         self._captured.check(table.max_page_index)
         if len(table.indices) > self.max_num_pages:
             if self.use_cuda_graph:

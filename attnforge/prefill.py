@@ -100,10 +100,12 @@ class BatchPrefill:
             self._regions = [(name, caps[name]) for name in GRAPH_REGIONS]
             self._staged_upload(sum(-(-n // 4) * 4 for _, n in self._regions))
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices=None, kv_last_page_len=None, *, page_size: Optional[int] = None,
-             sm_scale: Optional[float] = None, q_offset=None, kv_offset=None, k_scale: float = 1.0,
-             v_scale: float = 1.0) -> None:
-        """Ragged KV when kv_indices is None (kv_indptr then counts tokens), else a paged KV table.
+    def plan(self, qo_indptr, kv_indptr=None, kv_indices=None, kv_last_page_len=None, *,
+             page_size: Optional[int] = None, seq_lens=None, block_table=None, sm_scale: Optional[float] = None,
+             q_offset=None, kv_offset=None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Ragged KV when only kv_indptr is given (it then counts tokens), else a paged KV table: the CSR arrays
+        (kv_indptr, kv_indices, kv_last_page_len) or vLLM's form (seq_lens= KV lengths [B], block_table= [B,
+        max_pages]), as BatchDecode.plan takes them.
         k_scale / v_scale: the per-tensor scales of an fp8 cache (K = k_scale * stored K, likewise V);
         k_scale folds into sm_scale, v_scale scales each output row (16-bit K/V take v_scale 1 only)."""
         v_scale = self._check_scales(k_scale, v_scale, sm_scale)
@@ -116,7 +118,11 @@ class BatchPrefill:
             raise checks.fail("qo_indptr[-1]", "fewer than 2^31 query tokens in one plan", int(qo[-1]),
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")
         b = len(qo_len)
-        if kv_indices is None:
+        vllm_form = seq_lens is not None or block_table is not None
+        if kv_indices is None and not vllm_form:
+            if kv_indptr is None:
+                raise TypeError("plan: expected kv_indptr (ragged K/V: token offsets), the page table's CSR arrays "
+                                "or seq_lens= and block_table=, got none of them. Pass the keys' layout.")
             kvp = paged.host_int_array("kv_indptr", kv_indptr)
             kv_len = kvp[1:] - kvp[:-1] if kvp.shape == (b + 1,) else None
             if kv_len is None or kvp[0] != 0 or np.minimum.reduce(kv_len, initial=0) < 0:
@@ -126,7 +132,7 @@ class BatchPrefill:
             kv_off = kvp[:-1] if kv_offset is None else paged.host_int_array("kv_offset", kv_offset)
             max_page = -1
         elif split_dims(self.spec):
-            raise checks.fail("plan(kv_indices=...)", "ragged K/V (kv_indices None) for head_dim_vo "
+            raise checks.fail("plan(kv_indices= or block_table=)", "ragged K/V (no page table) for head_dim_vo "
                               f"{self.spec.head_dim_vo} < head_dim_qk {self.spec.head_dim_qk}", "a page table",
                               "Narrower values run on ragged K/V only: gather the pages into k [tokens, Hkv, "
                               "head_dim_qk] and v [tokens, Hkv, head_dim_vo] (DeepSeek's prefill computes them).")
@@ -135,9 +141,10 @@ class BatchPrefill:
             if page is None:
                 raise checks.fail("plan(page_size=...)", "an int >= 1 for a paged KV cache", None,
                                   "Pass the cache's tokens per page.")
-            table = paged.from_csr(kv_indptr, kv_indices, kv_last_page_len, page)
+            table = paged.from_either_form(kv_indptr, kv_indices, kv_last_page_len, seq_lens, block_table, page)
             if table.batch_size != b:
-                raise checks.fail("kv_indptr", f"{b + 1} entries (same batch as qo_indptr)", len(table.indptr),
+                what, n = ("seq_lens", f"{b} entries") if vllm_form else ("kv_indptr", f"{b + 1} entries")
+                raise checks.fail(what, f"{n} (same batch as qo_indptr)", table.batch_size + (0 if vllm_form else 1),
                                   "Pass one page range per request.")
             kv_len, ragged, indices, kvp = table.kv_len, False, table.indices, table.indptr
             kv_off, max_page = np.zeros(b, dtype=np.int64), table.max_page_index

@@ -1,6 +1,6 @@
 """More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
-one 576-wide cache and block table, cascade, Quest (a selection per request or per KV head), single_prefill,
-merge_state, the slot-mapped and MLA appends.
+one 576-wide cache and block table, prefill's block table, cascade, Quest (a selection per request or per KV head),
+single_prefill, merge_state, the slot-mapped and MLA appends.
 Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
 APIS is every call form the fuzz runs."""
 from __future__ import annotations
@@ -9,12 +9,13 @@ import numpy as np
 import torch
 
 import attnforge
-from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
+from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
 from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestHeadDecode, QuestIndex
 from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, misaligned, retag, scale, tensor
-from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, Api, Env, _as_block_table,
-                             _csr, _plan_kwargs, _plan_mutations, _rand, _with, decode_build, mla_build)
+from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, PLAN_SCALARS, PREFILL_SPEC, Api,
+                             Env, _as_block_table, _csr, _plan_kwargs, _plan_mutations, _rand, _with, decode_build,
+                             mla_build, prefill_build)
 
 
 def decode_lse_build(env: Env) -> dict:
@@ -99,6 +100,26 @@ def mla_block_table_invoke(env: Env, a: dict):
     w = env.wrapper(BatchMLADecode, MLA_SPEC)
     w.plan(seq_lens=a["seq_lens"], block_table=a["block_table"], **_plan_kwargs(a))
     return w.run(a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], out=a["out"])
+
+
+def prefill_block_table_build(env: Env) -> dict:
+    return _as_block_table(prefill_build(env))
+
+
+def prefill_block_table_mutations(a: dict, env: Env) -> list:
+    return index_array("seq_lens", a["seq_lens"], env.gpu) + \
+        [Mutation("block_table", "1d", REFUSE, lambda t: np.asarray(t).reshape(-1)),
+         Mutation("block_table", "one-row-short", REFUSE, lambda t: np.asarray(t)[:-1]),
+         Mutation("block_table", "narrow", REFUSE, lambda t: np.asarray(t)[:, :6]),  # 7 pages needed
+         Mutation("block_table", "id-past-cache", REFUSE, lambda t: _with(t, (2, 0), NUM_PAGES)),
+         Mutation("block_table", "negative-id", REFUSE, lambda t: _with(t, (2, 0), -1)),
+         Mutation("block_table", "wider", SAME, lambda t: np.pad(np.asarray(t), ((0, 0), (0, 4)), constant_values=-7))]
+
+
+def prefill_block_table_invoke(env: Env, a: dict):
+    w = env.wrapper(BatchPrefill, PREFILL_SPEC)
+    w.plan(a["qo_indptr"], seq_lens=a["seq_lens"], block_table=a["block_table"], **{k: a[k] for k in PLAN_SCALARS})
+    return w.run(a["q"], a["kv_cache"], out=a["out"])
 
 
 def mla_unified_build(env: Env) -> dict:
@@ -296,6 +317,8 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("verify", verify_build, verify_mutations, verify_invoke),
              Api("mla-unified", mla_unified_build, mla_unified_mutations, mla_unified_invoke),
              Api("mla-block-table", mla_block_table_build, mla_block_table_mutations, mla_block_table_invoke),
+             Api("prefill-block-table", prefill_block_table_build, prefill_block_table_mutations,
+                 prefill_block_table_invoke),
              Api("cascade", cascade_build, cascade_mutations, cascade_invoke, cpu=False),
              Api("quest", quest_build, quest_mutations, quest_invoke, cpu=False),
              Api("quest-heads", quest_heads_build, quest_heads_mutations, quest_heads_invoke, cpu=False,

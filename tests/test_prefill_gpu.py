@@ -401,6 +401,29 @@ def test_paged_kv(page_size, layout):
     check_against_reference(spec, q, out, lse, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
 
 
+def test_block_table_form_equals_csr():
+    """vLLM's form (seq_lens=, block_table=) plans what the CSR arrays plan: the same bits out, and the reference."""
+    spec = AttentionSpec(family="prefill", causal=True)
+    kv_lens, qo_lens = [100, 0, 777, 33], [37, 0, 700, 33]
+    _, cache, (indptr, indices, last), per = make_paged_case(AttentionSpec(), kv_lens, 16, seed=4)
+    table = np.full((4, 60), -1, dtype=np.int32)  # (unused slots hold -1, as vLLM's do)
+    for b in range(4):
+        table[b, :indptr[b + 1] - indptr[b]] = indices[indptr[b]:indptr[b + 1]]
+    q = torch.randn(sum(qo_lens), 32, 128, device="cuda").bfloat16()
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    outs = []
+    for form in ("csr", "block_table"):
+        w = BatchPrefill(spec)
+        if form == "csr":
+            w.plan(qo, indptr, indices, last, page_size=16)
+        else:
+            w.plan(qo, seq_lens=np.array(kv_lens), block_table=table, page_size=16)
+        outs.append(w.run(q, cache, out=torch.full_like(q, math.nan), return_lse=True))
+    (out, lse), (out_bt, lse_bt) = outs
+    assert torch.equal(out, out_bt) and torch.equal(lse, lse_bt)
+    check_against_reference(spec, q, out_bt, lse_bt, [(k.to(q.dtype), v.to(q.dtype)) for k, v in per], qo)
+
+
 @pytest.mark.parametrize("name,backend", [("causal", None), ("sliding_window", None), ("softcap", None), ("alibi", None),
                                           ("relative_bias", None), ("document_mask", None), ("prefix_lm", None),
                                           ("attention_sink", None), ("alibi", "mma"), ("document_mask", "mma"),

@@ -525,3 +525,49 @@ def test_plans_ordered_by_tiles_upload_what_the_item_sort_uploads(recorder, monk
         assert (uploads[0] == uploads[1]).all()
         items.append(w._plan["num_work"])
     assert min(items) < least <= max(items), "batches on both sides of the bound"
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_block_table_plans_what_the_csr_arrays_plan(recorder, graph):
+    """plan(seq_lens=, block_table=) (vLLM's form, as BatchDecode takes it) uploads every byte the CSR arrays
+    upload: empty requests, a request of fewer keys than queries, -1 in the table's unused slots."""
+    rng = np.random.default_rng(8)
+    kv, qo = np.array([100, 0, 777, 5, 33]), np.array([37, 0, 700, 9, 33])
+    pages = -(-kv // 16)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = rng.permutation(int(indptr[-1])).astype(np.int32)
+    last = np.where(pages > 0, kv - (pages - 1) * 16, 0)
+    table = np.full((5, 64), -1, dtype=np.int32)
+    for b in range(5):
+        table[b, :pages[b]] = indices[indptr[b]:indptr[b + 1]]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)])
+    uploads = []
+    for form in ("csr", "block_table"):
+        w = BatchPrefill(SPEC, device="cpu", use_cuda_graph=graph, max_batch_size=8, max_work_items=4096,
+                         max_num_pages=256)
+        if form == "csr":
+            w.plan(qo_indptr, indptr, indices, last, page_size=16)
+        else:
+            w.plan(qo_indptr, seq_lens=kv, block_table=table, page_size=16)
+        uploads.append((np.array(w._plan["host"]), w._plan["num_work"], w._plan["max_page"]))
+    assert (uploads[0][0] == uploads[1][0]).all() and uploads[0][1:] == uploads[1][1:]
+
+
+def test_a_block_table_plan_refuses_a_mixed_or_missing_form(recorder):
+    w = BatchPrefill(SPEC, device="cpu")
+    qo = np.array([0, 4, 10])
+    table = np.array([[0, -1], [1, 2]], dtype=np.int32)
+    with pytest.raises(TypeError, match="got both"):
+        w.plan(qo, np.array([0, 1, 3]), seq_lens=np.array([5, 20]), block_table=table, page_size=16)
+    with pytest.raises(TypeError, match="got none of them"):
+        w.plan(qo)
+    with pytest.raises(ValueError, match=r"seq_lens.*3 entries"):
+        w.plan(np.array([0, 4, 10, 12]), seq_lens=np.array([5, 20]), block_table=table, page_size=16)
+    with pytest.raises(ValueError, match="block_table"):
+        w.plan(qo, seq_lens=np.array([5, 40]), block_table=table, page_size=16)  # 3 pages, a row holds 2
+    narrow = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2, head_dim_qk=192,
+                                        head_dim_vo=128), device="cpu", backend="wgmma")
+    with pytest.raises(ValueError, match="ragged K/V"):
+        narrow.plan(qo, seq_lens=np.array([5, 20]), block_table=table, page_size=16)
+    w.plan(qo, seq_lens=np.array([5, 20]), block_table=table, page_size=16)  # the valid call plans
+    assert w._plan["max_page"] == 2 and w._plan["kv_tokens"] == 25
