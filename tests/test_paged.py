@@ -90,3 +90,19 @@ def test_page_id_bound_and_negative_ids_in_every_int_dtype(dtype):
         ids[2] = -2
         with pytest.raises(ValueError, match="kv_indices: expected page ids >= 0, got -2"):
             paged.from_csr([0, 2, 4], ids, [1, 1], page_size=16)
+
+
+def test_either_form_takes_one_form_whole():
+    """plan()'s page table (decode, MLA, prefill): the CSR arrays or seq_lens= and block_table=, never both, and
+    neither form in part; each form gives the same table."""
+    csr = paged.from_either_form([0, 2, 2, 5], [3, 1, 0, 2, 4], [5, 0, 1], None, None, 16)
+    table = np.array([[3, 1, -1], [-1, -1, -1], [0, 2, 4]])
+    vllm = paged.from_either_form(None, None, None, [21, 0, 33], table, 16)
+    assert csr.kv_len.tolist() == vllm.kv_len.tolist() == [21, 0, 33]
+    assert csr.indices.tolist() == vllm.indices.tolist() and csr.indptr.tolist() == vllm.indptr.tolist()
+    for name, extra in (("kv_indptr", ([0, 2, 2, 5], None, None)), ("kv_indices", (None, [3, 1, 0, 2, 4], None)),
+                        ("kv_last_page_len", (None, None, [5, 0, 1]))):
+        with pytest.raises(TypeError, match=f"got both \\({name} beside"):
+            paged.from_either_form(*extra, [21, 0, 33], table, 16)
+    with pytest.raises(TypeError, match="got None for kv_indices, kv_last_page_len"):
+        paged.from_either_form([0, 2, 2, 5], None, None, None, None, 16)
