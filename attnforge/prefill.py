@@ -238,6 +238,10 @@ class BatchPrefill:
             kv_lo = np.maximum(0, kv_len[req] - qo_len[req] + work[:, 2] // s.group_size - s.window_left)
         else:
             kv_lo = None  # (every range from 0)
+            heads = s.num_kv_heads  # prefill_work's items: each tile's heads in turn, the same range
+            if scheduler.prefill_items_fit_one_share(cost[::heads], heads, k.tile_q, k.tile_kv,
+                                                     self._sms() * k.ctas_per_sm):
+                return scheduler.unsplit_prefill_work(work)
         return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm)
 
     def _sms(self) -> int:

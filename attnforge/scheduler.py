@@ -366,6 +366,24 @@ def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
     return PrefillSplit(out, 1, 0)
 
 
+def _share_tiles(kv_tiles: int, items: int, tile_q: int, tile_kv: int, num_ctas: int) -> float:
+    """split_prefill_work's longest chunk in KV tiles: SPLIT_SLACK x the fair share of the batch's cost (its items'
+    kv_tiles plus PREFILL_ITEM_FIXED_COST * tile_q an item), at least MIN_PREFILL_CHUNK_TILES."""
+    total = kv_tiles * tile_kv + PREFILL_ITEM_FIXED_COST * tile_q * items
+    return max(SPLIT_SLACK * total / max(num_ctas, 1) / tile_kv, MIN_PREFILL_CHUNK_TILES)
+
+
+def prefill_items_fit_one_share(tile_kv_hi: np.ndarray, heads: int, tile_q: int, tile_kv: int, num_ctas: int) -> bool:
+    """split_prefill_work's first test, whether no item is cut, for prefill_work's own items whose KV ranges start
+    at 0 (no window), from their query tiles: every head of tile p reads [0, tile_kv_hi[p]). A heads-th of the
+    values, so a plan that cuts nothing (most) skips the test over every item (B16 S2048: ~25 us)."""
+    if len(tile_kv_hi) == 0:
+        return True
+    tiles = -(-np.maximum(tile_kv_hi, 0) // tile_kv)
+    share_tiles = _share_tiles(int(tiles.sum()) * heads, len(tiles) * heads, tile_q, tile_kv, num_ctas)
+    return math.ceil(int(tiles.max()) / share_tiles) <= 1
+
+
 def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.ndarray], tile_q: int, tile_kv: int,
                        num_ctas: int) -> PrefillSplit:
     """Split prefill items [N, 3] whose KV range [kv_lo, kv_hi) exceeds a fair share of the GPU.
@@ -384,8 +402,7 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.n
     else:
         lo = (kv_lo // tile_kv) * tile_kv
         tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)
-    total = int(tiles.sum()) * tile_kv + PREFILL_ITEM_FIXED_COST * tile_q * n
-    share_tiles = max(SPLIT_SLACK * total / max(num_ctas, 1) / tile_kv, MIN_PREFILL_CHUNK_TILES)
+    share_tiles = _share_tiles(int(tiles.sum()), n, tile_q, tile_kv, num_ctas)
     if n == 0 or math.ceil(int(tiles.max()) / share_tiles) <= 1:  # (the costliest item's count: one test)
         return unsplit_prefill_work(work)
     if kv_lo is None:

@@ -743,3 +743,19 @@ def test_unsplit_work_keeps_each_item_and_gives_it_the_whole_range(dtype, items)
     assert out.dtype == np.int64 and out.shape == (items, 6)
     assert (out[:, :3] == work[::2]).all() and (out[:, 3] == 0).all() and (out[:, 4] == 2**31 - 1).all()
     assert (out[:, 5] == 0).all()
+
+
+def test_the_one_share_test_on_tiles_is_split_prefill_works():
+    """BatchPrefill._split asks whether any item is cut from the query tiles alone (no window): the same answer as
+    split_prefill_work's over every item, on batches from one long request (cut) to many short ones (not)."""
+    rng = np.random.default_rng(31)
+    answers = set()
+    for draw in range(80):
+        b, heads, ctas = int(rng.integers(1, 20)), int(rng.choice([1, 2, 8])), int(rng.choice([8, 132]))
+        qo = rng.choice([0, 1, 100, 2048, 16384], size=b)
+        kv = np.maximum(qo + rng.choice([-50, 0, 4096, 60000], size=b), 0)
+        work, cost = scheduler.prefill_work(qo, kv, 4, heads, 128, causal=bool(rng.integers(2)))
+        whole = scheduler.split_prefill_work(work, cost, None, 128, 64, ctas).chunk == 0
+        assert scheduler.prefill_items_fit_one_share(cost[::heads], heads, 128, 64, ctas) == whole, draw
+        answers.add(whole)
+    assert answers == {True, False}, "draws that cut and draws that do not"
