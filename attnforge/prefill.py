@@ -117,6 +117,10 @@ class BatchPrefill:
         if qo[-1] >= 2**31:  # (before the work items: 2^33 tokens asked numpy for 48 GiB of them)
             raise checks.fail("qo_indptr[-1]", "fewer than 2^31 query tokens in one plan", int(qo[-1]),
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")
+        if int(qo[-1]) * self.spec.group_size >= 2**31:  # (a work item's first packed row is an int32)
+            raise checks.fail("qo_indptr[-1] x group size", f"fewer than 2^31 packed query rows in one plan (tokens "
+                              f"x {self.spec.group_size} query heads a KV head)", int(qo[-1]) * self.spec.group_size,
+                              "Split the batch into smaller plans (the kernels read these arrays as int32).")
         b = len(qo_len)
         vllm_form = seq_lens is not None or block_table is not None
         if kv_indices is None and not vllm_form:
@@ -185,7 +189,12 @@ class BatchPrefill:
         if tile_indptr is not None:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         flat = np.concatenate(parts)  # (int64: every part is an integer array; one range check, not one a part)
-        largest = int(np.abs(flat).max())
+        # the check skips the work items, six values an item: int32 already, each a request, head, row or KV bound
+        # of the arrays checked here (a long plan's ~100K values: ~30 us)
+        head = len(qo) + len(q_off) + len(kvp) + len(indices) + len(kv_len) + len(kv_off)
+        largest = int(np.abs(flat[:head]).max())
+        if tile_indptr is not None:
+            largest = max(largest, int(np.abs(flat[head + work.size:]).max()))
         if largest >= 2**31:
             raise checks.fail("plan: offsets, lengths and page ids", "values that fit in int32 (< 2^31)", largest,
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")

@@ -118,6 +118,9 @@ def test_a_plan_whose_offsets_overflow_int32_is_refused_before_any_launch(record
     # a query count past int32 is refused before its work items are built (2^33 tokens: 48 GiB of them)
     with pytest.raises(ValueError, match=r"qo_indptr\[-1\]: expected fewer than 2\^31 query tokens in one plan"):
         w.plan(np.array([0, 2**33]), np.array([0, 2**33]))
+    # fewer tokens, but packed rows (tokens x group 4) past int32: refused before the work items too
+    with pytest.raises(ValueError, match=r"expected fewer than 2\^31 packed query rows .*got 2147483648\."):
+        w.plan(np.array([0, 2**29]), np.array([0, 2**29]))
     assert w._plan is None and not recorder.launches
 
 
