@@ -131,7 +131,7 @@ def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
     """vLLM's form: per-request lengths [B] and a block table [B, max_pages]."""
     check_page_size("page_size", page_size)
     lens = host_int_array("seq_lens", seq_lens)
-    table = host_int_array("block_table", block_table)
+    table = host_int_array("block_table", block_table, widen=False)  # only gathered: no widening copy of every slot
     if lens.ndim != 1:
         raise fail("seq_lens", "a 1-D array [B] of KV lengths", f"shape {list(lens.shape)}",
                    "Pass one length a request.")
@@ -147,9 +147,18 @@ def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:
                    f"{table.shape[1]} x page_size {page_size})", int(lens[b]), "Widen the block table.")
     indptr = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(pages, out=indptr[1:])
-    indices = table[np.arange(table.shape[1])[None, :] < pages[:, None]]  # row-major: request order
-    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-    return from_csr(indptr, indices, last, page_size)
+    # row b's first pages[b] slots, request order, by a mask over the columns some request uses: vLLM's tables are as
+    # wide as the longest context the engine allows (B256 of 64 pages in 512 slots: 108 -> 26 us)
+    used = int(pages.max(initial=0))
+    if len(pages) and int(pages.min()) == used:  # every request the same pages: the columns as they are
+        indices = table[:, :used].reshape(-1)
+    else:
+        indices = table[:, :used][np.arange(used)[None, :] < pages[:, None]]
+    # lengths and offsets are valid by construction; the page ids as from_csr checks them (one pass)
+    top = _max_page_id(indices)
+    if len(indices) and top < 0:
+        raise fail("block_table", "page ids >= 0 in the slots seq_lens uses", top, "Fix the block table.")
+    return PageTable(indptr, indices, lens.copy(), page_size, top)  # (a copy: lens may be the caller's array)
 
 
 def split_cache(s, kv_cache, ps: int, max_page: int, device: torch.device):

@@ -106,3 +106,28 @@ def test_either_form_takes_one_form_whole():
             paged.from_either_form(*extra, [21, 0, 33], table, 16)
     with pytest.raises(TypeError, match="got None for kv_indices, kv_last_page_len"):
         paged.from_either_form([0, 2, 2, 5], None, None, None, None, 16)
+
+
+def test_block_tables_give_the_csr_tables_of_their_used_slots():
+    """from_block_table against from_csr of the same pages: equal and unequal requests (the equal ones take the
+    table's columns as they are), empty requests, -1 past the used slots, every integer dtype and a Fortran-ordered
+    table; a negative id in a used slot is refused, one past them is not read."""
+    rng = np.random.default_rng(3)
+    for draw in range(40):
+        b, width = int(rng.integers(1, 20)), int(rng.integers(1, 40))
+        lens = rng.integers(0, width * 16 + 1, size=b) if draw % 3 else np.full(b, int(rng.integers(0, width * 16)))
+        pages = -(-lens // 16)
+        dtype = np.dtype(rng.choice([np.int32, np.int64, np.uint32]) if draw % 4 else np.int64)
+        table = np.full((b, width), -1 if dtype.kind == "i" else np.iinfo(dtype).max, dtype=dtype)  # (unused slots)
+        for r in range(b):
+            table[r, :pages[r]] = rng.permutation(1000)[:pages[r]]
+        if draw % 5 == 0:
+            table = np.asfortranarray(table)
+        got = paged.from_block_table(lens, table, 16)
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        indices = np.concatenate([table[r, :pages[r]] for r in range(b)])
+        want = paged.from_csr(indptr, indices, np.where(pages > 0, lens - (pages - 1) * 16, 0), 16)
+        assert got.indptr.tolist() == want.indptr.tolist() and got.indices.tolist() == want.indices.tolist()
+        assert got.kv_len.tolist() == want.kv_len.tolist() and got.max_page_index == want.max_page_index
+    with pytest.raises(ValueError, match=r"block_table: expected page ids >= 0 in the slots seq_lens uses, got -2"):
+        paged.from_block_table([20, 5], np.array([[3, -2], [4, -1]]), 16)
