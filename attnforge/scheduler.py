@@ -286,6 +286,18 @@ def has_split_items(plan: StreamPlan) -> bool:
     its merge kernel only then, outside CUDA graphs)."""
     if plan.batch_size == 0:
         return False
+    if plan.longest > 0:  # (known from plan_stream): an item whose cuttable tokens outrun a span is cut wherever
+        # it starts. Those tokens' least extent: its tokens, less what snapping takes at each end (_cuttable_tokens
+        # with the item's stride at its least, cost). Most of MLA's plans answer here, not over every item (~7 us).
+        n = plan.longest
+        least = n if not plan.snap else n + CHUNK_FIXED_COST - plan.snap - max(CHUNK_FIXED_COST, plan.snap)
+        if least > plan.span:
+            return True
+    return _split_anywhere(plan)
+
+
+def _split_anywhere(plan: StreamPlan) -> bool:
+    """has_split_items over every item."""
     n = (plan.kv_end - plan.kv_begin).astype(np.int64)[:, None]
     stride = (np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads)[:, None]
     s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride  # [B, H]

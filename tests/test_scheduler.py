@@ -759,3 +759,23 @@ def test_the_one_share_test_on_tiles_is_split_prefill_works():
         assert scheduler.prefill_items_fit_one_share(cost[::heads], heads, 128, 64, ctas) == whole, draw
         answers.add(whole)
     assert answers == {True, False}, "draws that cut and draws that do not"
+
+
+def test_a_long_item_answers_has_split_items_as_the_walk_over_every_item():
+    """has_split_items answers True at once where the longest item outruns a span (its cuttable tokens at their
+    least, snap taken at both ends): the same answer as the test over every item, on plain, snapped and aligned
+    plans of random batches, long and short."""
+    rng = np.random.default_rng(41)
+    shortcut = 0
+    for draw in range(300):
+        b, heads = int(rng.integers(1, 40)), int(rng.choice([1, 2, 8]))
+        top = int(rng.choice([300, 3000, 70000]))
+        lengths = rng.integers(0, top, size=b)
+        if draw % 4 == 0:
+            lengths[:] = lengths[0]  # equal items: aligned plans
+        p = scheduler.plan_stream(np.zeros(b, np.int64), lengths, heads, int(rng.choice([8, 132, 396])),
+                                  align_equal_items=bool(draw % 2), snap=int(rng.choice([0, 64, 128, 192])))
+        assert scheduler.has_split_items(p) == scheduler._split_anywhere(p), draw
+        n = p.longest
+        shortcut += n > 0 and (n if not p.snap else n + CHUNK_FIXED_COST - p.snap - max(CHUNK_FIXED_COST, p.snap)) > p.span
+    assert 30 < shortcut < 270, "draws on both paths"
