@@ -297,12 +297,17 @@ def has_split_items(plan: StreamPlan) -> bool:
 
 
 def _split_anywhere(plan: StreamPlan) -> bool:
-    """has_split_items over every item."""
-    n = (plan.kv_end - plan.kv_begin).astype(np.int64)[:, None]
-    stride = (np.diff(plan.prefix).astype(np.int64) // plan.num_kv_heads)[:, None]
-    s = plan.prefix[:-1, None].astype(np.int64) + np.arange(plan.num_kv_heads)[None, :] * stride  # [B, H]
-    lo, hi = _cuttable_tokens(plan, s, stride, n)
-    return bool(((n > 0) & (hi > lo) & (lo // plan.span < (hi - 1) // plan.span)).any())
+    """has_split_items over every item: [B] arrays where a request is one item (MLA), [B, H] otherwise."""
+    n = np.asarray(plan.kv_end - plan.kv_begin, dtype=np.int64)
+    first = plan.prefix[:-1]
+    stride = plan.prefix[1:] - first  # (int64: plan_stream's prefix)
+    if plan.num_kv_heads > 1:
+        stride //= plan.num_kv_heads
+        n, stride = n[:, None], stride[:, None]
+        first = first[:, None] + np.arange(plan.num_kv_heads)[None, :] * stride
+    lo, hi = _cuttable_tokens(plan, first, stride, n)
+    # a boundary falls strictly inside [lo, hi) where the first one past lo comes before hi (also none where hi <= lo)
+    return bool((((lo // plan.span + 1) * plan.span < hi) & (n > 0)).any())
 
 
 def _cuttable_tokens(plan: StreamPlan, s, stride, n):
