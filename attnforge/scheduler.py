@@ -288,7 +288,7 @@ def has_split_items(plan: StreamPlan) -> bool:
         return False
     if plan.longest > 0:  # (known from plan_stream): an item whose cuttable tokens outrun a span is cut wherever
         # it starts. Those tokens' least extent: its tokens, less what snapping takes at each end (_cuttable_tokens
-        # with the item's stride at its least, cost). Most of MLA's plans answer here, not over every item (~7 us).
+        # with the item's stride at its least, cost). Most of MLA's plans answer here, not over every item (~20 us).
         n = plan.longest
         least = n if not plan.snap else n + CHUNK_FIXED_COST - plan.snap - max(CHUNK_FIXED_COST, plan.snap)
         if least > plan.span:
