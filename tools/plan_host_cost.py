@@ -1,4 +1,5 @@
-"""Host-side cost of BatchDecode.plan and BatchPrefill.plan on a machine without a GPU: the CUDA calls (copy,
+"""Host-side cost of BatchDecode.plan (CSR arrays and a block table), BatchMLADecode.plan and BatchPrefill.plan on a
+machine without a GPU: the CUDA calls (copy,
 event, stream, pinned memory) are replaced by HostOnlyUpload, so this times the numpy and Python part alone. The GPU
 numbers are the decode suite's `plan B256` row and suite host's `prefill plan q16 kv512`; the difference is what
 the driver calls cost there.
@@ -36,7 +37,43 @@ def main() -> None:
     print(f"plan B256, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
     if "--profile" in sys.argv:
         profile(lambda: w.plan(indptr, indices, last, page_size=16), 300)
+    block_table_plans(w)
+    mla_plans()
     prefill_plans()
+
+
+def median_us(fn, calls: int = 500) -> float:
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e6
+
+
+def block_table_plans(w) -> None:
+    """The same decode wrapper planned from vLLM's form: B256 in a table of 2048 slots (a 32K-token context at
+    16-token pages), equal and random lengths."""
+    rng = np.random.default_rng(0)
+    table = np.arange(256 * 2048, dtype=np.int32).reshape(256, 2048)
+    for name, lens in (("equal 1024", np.full(256, 1024)), ("random 1-8191", rng.integers(1, 8192, size=256))):
+        us = median_us(lambda: w.plan(seq_lens=lens, block_table=table, page_size=16))
+        print(f"plan B256 from a 2048-slot block table, {name}, host side (CUDA stubbed): median {us:.1f} us")
+
+
+def mla_plans() -> None:
+    """BatchMLADecode.plan (h16, 64-token pages) of a batch whose items are cut and of one whose are not."""
+    from attnforge.mla import BatchMLADecode
+    w = BatchMLADecode.host_only(AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
+                                               head_dim_vo=512))
+    for b, length in ((64, 8192), (128, 512)):
+        pages = length // 64
+        indptr = (np.arange(b + 1) * pages).astype(np.int32)
+        args = (indptr, np.arange(b * pages, dtype=np.int32), np.full(b, 64, dtype=np.int32))
+        us = median_us(lambda: w.plan(*args, page_size=64))
+        print(f"MLA plan h16 B{b} L{length}, host side (CUDA stubbed): median {us:.1f} us")
 
 
 def prefill_plans() -> None:
