@@ -1,8 +1,7 @@
 """Host-side cost of BatchDecode.plan (CSR arrays and a block table), BatchMLADecode.plan and BatchPrefill.plan on a
-machine without a GPU: the CUDA calls (copy,
-event, stream, pinned memory) are replaced by HostOnlyUpload, so this times the numpy and Python part alone. The GPU
-numbers are the decode suite's `plan B256` row and suite host's `prefill plan q16 kv512`; the difference is what
-the driver calls cost there.
+machine without a GPU: the CUDA calls (copy, event, stream, pinned memory) are replaced by HostOnlyUpload, so this
+times the numpy and Python part alone. The GPU numbers are the decode suite's `plan B256` row and suite host's
+`prefill plan q16 kv512`; the difference is what the driver calls cost there.
 
     python tools/plan_host_cost.py [--profile]
 """
