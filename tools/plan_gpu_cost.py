@@ -9,26 +9,13 @@ from __future__ import annotations
 import cProfile
 import gc
 import pstats
-import time
 
-import numpy as np
 import torch
 
 from attnforge import AttentionSpec
 from attnforge.decode import BatchDecode
 from attnforge.jit.loader import driver
-from plan_host_cost import b256_table  # tools/ (the script's own directory)
-
-
-def timed(fn, n: int = 2000) -> tuple[float, float]:
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e6, float(np.median(times)) * 1e6
+from plan_host_cost import b256_table, timed  # tools/ (the script's own directory)
 
 
 def main() -> None:
