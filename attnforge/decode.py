@@ -487,6 +487,7 @@ class BatchDecode:
             q_stride_b=q.stride(0), q_stride_h=q.stride(1), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
             stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values)
         with on_device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
+            self._upload.order_run()  # (after a plan copied on another stream)
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)
             if self._plan["merge_launch"]:  # a block a (request, item, query head) row; whole items' exit at once

@@ -377,6 +377,7 @@ class BatchMLADecode(BatchDecode):
             q_pe_stride_h=q_pe.stride(1), out_stride_t=out.stride(0), out_stride_h=out.stride(1), **cache,
             **mod_values)
         with on_device(self.device):
+            self._upload.order_run()  # (after a plan copied on another stream)
             lib["mla_decode_kernel"].launch((self.num_ctas,), (self.kernel.threads,), params,
                                             smem=self.kernel.smem_bytes, pdl=self.pdl)
             if self._plan["merge"]:  # (else every item is whole: the decode kernel wrote out and lse itself)

@@ -432,6 +432,7 @@ class BatchPrefill:
             q=q.data_ptr(), out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), **fields, **mod_values)
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         with on_device(self.device):
+            self._upload.order_run()  # (after a plan copied on another stream)
             lib[kernel.kernel_name].launch((pl["grid"],), (kernel.threads,), params, smem=kernel.smem_bytes)
 
 

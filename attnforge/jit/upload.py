@@ -84,8 +84,12 @@ class StagedUpload:
         self.device = device
         self.dev, self._hosts = self._alloc(num_int32)
         self._host_nps = [h.numpy() for h in self._hosts]
-        self._events: list = [None, None]  # per buffer: recorded after its last copy
+        # per buffer: recorded after its last copy; [2]: the fence recorded on each stream whose runs read the last
+        # upload (order_run), before the next copy (in this list so that the finalizer destroys it too)
+        self._events: list = [None, None, None]
         self._turn = 0
+        self._copy_stream = None  # the stream the last upload's copies went on
+        self._readers: set = set()  # other streams whose runs read the last upload (order_run)
         # (the finalizer holds the lists, not self: it sees the latest events and keeps the buffers to the end)
         weakref.finalize(self, _release, self._events, self._hosts, *self._event_ends()).atexit = False
         reap_dropped()
@@ -98,6 +102,18 @@ class StagedUpload:
             with self._on_device():  # (a worker thread's first driver call may be this wait)
                 self._wait(self._events[self._turn])
         return self._host_nps[self._turn]
+
+    def order_run(self) -> None:
+        """A run on the current stream is about to read the last upload. On the copy's own stream nothing is needed
+        (the common case: one comparison). On another, that stream waits for the copy's event, and the next upload's
+        copy waits for the run (upload_ranges). Not while capturing a graph, whose replay plan() cannot reach:
+        graph mode orders plan() and replay on one stream (docs/serving.md)."""
+        stream = self._stream()
+        if stream == self._copy_stream or self._copy_stream is None or self._capturing():
+            return
+        with self._on_device():
+            self._stream_wait(stream, self._events[self._turn ^ 1])
+        self._readers.add(stream)
 
     def upload(self, num_int32: int) -> None:
         """Enqueue the copy of the first num_int32 values of host() on torch's current stream."""
@@ -122,6 +138,12 @@ class StagedUpload:
         turn = self._turn
         with self._on_device():  # (the copy and its event go on the buffer's device, in its context)
             stream = self._stream()
+            readers = self._readers | ({self._copy_stream} if self._copy_stream not in (None, stream) else set())
+            for other in readers - {stream}:  # (runs there may still read what this copy overwrites)
+                self._events[2] = self._record(self._events[2], other)
+                self._stream_wait(stream, self._events[2])
+            self._readers.clear()
+            self._copy_stream = stream
             dev, host = self.dev.data_ptr(), self._hosts[turn].data_ptr()
             for start, n in ranges:
                 if n:
@@ -130,7 +152,7 @@ class StagedUpload:
         self._turn ^= 1
 
     def drain(self) -> None:
-        """Wait for every copy this object enqueued (before its buffers are freed)."""
+        """Wait for every copy this object enqueued, and the fence (before its buffers are freed)."""
         for event in self._events:
             if event is not None:
                 self._wait(event)
@@ -141,6 +163,9 @@ class StagedUpload:
 
     def _stream(self) -> int:
         return current_stream_handle(self.device.index)
+
+    def _capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def _alloc(self, n: int):
         ensure_context(self.device)
@@ -161,6 +186,10 @@ class StagedUpload:
     def _wait(self, event) -> None:
         check(driver().cuEventSynchronize(event), "cuEventSynchronize(plan upload)")
 
+    def _stream_wait(self, stream: int, event) -> None:
+        drv = driver()
+        check(drv.cuStreamWaitEvent(drv.CUstream(stream), event, 0), "cuStreamWaitEvent(plan upload)")
+
     def _event_ends(self) -> tuple:
         """(ready, destroy) for a dropped upload's events: functions that do not hold self. ready() asks nothing
         of the driver while this thread captures a graph (a query there would end the capture)."""
@@ -177,6 +206,7 @@ class HostOnlyUpload(StagedUpload):
     def __init__(self, num_int32: int):
         self.log: list = []
         self.in_flight: set = set()  # events whose "copies" a test holds as not done (their buffers are held)
+        self.stream, self.capturing = 0, False  # the current stream and whether it captures (tests set them)
         self._next_event = 0
         super().__init__(num_int32, torch.device("cpu"))
 
@@ -184,7 +214,10 @@ class HostOnlyUpload(StagedUpload):
         return contextlib.nullcontext()
 
     def _stream(self) -> int:
-        return 0
+        return self.stream  # (a test sets it: the stream a plan or run is on)
+
+    def _capturing(self) -> bool:
+        return self.capturing
 
     def _alloc(self, n: int):
         return torch.zeros(n, dtype=torch.int32), [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
@@ -200,6 +233,9 @@ class HostOnlyUpload(StagedUpload):
 
     def _wait(self, event) -> None:
         self.log.append(("wait", event))
+
+    def _stream_wait(self, stream: int, event) -> None:
+        self.log.append(("stream waits", stream, event))
 
     def _event_ends(self) -> tuple:
         log, in_flight = self.log, self.in_flight

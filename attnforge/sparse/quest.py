@@ -374,6 +374,7 @@ class QuestDecode:
                                          scale_rows=self._channel_scale.shape[0])
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         with on_device(self.device):
+            self._upload.order_run()  # (after a plan copied on another stream)
             lib["quest_qsplit_kernel"].launch((sms,), (256,), params)  # grid-stride over the batch's values
             lib["quest_score_kernel"].launch((sms * self.kernel.score_ctas_per_sm,), (SCORE_THREADS,), params,
                                              pdl=True)  # waits for P / N in-kernel

@@ -108,3 +108,69 @@ def test_threads_reaping_at_once_destroy_each_event_once(monkeypatch):
         t.join()
     upload_module.reap_dropped()
     assert sorted(destroyed) == list(range(40)) and upload_module._PENDING == []
+
+
+def test_a_run_on_another_stream_waits_for_the_copy_and_the_next_copy_waits_for_the_run():
+    """plan() copies on its stream; a run on another stream first waits for that copy's event, and the next plan's
+    copy, which overwrites what the run reads, waits for a fence recorded on the run's stream. On the copy's own
+    stream (the common case) nothing is added."""
+    up = HostOnlyUpload(64)
+    up.upload(8)  # plan 1, on stream 0
+    up.order_run()  # a run on stream 0
+    assert up.log == [("record", 0)]
+    up.stream = 5
+    up.order_run()  # a run on stream 5
+    up.order_run()
+    assert up.log[1:] == [("stream waits", 5, 0), ("stream waits", 5, 0)]
+    up.stream = 0
+    del up.log[:]
+    up.upload(8)  # plan 2, on stream 0 again: waits for stream 5 once
+    (rec, fence), wait, copied = up.log
+    assert rec == "record" and wait == ("stream waits", 0, fence) and copied[0] == "record" and copied[1] != fence
+    del up.log[:]
+    up.upload(8)  # plan 3: no run read plan 2 elsewhere
+    assert [entry[0] for entry in up.log] == ["record"]
+
+
+def test_a_plan_on_a_new_stream_waits_for_the_old_streams_runs():
+    up = HostOnlyUpload(64)
+    up.upload(8)  # on stream 0, whose runs need no order_run
+    up.stream = 3
+    del up.log[:]
+    up.upload(8)
+    (rec, fence), wait, _ = up.log
+    assert rec == "record" and wait == ("stream waits", 3, fence)
+
+
+def test_runs_captured_in_a_graph_add_no_waits():
+    """An event recorded outside a capture cannot be waited on inside it; graph mode keeps plan() and replay on one
+    stream instead (docs/serving.md)."""
+    up = HostOnlyUpload(64)
+    up.upload(8)
+    up.stream, up.capturing = 7, True
+    up.order_run()
+    up.stream, up.capturing = 0, False
+    up.upload(8)
+    assert [entry[0] for entry in up.log] == ["record", "record"]
+
+
+def test_a_dropped_upload_destroys_its_fence_too(monkeypatch):
+    """The fence order_run's readers get is the upload's third event: the finalizer hands it to the reaper with the
+    buffers' events, so it is destroyed with them (not leaked, one event per wrapper)."""
+    import gc
+    from attnforge.jit import upload as upload_module
+    gc.collect()
+    monkeypatch.setattr(upload_module, "_PENDING", [])
+    up = HostOnlyUpload(64)
+    up.upload(8)  # event 0, stream 0
+    up.stream = 4
+    up.order_run()
+    up.stream = 0
+    up.upload(8)  # the fence (event 1) on stream 4, then the copy's event 2
+    log = up.log
+    fence = next(entry[2] for entry in log if entry[0] == "stream waits" and entry[1] == 0)
+    del up
+    gc.collect()
+    HostOnlyUpload(64)  # (reaps: every copy is done)
+    destroyed = sorted(entry[1] for entry in log if entry[0] == "destroy")
+    assert fence in destroyed and destroyed == [0, 1, 2]
