@@ -112,19 +112,18 @@ def _raise_bad_pages(indptr: np.ndarray, pages: np.ndarray, last: np.ndarray, pa
 def from_either_form(kv_indptr, kv_indices, kv_last_page_len, seq_lens, block_table, page_size: int) -> PageTable:
     """A plan's page table from one of its two forms: the CSR arrays (FlashInfer's), or per-request lengths and a
     block table (vLLM's: seq_lens= and block_table=). Both at once, or a form in part, is refused."""
-    if block_table is not None or seq_lens is not None:
-        given = [n for n, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                                ("kv_last_page_len", kv_last_page_len)) if x is not None]
-        if given:
-            raise TypeError(f"plan: expected either the CSR arrays or seq_lens= and block_table=, got both ("
-                            f"{', '.join(given)} beside them). Pass one form of the page table.")
-        return from_block_table(seq_lens, block_table, page_size)
-    missing = [n for n, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                              ("kv_last_page_len", kv_last_page_len)) if x is None]
-    if missing:
-        raise TypeError(f"plan: expected kv_indptr, kv_indices and kv_last_page_len (or seq_lens= and "
-                        f"block_table=), got None for {', '.join(missing)}. Pass the page table's host arrays.")
-    return from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    csr = (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len))
+    if block_table is None and seq_lens is None:
+        if kv_indptr is None or kv_indices is None or kv_last_page_len is None:  # (plan()'s path: tests, no list)
+            missing = ", ".join(n for n, x in csr if x is None)
+            raise TypeError(f"plan: expected kv_indptr, kv_indices and kv_last_page_len (or seq_lens= and "
+                            f"block_table=), got None for {missing}. Pass the page table's host arrays.")
+        return from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    given = [n for n, x in csr if x is not None]
+    if given:
+        raise TypeError(f"plan: expected either the CSR arrays or seq_lens= and block_table=, got both ("
+                        f"{', '.join(given)} beside them). Pass one form of the page table.")
+    return from_block_table(seq_lens, block_table, page_size)
 
 
 def from_block_table(seq_lens, block_table, page_size: int) -> PageTable:

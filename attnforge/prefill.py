@@ -114,10 +114,11 @@ class BatchPrefill:
         if qo_len is None or len(qo) < 1 or qo[0] != 0 or np.minimum.reduce(qo_len, initial=0) < 0:
             raise checks.fail("qo_indptr", "a non-decreasing 1-D array [B+1] starting at 0", paged.preview(qo),
                               "Build it as the prefix sum of query lengths.")
-        if qo[-1] >= 2**31:  # (before the work items: 2^33 tokens asked numpy for 48 GiB of them)
-            raise checks.fail("qo_indptr[-1]", "fewer than 2^31 query tokens in one plan", int(qo[-1]),
-                              "Split the batch into smaller plans (the kernels read these arrays as int32).")
-        if int(qo[-1]) * self.spec.group_size >= 2**31:  # (a work item's first packed row is an int32)
+        if int(qo[-1]) * self.spec.group_size >= 2**31:  # (before the work items, whose first packed rows are int32:
+            # 2^33 tokens asked numpy for 48 GiB of them)
+            if qo[-1] >= 2**31:
+                raise checks.fail("qo_indptr[-1]", "fewer than 2^31 query tokens in one plan", int(qo[-1]),
+                                  "Split the batch into smaller plans (the kernels read these arrays as int32).")
             raise checks.fail("qo_indptr[-1] x group size", f"fewer than 2^31 packed query rows in one plan (tokens "
                               f"x {self.spec.group_size} query heads a KV head)", int(qo[-1]) * self.spec.group_size,
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")
@@ -168,8 +169,8 @@ class BatchPrefill:
         work, num_slots = split.work, split.num_slots
         if split.chunk:  # the chunks' own lengths now order them
             cost = work[:, 4] - work[:, 3]
-        if (self.work_order == "grouped" and not split.chunk and tile_indptr is None
-                and len(work) >= scheduler.GROUPED_BY_TILES_MIN):  # prefill_work's items as they came: by tiles
+        if (len(work) >= scheduler.GROUPED_BY_TILES_MIN and self.work_order == "grouped" and not split.chunk
+                and tile_indptr is None):  # prefill_work's items as they came: by tiles
             heads = self.spec.num_kv_heads
             order = scheduler.grouped_order_by_tiles(scheduler.prefill_tiles(qo_len, self.spec.group_size, tile_q),
                                                      cost[::heads], heads)
@@ -189,12 +190,14 @@ class BatchPrefill:
         if tile_indptr is not None:
             parts += [tile_indptr, tile_ids if len(tile_ids) else np.zeros(1, dtype=np.int64)]
         flat = np.concatenate(parts)  # (int64: every part is an integer array; one range check, not one a part)
-        # the check skips the work items, six values an item: int32 already, each a request, head, row or KV bound
-        # of the arrays checked here (a long plan's ~100K values: ~30 us)
-        head = len(qo) + len(q_off) + len(kvp) + len(indices) + len(kv_len) + len(kv_off)
-        largest = int(np.abs(flat[:head]).max())
-        if tile_indptr is not None:
-            largest = max(largest, int(np.abs(flat[head + work.size:]).max()))
+        if work.size < 8192:  # (a short plan: one pass costs less than finding the work items' extent)
+            largest = int(np.abs(flat).max())
+        else:  # skip the work items, six values an item: int32 already, each a request, head, row or KV bound of the
+            # arrays checked here (a long plan's ~100K values: ~30 us)
+            head = len(qo) + len(q_off) + len(kvp) + len(indices) + len(kv_len) + len(kv_off)
+            largest = int(np.abs(flat[:head]).max())
+            if tile_indptr is not None:
+                largest = max(largest, int(np.abs(flat[head + work.size:]).max()))
         if largest >= 2**31:
             raise checks.fail("plan: offsets, lengths and page ids", "values that fit in int32 (< 2^31)", largest,
                               "Split the batch into smaller plans (the kernels read these arrays as int32).")
@@ -247,9 +250,10 @@ class BatchPrefill:
             kv_lo = np.maximum(0, kv_len[req] - qo_len[req] + work[:, 2] // s.group_size - s.window_left)
         else:
             kv_lo = None  # (every range from 0)
-            heads = s.num_kv_heads  # prefill_work's items: each tile's heads in turn, the same range
-            if scheduler.prefill_items_fit_one_share(cost[::heads], heads, k.tile_q, k.tile_kv,
-                                                     self._sms() * k.ctas_per_sm):
+            # prefill_work's items: each tile's heads in turn, the same range (short plans: the test over every item
+            # costs no more)
+            if len(work) >= scheduler.GROUPED_BY_TILES_MIN and scheduler.prefill_items_fit_one_share(
+                    cost[::s.num_kv_heads], s.num_kv_heads, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm):
                 return scheduler.unsplit_prefill_work(work)
         return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm)
 

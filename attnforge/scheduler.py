@@ -370,7 +370,7 @@ _WHOLE_ITEM_TAIL = np.array([0, 2**31 - 1, 0], dtype=np.int64).view(_ROW_HALF)[0
 def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
     """Every item [N, 3] whole: an unbounded KV chunk, slot 0 (rows written straight to the output)."""
     n = len(work)
-    if n < 64:  # (a short plan's numpy calls cost more than its values)
+    if n < 256:  # (a short plan's numpy calls cost more than its values: 128 items 2.1 against 2.4 us)
         out = np.zeros((n, 6), np.int64)
         out[:, :3] = work
         out[:, 4] = 2**31 - 1

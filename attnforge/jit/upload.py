@@ -138,11 +138,8 @@ class StagedUpload:
         turn = self._turn
         with self._on_device():  # (the copy and its event go on the buffer's device, in its context)
             stream = self._stream()
-            readers = self._readers | ({self._copy_stream} if self._copy_stream not in (None, stream) else set())
-            for other in readers - {stream}:  # (runs there may still read what this copy overwrites)
-                self._events[2] = self._record(self._events[2], other)
-                self._stream_wait(stream, self._events[2])
-            self._readers.clear()
+            if self._readers or self._copy_stream not in (None, stream):  # (one stream throughout: two tests)
+                self._order_after_readers(stream)
             self._copy_stream = stream
             dev, host = self.dev.data_ptr(), self._hosts[turn].data_ptr()
             for start, n in ranges:
@@ -150,6 +147,15 @@ class StagedUpload:
                     self._copy(dev + 4 * start, host + 4 * start, 4 * n, stream)
             self._events[turn] = self._record(self._events[turn], stream)
         self._turn ^= 1
+
+    def _order_after_readers(self, stream: int) -> None:
+        """This copy, on `stream`, waits for the runs on other streams that may still read what it overwrites: those
+        order_run saw, and the last copy's own stream (its runs needed no order_run)."""
+        readers = self._readers | ({self._copy_stream} if self._copy_stream not in (None, stream) else set())
+        for other in readers - {stream}:
+            self._events[2] = self._record(self._events[2], other)
+            self._stream_wait(stream, self._events[2])
+        self._readers.clear()
 
     def drain(self) -> None:
         """Wait for every copy this object enqueued, and the fence (before its buffers are freed)."""
