@@ -383,6 +383,11 @@ def unsplit_prefill_work(work: np.ndarray) -> PrefillSplit:
     return PrefillSplit(out, 1, 0)
 
 
+def _kv_tiles(kv_hi: np.ndarray, tile_kv: int) -> np.ndarray:
+    """KV tiles of ranges [0, kv_hi) (a causal item's range may be empty: kv < q)."""
+    return -(-np.maximum(kv_hi, 0) // tile_kv)
+
+
 def _share_tiles(kv_tiles: int, items: int, tile_q: int, tile_kv: int, num_ctas: int) -> float:
     """split_prefill_work's longest chunk in KV tiles: SPLIT_SLACK x the fair share of the batch's cost (its items'
     kv_tiles plus PREFILL_ITEM_FIXED_COST * tile_q an item), at least MIN_PREFILL_CHUNK_TILES."""
@@ -396,7 +401,7 @@ def prefill_items_fit_one_share(tile_kv_hi: np.ndarray, heads: int, tile_q: int,
     values, so a plan that cuts nothing (most) skips the test over every item (B16 S2048: ~25 us)."""
     if len(tile_kv_hi) == 0:
         return True
-    tiles = -(-np.maximum(tile_kv_hi, 0) // tile_kv)
+    tiles = _kv_tiles(tile_kv_hi, tile_kv)
     share_tiles = _share_tiles(int(tiles.sum()) * heads, len(tiles) * heads, tile_q, tile_kv, num_ctas)
     return math.ceil(int(tiles.max()) / share_tiles) <= 1
 
@@ -415,7 +420,7 @@ def split_prefill_work(work: np.ndarray, kv_hi: np.ndarray, kv_lo: Optional[np.n
     """
     n = len(work)
     if kv_lo is None:
-        lo, tiles = 0, -(-np.maximum(kv_hi, 0) // tile_kv)  # (a causal item's range may be empty: kv < q)
+        lo, tiles = 0, _kv_tiles(kv_hi, tile_kv)
     else:
         lo = (kv_lo // tile_kv) * tile_kv
         tiles = -(-(np.maximum(kv_hi, lo) - lo) // tile_kv)

@@ -1,8 +1,9 @@
 """plan() on one stream, run() on another: the run waits for the plan's copy, and the next plan's copy waits for the
 run (StagedUpload.order_run). A long sleep kernel ahead of one side makes the missing order visible: without it the
-run reads the work arrays before they land, or after the next plan overwrote them. Each wrapper plans and runs once
-first, on the current stream: a first run builds its kernel, which outlasts the sleep (on main the side-stream plans
-passed that way, eighty-eighth session)."""
+run reads the work arrays before they land, or after the next plan overwrote them. Each wrapper first plans and runs
+the test's own plan and then another one on the current stream: a first run builds its kernels (a plan's kernel
+depends on its shape), which outlasts the sleep. With one warm-up plan of another shape, the normal-pipeline and
+prefill tests passed on main too (eighty-eighth session)."""
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,10 @@ def test_decode_planned_on_a_side_stream_run_on_the_current_one(pipeline):
     q, cache, table, per_req = make_paged_case(spec, [0, 17, 900, 5000], 16)
     w = BatchDecode(spec)
     _, _, warm, _ = make_paged_case(spec, [33, 7], 16, seed=5)  # (another plan: this one's arrays must land late)
+    w.plan(*table, page_size=16)
+    w.run(q, cache)  # (this plan's kernels built)
     w.plan(*warm, page_size=16)
-    w.run(q[:2], cache)  # (the kernel built)
+    w.run(q[:2], cache)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # (q and the cache are written)
@@ -60,8 +63,10 @@ def test_prefill_planned_on_a_side_stream():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, h, 128, generator=g).bfloat16().cuda() for n, h in ((500, 8), (900, 2), (900, 2)))
     w = BatchPrefill(spec)
+    w.plan([0, 500], [0, 900])
+    w.run(q, (k, v))  # (this plan's kernels built)
     w.plan([0, 20], [0, 40])
-    w.run(q[:20], (k[:40], v[:40]))  # (the kernel built; this plan's arrays must land late)
+    w.run(q[:20], (k[:40], v[:40]))  # (this plan's arrays are the ones to land late)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -151,8 +151,10 @@ class StagedUpload:
     def _order_after_readers(self, stream: int) -> None:
         """This copy, on `stream`, waits for the runs on other streams that may still read what it overwrites: those
         order_run saw, and the last copy's own stream (its runs needed no order_run)."""
-        readers = self._readers | ({self._copy_stream} if self._copy_stream not in (None, stream) else set())
-        for other in readers - {stream}:
+        readers = self._readers - {stream}
+        if self._copy_stream not in (None, stream):
+            readers.add(self._copy_stream)
+        for other in readers:
             self._events[2] = self._record(self._events[2], other)
             self._stream_wait(stream, self._events[2])
         self._readers.clear()
