@@ -124,6 +124,21 @@ def test_a_plan_whose_offsets_overflow_int32_is_refused_before_any_launch(record
     assert w._plan is None and not recorder.launches
 
 
+@pytest.mark.parametrize("name", ["q_offset", "kv_offset"])
+def test_a_long_plan_checks_its_offsets_though_it_skips_the_work_items(recorder, name):
+    """Plans of 8192+ work values range-check every array but the work items (int32, bounded by what is checked):
+    an offset past int32 is still refused there, as in a short plan."""
+    w = BatchPrefill(SPEC, device="cpu")
+    qo = np.arange(17) * 2048  # 16 requests: 1024 query tiles x 8 KV heads, 6 values an item
+    offsets = qo[:-1].copy()
+    w.plan(qo, qo, **{name: offsets})
+    assert w._plan["num_work"] * 6 >= 8192, "a plan long enough to skip the work items"
+    offsets[7] = 2**31
+    with pytest.raises(ValueError, match=r"fit in int32 \(< 2\^31\), got 2147483648\. Split the batch"):
+        w.plan(qo, qo, **{name: offsets})
+    assert not recorder.launches
+
+
 def test_repeated_prefill_inputs_skip_their_checks_across_plans(recorder, monkeypatch):
     from attnforge import paged
     calls = count_calls(monkeypatch, paged, "split_cache")
