@@ -26,14 +26,8 @@ def b256_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def main() -> None:
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))  # HostOnlyUpload buffers
     indptr, indices, last = b256_table()
-    for _ in range(50):
-        w.plan(indptr, indices, last, page_size=16)
-    times = []
-    for _ in range(500):
-        t = time.perf_counter()
-        w.plan(indptr, indices, last, page_size=16)
-        times.append(time.perf_counter() - t)
-    print(f"plan B256, host side (CUDA stubbed): median {np.median(times) * 1e6:.1f} us")
+    us = median_us(lambda: w.plan(indptr, indices, last, page_size=16))
+    print(f"plan B256, host side (CUDA stubbed): median {us:.1f} us")
     if "--profile" in sys.argv:
         profile(lambda: w.plan(indptr, indices, last, page_size=16), 300)
     block_table_plans(w)
