@@ -3,7 +3,9 @@ run (StagedUpload.order_run). A long sleep kernel ahead of one side makes the mi
 run reads the work arrays before they land, or after the next plan overwrote them. Each wrapper first plans and runs
 the test's own plan and then another one on the current stream: a first run builds its kernels (a plan's kernel
 depends on its shape), which outlasts the sleep. With one warm-up plan of another shape, the normal-pipeline and
-prefill tests passed on main too (eighty-eighth session)."""
+prefill tests passed on main too (eighty-eighth session). The poisoned output is filled before the sleep: a kernel's
+first launch in a process (CUDA's lazy module loading) waits for the running sleep, so the first test's poison fill
+let the copy land before its run (the normal-pipeline test passed on the package before order_run, ninetieth session)."""
 from __future__ import annotations
 
 import pytest
@@ -29,10 +31,11 @@ def test_decode_planned_on_a_side_stream_run_on_the_current_one(pipeline):
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # (q and the cache are written)
+    out = poison(q.shape, q.dtype)
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)  # the copy lands ~0.1 s from now
         w.plan(*table, page_size=16)
-    out = w.run(q, cache, out=poison(q.shape, q.dtype))
+    w.run(q, cache, out=out)
     torch.cuda.synchronize()
     ref, _, low = decode_expected(spec, q, per_req)
     assert_attention_close(out.cpu(), ref, low, "planned on a side stream")
@@ -70,10 +73,11 @@ def test_prefill_planned_on_a_side_stream():
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    out = poison(q.shape, q.dtype)
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
         w.plan([0, 500], [0, 900])
-    out = w.run(q, (k, v), out=poison(q.shape, q.dtype))
+    w.run(q, (k, v), out=out)
     torch.cuda.synchronize()
     ref, _ = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
     low, _ = reference.attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), causal=True, dtype=torch.float32)
