@@ -5,7 +5,8 @@ the test's own plan and then another one on the current stream: a first run buil
 depends on its shape), which outlasts the sleep. With one warm-up plan of another shape, the normal-pipeline and
 prefill tests passed on main too (eighty-eighth session). The poisoned output is filled before the sleep: a kernel's
 first launch in a process (CUDA's lazy module loading) waits for the running sleep, so the first test's poison fill
-let the copy land before its run (the normal-pipeline test passed on the package before order_run, ninetieth session)."""
+let the copy land before its run (the normal-pipeline test passed on the package before order_run; ninetieth
+session)."""
 from __future__ import annotations
 
 import pytest
