@@ -380,7 +380,7 @@ class BatchDecode:
         """(kernel, grid CTAs, stream plan, items per request): a whole-item kernel where this plan has
         about one (near-)equal item per CTA of its grid, or where that kernel takes chunked plans, equal items
         cut into equal chunks of about one a CTA (see whole_items in __init__); else the default kernel."""
-        for whole, ctas, tiling in self._wholes if self.whole_items or not self.use_cuda_graph else ():
+        for whole, ctas, tiling in self._pickable_wholes():
             # a whole-item kernel's items may hold more query heads (MQA: head_splits 1)
             per_request = items_per_request // self.kernel.head_splits * whole.head_splits
             items = len(kv_end) * per_request
@@ -393,6 +393,21 @@ class BatchDecode:
                 if self.use_cuda_graph or 0 < scheduler.aligned_chunks(work) <= self._whole_max_chunks(tiling):
                     return whole, ctas, work, per_request
         return self.kernel, self.num_ctas, self._plan_stream(kv_begin, kv_end, items_per_request), items_per_request
+
+    def _pickable_wholes(self) -> tuple:
+        """The whole-item launches a plan may pick: none under CUDA graphs unless whole_items=True (see __init__)."""
+        return self._wholes if self.whole_items or not self.use_cuda_graph else ()
+
+    def launchable_kernels(self) -> tuple:
+        """Every kernel spec a plan of this wrapper may launch (its merge kernels share their modules)."""
+        return (self.kernel, *(w.kernel for w in self._pickable_wholes()))
+
+    def load_kernels(self) -> tuple[str, ...]:
+        """Build (where the cache lacks them) and load on this wrapper's GPU every kernel its plans may launch;
+        returns their module names. Call it at start-up: a plan that first picks another kernel (a whole-item
+        one, or MLA's transposed one) then pays no build or module load in a step, and a module load may wait
+        for the device's running work (docs/serving.md)."""
+        return registry.load_all(self.launchable_kernels(), self.device)
 
     def _plan_stream(self, kv_begin, kv_end, items_per_request: int) -> scheduler.StreamPlan:
         slack = scheduler.ALIGN_SLACK if self.align_slack is None else self.align_slack

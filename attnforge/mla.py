@@ -211,12 +211,20 @@ class BatchMLADecode(BatchDecode):
         one request, or for a batch of one token each (BATCHES_TRANSPOSED), else the default. (Under CUDA
         graphs every plan has the captured batch size and q_len, so the captured kernel stays.) Both fit the
         workspace: the default's slots hold 64 rows, the transposed kernel's 16 a row block."""
-        if self._default_kernel is None:  # the first plan, on a constructed or a host_only wrapper alike
+        default, transposed_kernel = self._kernel_pair()
+        transposed = (LONG_REQUEST_TRANSPOSED and batch == 1) or (BATCHES_TRANSPOSED and q_len == 1)
+        self.kernel = transposed_kernel if transposed and transposed_kernel is not None else default
+
+    def _kernel_pair(self) -> tuple:
+        """(the default kernel, the transposed one or None), made at the first call (the first plan or
+        load_kernels), on a constructed or a host_only wrapper alike."""
+        if self._default_kernel is None:
             self._default_kernel = self.kernel
             self._transposed_kernel = self._make_transposed_kernel()
-        transposed = (LONG_REQUEST_TRANSPOSED and batch == 1) or (BATCHES_TRANSPOSED and q_len == 1)
-        self.kernel = self._transposed_kernel if transposed and self._transposed_kernel is not None else \
-            self._default_kernel
+        return self._default_kernel, self._transposed_kernel
+
+    def launchable_kernels(self) -> tuple:
+        return tuple(k for k in self._kernel_pair() if k is not None)
 
     def _rows_per_slot(self) -> int:
         return self.kernel.rows

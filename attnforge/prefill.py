@@ -19,7 +19,7 @@ from .jit import registry
 from .jit.upload import HostOnlyUpload, StagedUpload
 from .jit.loader import on_device
 from .kernels.prefill import PrefillKernel, default_backend, split_dims
-from .merge import merge_states
+from .merge import MergeSpec, merge_states
 from .spec import AttentionSpec
 
 RAGGED_PAGE = 1 << 30  # ragged KV is one "page" per request (PagedKV.token_base holds its start)
@@ -256,6 +256,18 @@ class BatchPrefill:
                     cost[::s.num_kv_heads], s.num_kv_heads, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm):
                 return scheduler.unsplit_prefill_work(work)
         return scheduler.split_prefill_work(work, cost, kv_lo, k.tile_q, k.tile_kv, self._sms() * k.ctas_per_sm)
+
+    def launchable_kernels(self) -> tuple:
+        """Every kernel spec a plan of this wrapper may launch: the kernel for paged and for ragged K/V (one, or a
+        twin: PrefillKernel.for_kv) and, where plans split KV, the merge of the partial states."""
+        kernels = tuple(dict.fromkeys(self._kernel_for_kv.values()))
+        out = checks.TORCH_DTYPES[self.spec.out_dtype]
+        return kernels + ((MergeSpec(out, out),) if self.split_kv else ())
+
+    def load_kernels(self) -> tuple[str, ...]:
+        """Build (where the cache lacks them) and load on this wrapper's GPU every kernel its plans may launch;
+        returns their module names (BatchDecode.load_kernels: call it at start-up)."""
+        return registry.load_all(self.launchable_kernels(), self.device)
 
     def _sms(self) -> int:
         """The device's SM count, asked once (up to three times a plan otherwise; not at construction,

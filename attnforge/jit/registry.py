@@ -32,6 +32,18 @@ def get_library(key: Hashable, make_module: Callable[[], "_build.JitModule"],
     return lib
 
 
+def load_all(kernels, device: torch.device) -> tuple[str, ...]:
+    """get_library for each kernel spec (anything with a `module()` method, the registry's key) on `device`:
+    a wrapper's load_kernels(). Returns the module names, in order, without repeats."""
+    names = []
+    for kernel in kernels:
+        module = kernel.module()  # (its name; get_library builds from it on a miss)
+        get_library(kernel, lambda m=module: m, device)
+        if module.name not in names:
+            names.append(module.name)
+    return tuple(names)
+
+
 class OccupancyWarning(UserWarning):
     """A kernel holds fewer CTAs per SM on this GPU than its planner sizes the persistent grid for."""
 
