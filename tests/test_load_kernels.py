@@ -93,3 +93,20 @@ def test_prefill_without_split_kv_loads_no_merge(asked):
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2), device="cpu", split_kv=False)
     assert not any(isinstance(k, MergeSpec) for k in w.launchable_kernels())
     assert len(w.load_kernels()) == len(asked) == len(w.launchable_kernels())
+
+
+def test_a_kernel_missing_from_a_no_jit_cache_is_refused_at_load_kernels(tmp_path, monkeypatch):
+    """Serving hosts copy the cache and set ATTNFORGE_DISABLE_JIT=1 (docs/serving.md): load_kernels() then names a
+    missing kernel at start-up, before any library is loaded."""
+    from attnforge.jit import MissingModuleError
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNFORGE_DISABLE_JIT", "1")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (the registry's key; no GPU here)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a library was loaded")
+
+    monkeypatch.setattr(registry, "LoadedLibrary", no_load)
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))
+    with pytest.raises(MissingModuleError, match="python -m attnforge build"):
+        w.load_kernels()
