@@ -37,6 +37,15 @@ def make_paged_case(spec: AttentionSpec, lengths, page_size: int, seed: int = 0,
     return q, cache, (indptr, indices, last), per_request
 
 
+def csr_table(lengths, page_size: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host CSR page-table arrays (indptr, indices, last_page_len) for KV lengths, the page ids shuffled."""
+    pages = [-(-n // page_size) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.random.default_rng(len(lengths)).permutation(indptr[-1]).astype(np.int32)
+    last = np.array([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=np.int32)
+    return indptr, indices, last
+
+
 def decode_in_a_fresh_process(device: str) -> tuple[int, float]:
     """A new Python process whose first CUDA work is building a BatchDecode on `device` (no context exists yet),
     then a plan and a run: (torch's current device after it, max abs error against the float64 reference)."""

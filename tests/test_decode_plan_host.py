@@ -8,19 +8,12 @@ from attnforge import AttentionSpec, scheduler
 from attnforge.decode import BatchDecode, fits_device_smem, grid_ctas
 from attnforge.kernels.decode import MERGE_LSE_SLACK_BYTES, DecodeKernel
 from attnforge.jit.upload import HostOnlyUpload
+from helpers import csr_table as table
 
 
 def host_wrapper() -> BatchDecode:
     return BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=16,
                                  max_num_pages=1 << 10)
-
-
-def table(lengths, page_size=16):
-    pages = [-(-n // page_size) for n in lengths]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = np.random.default_rng(len(lengths)).permutation(indptr[-1]).astype(np.int32)
-    last = np.array([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=np.int32)
-    return indptr, indices, last
 
 
 def test_plan_waits_for_the_copy_two_plans_back_and_writes_what_it_was_given():

@@ -9,7 +9,7 @@ from attnforge import AttentionSpec, BatchMLADecode, BatchPrefill
 from attnforge.decode import BatchDecode
 from attnforge.jit import registry
 from attnforge.merge import MergeSpec
-from helpers import stub_host_prefill
+from helpers import csr_table as table, stub_host_prefill
 
 
 @pytest.fixture
@@ -25,16 +25,15 @@ def asked(monkeypatch):
     return keys
 
 
-def table(lengths, page_size=16):
-    pages = [-(-n // page_size) for n in lengths]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    last = np.array([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=np.int32)
-    return indptr, np.arange(indptr[-1], dtype=np.int32), last
+def on_a_gpu(w):
+    """A host-only wrapper named as on cuda:0 (torch.device needs no GPU), so load_kernels asks the registry."""
+    w.device = torch.device("cuda", 0)
+    return w
 
 
 def test_decode_loads_the_kernel_of_every_plan(asked):
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=256)
-    names = w.load_kernels()
+    names = on_a_gpu(w).load_kernels()
     loaded = set(asked)
     assert len(names) == len(loaded) == 3  # the default kernel and two whole-item kernels (GQA 32/8, d128)
     rng = np.random.default_rng(0)
@@ -60,7 +59,7 @@ def test_mla_loads_the_default_and_the_transposed_kernel(asked):
                          page_size=64)
     w = BatchMLADecode.host_only(spec)
     w.max_q_len = 2  # (host_only plans one token a request; two take the default 64-row kernel)
-    w.load_kernels()
+    on_a_gpu(w).load_kernels()
     picked = set()
     for lengths, q_len in (([131072], 1), ([8192] * 16, 1), ([4096] * 8, 2)):
         w.plan(*table(lengths, 64), page_size=64, q_len=q_len)
@@ -74,7 +73,8 @@ def test_prefill_loads_both_kv_kinds_and_the_merge(monkeypatch):
     monkeypatch.setattr(registry, "get_library", lambda key, make, device: keys.append(key) or rec)
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2, kv_dtype="fp8_e4m3",
                                    causal=True), device="cpu")
-    names = w.load_kernels()
+    names = on_a_gpu(w).load_kernels()
+    w.device = torch.device("cpu")  # (its runs below, on host tensors)
     loaded = set(keys)
     assert MergeSpec(torch.bfloat16, torch.bfloat16) in loaded and len(names) == len(loaded) == 3  # + a TMA twin
     keys.clear()
@@ -92,7 +92,7 @@ def test_prefill_loads_both_kv_kinds_and_the_merge(monkeypatch):
 def test_prefill_without_split_kv_loads_no_merge(asked):
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2), device="cpu", split_kv=False)
     assert not any(isinstance(k, MergeSpec) for k in w.launchable_kernels())
-    assert len(w.load_kernels()) == len(asked) == len(w.launchable_kernels())
+    assert len(on_a_gpu(w).load_kernels()) == len(asked) == len(w.launchable_kernels())
 
 
 def test_a_kernel_missing_from_a_no_jit_cache_is_refused_at_load_kernels(tmp_path, monkeypatch):
@@ -101,7 +101,6 @@ def test_a_kernel_missing_from_a_no_jit_cache_is_refused_at_load_kernels(tmp_pat
     from attnforge.jit import MissingModuleError
     monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("ATTNFORGE_DISABLE_JIT", "1")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (the registry's key; no GPU here)
 
     def no_load(*args, **kwargs):
         raise AssertionError("a library was loaded")
@@ -109,4 +108,11 @@ def test_a_kernel_missing_from_a_no_jit_cache_is_refused_at_load_kernels(tmp_pat
     monkeypatch.setattr(registry, "LoadedLibrary", no_load)
     w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))
     with pytest.raises(MissingModuleError, match="python -m attnforge build"):
+        on_a_gpu(w).load_kernels()
+
+
+def test_a_host_only_wrapper_has_nothing_to_load(asked):
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))
+    with pytest.raises(ValueError, match=r"expected a wrapper on a CUDA device, got one on cpu\. Construct it"):
         w.load_kernels()
+    assert not asked

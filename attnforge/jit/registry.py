@@ -35,6 +35,9 @@ def get_library(key: Hashable, make_module: Callable[[], "_build.JitModule"],
 def load_all(kernels, device: torch.device) -> tuple[str, ...]:
     """get_library for each kernel spec (anything with a `module()` method, the registry's key) on `device`:
     a wrapper's load_kernels(). Returns the module names, in order, without repeats."""
+    if device.type != "cuda":  # (a host-only wrapper: its plans run without a GPU, nothing loads there)
+        raise ValueError(f"load_kernels: expected a wrapper on a CUDA device, got one on {device}. Construct it with "
+                         f"device='cuda' (or 'cuda:N') on a machine with a GPU.")
     names = []
     for kernel in kernels:
         module = kernel.module()  # (its name; get_library builds from it on a miss)
