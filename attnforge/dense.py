@@ -8,10 +8,13 @@ enable_gqa and the modifier) keeps a `DenseCall`: its spec's own wrapper, planne
 when the scale changes or, with a mask_mod, when the tensors and scalars the mask reads hold other values.
 Each call then pays for its tensors' keys, one launch and (with a mask_mod) one comparison of the mask's
 inputs, not for the spec, the plan and the block-sparse tile lists (2.2 ms at 128 tokens on the H200 host).
+With a FlexAttention block_mask instead, the plan follows the BlockMask object, as Flex's block lists do: no
+comparison and no synchronisation while the same BlockMask comes back; a new one plans again.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -36,7 +39,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
     the keys (Flex's q_idx when Lq == Lk). block_mask: a FlexAttention BlockMask, taken for its mask_mod (a
-    Flex call carries over unchanged; attnforge makes its own tile lists when it plans).
+    Flex call carries over unchanged; attnforge makes its own tile lists when it plans, at the first call with
+    that BlockMask object: build a new one when the mask's inputs change, as for Flex).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
     if ops.compiling():
@@ -45,7 +49,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
     if mod is not None and mod.is_identity:
         mod = None
-    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse)
+    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse,
+                                  block_mask=block_mask if mod is not None else None)
     return (out, lse) if return_lse else out
 
 
@@ -137,17 +142,26 @@ class DenseCall:
         self.planned = False  # whether the wrapper's plan is this call's (a failed plan leaves none to reuse)
         self.scale: Optional[float] = None
         self.mask_inputs: Optional[MaskInputs] = None  # the mask's tensors and scalars as planned
+        self.block_mask = None  # a weak reference to the BlockMask planned for (it keys the plan, not values)
 
-    def plan(self, bq: int, hq: int, hkv: int, lq: int, lk: int, scale) -> None:
-        """Plan unless the last plan was for this scale and mask inputs (the shapes are the signature's)."""
+    def plan(self, bq: int, hq: int, hkv: int, lq: int, lk: int, scale, block_mask=None) -> None:
+        """Plan unless the last plan was for this scale and mask (the shapes are the signature's): the same
+        BlockMask object where one is given, else the same values of the mask's inputs."""
         mask = self.mod is not None and self.mod.mask_root is not None
-        if self.planned and scale == self.scale and (not mask or self.mask_inputs.same()):
+        if self.planned and scale == self.scale and (not mask or self._same_mask(block_mask)):
             return
         self.planned = False
-        self.mask_inputs = MaskInputs(self.mod) if mask else None  # snapshot before the plan reads them
+        by_values = mask and block_mask is None
+        self.mask_inputs = MaskInputs(self.mod) if by_values else None  # snapshot before the plan reads them
+        self.block_mask = weakref.ref(block_mask) if mask and block_mask is not None else None
         self.wrapper.plan(np.arange(bq + 1) * lq, np.arange(bq + 1) * lk, sm_scale=scale,
                           q_offset=np.arange(bq) * hq * lq, kv_offset=np.arange(bq) * hkv * lk)
         self.scale, self.planned = scale, True
+
+    def _same_mask(self, block_mask) -> bool:
+        if block_mask is not None:  # (a weak reference: a dead one is None, never the object given)
+            return self.block_mask is not None and self.block_mask() is block_mask
+        return self.mask_inputs is not None and self.mask_inputs.same()
 
 
 class MaskInputs:
@@ -200,8 +214,9 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
 
 
 def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
-                       enable_gqa: bool, return_lse: bool = True):
-    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None)."""
+                       enable_gqa: bool, return_lse: bool = True, block_mask=None):
+    """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None).
+    block_mask: the FlexAttention BlockMask the mask came from, which keys the plan (DenseCall.plan)."""
     if mod is not None and mod.scalar_sources:
         mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
     call = dense_call(q, k, v, mod, enable_gqa)
@@ -209,7 +224,7 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
         q, k, v = (checks.dense_copy(t) for t in (q, k, v))  # any layout, as SDPA takes
     bq, hq, lq, _ = q.shape
     hkv, lk, d = k.shape[1], k.shape[2], v.shape[3]  # (d: the output's, V's width)
-    call.plan(bq, hq, hkv, lq, lk, scale)
+    call.plan(bq, hq, hkv, lq, lk, scale, block_mask)
     w = call.wrapper
     fields = w._memo.get("dense", (q, k, v), lambda: w._dense_fields(q, k, v))
     out = q.new_empty((bq, hq, lq, d))

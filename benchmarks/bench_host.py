@@ -12,7 +12,8 @@
   form), 2000 back to back: what an engine pays once a step before the layers' runs.
 - `attention L128` / `attention docmask L1024`: the one-shot SDPA-layout call on [1, 32, L, 128] queries, GQA 32/8,
   against torch SDPA and FlexAttention (compiled; the document mask's block mask built once, as Flex users do);
-  attnforge's own mask call compares the mask's document ids with the plan's at each call.
+  attnforge's own mask call compares the mask's document ids with the plan's at each call (a synchronisation);
+  `attnforge-blockmask` takes Flex's BlockMask instead, which keys the plan (no comparison).
 
 Rows report microseconds of wall time a call (or a step), GPU synchronised before and after the loop.
 """
@@ -149,6 +150,10 @@ def attention_cases(report, peers: bool) -> None:
         mask = doc_causal if masked else None
         report.add("host", case, "attnforge",
                    host_us(lambda: attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True), calls=500))
+        if masked:  # Flex's form: the plan keyed by the BlockMask object, no comparison of the mask's inputs
+            bm = create_block_mask(doc_causal, 1, 1, length, length, device="cuda")
+            report.add("host", case, "attnforge-blockmask", host_us(
+                lambda: attnforge.attention(q, k, v, block_mask=bm, enable_gqa=True), calls=500))
         if not peers:
             continue
         if not masked:

@@ -888,6 +888,39 @@ def test_single_prefill(kv):
                             np.array([0, 300]))
 
 
+def test_calls_with_one_block_mask_never_synchronise():
+    """attention(block_mask=bm) plans at bm's first call and later calls neither compare the mask's inputs nor
+    synchronise (torch's sync debug mode raises on a synchronising call, as it does on a mask_mod= call, which
+    compares). After the documents change, a new BlockMask gives what mask_mod= gives for the new values."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(6)
+    q = torch.randn(1, 8, 384, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    docs = torch.arange(384, device="cuda") // 100
+
+    def mask(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+    bm = flex.create_block_mask(mask, None, None, 384, 384, device="cuda")
+    first = attnforge.attention(q, k, v, block_mask=bm, enable_gqa=True)  # (plans: reads docs on the host)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        again = [attnforge.attention(q, k, v, block_mask=bm, enable_gqa=True) for _ in range(2)]
+        torch.cuda.set_sync_debug_mode("default")
+        by_values = [attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True) for _ in range(2)][-1]
+        torch.cuda.set_sync_debug_mode("error")
+        with pytest.raises(RuntimeError, match="synchroniz"):  # (the detector works: mask_mod= compares values)
+            attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, by_values) and all(torch.equal(first, out) for out in again)
+    docs.copy_(torch.arange(384, device="cuda") // 50)
+    new_docs = attnforge.attention(q, k, v, block_mask=flex.create_block_mask(mask, None, None, 384, 384,
+                                                                              device="cuda"), enable_gqa=True)
+    assert torch.equal(new_docs, attnforge.attention(q, k, v, mask_mod=mask, enable_gqa=True))
+    assert not torch.equal(new_docs, first)
+
+
 def test_functional_attention_with_a_flex_block_mask_matches_flex():
     """attention(q, k, v, score_mod=, block_mask=create_block_mask(...)) as FlexAttention is called: the same
     output as mask_mod= (bitwise), and FlexAttention's own output within the bf16 tolerance."""

@@ -494,6 +494,41 @@ def test_attention_takes_a_flex_block_mask_for_its_mask_mod(recorder, monkeypatc
     assert len(recorder.launches) == n
 
 
+def test_a_block_masks_plan_follows_the_blockmask_object(recorder, monkeypatch):
+    """block_mask= keys the plan by the BlockMask object, as Flex's block lists are made once: calls with the same
+    BlockMask compare no values (no synchronisation on the GPU); a new BlockMask (or a mask_mod= call between)
+    plans again, from the mask's values at that call."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    plans = count_calls(monkeypatch, BatchPrefill, "plan")
+    compares = count_calls(monkeypatch, dense.MaskInputs, "same")
+    q, k, v = sdpa_inputs(lq=256, lk=256)
+    docs = torch.arange(256) // 128
+
+    def same_doc(b, h, qi, ki):
+        return docs[qi] == docs[ki]
+
+    def block_mask():
+        return flex.create_block_mask(same_doc, None, None, 256, 256, device="cpu")
+    bm = block_mask()
+    for _ in range(3):
+        dense.attention(q, k, v, block_mask=bm, enable_gqa=True)
+    w = dense.dense_call(q, k, v, dense.compiled_mod(None, same_doc), True).wrapper
+    two_docs = tile_lists(w).copy()
+    assert (plans["n"], compares["n"]) == (1, 0)
+    docs.data.zero_()  # as for Flex, the BlockMask stands for the values it was built from
+    dense.attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert plans["n"] == 1 and np.array_equal(tile_lists(w), two_docs)
+    bm = block_mask()  # (the old one dies: its weak reference can never match the new object)
+    dense.attention(q, k, v, block_mask=bm, enable_gqa=True)
+    one_doc = tile_lists(w).copy()
+    assert plans["n"] == 2 and len(one_doc) > len(two_docs)
+    dense.attention(q, k, v, mask_mod=same_doc, enable_gqa=True)  # by values: the plan is no longer the mask's
+    dense.attention(q, k, v, mask_mod=same_doc, enable_gqa=True)
+    assert (plans["n"], compares["n"]) == (3, 1)
+    dense.attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert (plans["n"], compares["n"]) == (4, 1) and np.array_equal(tile_lists(w), one_doc)
+
+
 def test_single_prefills_wrappers_are_kept_in_a_bounded_table(monkeypatch):
     """single_prefill keys its cached wrapper by the modifier's identity: a caller that builds a modifier each
     call (ALiBi over fresh slopes) must not keep every wrapper, its buffers and the slopes for good."""
