@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Suites `plan` (decode's `plan B256` row) and `host` (the prefill plan row) with their peers, on an H200 only (the
-# record's rows are the H200's): plan()'s host time changed in the eighty-eighth session. Carry .anchors (FlashInfer):
+# record's rows are the H200's), when plan() or a run's host path changes. Carry .anchors (FlashInfer):
 #   bash docs/prepared/call4-plan-host-record.sh     (on the GPU machine, repo root; logs and JSON under $OUT)
 # Each suite writes its own JSON, so a call cut short keeps the first. Then, on this machine, for each file:
 #   python3 benchmarks/report.py merge <files_at>/<suite>.json && python3 benchmarks/report.py
