@@ -147,3 +147,16 @@ class ParamsTemplate:
         for name, value in values.items():
             setattr(params, name, _tmap(value) if name in self._tmaps else value)
         return params
+
+    def narrowed(self, **values) -> "ParamsTemplate":
+        """This template with `values` fixed too (a caller's tensors that repeat): its runs set only the rest."""
+        if not values.keys() <= self.per_run:
+            raise TypeError(f"{self.layout.struct_name}: only per-run fields can be fixed, got "
+                            f"{sorted(values.keys() - self.per_run)}")
+        narrow = object.__new__(ParamsTemplate)
+        narrow.layout, narrow.per_run = self.layout, self.per_run - values.keys()
+        narrow._tmaps = self._tmaps & narrow.per_run
+        narrow._struct = self.layout.ctype.from_buffer_copy(self._struct)
+        for name, value in values.items():
+            setattr(narrow._struct, name, _tmap(value) if name in self._tmaps else value)
+        return narrow

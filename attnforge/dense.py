@@ -226,19 +226,20 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     hkv, lk, d = k.shape[1], k.shape[2], v.shape[3]  # (d: the output's, V's width)
     call.plan(bq, hq, hkv, lq, lk, scale, block_mask)
     w = call.wrapper
-    fields = w._memo.get("dense", (q, k, v), lambda: w._dense_fields(q, k, v))
     out = q.new_empty((bq, hq, lq, d))
     slots = w._plan["num_slots"]
     if slots > 1:  # split KV (few query tiles, long keys): partials [B, H, Lq, slots, D], merged by LSE
         part = torch.empty((bq, hq, lq, slots, d), dtype=q.dtype, device=q.device)
         part_lse = torch.full((bq, hq, lq, slots), -math.inf, dtype=torch.float32, device=q.device)
-        w._launch(q, part, part_lse, dict(**fields, out_stride_n=slots * d, out_stride_h=lq * slots * d,
-                                          out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,
-                                          lse_stride_slot=1))
+        template = w._dense_template(q, k, v, dict(out_stride_n=slots * d, out_stride_h=lq * slots * d,
+                                                   out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,
+                                                   lse_stride_slot=1))
+        w._launch_filled(template, out=part.data_ptr(), lse=part_lse.data_ptr())
         rows = bq * hq * lq
         _, lse = merge_states(part.view(rows, slots, 1, d), part_lse.view(rows, slots, 1), out=out.view(rows, 1, d))
         return out, (lse.view(bq, hq, lq) if return_lse else None)
     lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
-    w._launch(q, out, lse, dict(**fields, out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
-                                lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
+    template = w._dense_template(q, k, v, dict(out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
+                                               lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
+    w._launch_filled(template, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr())
     return out, lse

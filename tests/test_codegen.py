@@ -161,6 +161,20 @@ def test_params_template_sets_only_a_runs_fields():
         layout.template(("q",), n=7)
 
 
+def test_a_narrowed_template_fixes_more_fields_and_leaves_its_parent_alone():
+    layout = ParamsLayout("P", [ParamField("km", "TensorMap", "tmap"), ParamField("q", "void*", "ptr"),
+                                ParamField("out", "void*", "ptr"), ParamField("n", "int32_t", "i32")])
+    template = layout.template(("q", "out", "km"), n=7)
+    raw = bytes(range(128))
+    narrow = template.narrowed(q=16, km=raw)
+    assert bytes(narrow.fill(out=48)) == bytes(layout.pack(q=16, out=48, km=raw, n=7))
+    assert bytes(template.fill(q=32, out=64, km=None)) == bytes(layout.pack(q=32, out=64, km=None, n=7))
+    with pytest.raises(TypeError, match="a run sets exactly"):
+        narrow.fill(q=1, out=2)
+    with pytest.raises(TypeError, match=r"only per-run fields can be fixed, got \['n'\]"):
+        template.narrowed(n=3)
+
+
 def test_params_templates_are_kept_by_their_values():
     """A plan whose fixed fields equal an earlier plan's reuses its template; any other value builds its own."""
     layout = ParamsLayout("P", [ParamField("q", "void*", "ptr"), ParamField("n", "int32_t", "i32"),

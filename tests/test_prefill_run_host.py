@@ -182,6 +182,36 @@ def test_attention_plans_once_per_signature_and_scale(recorder, monkeypatch):
     assert calls["n"] == 4
 
 
+@pytest.mark.parametrize("lk", [96, 4096])  # one slot; KV split over slots (few query tiles, long keys)
+def test_attention_launches_a_full_packs_bytes_as_its_tensors_alternate(recorder, monkeypatch, lk):
+    """attention() narrows the plan's template by q, k and v (dense templates): every launch carries the bytes a
+    full pack of its own tensors, plan, output and modifier values gives, as two tensor sets alternate, across a
+    replan (another scale) and as a captured 0-d tensor the score reads changes between calls."""
+    import types
+    monkeypatch.setattr(dense, "_CALLS", {})
+    sets = [sdpa_inputs(lq=64, lk=lk, seed=s) for s in (1, 2)]
+    cap = torch.tensor(30.0)
+
+    def capped(s, b, h, qi, ki):
+        return cap * torch.tanh(s / cap)
+    steps = [(0, None, 30.0), (1, None, 20.0), (0, None, 20.0), (0, 0.5, 10.0), (1, 0.5, 10.0), (0, 0.5, 5.0)]
+    for i, scale, value in steps:
+        cap.fill_(value)
+        q, k, v = sets[i]
+        dense.attention(q, k, v, score_mod=capped, scale=scale, enable_gqa=True, return_lse=True)
+        w = dense.dense_call(q, k, v, dense.compiled_mod(capped, None), True).wrapper
+        p, slots = recorder.last(w), w._plan["num_slots"]
+        assert (slots > 1) == (lk == 4096)
+        strides = dict(stride_page=0, stride_token=k.stride(2), stride_head=k.stride(1), q_stride_n=q.stride(2),
+                       q_stride_h=q.stride(1), out_stride_n=slots * 128, out_stride_h=64 * slots * 128,
+                       out_stride_slot=128 if slots > 1 else 0, lse_stride_n=slots, lse_stride_h=64 * slots,
+                       lse_stride_slot=1 if slots > 1 else 0)
+        out, lse = (types.SimpleNamespace(data_ptr=lambda at=at: at) for at in (p.out, p.lse))
+        assert bytes(p) == bytes(full_pack(w, q, k, v, out, lse, strides))
+        assert (p.q, p.k_cache, p.v_cache, p.mod_s0) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), value)
+    assert len({id(p) for _, _, p in recorder.launches}) == len(recorder.launches), "each launch its own struct"
+
+
 def test_attention_checks_each_new_signature_and_each_address(recorder, monkeypatch):
     monkeypatch.setattr(dense, "_CALLS", {})  # (an earlier test's call of these shapes holds its own recorder)
     q, k, v = sdpa_inputs()
