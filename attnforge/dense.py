@@ -220,8 +220,10 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     if mod is not None and mod.scalar_sources:
         mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
     call = dense_call(q, k, v, mod, enable_gqa)
-    if not call.contiguous or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # (the usual case is neither)
+    addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if not call.contiguous or (addresses[0] | addresses[1] | addresses[2]) % 16:  # (the usual case is neither)
         q, k, v = (checks.dense_copy(t) for t in (q, k, v))  # any layout, as SDPA takes
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     bq, hq, lq, _ = q.shape
     hkv, lk, d = k.shape[1], k.shape[2], v.shape[3]  # (d: the output's, V's width)
     call.plan(bq, hq, hkv, lq, lk, scale, block_mask)
@@ -233,13 +235,13 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
         part_lse = torch.full((bq, hq, lq, slots), -math.inf, dtype=torch.float32, device=q.device)
         template = w._dense_template(q, k, v, dict(out_stride_n=slots * d, out_stride_h=lq * slots * d,
                                                    out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,
-                                                   lse_stride_slot=1))
+                                                   lse_stride_slot=1), addresses)
         w._launch_filled(template, out=part.data_ptr(), lse=part_lse.data_ptr())
         rows = bq * hq * lq
         _, lse = merge_states(part.view(rows, slots, 1, d), part_lse.view(rows, slots, 1), out=out.view(rows, 1, d))
         return out, (lse.view(bq, hq, lq) if return_lse else None)
     lse = torch.empty((bq, hq, lq), dtype=torch.float32, device=q.device) if return_lse else None
     template = w._dense_template(q, k, v, dict(out_stride_n=d, out_stride_h=lq * d, out_stride_slot=0,
-                                               lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0))
+                                               lse_stride_n=1, lse_stride_h=lq, lse_stride_slot=0), addresses)
     w._launch_filled(template, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr())
     return out, lse

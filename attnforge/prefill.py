@@ -444,12 +444,14 @@ class BatchPrefill:
         self._launch_filled(self._memo.once("params", self._params_template), q=q.data_ptr(), out=out.data_ptr(),
                             lse=0 if lse is None else lse.data_ptr(), **fields)
 
-    def _dense_template(self, q, k, v, strides: dict) -> codegen.ParamsTemplate:
+    def _dense_template(self, q, k, v, strides: dict, addresses: tuple) -> codegen.ParamsTemplate:
         """The plan's template narrowed by attention()'s q, k, v (their pointers, strides and TMA maps) and by
-        the output's strides (fixed by the call's shapes and the plan): a model's repeated calls then set only out, lse and modifier values
-        (~10 us of Python less a call than a fill of every per-run field)."""
+        the output's strides: a model's repeated calls then set only out, lse and modifier values (~10 us of
+        Python less a call than a fill of every per-run field). addresses: q's, k's and v's data pointers, which
+        key them here: this wrapper is one call signature's (dense.DenseCall), whose shapes, strides and dtypes
+        are fixed, as are the output's strides under one plan."""
         per_plan = self._memo.once("dense templates", dict)  # (a new plan's template starts them over)
-        key = (checks.tensor_key(q), checks.tensor_key(k), checks.tensor_key(v))
+        key = addresses
         template = per_plan.get(key)
         if template is None:
             if len(per_plan) >= checks.RunMemo.MAX_ENTRIES:
