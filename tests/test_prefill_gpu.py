@@ -888,18 +888,25 @@ def test_single_prefill(kv):
                             np.array([0, 300]))
 
 
+def causal_documents(batch: int, length: int, doc_len: int, seed: int):
+    """SDPA-layout q [batch, 8, length, 128], k and v [batch, 2, length, 128] (bf16), the document ids
+    (length // doc_len documents and a tail) and the causal-within-a-document mask_mod that reads them."""
+    torch.manual_seed(seed)
+    q = torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 2, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    docs = torch.arange(length, device="cuda") // doc_len
+
+    def mask(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+    return q, k, v, docs, mask
+
+
 def test_calls_with_one_block_mask_never_synchronise():
     """attention(block_mask=bm) plans at bm's first call and later calls neither compare the mask's inputs nor
     synchronise (torch's sync debug mode raises on a synchronising call, as it does on a mask_mod= call, which
     compares). After the documents change, a new BlockMask gives what mask_mod= gives for the new values."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    torch.manual_seed(6)
-    q = torch.randn(1, 8, 384, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    docs = torch.arange(384, device="cuda") // 100
-
-    def mask(b, h, qi, ki):
-        return (docs[qi] == docs[ki]) & (qi >= ki)
+    q, k, v, docs, mask = causal_documents(1, 384, 100, seed=6)
     bm = flex.create_block_mask(mask, None, None, 384, 384, device="cuda")
     first = attnforge.attention(q, k, v, block_mask=bm, enable_gqa=True)  # (plans: reads docs on the host)
     torch.cuda.synchronize()
@@ -925,13 +932,7 @@ def test_functional_attention_with_a_flex_block_mask_matches_flex():
     """attention(q, k, v, score_mod=, block_mask=create_block_mask(...)) as FlexAttention is called: the same
     output as mask_mod= (bitwise), and FlexAttention's own output within the bf16 tolerance."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    torch.manual_seed(5)
-    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    docs = torch.arange(300, device="cuda") // 120
-
-    def mask(b, h, qi, ki):
-        return (docs[qi] == docs[ki]) & (qi >= ki)
+    q, k, v, _, mask = causal_documents(2, 300, 120, seed=5)
 
     def bias(s, b, h, qi, ki):
         return s + 0.01 * (ki - qi).abs().clamp(max=50).to(s.dtype)
