@@ -451,12 +451,11 @@ class BatchPrefill:
         key them here: this wrapper is one call signature's (dense.DenseCall), whose shapes, strides and dtypes
         are fixed, as are the output's strides under one plan."""
         per_plan = self._memo.once("dense templates", dict)  # (a new plan's template starts them over)
-        key = addresses
-        template = per_plan.get(key)
+        template = per_plan.get(addresses)
         if template is None:
             if len(per_plan) >= checks.RunMemo.MAX_ENTRIES:
                 per_plan.clear()
-            template = per_plan[key] = self._memo.once("params", self._params_template).narrowed(
+            template = per_plan[addresses] = self._memo.once("params", self._params_template).narrowed(
                 q=q.data_ptr(), **self._memo.get("dense", (q, k, v), lambda: self._dense_fields(q, k, v)),
                 **strides)
         return template
