@@ -21,14 +21,18 @@ def default_groups() -> list:
     return [group.split() for group in text.split(";")]
 
 
-def run_memcheck(tmp_path, timeout_s: int) -> tuple[str, list]:
-    """memcheck() with a compute-sanitizer that records its pytest arguments: (its log, one line per process)."""
+SUMMARY = 'echo "========= ERROR SUMMARY: 0 errors"'
+
+
+def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY) -> tuple[str, list]:
+    """memcheck() with a compute-sanitizer that records its pytest arguments, then runs `body` (bash; $n is the
+    process's number, from 1): (its log, one line per process)."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
     calls = tmp_path / "calls"
     fake = bin_dir / "compute-sanitizer"
-    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\necho "========= ERROR SUMMARY: 0 errors"\n')
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\nn=$(wc -l < {calls})\n{body}\n')
     fake.chmod(0o755)
     part = tmp_path / "memcheck.sh"
     part.write_text(memcheck_part())
@@ -52,6 +56,24 @@ def test_a_group_out_of_time_is_reported(tmp_path):
     log, calls = run_memcheck(tmp_path, 2)
     assert calls == [] and log.startswith("memcheck exit 124")
     assert "no time left for: tests/test_merge_gpu.py" in (tmp_path / "out" / "memcheck.head").read_text()
+
+
+def test_a_sanitizer_dead_at_its_start_is_tried_once_more(tmp_path):
+    """A sanitizer killed by a signal before pytest printed a line is run again, once; one that dies after tests
+    printed, or dies again, is reported with its exit status."""
+    banner = 'echo "========= COMPUTE-SANITIZER"'
+    first_dies = f'{banner}; [ $n = 1 ] && exit 139; echo "..."; {SUMMARY}'
+    log, calls = run_memcheck(tmp_path, 60, first_dies)
+    groups = default_groups()
+    assert log.startswith("memcheck exit 0") and len(calls) == len(groups) + 1 and calls[0] == calls[1]
+    assert "tried again: tests/test_merge_gpu.py" in log
+    for name, body in (("after tests printed", f'{banner}; echo "..."; [ $n = 1 ] && exit 139; {SUMMARY}'),
+                       ("twice", f'{banner}; [ $n -le 2 ] && exit 139; {SUMMARY}')):
+        where = tmp_path / name.replace(" ", "_")
+        where.mkdir()
+        log, calls = run_memcheck(where, 60, body)
+        assert log.startswith("memcheck exit 139"), name
+        assert len(calls) == len(groups) + (name == "twice"), name
 
 
 def test_every_id_names_collected_gpu_tests():
