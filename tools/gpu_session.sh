@@ -53,7 +53,8 @@ memcheck() {
   done
   rm -f "$OUT/memcheck.group"
   echo "memcheck exit $status (${#mgroups[@]} groups)" > "$OUT/memcheck.log"
-  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed|tried again" "$OUT/memcheck.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
+  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed|tried again" "$OUT/memcheck.full" \
+    | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
   head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
   cat "$OUT/memcheck.log"
 }
