@@ -34,24 +34,43 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False, *,
-              block_mask=None):
+              block_mask=None, is_causal: bool = False):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
     the keys (Flex's q_idx when Lq == Lk). block_mask: a FlexAttention BlockMask, taken for its mask_mod (a
     Flex call carries over unchanged; attnforge makes its own tile lists when it plans, at the first call with
     that BlockMask object: build a new one when the mask's inputs change, as for Flex).
+    is_causal: SDPA's, for Lq == Lk (query i sees keys 0..i): the prefill kernels' own causal tiles, no mask to
+    plan from (with a score_mod or mask_mod, they apply within it).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
+    check_causal(is_causal, q, k)
     if ops.compiling():
-        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse)
+        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse,
+                                    is_causal)
         return (out, lse) if return_lse else out
     mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
     if mod is not None and mod.is_identity:
         mod = None
     out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse,
-                                  block_mask=block_mask if mod is not None else None)
+                                  block_mask=block_mask if mod is not None else None, causal=is_causal)
     return (out, lse) if return_lse else out
+
+
+def check_causal(is_causal, q, k) -> None:
+    """is_causal is SDPA's flag for as many queries as keys. With Lq != Lk SDPA's causal mask is aligned to the
+    top left and FlashAttention's (and attnforge's q_idx) to the bottom right: refused rather than guessed."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    lq, lk = getattr(q, "shape", (0, 0))[-2], getattr(k, "shape", (0, 0))[-2]
+    if is_causal and lq != lk:
+        raise ValueError(f"attention: is_causal=True needs as many queries as keys, got Lq={lq} and Lk={lk}: "
+                         f"SDPA aligns its causal mask to the top left there, FlashAttention to the bottom right. "
+                         f"For the bottom right (query i sees keys up to {lk - lq} + i) pass "
+                         f"mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx (attnforge's q_idx is aligned to the "
+                         f"end of the keys); for the top left, mask_mod=lambda b, h, q_idx, kv_idx: "
+                         f"q_idx - {lk - lq} >= kv_idx")
 
 
 def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
@@ -132,12 +151,12 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enab
 class DenseCall:
     """One call signature's wrapper (its own: its plan is this signature's) and what its plan was made for."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, causal: bool = False):
         hq, d = q.shape[1], q.shape[3]
         self.mod = mod  # (held: the signature keys the modifier by identity)
         self.contiguous = all(t.is_contiguous() for t in (q, k, v))
         spec = AttentionSpec(family="prefill", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
-                             head_dim_vo=v.shape[3], q_dtype=q.dtype, score_mod=mod)
+                             head_dim_vo=v.shape[3], q_dtype=q.dtype, score_mod=mod, causal=causal)
         self.wrapper = BatchPrefill(spec, device=q.device)
         self.planned = False  # whether the wrapper's plan is this call's (a failed plan leaves none to reuse)
         self.scale: Optional[float] = None
@@ -193,20 +212,21 @@ def _inputs_of(node, tensors: set, scalars: set) -> None:
         _inputs_of(arg, tensors, scalars)
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool) -> tuple:
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool, causal: bool) -> tuple:
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, enable_gqa, id(mod))
+            v.dtype, v.device, enable_gqa, id(mod), causal)
 
 
-def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool) -> DenseCall:
+def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool,
+               causal: bool = False) -> DenseCall:
     """The DenseCall of these tensors' layouts, made (after the checks) at the signature's first call."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument)
-    sig = _signature(q, k, v, mod, enable_gqa)
+    sig = _signature(q, k, v, mod, enable_gqa, causal)
     call = _CALLS.get(sig)  # (a call holds its modifier, so the id in its signature is not reused meanwhile)
     if call is None:
         check_attention_args(q, k, v, enable_gqa)
-        call = DenseCall(q, k, v, mod)
+        call = DenseCall(q, k, v, mod, causal)
         if len(_CALLS) >= MAX_CALLS:
             _CALLS.clear()
         _CALLS[sig] = call
@@ -214,12 +234,13 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
 
 
 def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, scale: Optional[float],
-                       enable_gqa: bool, return_lse: bool = True, block_mask=None):
+                       enable_gqa: bool, return_lse: bool = True, block_mask=None, causal: bool = False):
     """attention() with its modifier already built (a ScoreMod or None). Returns (out, lse or None).
-    block_mask: the FlexAttention BlockMask the mask came from, which keys the plan (DenseCall.plan)."""
+    block_mask: the FlexAttention BlockMask the mask came from, which keys the plan (DenseCall.plan).
+    causal: attention()'s is_causal, checked (check_causal)."""
     if mod is not None and mod.scalar_sources:
         mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
-    call = dense_call(q, k, v, mod, enable_gqa)
+    call = dense_call(q, k, v, mod, enable_gqa, causal)
     addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     if not call.contiguous or (addresses[0] | addresses[1] | addresses[2]) % 16:  # (the usual case is neither)
         q, k, v = (checks.dense_copy(t) for t in (q, k, v))  # any layout, as SDPA takes

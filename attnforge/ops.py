@@ -108,14 +108,15 @@ _GRAPH_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "c
 
 @torch.library.custom_op("attnforge::attention", mutates_args=(), **_GRAPH_UNSAFE)
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: str, scale: Optional[float],
-                 enable_gqa: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 enable_gqa: bool, return_lse: bool, is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     from .dense import attention_with_mod
-    out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa, return_lse)
+    out, lse = attention_with_mod(q, k, v, lookup(mod) if mod else None, scale, enable_gqa, return_lse,
+                                  causal=is_causal)
     return out, (lse if return_lse else _no_lse(out))
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse):
+def _attention_fake(q, k, v, mod, scale, enable_gqa, return_lse, is_causal=False):
     from .dense import check_attention_args
     check_attention_args(q, k, v, enable_gqa)  # bad shapes fail while the graph is made
     out = q.new_empty((*q.shape[:3], v.shape[3]))  # (V's width: it may be narrower than q's)

@@ -69,7 +69,18 @@ def test_attention_is_one_node_of_one_graph(fake, hq, hkv, return_lse):
     if return_lse:
         assert lse.shape == (2, hq, 100) and lse.dtype == torch.float32
     (node,) = rec.op_nodes("attention")
-    assert node.args[3:] == ("", 0.1, hq != hkv, return_lse)  # no modifier: handle ""
+    assert node.args[3:] == ("", 0.1, hq != hkv, return_lse, False)  # no modifier: handle ""
+
+
+def test_is_causal_reaches_the_op_and_lengths_that_differ_fail_while_the_graph_is_made(fake):
+    rec = Recorder()
+    q, k = cuda(2, 8, 100, 64), cuda(2, 2, 100, 64)
+    out = compiled(lambda q, k: attnforge.attention(q, k, k, enable_gqa=True, is_causal=True), rec)(q, k)
+    (node,) = rec.op_nodes("attention")
+    assert out.shape == q.shape and node.args[3:] == ("", None, True, False, True)
+    with pytest.raises(Exception, match=r"is_causal=True needs as many queries as keys, got Lq=100 and Lk=300"):
+        k3 = cuda(2, 2, 300, 64)
+        compiled(lambda q, k: attnforge.attention(q, k, k, enable_gqa=True, is_causal=True), Recorder())(q, k3)
 
 
 def test_attention_with_bad_shapes_fails_while_the_graph_is_made(fake):

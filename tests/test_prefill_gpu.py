@@ -613,6 +613,24 @@ def test_functional_attention_matches_sdpa_and_flex():
     assert (ours.float() - flex.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("length", [1, 300])
+def test_functional_attention_is_causal_matches_sdpa(length):
+    """attention(is_causal=True) (the prefill kernels' causal tiles) against the float64 reference per request,
+    SDPA's own is_causal output, and the same mask written as a mask_mod; lse too."""
+    torch.manual_seed(12)
+    q = torch.randn(2, 8, length, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = attnforge.attention(q, k, v, enable_gqa=True, is_causal=True, return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for b in range(2):
+        args = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+        ref, ref_lse = reference.attention(*args, causal=True)
+        assert_attention_close(out[b].transpose(0, 1), ref, sdpa[b].transpose(0, 1), f"request {b}")
+        assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"request {b}")
+    by_mask = attnforge.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki, enable_gqa=True)
+    assert (out.float() - by_mask.float()).abs().max().item() < 2e-2
+
+
 def test_functional_attention_follows_what_its_modifiers_read():
     """attention() plans once per call signature (attnforge/dense.py): a mask input written in place (no version
     bump), a captured 0-d scalar changed, and two modifiers of one expression over different tensors must each

@@ -2,6 +2,7 @@
 the SM count and the TMA encoder are stubbed, and each launched params struct is read back. A run carries its
 own tensors over the plan's fixed fields (checks.RunMemo, codegen.ParamsTemplate) with the bytes a full pack
 gives; attention() plans once per call signature and again only when the scale or the mask's inputs change."""
+import dataclasses
 import math
 
 import numpy as np
@@ -210,6 +211,36 @@ def test_attention_launches_a_full_packs_bytes_as_its_tensors_alternate(recorder
         assert bytes(p) == bytes(full_pack(w, q, k, v, out, lse, strides))
         assert (p.q, p.k_cache, p.v_cache, p.mod_s0) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), value)
     assert len({id(p) for _, _, p in recorder.launches}) == len(recorder.launches), "each launch its own struct"
+
+
+def test_is_causal_plans_the_causal_kernel_as_batch_prefill_would(recorder, monkeypatch):
+    """attention(is_causal=True) runs the prefill kernels' own causal tiles: its wrapper's spec is causal and its
+    plan uploads what BatchPrefill(causal) plans for the same requests; a causal and a plain call of the same
+    tensors keep a plan each; lengths that differ, or a flag that is not a bool, are refused before any launch."""
+    monkeypatch.setattr(dense, "_CALLS", {})
+    calls = count_calls(monkeypatch, BatchPrefill, "plan")
+    q, k, v = sdpa_inputs(lq=300, lk=300)
+    for causal in (True, False, True, False):
+        dense.attention(q, k, v, enable_gqa=True, is_causal=causal)
+        w = dense.dense_call(q, k, v, None, True, causal).wrapper
+        assert w.spec.causal is causal and recorder.last(w) is recorder.launches[-1][2]
+    assert calls["n"] == 2
+    want = BatchPrefill(dataclasses.replace(w.spec, causal=True), device="cpu")
+    want.plan(np.array([0, 300, 600]), np.array([0, 300, 600]), q_offset=np.array([0, 8 * 300]),
+              kv_offset=np.array([0, 2 * 300]))
+    got = dense.dense_call(q, k, v, None, True, True).wrapper
+    assert np.array_equal(np.asarray(got._plan["host"]), np.asarray(want._plan["host"]))
+    assert got._plan["kernel"].kernel_name == want._plan["kernel"].kernel_name
+    masked = dense.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi // 100 == ki // 100, enable_gqa=True,
+                             is_causal=True)  # (both: the mask within the causal tiles)
+    assert masked.shape == q.shape and recorder.launches[-1][2].work_count > 0
+    n = len(recorder.launches)
+    with pytest.raises(ValueError, match=r"is_causal=True needs as many queries as keys, got Lq=64 and Lk=96: "
+                                         r"SDPA aligns .* top left .* q_idx - 32 >= kv_idx"):
+        dense.attention(*sdpa_inputs(), enable_gqa=True, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool, got int"):
+        dense.attention(q, k, v, enable_gqa=True, is_causal=1)
+    assert len(recorder.launches) == n
 
 
 def test_attention_checks_each_new_signature_and_each_address(recorder, monkeypatch):
