@@ -62,15 +62,14 @@ def check_causal(is_causal, q, k) -> None:
     """is_causal is SDPA's flag for as many queries as keys. With Lq != Lk SDPA's causal mask is aligned to the
     top left and FlashAttention's (and attnforge's q_idx) to the bottom right: refused rather than guessed."""
     if not isinstance(is_causal, bool):
-        raise TypeError(f"attention: is_causal must be a bool, got {type(is_causal).__name__}")
+        raise checks.fail("attention(is_causal=...)", "a bool", repr(is_causal), "Pass True or False, as to SDPA.")
     lq, lk = getattr(q, "shape", (0, 0))[-2], getattr(k, "shape", (0, 0))[-2]
     if is_causal and lq != lk:
-        raise ValueError(f"attention: is_causal=True needs as many queries as keys, got Lq={lq} and Lk={lk}: "
-                         f"SDPA aligns its causal mask to the top left there, FlashAttention to the bottom right. "
-                         f"For the bottom right (query i sees keys up to {lk - lq} + i) pass "
-                         f"mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx (attnforge's q_idx is aligned to the "
-                         f"end of the keys); for the top left, mask_mod=lambda b, h, q_idx, kv_idx: "
-                         f"q_idx - {lk - lq} >= kv_idx")
+        raise checks.fail("attention(is_causal=True)", "as many queries as keys", f"Lq={lq} and Lk={lk}",
+                          f"SDPA aligns its causal mask to the top left there, FlashAttention to the bottom right. "
+                          f"For the bottom right (query i sees keys up to {lk - lq} + i) pass mask_mod=lambda b, h, "
+                          f"q_idx, kv_idx: q_idx >= kv_idx (attnforge's q_idx is aligned to the end of the keys); "
+                          f"for the top left, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - {lk - lq} >= kv_idx")
 
 
 def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):

@@ -238,7 +238,7 @@ def attention_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(4)
     return {"q": _rand(g, (2, 8, 40, 128), torch.bfloat16, env.device),
             "k": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device),
-            "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1}
+            "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False}
 
 
 def attention_mutations(a: dict, env: Env) -> list:
@@ -246,12 +246,14 @@ def attention_mutations(a: dict, env: Env) -> list:
     for arg in ("q", "k", "v"):  # attention() copies what its kernel cannot read, as SDPA takes any layout
         m += retag(tensor(arg, a[arg], env.gpu), SAME, *COPIED)
     m += [Mutation("k", "heads-not-dividing", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1, -1).contiguous()),
-          Mutation("v", "other-length", REFUSE, lambda t: t[:, :, :-1].contiguous())]
+          Mutation("v", "other-length", REFUSE, lambda t: t[:, :, :-1].contiguous()),
+          Mutation("is_causal", "int", REFUSE, lambda x: 1),
+          Mutation("is_causal", "with-fewer-queries-than-keys", REFUSE, lambda x: True)]  # (40 queries, 100 keys)
     return m
 
 
 def attention_invoke(env: Env, a: dict):
-    return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True)
+    return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True, is_causal=a["is_causal"])
 
 
 def merge_build(env: Env) -> dict:

@@ -235,10 +235,10 @@ def test_is_causal_plans_the_causal_kernel_as_batch_prefill_would(recorder, monk
                              is_causal=True)  # (both: the mask within the causal tiles)
     assert masked.shape == q.shape and recorder.launches[-1][2].work_count > 0
     n = len(recorder.launches)
-    with pytest.raises(ValueError, match=r"is_causal=True needs as many queries as keys, got Lq=64 and Lk=96: "
+    with pytest.raises(ValueError, match=r"is_causal=True\): expected as many queries as keys, got Lq=64 and Lk=96\. "
                                          r"SDPA aligns .* top left .* q_idx - 32 >= kv_idx"):
         dense.attention(*sdpa_inputs(), enable_gqa=True, is_causal=True)
-    with pytest.raises(TypeError, match="is_causal must be a bool, got int"):
+    with pytest.raises(ValueError, match=r"is_causal=...\): expected a bool, got 1"):
         dense.attention(q, k, v, enable_gqa=True, is_causal=1)
     assert len(recorder.launches) == n
 
