@@ -65,11 +65,12 @@ def check_causal(is_causal, q, k) -> None:
         raise checks.fail("attention(is_causal=...)", "a bool", repr(is_causal), "Pass True or False, as to SDPA.")
     lq, lk = getattr(q, "shape", (0, 0))[-2], getattr(k, "shape", (0, 0))[-2]
     if is_causal and lq != lk:
+        top_left = f"q_idx - {lk - lq}" if lk > lq else f"q_idx + {lq - lk}"  # (query i's q_idx is Lk - Lq + i)
         raise checks.fail("attention(is_causal=True)", "as many queries as keys", f"Lq={lq} and Lk={lk}",
                           f"SDPA aligns its causal mask to the top left there, FlashAttention to the bottom right. "
-                          f"For the bottom right (query i sees keys up to {lk - lq} + i) pass mask_mod=lambda b, h, "
-                          f"q_idx, kv_idx: q_idx >= kv_idx (attnforge's q_idx is aligned to the end of the keys); "
-                          f"for the top left, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - {lk - lq} >= kv_idx")
+                          f"For the bottom right pass mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx "
+                          f"(attnforge's q_idx is aligned to the end of the keys); for the top left, "
+                          f"mask_mod=lambda b, h, q_idx, kv_idx: {top_left} >= kv_idx")
 
 
 def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):

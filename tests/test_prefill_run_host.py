@@ -238,6 +238,8 @@ def test_is_causal_plans_the_causal_kernel_as_batch_prefill_would(recorder, monk
     with pytest.raises(ValueError, match=r"is_causal=True\): expected as many queries as keys, got Lq=64 and Lk=96\. "
                                          r"SDPA aligns .* top left .* q_idx - 32 >= kv_idx"):
         dense.attention(*sdpa_inputs(), enable_gqa=True, is_causal=True)
+    with pytest.raises(ValueError, match=r"got Lq=96 and Lk=64\. .* q_idx \+ 32 >= kv_idx"):
+        dense.attention(*sdpa_inputs(lq=96, lk=64), enable_gqa=True, is_causal=True)
     with pytest.raises(ValueError, match=r"is_causal=...\): expected a bool, got 1"):
         dense.attention(q, k, v, enable_gqa=True, is_causal=1)
     assert len(recorder.launches) == n
