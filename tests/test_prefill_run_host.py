@@ -189,7 +189,9 @@ def test_attention_launches_a_full_packs_bytes_as_its_tensors_alternate(recorder
     full pack of its own tensors, plan, output and modifier values gives, as two tensor sets alternate, across a
     replan (another scale) and as a captured 0-d tensor the score reads changes between calls."""
     import types
+    from attnforge import codegen
     monkeypatch.setattr(dense, "_CALLS", {})
+    narrowings = count_calls(monkeypatch, codegen.ParamsTemplate, "narrowed")
     sets = [sdpa_inputs(lq=64, lk=lk, seed=s) for s in (1, 2)]
     cap = torch.tensor(30.0)
 
@@ -211,6 +213,7 @@ def test_attention_launches_a_full_packs_bytes_as_its_tensors_alternate(recorder
         assert bytes(p) == bytes(full_pack(w, q, k, v, out, lse, strides))
         assert (p.q, p.k_cache, p.v_cache, p.mod_s0) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), value)
     assert len({id(p) for _, _, p in recorder.launches}) == len(recorder.launches), "each launch its own struct"
+    assert narrowings["n"] == 4, "one narrowed template per (plan, tensor set): two sets under each of two plans"
 
 
 def test_is_causal_plans_the_causal_kernel_as_batch_prefill_would(recorder, monkeypatch):
