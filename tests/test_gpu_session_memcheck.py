@@ -24,7 +24,7 @@ def default_groups() -> list:
 SUMMARY = 'echo "========= ERROR SUMMARY: 0 errors"'
 
 
-def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY) -> tuple[str, list]:
+def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "") -> tuple[str, list]:
     """memcheck() with a compute-sanitizer that records its pytest arguments, then runs `body` (bash; $n is the
     process's number, from 1): (its log, one line per process)."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
@@ -38,8 +38,12 @@ def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY) -> tuple[str, li
     part.write_text(memcheck_part())
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SANITIZE_TIMEOUT=str(timeout_s))
     env.pop("SANITIZE_TESTS", None)
+    env.pop("SANITIZE_TOOL", None)
+    if tool:
+        env["SANITIZE_TOOL"] = tool
     log = subprocess.run(["bash", "-c", f"source {part}; memcheck"], env=env, capture_output=True, text=True,
                          check=True).stdout
+    assert (out / f"{tool or 'memcheck'}.log").read_text() == log
     return log, calls.read_text().splitlines() if calls.exists() else []
 
 
@@ -74,6 +78,18 @@ def test_a_sanitizer_dead_at_its_start_is_tried_once_more(tmp_path):
         log, calls = run_memcheck(where, 60, body)
         assert log.startswith("memcheck exit 139"), name
         assert len(calls) == len(groups) + (name == "twice"), name
+
+
+def test_another_sanitizer_tool_runs_the_same_groups_into_its_own_log(tmp_path):
+    """SANITIZE_TOOL=initcheck: each group under `--tool initcheck`, its log initcheck.log, where an uninitialized
+    read is counted like memcheck's invalid accesses."""
+    read = 'echo "========= Uninitialized __global__ memory read of size 4 bytes"'
+    log, calls = run_memcheck(tmp_path, 60, f'[ $n = 2 ] && {{ {read}; exit 3; }}; {SUMMARY}', tool="initcheck")
+    groups = default_groups()
+    assert len(calls) == len(groups) and all(c.startswith("--tool initcheck ") for c in calls)
+    assert log.startswith(f"initcheck exit 3 ({len(groups)} groups)")
+    assert "1 ========= Uninitialized __global__ memory read" in log
+    assert not (tmp_path / "out" / "memcheck.log").exists()
 
 
 def test_every_id_names_collected_gpu_tests():

@@ -2,7 +2,7 @@
 # One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
 # benchmarks; logs and JSON to $OUT.
 # Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0]
-#   [SANITIZE=1 [SANITIZE_PARALLEL=1]] [PROFILE=1]
+#   [SANITIZE=1 [SANITIZE_PARALLEL=1] [SANITIZE_TOOL=memcheck|initcheck|synccheck]] [PROFILE=1]
 # Split test groups by file or node id, not by -k: parametrized tests carry the keywords
 # "parametrize" and "pytestmark", so -k tma selects nearly all of them (fifth session).
 #   bash tools/gpu_session.sh [pytest-args...]
@@ -12,7 +12,9 @@ export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
-# memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own.
+# memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own. The same
+# groups serve the other sanitizer tools (SANITIZE_TOOL; logs $OUT/<tool>.log). initcheck (reads of device
+# memory nothing wrote) found 0 errors on 155 tests, most of these among them (perf-notes, ninety-second section).
 # --show-backtrace device: the host backtrace (the sanitizer's default, 'yes') keeps a reference to the Python
 # frames of every CUDA call, and through them every test's tensors: one process ran out of memory at its 69th
 # test (eighty-third and eighty-fourth sessions, perf-notes); a precise error still gets its device backtrace
@@ -27,36 +29,40 @@ MEMCHECK_GROUPS="tests/test_merge_gpu.py tests/test_decode_gpu.py::test_pages_la
   tests/test_mla_gpu.py::test_wgmma_backend[transposed-16] tests/test_mla_gpu.py::test_wgmma_backend[normal-128]
   tests/test_mla_gpu.py::test_merge_lanes_agree_with_one_lane
   tests/test_mla_gpu.py::test_long_request_split_across_ctas;
-  tests/test_quest_gpu.py"
+  tests/test_quest_gpu.py;
+  tests/test_append_gpu.py::test_append_replays_in_a_cuda_graph
+  tests/test_append_gpu.py::test_mla_append_matches_torch_indexing
+  tests/test_decode_verify_gpu.py::test_draft_tokens_against_the_reference
+  tests/test_decode_verify_gpu.py::test_long_requests_split_and_merged"
 memcheck() {
   local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try
-  local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}"
+  local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}" tool=${SANITIZE_TOOL:-memcheck}
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
-  : > "$OUT/memcheck.full"
+  : > "$OUT/$tool.full"
   for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
-    [ $(( end - $(date +%s) )) -lt 5 ] && { echo "memcheck: no time left for: $group"; status=124; break; } \
-      >> "$OUT/memcheck.full"
+    [ $(( end - $(date +%s) )) -lt 5 ] && { echo "$tool: no time left for: $group"; status=124; break; } \
+      >> "$OUT/$tool.full"
     # a second try only where the sanitizer died by a signal before pytest printed a line (seen once: exit 139
     # beside fourteen test processes, ninety-first section of perf-notes); a crash once tests ran stands as it is
     for try in 1 2; do
       # the memory torch holds after each test (ATTNFORGE_TEST_MEMLOG: tests/conftest.py)
-      ATTNFORGE_TEST_MEMLOG="$OUT/memcheck-memory.log" timeout $(( end - $(date +%s) )) \
-        compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 --show-backtrace device \
+      ATTNFORGE_TEST_MEMLOG="$OUT/$tool-memory.log" timeout $(( end - $(date +%s) )) \
+        compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3 --show-backtrace device \
         python3 -m pytest -m gpu -q -x -p no:cacheprovider $group \
-        > "$OUT/memcheck.group" 2>&1
-      rc=$?; cat "$OUT/memcheck.group" >> "$OUT/memcheck.full"
-      [ $rc -ge 128 ] && [ $rc -ne 137 ] && ! grep -qv '^=========' "$OUT/memcheck.group" && [ $try = 1 ] \
+        > "$OUT/$tool.group" 2>&1
+      rc=$?; cat "$OUT/$tool.group" >> "$OUT/$tool.full"
+      [ $rc -ge 128 ] && [ $rc -ne 137 ] && ! grep -qv '^=========' "$OUT/$tool.group" && [ $try = 1 ] \
         && [ $(( end - $(date +%s) )) -ge 5 ] || break
-      echo "memcheck: the sanitizer died at its start (exit $rc), tried again: $group" >> "$OUT/memcheck.full"
+      echo "$tool: the sanitizer died at its start (exit $rc), tried again: $group" >> "$OUT/$tool.full"
     done
     [ $rc -ne 0 ] && status=$rc
   done
-  rm -f "$OUT/memcheck.group"
-  echo "memcheck exit $status (${#mgroups[@]} groups)" > "$OUT/memcheck.log"
-  grep -E "Program hit|Invalid|out of bounds|ERROR SUMMARY|passed|failed|tried again" "$OUT/memcheck.full" \
-    | sort | uniq -c | sort -rn | head -30 >> "$OUT/memcheck.log"
-  head -c 20000 "$OUT/memcheck.full" > "$OUT/memcheck.head"; rm -f "$OUT/memcheck.full"
-  cat "$OUT/memcheck.log"
+  rm -f "$OUT/$tool.group"
+  echo "$tool exit $status (${#mgroups[@]} groups)" > "$OUT/$tool.log"
+  grep -E "Program hit|Invalid|Uninitialized|out of bounds|ERROR SUMMARY|passed|failed|tried again" \
+    "$OUT/$tool.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/$tool.log"
+  head -c 20000 "$OUT/$tool.full" > "$OUT/$tool.head"; rm -f "$OUT/$tool.full"
+  cat "$OUT/$tool.log"
 }
 # SANITIZE_PARALLEL=1: memcheck beside the test processes (both mostly wait on nvcc), not after them
 if [ "${SANITIZE:-0}" = 1 ] && [ "${SANITIZE_PARALLEL:-0}" = 1 ]; then memcheck > /dev/null 2>&1 & fi
@@ -74,7 +80,7 @@ else
   tail -n 40 "$OUT/pytest.log"
 fi
 wait  # a parallel memcheck
-[ "${SANITIZE_PARALLEL:-0}" = 1 ] && cat "$OUT/memcheck.log"
+[ "${SANITIZE_PARALLEL:-0}" = 1 ] && cat "$OUT/${SANITIZE_TOOL:-memcheck}.log"
 # SASS of the default Hopper prefill kernel (B1 S8192 shape), to check wgmma ordering and registers
 # (SASS=0 skips it: tools/device_call.sh's trees, whose tests may not build that kernel)
 if [ "${SASS:-1}" = 1 ]; then
