@@ -44,6 +44,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     is_causal: SDPA's, for Lq == Lk (query i sees keys 0..i): the prefill kernels' own causal tiles, no mask to
     plan from (with a score_mod or mask_mod, they apply within it).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
     check_causal(is_causal, q, k)
     if ops.compiling():
@@ -63,7 +65,7 @@ def check_causal(is_causal, q, k) -> None:
     top left and FlashAttention's (and attnforge's q_idx) to the bottom right: refused rather than guessed."""
     if not isinstance(is_causal, bool):
         raise checks.fail("attention(is_causal=...)", "a bool", repr(is_causal), "Pass True or False, as to SDPA.")
-    lq, lk = getattr(q, "shape", (0, 0))[-2], getattr(k, "shape", (0, 0))[-2]
+    lq, lk = q.shape[-2], k.shape[-2]  # (4-d tensors: attention() checked them)
     if is_causal and lq != lk:
         top_left = f"q_idx - {lk - lq}" if lk > lq else f"q_idx + {lq - lk}"  # (query i's q_idx is Lk - Lq + i)
         raise checks.fail("attention(is_causal=True)", "as many queries as keys", f"Lq={lq} and Lk={lk}",

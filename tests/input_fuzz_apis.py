@@ -245,7 +245,9 @@ def attention_mutations(a: dict, env: Env) -> list:
     m = scale("scale", refuse_zero=False)
     for arg in ("q", "k", "v"):  # attention() copies what its kernel cannot read, as SDPA takes any layout
         m += retag(tensor(arg, a[arg], env.gpu), SAME, *COPIED)
-    m += [Mutation("k", "heads-not-dividing", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1, -1).contiguous()),
+        m.append(Mutation(arg, "flattened", REFUSE, lambda t: t.flatten()))  # (no [-2] dimension to read)
+    m += [Mutation("q", "0-d", REFUSE, lambda t: t[0, 0, 0, 0]),
+          Mutation("k", "heads-not-dividing", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1, -1).contiguous()),
           Mutation("v", "other-length", REFUSE, lambda t: t[:, :, :-1].contiguous()),
           Mutation("is_causal", "int", REFUSE, lambda x: 1),
           Mutation("is_causal", "with-fewer-queries-than-keys", REFUSE, lambda x: True)]  # (40 queries, 100 keys)
