@@ -1,5 +1,9 @@
 """Suite `mods`: the cost of score modifiers (rows attnforge = with the mod, attnforge-plain = without),
-and a document mask against FlexAttention (compiled, block mask prebuilt)."""
+and a document mask against FlexAttention (compiled, block mask prebuilt). With peers, the prefill rows
+also give each peer's own cost of the same modifier (`<peer>` with it, `<peer>-plain` without, timed in
+rotation), so a target on the cost can be read against what FlashInfer and FlexAttention pay.
+`python benchmarks/bench_mods.py prebuild <backend> <mode>` builds one FlashInfer module (to run several at once
+before the suite: each takes minutes)."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,8 +45,14 @@ def run(report: Report, peers: bool = True) -> None:
         w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
                                        causal=True, score_mod=mod))
         w.plan(ind, ind)
-        fns[name] = lambda w=w: w.run(qp, (kp, vp))
+        fns[name] = lambda w=w, q=qp, kv=(kp, vp): w.run(q, kv)
     report_mods(report, "prefill B1 S8192", time_interleaved(fns, calls=2, reps=10), None, causal_flops([8192]))
+    ours = {}
+    if peers:
+        ours = {name: fn().clone() for name, fn in fns.items()}  # each peer's output is checked against ours
+        bench_flashinfer_mods(report, qp, kp, vp, ind, ours)
+        bench_flex_mods(report, qp, kp, vp, ours)
+    del qp, kp, vp, fns, ours  # the document mask's inputs get fresh memory
     bench_document_mask(report, peers)
 
 
@@ -51,6 +61,82 @@ def report_mods(report: Report, shape: str, times: dict, nbytes, flops) -> None:
     for name in the_mods():
         report.add("mods", f"{name} {shape}", "attnforge-plain", times["plain"], nbytes, flops)
         report.add("mods", f"{name} {shape}", "attnforge", times[name], nbytes, flops)
+
+
+def peer_mods_report(report: Report, peer: str, times: dict) -> None:
+    """A peer's rows: `<peer>-plain` and `<peer>` (with the mod) under each mod it ran."""
+    for name in the_mods():
+        if name in times:
+            report.add("mods", f"{name} prefill B1 S8192", f"{peer}-plain", times["plain"], None, causal_flops([8192]))
+            report.add("mods", f"{name} prefill B1 S8192", peer, times[name], None, causal_flops([8192]))
+
+
+def agrees(report: Report, what: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a peer computed the case we time (its output against ours, [tokens, heads, dim]); a note where
+    it did not, and the caller leaves that variant out."""
+    err = (got.float() - want.float()).abs().max().item()
+    if err > 0.05:
+        report.note(f"{what}: max |difference| to attnforge's output {err:.3g}; left out")
+    return err <= 0.05
+
+
+# FlashInfer's JIT builds one module per (backend, mode) on first use, minutes each for fa3: the modes that
+# answer a question. fa3 has no ALiBi (FlashInfer's is_fa3_backend_supported takes no position encoding), so
+# ALiBi's cost is fa2's; soft-cap's is fa3's, the Hopper kernel ours is held against.
+FLASHINFER_MODES = {"fa2": ("plain", "alibi"), "fa3": ("plain", "softcap")}
+FLASHINFER_PLAN_KW = {"plain": {}, "softcap": {"logits_soft_cap": 50.0}, "alibi": {"pos_encoding_mode": "ALIBI"}}
+
+
+def flashinfer_prefill(backend: str, mode: str, indptr, ws=None):
+    """A FlashInfer ragged causal prefill wrapper planned for `mode` (plan() JIT-builds its module)."""
+    import flashinfer
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if ws is None else ws
+    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+    w.plan(ind, ind, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16, **FLASHINFER_PLAN_KW[mode])
+    return w
+
+
+def bench_flashinfer_mods(report: Report, q, k, v, indptr, ours: dict) -> None:
+    """FlashInfer's ragged causal prefill without and with a mode (FLASHINFER_MODES: soft-cap by
+    logits_soft_cap, ALiBi by pos_encoding_mode with the same geometric slopes), timed in rotation."""
+    import importlib.util
+    if importlib.util.find_spec("flashinfer") is None:
+        report.note("flashinfer unavailable: not importable (PYTHONPATH=.anchors/flashinfer on the GPU machine)")
+        return
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # shared: the wrappers run in turn
+    for backend, modes in FLASHINFER_MODES.items():
+        fns = {}
+        for name in modes:
+            try:
+                fn = (lambda w=flashinfer_prefill(backend, name, indptr, ws): w.run(q, k, v))
+                if agrees(report, f"flashinfer-{backend} {name} prefill", fn(), ours[name]):
+                    fns[name] = fn
+            except Exception as e:
+                report.note(f"flashinfer-{backend} {name} prefill: {type(e).__name__}: {str(e)[:160]}")
+        if "plain" in fns and len(fns) > 1:
+            peer_mods_report(report, f"flashinfer-{backend}", time_interleaved(fns, calls=2, reps=10))
+
+
+def bench_flex_mods(report: Report, q, k, v, ours: dict) -> None:
+    """FlexAttention (compiled) without and with each prefill mod: soft-cap and ALiBi as its score_mod over
+    the causal block mask, the window as a block mask of its own."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        L, slopes = q.shape[0], _slopes()
+        qd, kd, vd = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+        causal = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device="cuda")
+        window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 4096), None, None, L, L, device="cuda")
+        flex = torch.compile(flex_attention)
+        variants = {"plain": (None, causal), "softcap": (lambda s, b, h, qi, ki: 50.0 * torch.tanh(s / 50.0), causal),
+                    "alibi": (lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi), causal), "window4096": (None, window)}
+        fns = {name: (lambda m=m, bm=bm: flex(qd, kd, vd, score_mod=m, block_mask=bm, enable_gqa=True))
+               for name, (m, bm) in variants.items()}
+        fns = {name: fn for name, fn in fns.items() if agrees(report, f"flex {name} prefill", fn()[0].transpose(0, 1),
+                                                               ours[name])}
+        peer_mods_report(report, "flex", time_interleaved(fns, calls=2, reps=10))
+    except Exception as e:
+        report.note(f"flex prefill mods: {type(e).__name__}: {str(e)[:160]}")
 
 
 def bench_document_mask(report: Report, peers: bool) -> None:
@@ -86,3 +172,12 @@ def bench_document_mask(report: Report, peers: bool) -> None:
                    time_us(lambda: flex(qd, kd, vd, block_mask=bm, enable_gqa=True), calls=2, reps=10), None, flops)
     except Exception as e:
         report.note(f"flex document mask: {type(e).__name__}: {str(e)[:160]}")
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) == 4 and sys.argv[1] == "prebuild":
+        flashinfer_prefill(sys.argv[2], sys.argv[3], [0, 128])
+        print(f"flashinfer-{sys.argv[2]} {sys.argv[3]}: built")
+    else:
+        sys.exit("usage: python benchmarks/bench_mods.py prebuild <fa2|fa3> <plain|softcap|alibi>")
