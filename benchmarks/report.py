@@ -138,7 +138,9 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "",
         "## The issues' targets against this record",
         "",
-        "Generated from the rows below (`benchmarks/targets.py`). The read ceiling is the `roofline` suite's fastest "
+        "Generated from the rows below (`benchmarks/targets.py`). The best peer is the fastest row not ours in the "
+        "same case, on the target's measure (for a modifier's cost, the peer's own cost of the same modifier, where "
+        "the suite timed the peer without and with it). The read ceiling is the `roofline` suite's fastest "
         "kernel that only reads, at the case's byte count: a bandwidth target above it asks more than a pure read gets.",
         "",
         targets.table(rows),

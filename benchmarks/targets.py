@@ -103,9 +103,28 @@ def read_ceiling_gbps(nbytes: float, rows) -> Optional[float]:
     return nbytes / (min(times) * 1e3) if times else None
 
 
+def best_peer(t: Target, rows) -> Optional[tuple[str, float]]:
+    """The best peer's (impl, value) on the target's own measure, in the same suite and case, or None: a bandwidth
+    or TFLOP/s target reads the fastest row not ours; an overhead target against attnforge-plain reads each peer's
+    own cost, `<peer>` over `<peer>-plain` (the mods suite times both), the smallest taken. Speedup and time
+    targets are measured against a peer already, or have none."""
+    case_rows = [r for r in rows
+                 if r["suite"] == t.suite and r["case"] == t.case and not r["impl"].startswith("attnforge")]
+    if t.metric in ("gbps", "tflops"):
+        values = [(r["impl"], r[t.metric]) for r in case_rows if r.get(t.metric)]
+        return max(values, key=lambda iv: iv[1]) if values else None
+    if t.metric == "overhead" and t.ref == "attnforge-plain":
+        by_impl = {r["impl"]: r for r in case_rows}
+        costs = [(impl, r["us"] / by_impl[impl + "-plain"]["us"] - 1.0) for impl, r in by_impl.items()
+                 if impl + "-plain" in by_impl]
+        return min(costs, key=lambda iv: iv[1]) if costs else None
+    return None
+
+
 def verdicts(rows) -> list[dict]:
-    """One dict a target: the target, its value (None: not measured), the read ceiling where it is a
-    bandwidth target, and met (None: not measured)."""
+    """One dict a target: the target, its value (None: not measured), the best peer's (impl, value) on the same
+    measure where one is measured, the read ceiling where it is a bandwidth target, and met (None: not
+    measured)."""
     out = []
     for t in TARGETS:
         value = measured(t, rows)
@@ -114,7 +133,7 @@ def verdicts(rows) -> list[dict]:
             r = _rows_by_key(rows)[(t.suite, t.case, t.impl)]
             ceiling = read_ceiling_gbps(r["gbps"] * r["us"] * 1e3, rows)
         met = None if value is None else (value >= t.bound if t.higher_is_better else value <= t.bound)
-        out.append({"target": t, "value": value, "ceiling": ceiling, "met": met})
+        out.append({"target": t, "value": value, "peer": best_peer(t, rows), "ceiling": ceiling, "met": met})
     return out
 
 
@@ -130,11 +149,13 @@ def _fmt(metric: str, v: Optional[float]) -> str:
 
 def table(rows) -> str:
     """The markdown table report.py puts first in the benchmarks README."""
-    lines = ["| issue | suite | case | target | measured | read ceiling | met |", "|---|---|---|---|---|---|---|"]
+    lines = ["| issue | suite | case | target | measured | best peer | read ceiling | met |",
+             "|---|---|---|---|---|---|---|---|"]
     for v in verdicts(rows):
         t = v["target"]
         ceiling = f"{v['ceiling']:.0f} GB/s" if v["ceiling"] else ""
+        peer = f"{_fmt(t.metric, v['peer'][1])} {v['peer'][0]}" if v["peer"] else ""
         met = {None: "–", True: "yes", False: "**no**"}[v["met"]]
         lines.append(f"| #{t.issue} | {t.suite} | {t.case} | {t.describe()} | {_fmt(t.metric, v['value'])} | "
-                     f"{ceiling} | {met} |")
+                     f"{peer} | {ceiling} | {met} |")
     return "\n".join(lines)

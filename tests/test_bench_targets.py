@@ -81,3 +81,34 @@ def test_readme_shows_the_targets_table_of_the_record():
     readme = (RECORD.parent / "README.md").read_text()
     assert t.table(json.loads(RECORD.read_text())["rows"]) in readme
     assert readme.index("## The issues' targets") < readme.index("## Batch decode")
+
+
+def test_best_peer_reads_each_target_on_its_own_measure():
+    t = load_benchmark("targets")
+    Target = t.Target
+    rows = [row("prefill", "B1", "attnforge", 10.0, tflops=670.0),
+            row("prefill", "B1", "flashinfer-fa3", 9.9, tflops=675.0),
+            row("prefill", "B1", "flashinfer-fa2", 18.0, tflops=370.0),
+            row("prefill", "B1", "attnforge-mma", 5.0, tflops=900.0),
+            row("mods", "softcap", "attnforge", 126.0), row("mods", "softcap", "attnforge-plain", 100.0),
+            row("mods", "softcap", "flashinfer-fa3", 127.0), row("mods", "softcap", "flashinfer-fa3-plain", 100.0),
+            row("mods", "softcap", "flex", 212.0), row("mods", "softcap", "flex-plain", 100.0),
+            row("mods", "alibi", "attnforge", 114.0), row("mods", "alibi", "attnforge-plain", 100.0),
+            row("mods", "alibi", "flex", 90.0),  # no flex-plain row: no cost to read
+            row("decode", "skew", "attnforge", 130.0), row("decode", "skew", "flashinfer-tc", 905.0)]
+    # the fastest row not ours (an attnforge ablation faster than every peer is not a peer)
+    assert t.best_peer(Target(6, "prefill", "B1", "tflops", 680.0), rows) == ("flashinfer-fa3", 675.0)
+    # a modifier's cost: each peer's own, the smallest
+    impl, cost = t.best_peer(Target(5, "mods", "softcap", "overhead", 0.05, ref="attnforge-plain"), rows)
+    assert impl == "flashinfer-fa3" and cost == pytest.approx(0.27)
+    assert t.best_peer(Target(5, "mods", "alibi", "overhead", 0.05, ref="attnforge-plain"), rows) is None
+    assert t.best_peer(Target(3, "decode", "skew", "speedup", 7.0, ref="flashinfer-tc"), rows) is None
+    assert t.best_peer(Target(6, "prefill", "B2", "tflops", 680.0), rows) is None
+    orig = t.TARGETS
+    try:
+        t.TARGETS = (Target(6, "prefill", "B1", "tflops", 680.0),
+                     Target(5, "mods", "softcap", "overhead", 0.05, ref="attnforge-plain"))
+        table = t.table(rows)
+    finally:
+        t.TARGETS = orig
+    assert "| 670 | 675 flashinfer-fa3 |" in table and "| +26.0% | +27.0% flashinfer-fa3 |" in table
