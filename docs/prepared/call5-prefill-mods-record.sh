@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Suites `prefill` and `mods` re-recorded (carry .anchors) now that FlashInfer runs in our rotation and mods has
+# each peer's own cost of a modifier (perf-notes, ninety-third section). The record's rows are an H200's, so off
+# an H200 it stops, unless CASES names prefill cases to check the suite's code on (their JSON is not a record):
+#   bash docs/prepared/call5-prefill-mods-record.sh                      (on the GPU machine, repo root)
+#   CASES="B16 S2048,B1 S8192 paged16" bash docs/prepared/call5-prefill-mods-record.sh      (any GPU)
+# Then, on this machine, for each JSON: python3 benchmarks/report.py merge <files_at>/<suite>.json, and
+# python3 benchmarks/report.py.
+set -u
+start=$(date +%s)
+export PYTHONPATH=$PWD:$PWD/.anchors/flashinfer ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
+suites="prefill mods"
+if ! grep -q H200 "$OUT/gpu.txt"; then
+  [ -n "${CASES:-}" ] || { echo "not an H200 and no CASES: nothing to record"; exit 0; }
+  export ATTNFORGE_BENCH_PREFILL_CASES="$CASES"; suites=prefill
+fi
+# FlashInfer builds a module per (backend, mode) at first use, minutes each for fa3: four at once, 4 jobs each
+for m in "fa2 plain" "fa3 plain" "fa2 alibi" "fa3 softcap"; do
+  MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
+done
+wait
+tail -qn 1 "$OUT"/prebuild-*.log; echo "FlashInfer built at $(( $(date +%s) - start )) s"
+for suite in $suites; do
+  MAX_JOBS=16 timeout $(( 585 - ($(date +%s) - start) )) python3 benchmarks/run.py --suites $suite \
+    --out "$OUT/$suite.json" 2>&1 | grep -v "^attnforge:" > "$OUT/$suite.log"
+  grep -E "^$suite " "$OUT/$suite.log" | tail -n 40
+  echo "$suite done at $(( $(date +%s) - start )) s"
+done
+python3 -c "
+import json, sys
+for f in sys.argv[1:]:
+    for n in json.load(open(f)).get('notes', []): print('note:', n)
+" "$OUT"/*.json
