@@ -89,8 +89,8 @@ def run(report: Report, peers: bool = True) -> None:
                                   "attnforge-fp8kv-mma": lambda: w8m.run(q, cache8), **peer_fns})
             continue
         w.plan(indptr, indptr)
-        # FlashInfer fa2 / fa3 in the same rotation as ours: timed one after another, the H100 of the
-        # ninety-third session read fa3 level with us on B1 S8192; in rotation it led by 1.1-3.6%
+        # FlashInfer fa2 / fa3 in the same rotation as ours: timed one after another, the H200 record read fa3
+        # level with us on B1 S8192; in one rotation on an H100 (ninety-third session) it led by 1.1-3.6%
         peer_fns = flashinfer_ragged(report, case, q, k, v, indptr, want=w.run(q, (k, v))) if peers else {}
         time_schedules(report, case, spec, (indptr, indptr), {}, lambda wv: wv.run(q, (k, v)), flops, extra=peer_fns)
         if case == "B1 S8192":  # the portable kernel and the tiling ablation, for the record

@@ -1,6 +1,7 @@
-"""The prefill and mods suites time FlashInfer in the same rotation as attnforge (harness.time_interleaved): one
-after another, fa3 read level with us on an H100 where in rotation it led by 1.1-3.6% (perf-notes, ninety-third
-session). On the host: the suites run with their GPU parts replaced by recorders."""
+"""The prefill and mods suites time FlashInfer in the same rotation as attnforge (harness.time_interleaved): timed
+one after another, the H200 record read fa3 level with us on B1 S8192, while in one rotation on an H100 it led by
+1.1-3.6% (perf-notes, ninety-third session). On the host: the suites run with their GPU parts replaced by
+recorders."""
 import sys
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def test_mods_time_each_peer_with_and_without_its_mode_in_one_rotation(monkeypat
     bench_mods.bench_flashinfer_mods(report, None, None, None, [0, 8], ours)
     assert rotations == [sorted(modes) for modes in bench_mods.FLASHINFER_MODES.values()]
     rows = {(r["case"], r["impl"]) for r in report.rows}
-    assert {("softcap prefill B1 S8192", "flashinfer-fa3"), ("softcap prefill B1 S8192", "flashinfer-fa3-plain")} <= rows
+    softcap = "softcap prefill B1 S8192"
+    assert {(softcap, "flashinfer-fa3"), (softcap, "flashinfer-fa3-plain")} <= rows
     assert ("alibi prefill B1 S8192", "flashinfer-fa2") in rows
     assert not any(impl.startswith("flashinfer-fa3") for case, impl in rows if case.startswith("alibi"))
 
