@@ -48,13 +48,21 @@ def run(report: Report, peers: bool = True) -> None:
                                        causal=True, score_mod=mod))
         w.plan(ind, ind)
         fns[name] = lambda w=w, q=qp, kv=(kp, vp): w.run(q, kv)
-    report_mods(report, "prefill B1 S8192", time_interleaved(fns, calls=2, reps=10), None, causal_flops([8192]))
+    # soft-cap on a fixed row reference (bounded_logits: no running max), row attnforge-bounded, same rotation
+    wb = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True,
+                                    score_mod=the_mods()["softcap"]), bounded_logits=True)
+    wb.plan(ind, ind)
+    fns["softcap-bounded"] = lambda w=wb, q=qp, kv=(kp, vp): w.run(q, kv)
+    times = time_interleaved(fns, calls=2, reps=10)
+    report_mods(report, "prefill B1 S8192", times, None, causal_flops([8192]))
+    report.add("mods", "softcap prefill B1 S8192", "attnforge-bounded", times["softcap-bounded"], None,
+               causal_flops([8192]))
     ours = {}
     if peers:
         ours = {name: fn().clone() for name, fn in fns.items()}  # each peer's output is checked against ours
         bench_flashinfer_mods(report, qp, kp, vp, ind, ours)
         bench_flex_mods(report, qp, kp, vp, ours)
-    del qp, kp, vp, fns, ours  # the document mask's inputs get fresh memory
+    del qp, kp, vp, fns, ours, wb  # the document mask's inputs get fresh memory
     bench_document_mask(report, peers)
 
 

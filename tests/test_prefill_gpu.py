@@ -563,6 +563,28 @@ def test_scaled_cores_at_their_flat_ends(form, dtype, pattern):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+@pytest.mark.parametrize("pattern", ["low", "high", "random"])
+@pytest.mark.parametrize("form,cap", [("spec", 50.0), ("const", 30.0), ("const", 64.0), ("spec", 1.0)])
+def test_bounded_logits_against_the_reference(form, cap, pattern):
+    """bounded_logits: a fixed row reference instead of the running max. Every score near -4 cap or +4 cap
+    (logits within 0.1% of the bound's two ends, where the weights are smallest and largest against the
+    reference: about 2^-124 at cap 64's low end), or random; causal with rows that see no key, a long request
+    split over CTAs (its partial states merged by LSE), persistent CTAs over many items."""
+    kw = {"logits_soft_cap": cap} if form == "spec" else {"score_mod": m.softcap(cap)}
+    spec = AttentionSpec(family="prefill", causal=True, **kw)
+    q, k, v, qo, kv = ragged_case(spec, [300, 1, 129, 40], [200, 1000, 700, 9000], seed=23)
+    if pattern != "random":  # q.k / sqrt(128) near +-4 cap: every logit within 0.1% of -cap or +cap
+        shift = (4 * cap / math.sqrt(128)) ** 0.5
+        q, k = q * 0.1 + shift, k * 0.1 + (shift if pattern == "high" else -shift)
+    w = BatchPrefill(spec, bounded_logits=True)
+    assert "constexpr bool kBoundedLogits = true;" in w.kernel.module().source
+    w.plan(qo, kv)
+    out, lse = w.run(q, (k, v), out=poison(q.shape, q.dtype), return_lse=True)
+    assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()  # request 0's first rows precede every key
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(4)]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("head_dim,every,extras", [(128, 1, {"logits_soft_cap": 5.0}),
                                                  (128, 2, {"logits_soft_cap": 5.0, "window_left": 100}),
                                                  (64, 4, {}), (128, 8, {"window_left": 33})])

@@ -141,6 +141,38 @@ def test_exponentials_on_the_fma_pipe_where_a_score_function_shares_the_sfu():
         PrefillKernel(SPEC, "mma", fma_exp_every=4)
 
 
+def test_bounded_logits_where_every_logit_lies_in_a_fixed_range():
+    """bounded_logits: a fixed row reference where the logits are out * tanh(in * score) with out <= 64 and P is
+    bf16; refused, saying why, everywhere else; off by default (not yet measured on a GPU)."""
+    import dataclasses
+
+    from attnforge import mods
+    from attnforge.kernels.prefill import bounded_logits_blocker
+    capped = dataclasses.replace(SPEC, logits_soft_cap=50.0)
+    for spec in (capped, dataclasses.replace(SPEC, score_mod=mods.softcap(64.0)),
+                 dataclasses.replace(SPEC, logits_soft_cap=1e-3)):
+        assert bounded_logits_blocker(spec) is None
+        k = PrefillKernel(spec, "wgmma", bounded_logits=True)
+        assert "constexpr bool kBoundedLogits = true;" in k.module().source and "_bl_" in k.module().name
+        assert k.module().name != PrefillKernel(spec, "wgmma").module().name
+    assert not PrefillKernel(capped, "wgmma").bounded_logits
+    assert "constexpr bool kBoundedLogits = false;" in PrefillKernel(capped, "wgmma").module().source
+    fp16 = dataclasses.replace(capped, q_dtype="fp16", kv_dtype="fp16", out_dtype="fp16")
+    refusals = {fp16: "q and K/V of bf16", dataclasses.replace(capped, kv_dtype="fp8_e4m3"): "q and K/V of bf16",
+                SPEC: "a logits transform out \\* tanh", dataclasses.replace(SPEC, logits_soft_cap=64.5): "got 64.5",
+                dataclasses.replace(SPEC, score_mod=mods.softcap(100.0)): "got 100",
+                dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(32))): "a logits transform",
+                dataclasses.replace(SPEC, score_mod=mods.softcap(torch.tensor(30.0))): "a logits transform"}
+    for spec, why in refusals.items():
+        assert bounded_logits_blocker(spec) is not None
+        with pytest.raises(ValueError, match=f"bounded_logits=True .*: a fixed row reference needs .*{why}"):
+            PrefillKernel(spec, "wgmma", bounded_logits=True)
+    with pytest.raises(ValueError, match="bounded_logits=True .*'mma'.*needs the wgmma backend"):
+        PrefillKernel(capped, "mma", bounded_logits=True)
+    with pytest.raises(ValueError, match="bounded_logits=1 .*needs a bool"):
+        PrefillKernel(capped, "wgmma", bounded_logits=1)
+
+
 def test_persistent_shape_and_refusals():
     k = PrefillKernel(SPEC, "wgmma", persistent=True)
     assert k.module().name.endswith("_ws_pers_tma_s3") and "constexpr bool kPersistent = true;" in k.module().source

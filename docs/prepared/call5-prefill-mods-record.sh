@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Suites `prefill` and `mods` re-recorded (carry .anchors) now that FlashInfer runs in our rotation and mods has
-# each peer's own cost of a modifier (perf-notes, ninety-third section). The record's rows are an H200's, so off
-# an H200 it stops, unless CASES names prefill cases to check the suite's code on (their JSON is not a record):
+# The GPU tests of bounded_logits (soft-cap on a fixed row reference), then suites `prefill` and `mods`
+# re-recorded (carry .anchors): FlashInfer runs in our rotation, and mods has each peer's own cost of a modifier
+# and the attnforge-bounded row (perf-notes, ninety-third section). The record's rows are an H200's, so off an
+# H200 it stops after the tests, unless CASES names prefill cases to check the suite's code on (not a record):
 #   bash docs/prepared/call5-prefill-mods-record.sh                      (on the GPU machine, repo root)
 #   CASES="B16 S2048,B1 S8192 paged16" bash docs/prepared/call5-prefill-mods-record.sh      (any GPU)
 # Then, on this machine, for each JSON: python3 benchmarks/report.py merge <files_at>/<suite>.json, and
@@ -12,14 +13,20 @@ export PYTHONPATH=$PWD:$PWD/.anchors/flashinfer ATTNFORGE_CACHE_DIR=/tmp/attnfor
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 suites="prefill mods"
 if ! grep -q H200 "$OUT/gpu.txt"; then
-  [ -n "${CASES:-}" ] || { echo "not an H200 and no CASES: nothing to record"; exit 0; }
-  export ATTNFORGE_BENCH_PREFILL_CASES="$CASES"; suites=prefill
+  suites=""; [ -n "${CASES:-}" ] && { export ATTNFORGE_BENCH_PREFILL_CASES="$CASES"; suites=prefill; }
 fi
-# FlashInfer builds a module per (backend, mode) at first use, minutes each for fa3: four at once, 4 jobs each
-for m in "fa2 plain" "fa3 plain" "fa2 alibi" "fa3 softcap"; do
-  MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
-done
+# FlashInfer builds a module per (backend, mode) at first use, minutes each for fa3: four at once, 4 jobs each,
+# beside the GPU tests
+if [ -n "$suites" ]; then
+  for m in "fa2 plain" "fa3 plain" "fa2 alibi" "fa3 softcap"; do
+    MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
+  done
+fi
+timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py -k "bounded or soft_cap or scaled_cores" \
+  > "$OUT/bounded-tests.log" 2>&1
+grep -E "passed|failed" "$OUT/bounded-tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/bounded-tests.log"
 wait
+[ -n "$suites" ] || { echo "not an H200 and no CASES: nothing to record"; exit 0; }
 tail -qn 1 "$OUT"/prebuild-*.log; echo "FlashInfer built at $(( $(date +%s) - start )) s"
 for suite in $suites; do
   MAX_JOBS=16 timeout $(( 585 - ($(date +%s) - start) )) python3 benchmarks/run.py --suites $suite \

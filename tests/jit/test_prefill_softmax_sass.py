@@ -7,7 +7,9 @@ so a change that quietly adds one is a regression these counts catch without a G
 - ALiBi: interior tiles step the bias along each row in float (one FFMA a score); only the generic edge
   path converts positions per score (I2F). Converted per score on every tile (the sixth session's
   kernel), the kernel held 128 conversions a loop body;
-- soft-cap: one tanh a score on each of the two paths that apply it (core tiles and edge tiles).
+- soft-cap: one tanh a score on each of the two paths that apply it (core tiles and edge tiles);
+- soft-cap with bounded_logits (a fixed row reference): the same tanh and exponentials, no row max (one FMNMX a
+  score fewer on both paths), and no rescale vote or O rescale.
 Needs nvdisasm, as test_pdl_sass."""
 import re
 import subprocess
@@ -28,10 +30,12 @@ SCORES = 64  # a consumer thread's scores of one tile at d128
 MODS = {"plain": None, "alibi": lambda: mods.alibi(default_slopes(32)), "softcap": lambda: mods.softcap(50.0)}
 
 
-def opcode_counts(mod, tmp_path) -> Counter:
+def opcode_counts(mod, tmp_path, **kernel) -> Counter:
     spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True,
                          score_mod=None if mod is None else mod())
-    ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma").module(), "batch_prefill_wgmma_kernel", tmp_path)
+    log = ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma", **kernel).module(), "batch_prefill_wgmma_kernel",
+                                    tmp_path)
+    assert re.search(r"\b0 bytes spill stores", log), log
     sass = subprocess.run([str(NVDISASM), "-c", str(tmp_path / "k.cubin")], check=True, capture_output=True,
                           text=True).stdout
     lines = [x.split("*/", 1)[1].strip() for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", x)]
@@ -40,7 +44,9 @@ def opcode_counts(mod, tmp_path) -> Counter:
 
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
-    return {name: opcode_counts(mod, tmp_path_factory.mktemp(name)) for name, mod in MODS.items()}
+    out = {name: opcode_counts(mod, tmp_path_factory.mktemp(name)) for name, mod in MODS.items()}
+    out["softcap-bounded"] = opcode_counts(MODS["softcap"], tmp_path_factory.mktemp("bounded"), bounded_logits=True)
+    return out
 
 
 def test_plain_prefill_takes_one_exponential_a_score_and_no_conversion(counts):
@@ -60,3 +66,13 @@ def test_alibi_converts_positions_on_edge_tiles_only(counts):
 
 def test_softcap_takes_one_tanh_a_score_on_each_path_that_applies_it(counts):
     assert counts["softcap"]["MUFU.TANH"] == 2 * SCORES, counts["softcap"]["MUFU.TANH"]
+
+
+def test_bounded_logits_drop_the_row_max_and_the_rescale(counts):
+    bounded, softcap = counts["softcap-bounded"], counts["softcap"]
+    assert bounded["MUFU.TANH"] == softcap["MUFU.TANH"] and bounded["MUFU.EX2"] <= softcap["MUFU.EX2"]
+    # a row max is one FMNMX a score, on the core tiles and on the generic edge path
+    assert softcap["FMNMX"] - bounded["FMNMX"] >= 2 * SCORES, (softcap["FMNMX"], bounded["FMNMX"])
+    assert bounded["VOTE.ANY"] < softcap["VOTE.ANY"], (bounded["VOTE.ANY"], softcap["VOTE.ANY"])
+    # O's rescale (64 accumulators a thread at d128) is gone with the vote
+    assert softcap["FMUL"] - bounded["FMUL"] >= SCORES, (softcap["FMUL"], bounded["FMUL"])
