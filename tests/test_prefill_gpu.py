@@ -585,6 +585,66 @@ def test_bounded_logits_against_the_reference(form, cap, pattern):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+def scores_pattern(q, k, kv, pattern):
+    """q, k reshaped so that the scores follow `pattern` along each request's keys: "rising" (every key's score
+    ~8 log2 units above the one 128 keys before: each interior tile passes the row's reference, so a speculative
+    max takes its slow path), "jump" (keys at 700, 3000 and 5000 score ~150 nats above the rest: weights past
+    2^128 against the reference, inf), or the random scores as given."""
+    if pattern == "random":
+        return q, k
+    u = torch.ones(q.shape[-1], device=q.device) / q.shape[-1] ** 0.5  # a unit direction; q.u ~ 4 everywhere
+    q = q * 0.2 + 4 * u
+    k = k.clone() * 0.2
+    for b in range(len(kv) - 1):
+        pos = torch.arange(kv[b + 1] - kv[b], device=k.device, dtype=torch.float32)
+        if pattern == "rising":  # q.k * scale rises by 8 log2 = 5.5 nats a tile: 5.5 / 128 a key
+            c = pos * (5.5 / 128) * q.shape[-1] ** 0.5 / 4
+        else:
+            c = torch.zeros_like(pos)
+            c[[p for p in (700, 3000, 5000) if p < len(pos)]] = 150 * q.shape[-1] ** 0.5 / 4
+        k[kv[b]:kv[b + 1]] += (c[:, None, None] * u).to(k.dtype)
+    return q.to(k.dtype), k
+
+
+@pytest.mark.parametrize("pattern", ["random", "rising", "jump"])
+@pytest.mark.parametrize("options", [{}, {"persistent": False}, {"head_dim_qk": 64, "window_left": 700},
+                                     {"q_dtype": "fp16", "paged": True}, {"pingpong": True, "persistent": False}])
+def test_speculative_max_against_the_reference(pattern, options):
+    """speculative_max: interior tiles skip the row max while their row sums prove every weight <= 2^8, else the
+    warpgroup issues S(t) again. Random scores (the fast path nearly everywhere), scores rising ~5.5 nats a tile
+    (the slow path on nearly every interior tile), and a few keys ~150 nats above the rest (weights that overflow
+    to inf against the reference); causal with rows that see no key, a long request split over CTAs, persistent
+    CTAs and one CTA an item, ping-pong, d64 with a window, fp16 over 16-token pages."""
+    options = dict(options)
+    paged, kernel = options.pop("paged", False), {k: options.pop(k) for k in ("persistent", "pingpong") if k in options}
+    dt = options.pop("q_dtype", "bf16")
+    spec = AttentionSpec(family="prefill", causal=True, q_dtype=dt, kv_dtype=dt, out_dtype=dt, **options)
+    qo_lens, kv_lens = [300, 1, 129, 40, 1024], [200, 1000, 700, 9000, 6000]
+    q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=29)
+    q, k = scores_pattern(q, k, kv, pattern)
+    w = BatchPrefill(spec, speculative_max=True, **kernel)
+    assert "constexpr bool kSpecMax = true;" in w.kernel.module().source
+    if paged:  # the same K/V rows in 16-token pages, in order
+        pages = [-(-n // 16) for n in kv_lens]
+        cache = torch.zeros(sum(pages), 2, 16, spec.num_kv_heads, spec.head_dim_qk, dtype=k.dtype, device="cuda")
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        for b, n in enumerate(kv_lens):
+            for j, t in enumerate((k, v)):
+                rows = torch.zeros(16 * pages[b], *t.shape[1:], dtype=t.dtype, device="cuda")
+                rows[:n] = t[kv[b]:kv[b + 1]]
+                cache[indptr[b]:indptr[b + 1], j] = rows.view(pages[b], 16, *t.shape[1:])
+        last = np.array([n - 16 * (m - 1) for n, m in zip(kv_lens, pages)], dtype=np.int32)
+        w.plan(qo, indptr, np.arange(indptr[-1], dtype=np.int32), last, page_size=16)
+        kv_in = cache
+    else:
+        w.plan(qo, kv)
+        kv_in = (k, v)
+    out, lse = w.run(q, kv_in, out=poison(q.shape, q.dtype), return_lse=True)
+    assert (out[:100] == 0).all() and torch.isneginf(lse[:100]).all()  # request 0's first rows precede every key
+    per = [(k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]]) for b in range(len(kv_lens))]
+    check_against_reference(spec, q, out, lse, per, qo)
+
+
 @pytest.mark.parametrize("head_dim,every,extras", [(128, 1, {"logits_soft_cap": 5.0}),
                                                  (128, 2, {"logits_soft_cap": 5.0, "window_left": 100}),
                                                  (64, 4, {}), (128, 8, {"window_left": 33})])

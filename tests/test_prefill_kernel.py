@@ -283,11 +283,14 @@ def test_trace_stamps_only_when_asked():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}, {"score_mod": "softcap"},
-                                {"score_mod": "spec_softcap"}])
+                                {"score_mod": "spec_softcap"}, {"speculative_max": True},
+                                {"speculative_max": True, "persistent": False, "head_dim": 64},
+                                {"speculative_max": True, "pingpong": True, "persistent": False}])
 def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
     between an issue and its wait branches or touches accumulators: the deferred epilogue runs under
-    the next item's S(0), so its stores are predicated, never branched around."""
+    the next item's S(0), so its stores are predicated, never branched around; speculative_max's second
+    S(t) is issued in a branch only after every wgmma retired. No spills either."""
     import dataclasses
 
     from attnforge import mods
@@ -296,7 +299,10 @@ def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     spec = {"alibi": dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(SPEC.num_qo_heads))),
             "softcap": dataclasses.replace(SPEC, score_mod=mods.softcap(50.0)),
             "spec_softcap": dataclasses.replace(SPEC, logits_soft_cap=50.0)}.get(kw.pop("score_mod", None), SPEC)
-    ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma", **kw).module(), "batch_prefill_wgmma_kernel", tmp_path)
+    d = kw.pop("head_dim", 128)
+    spec = dataclasses.replace(spec, head_dim_qk=d, head_dim_vo=d)
+    log = ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma", **kw).module(), "batch_prefill_wgmma_kernel", tmp_path)
+    assert re.search(r"\b0 bytes spill stores", log), log
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
@@ -488,3 +494,27 @@ def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
     # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin
     assert len(set(names)) == 6 and sum("kvfp8" in n for n in set(names)) == 4
     assert sum("tma" in n and "kvfp8" in n for n in set(names)) == 2
+
+
+def test_speculative_max_where_s_can_be_issued_again():
+    """speculative_max: the wgmma kernel with 16-bit K/V whose K(t) stays in its slot past step 2 (no k_ahead);
+    refused elsewhere, saying why; off by default (not yet measured on a GPU)."""
+    import dataclasses
+    k = PrefillKernel(SPEC, "wgmma", speculative_max=True)
+    src = k.module().source
+    assert "constexpr bool kSpecMax = true;" in src and "_sm_" in k.module().name
+    assert "constexpr bool kSpecMax = false;" in PrefillKernel(SPEC, "wgmma").module().source
+    assert not PrefillKernel(SPEC, "wgmma").speculative_max
+    split = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128,
+                          causal=True)
+    assert PrefillKernel(split, "wgmma").k_ahead
+    with pytest.raises(ValueError, match="head_dim_qk 192"):  # (the slow path spills there)
+        PrefillKernel(split, "wgmma", k_ahead=False, speculative_max=True)
+    d256 = dataclasses.replace(SPEC, head_dim_qk=256, head_dim_vo=256)
+    for spec, backend, why in ((SPEC, "mma", "backend 'mma'"), (split, "wgmma", "k_ahead=True"),
+                               (dataclasses.replace(SPEC, kv_dtype="fp8_e4m3"), "wgmma", "kv_dtype fp8_e4m3"),
+                               (d256, "wgmma", "head_dim_qk 256")):
+        with pytest.raises(ValueError, match=f"speculative_max=True: a bool, True only on the wgmma.*{why}"):
+            PrefillKernel(spec, backend, speculative_max=True)
+    with pytest.raises(ValueError, match="speculative_max=1: a bool"):
+        PrefillKernel(SPEC, "wgmma", speculative_max=1)

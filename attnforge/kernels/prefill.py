@@ -190,6 +190,8 @@ class PrefillKernel:
     # no paged row offsets that K's copy resolves and V's reuses)
     bounded_logits: bool = False  # wgmma: logits bounded by out * tanh (bounded_logits_blocker): a fixed row reference,
     # no running max (the row max, its shuffles and O's rescale leave every tile). Off until measured on a GPU.
+    speculative_max: bool = False  # wgmma, 16-bit K/V, no k_ahead, head_dim_qk <= 128: interior tiles skip the row
+    # max while their row sums prove every weight <= 2^8, else issue S(t) again and take it. Off until measured.
 
     def __post_init__(self):
         if self.m_tiles is None:
@@ -261,6 +263,13 @@ class PrefillKernel:
             why = (bounded_logits_blocker(self.spec) if self.backend == "wgmma" else "the wgmma backend") or "a bool"
             raise ValueError(f"PrefillKernel.bounded_logits={self.bounded_logits!r} (backend {self.backend!r}): a "
                              f"fixed row reference needs {why}. Pass bounded_logits=False, the default")
+        if type(self.speculative_max) is not bool or (self.speculative_max and (
+                self.backend != "wgmma" or self.fp8_kv or self.k_ahead or self.spec.head_dim_qk > 128)):
+            raise ValueError(f"PrefillKernel.speculative_max={self.speculative_max!r}: a bool, True only on the wgmma "
+                             f"backend with 16-bit K/V, k_ahead off (S(t) may be issued again from K(t)'s slot) and "
+                             f"head_dim_qk <= 128 (the second S's registers spill above), got backend {self.backend!r}, "
+                             f"kv_dtype {self.spec.kv_dtype}, k_ahead={self.k_ahead}, head_dim_qk "
+                             f"{self.spec.head_dim_qk}. Pass speculative_max=False, the default")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
             raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
@@ -498,8 +507,8 @@ class PrefillKernel:
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
-               "k_ahead": self.k_ahead, "bounded_logits": self.bounded_logits, "params_struct": self.params.cpp(),
-               "trace": False}
+               "k_ahead": self.k_ahead, "bounded_logits": self.bounded_logits, "speculative_max": self.speculative_max,
+               "params_struct": self.params.cpp(), "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
@@ -511,7 +520,7 @@ class PrefillKernel:
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
-                         *(["bl"] if self.bounded_logits else []),
+                         *(["bl"] if self.bounded_logits else []), *(["sm"] if self.speculative_max else []),
                          *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
                          *(["iw"] if self.fp8_int_widen else []),
                          *(["kb"] if split_dims(s) and self.split_ring and not self.k_ahead else []),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests of bounded_logits (soft-cap on a fixed row reference), then suites `prefill` and `mods`
+# The GPU tests of bounded_logits and speculative_max (both CPU-tested only), then suites `prefill` and `mods`
 # re-recorded (carry .anchors): FlashInfer runs in our rotation, and mods has each peer's own cost of a modifier
 # and the attnforge-bounded row (perf-notes, ninety-third section). The record's rows are an H200's, so off an
 # H200 it stops after the tests, unless CASES names prefill cases to check the suite's code on (not a record):
@@ -22,7 +22,8 @@ if [ -n "$suites" ]; then
     MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
   done
 fi
-timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py -k "bounded or soft_cap or scaled_cores" \
+timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py \
+  -k "bounded or soft_cap or scaled_cores or speculative" \
   > "$OUT/bounded-tests.log" 2>&1
 grep -E "passed|failed" "$OUT/bounded-tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/bounded-tests.log"
 wait

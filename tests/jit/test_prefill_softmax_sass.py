@@ -9,7 +9,9 @@ so a change that quietly adds one is a regression these counts catch without a G
   kernel), the kernel held 128 conversions a loop body;
 - soft-cap: one tanh a score on each of the two paths that apply it (core tiles and edge tiles);
 - soft-cap with bounded_logits (a fixed row reference): the same tanh and exponentials, no row max (one FMNMX a
-  score fewer on both paths), and no rescale vote or O rescale.
+  score fewer on both paths), and no rescale vote or O rescale;
+- plain with speculative_max: the interior tiles' exponentials written once on the fast path and once on the
+  slow one, S's eight wgmmas issued a second time there, and one bar.red a tile to agree on it.
 Needs nvdisasm, as test_pdl_sass."""
 import re
 import subprocess
@@ -46,6 +48,7 @@ def opcode_counts(mod, tmp_path, **kernel) -> Counter:
 def counts(tmp_path_factory):
     out = {name: opcode_counts(mod, tmp_path_factory.mktemp(name)) for name, mod in MODS.items()}
     out["softcap-bounded"] = opcode_counts(MODS["softcap"], tmp_path_factory.mktemp("bounded"), bounded_logits=True)
+    out["plain-speculative"] = opcode_counts(None, tmp_path_factory.mktemp("speculative"), speculative_max=True)
     return out
 
 
@@ -76,3 +79,11 @@ def test_bounded_logits_drop_the_row_max_and_the_rescale(counts):
     assert bounded["VOTE.ANY"] < softcap["VOTE.ANY"], (bounded["VOTE.ANY"], softcap["VOTE.ANY"])
     # O's rescale (64 accumulators a thread at d128) is gone with the vote
     assert softcap["FMUL"] - bounded["FMUL"] >= SCORES, (softcap["FMUL"], bounded["FMUL"])
+
+
+def test_speculative_max_adds_a_slow_path_beside_the_tile(counts):
+    spec, plain = counts["plain-speculative"], counts["plain"]
+    wgmmas = lambda c: sum(v for k, v in c.items() if k.startswith("HGMMA"))  # noqa: E731
+    assert wgmmas(spec) == wgmmas(plain) + 8  # S(t) = Q K(t)^T again: 8 k16 steps at d128
+    assert spec["BAR.RED.AND.DEFER_BLOCKING"] == 1 and plain["BAR.RED.AND.DEFER_BLOCKING"] == 0
+    assert spec["MUFU.EX2"] >= plain["MUFU.EX2"] + SCORES  # the slow path's exponentials
