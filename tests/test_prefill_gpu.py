@@ -608,7 +608,8 @@ def scores_pattern(q, k, kv, pattern):
 
 @pytest.mark.parametrize("pattern", ["random", "rising", "jump"])
 @pytest.mark.parametrize("options", [{}, {"persistent": False}, {"head_dim_qk": 64, "window_left": 700},
-                                     {"q_dtype": "fp16", "paged": True}, {"pingpong": True, "persistent": False}])
+                                     {"q_dtype": "fp16", "paged": True}, {"pingpong": True, "persistent": False}],
+                         ids=["persistent", "cta-per-item", "d64-window", "fp16-paged", "pingpong"])
 def test_speculative_max_against_the_reference(pattern, options):
     """speculative_max: interior tiles skip the row max while their row sums prove every weight <= 2^8, else the
     warpgroup issues S(t) again. Random scores (the fast path nearly everywhere), scores rising ~5.5 nats a tile
