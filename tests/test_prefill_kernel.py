@@ -518,3 +518,10 @@ def test_speculative_max_where_s_can_be_issued_again():
             PrefillKernel(spec, backend, speculative_max=True)
     with pytest.raises(ValueError, match="speculative_max=1: a bool"):
         PrefillKernel(SPEC, "wgmma", speculative_max=1)
+    from attnforge import mods
+    for transformed in (dataclasses.replace(SPEC, logits_soft_cap=30.0),
+                        dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(32)))):
+        with pytest.raises(ValueError, match="this spec transforms them.*bounded_logits=True drops the max"):
+            PrefillKernel(transformed, "wgmma", speculative_max=True)
+    masked = dataclasses.replace(SPEC, score_mod=mods.document_mask(torch.zeros(1, 8, dtype=torch.int32)))
+    assert PrefillKernel(masked, "wgmma", speculative_max=True).speculative_max  # a mask alone: full tiles skip it

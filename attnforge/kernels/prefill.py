@@ -263,6 +263,13 @@ class PrefillKernel:
             why = (bounded_logits_blocker(self.spec) if self.backend == "wgmma" else "the wgmma backend") or "a bool"
             raise ValueError(f"PrefillKernel.bounded_logits={self.bounded_logits!r} (backend {self.backend!r}): a "
                              f"fixed row reference needs {why}. Pass bounded_logits=False, the default")
+        mod = self.spec.score_mod
+        transformed = self.spec.logits_soft_cap > 0 or (mod is not None and (mod.score_root is not None or
+                                                                            "kHasLogitsTransform" in (mod.raw_cpp or "")))
+        if self.speculative_max and transformed:  # (no tile of such a spec is an interior one: nothing to skip)
+            raise ValueError("PrefillKernel.speculative_max=True: the row max it skips is that of plain scores, and "
+                             "this spec transforms them (soft-cap or a score_mod). Pass speculative_max=False; for "
+                             "soft-cap, bounded_logits=True drops the max instead")
         if type(self.speculative_max) is not bool or (self.speculative_max and (
                 self.backend != "wgmma" or self.fp8_kv or self.k_ahead or self.spec.head_dim_qk > 128)):
             raise ValueError(f"PrefillKernel.speculative_max={self.speculative_max!r}: a bool, True only on the wgmma "
