@@ -264,7 +264,8 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.bounded_logits={self.bounded_logits!r} (backend {self.backend!r}): a "
                              f"fixed row reference needs {why}. Pass bounded_logits=False, the default")
         mod = self.spec.score_mod
-        mod_transforms = mod is not None and (mod.score_root is not None or "kHasLogitsTransform" in (mod.raw_cpp or ""))
+        raw_transform = mod is not None and "kHasLogitsTransform" in (mod.raw_cpp or "")
+        mod_transforms = mod is not None and (mod.score_root is not None or raw_transform)
         transformed = self.spec.logits_soft_cap > 0 or mod_transforms
         if self.speculative_max and transformed:  # (no tile of such a spec is an interior one: nothing to skip)
             raise ValueError("PrefillKernel.speculative_max=True: the row max it skips is that of plain scores, and "
