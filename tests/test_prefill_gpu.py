@@ -635,7 +635,7 @@ def test_speculative_max_against_the_reference(pattern, options):
                 rows = torch.zeros(16 * pages[b], *t.shape[1:], dtype=t.dtype, device="cuda")
                 rows[:n] = t[kv[b]:kv[b + 1]]
                 cache[indptr[b]:indptr[b + 1], j] = rows.view(pages[b], 16, *t.shape[1:])
-        last = np.array([n - 16 * (m - 1) for n, m in zip(kv_lens, pages)], dtype=np.int32)
+        last = np.array([n - 16 * (pc - 1) for n, pc in zip(kv_lens, pages)], dtype=np.int32)
         w.plan(qo, indptr, np.arange(indptr[-1], dtype=np.int32), last, page_size=16)
         kv_in = cache
     else:
