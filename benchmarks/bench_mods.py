@@ -14,7 +14,7 @@ import torch
 import attnforge.mods as mods
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
-from bench_prefill import agrees, causal_flops, ragged
+from bench_prefill import agrees, causal_flops, flashinfer_ragged_wrapper, ragged
 from harness import Report, kernel_twins, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
@@ -94,13 +94,9 @@ FLASHINFER_PLAN_KW = {"plain": {}, "softcap": {"logits_soft_cap": 50.0}, "alibi"
 
 
 def flashinfer_prefill(backend: str, mode: str, indptr, ws=None):
-    """A FlashInfer ragged causal prefill wrapper planned for `mode` (plan() JIT-builds its module)."""
+    """The suite's FlashInfer ragged causal prefill wrapper planned for `mode` (plan() JIT-builds its module)."""
     import flashinfer
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if ws is None else ws
-    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-    w.plan(ind, ind, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16, **FLASHINFER_PLAN_KW[mode])
-    return w
+    return flashinfer_ragged_wrapper(flashinfer, backend, indptr, HQ, HKV, D, D, ws, **FLASHINFER_PLAN_KW[mode])
 
 
 def bench_flashinfer_mods(report: Report, q, k, v, indptr, ours: dict) -> None:

@@ -156,19 +156,28 @@ def flashinfer_ragged(report, case, q, k, v, indptr, want=None) -> dict:
         report.note(f"flashinfer unavailable: {e}")
         return {}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # shared: the wrappers run in turn
-    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
     fns = {}
     for backend in ("fa2", "fa3"):
         try:
-            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(ind, ind, q.shape[1], k.shape[1], k.shape[2], head_dim_vo=v.shape[2], causal=True,
-                   q_data_type=torch.bfloat16)
+            w = flashinfer_ragged_wrapper(flashinfer, backend, indptr, q.shape[1], k.shape[1], k.shape[2], v.shape[2],
+                                          ws)
             fn = (lambda w=w: w.run(q, k, v))
             if want is None or agrees(report, f"flashinfer-{backend} on {case}", fn(), want):
                 fns[f"flashinfer-{backend}"] = fn
         except Exception as e:
             report.note(f"flashinfer-{backend} on {case}: {type(e).__name__}: {str(e)[:160]}")
     return fns
+
+
+def flashinfer_ragged_wrapper(flashinfer, backend: str, indptr, hq: int, hkv: int, d: int, dv: int, ws=None,
+                              **plan_kw):
+    """A FlashInfer ragged causal prefill wrapper, planned (plan() JIT-builds its module); plan_kw: the modes of
+    FlashInfer's plan (logits_soft_cap, pos_encoding_mode, ...)."""
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if ws is None else ws
+    ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+    w.plan(ind, ind, hq, hkv, d, head_dim_vo=dv, causal=True, q_data_type=torch.bfloat16, **plan_kw)
+    return w
 
 
 def bench_flashinfer(report, case, q, k, v, indptr, flops, suite="prefill"):

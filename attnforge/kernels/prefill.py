@@ -258,26 +258,26 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
-        if type(self.bounded_logits) is not bool or (self.bounded_logits and (
-                self.backend != "wgmma" or bounded_logits_blocker(self.spec) is not None)):
-            why = (bounded_logits_blocker(self.spec) if self.backend == "wgmma" else "the wgmma backend") or "a bool"
-            raise ValueError(f"PrefillKernel.bounded_logits={self.bounded_logits!r} (backend {self.backend!r}): a "
-                             f"fixed row reference needs {why}. Pass bounded_logits=False, the default")
-        mod = self.spec.score_mod
-        raw_transform = mod is not None and "kHasLogitsTransform" in (mod.raw_cpp or "")
-        mod_transforms = mod is not None and (mod.score_root is not None or raw_transform)
-        transformed = self.spec.logits_soft_cap > 0 or mod_transforms
-        if self.speculative_max and transformed:  # (no tile of such a spec is an interior one: nothing to skip)
+        for name in ("bounded_logits", "speculative_max"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"PrefillKernel.{name}: expected a bool, got {getattr(self, name)!r}; pass True or "
+                                 "False (the default)")
+        if self.bounded_logits:
+            why = "the wgmma backend" if self.backend != "wgmma" else bounded_logits_blocker(self.spec)
+            if why is not None:
+                raise ValueError(f"PrefillKernel.bounded_logits=True (backend {self.backend!r}): a fixed row reference "
+                                 f"needs {why}. Pass bounded_logits=False, the default")
+        if self.speculative_max and self._transforms_scores:  # (no tile of it is an interior one: nothing to skip)
             raise ValueError("PrefillKernel.speculative_max=True: the row max it skips is that of plain scores, and "
                              "this spec transforms them (soft-cap or a score_mod). Pass speculative_max=False; for "
                              "soft-cap, bounded_logits=True drops the max instead")
-        if type(self.speculative_max) is not bool or (self.speculative_max and (
-                self.backend != "wgmma" or self.fp8_kv or self.k_ahead or self.spec.head_dim_qk > 128)):
-            raise ValueError(f"PrefillKernel.speculative_max={self.speculative_max!r}: a bool, True only on the wgmma "
-                             f"backend with 16-bit K/V, k_ahead off (S(t) may be issued again from K(t)'s slot) and "
-                             f"head_dim_qk <= 128 (the second S's registers spill above), got backend {self.backend!r}, "
-                             f"kv_dtype {self.spec.kv_dtype}, k_ahead={self.k_ahead}, head_dim_qk "
-                             f"{self.spec.head_dim_qk}. Pass speculative_max=False, the default")
+        if self.speculative_max and (self.backend != "wgmma" or self.fp8_kv or self.k_ahead
+                                     or self.spec.head_dim_qk > 128):
+            raise ValueError(f"PrefillKernel.speculative_max=True: only on the wgmma backend with 16-bit K/V, k_ahead "
+                             f"off (S(t) may be issued again from K(t)'s slot) and head_dim_qk <= 128 (the second S's "
+                             f"registers spill above), got backend {self.backend!r}, kv_dtype {self.spec.kv_dtype}, "
+                             f"k_ahead={self.k_ahead}, head_dim_qk {self.spec.head_dim_qk}. Pass speculative_max=False, "
+                             "the default")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
             raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
@@ -305,6 +305,13 @@ class PrefillKernel:
         """The most fp8 staging slots (2 to 4: copies run up to three tiles ahead of the widening) that fit
         beside the rest (2 where none fit: the size check then says so)."""
         return next((n for n in (4, 3) if self._smem_bytes(n) <= SMEM_LIMIT), 2)
+
+    @property
+    def _transforms_scores(self) -> bool:
+        """Whether the spec's variant has a logits transform (soft-cap, a score_mod's body, raw C++ with one)."""
+        mod = self.spec.score_mod
+        raw = mod is not None and "kHasLogitsTransform" in (mod.raw_cpp or "")
+        return self.spec.logits_soft_cap > 0 or (mod is not None and mod.score_root is not None) or raw
 
     @property
     def wgmma_fp8(self) -> bool:
