@@ -45,7 +45,7 @@ class BatchPrefill:
                  split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
                  tma: Optional[bool] = None, fma_exp_every: Optional[int] = None, m_tiles: Optional[int] = None,
                  fp8_stages: Optional[int] = None, fp8_int_widen: bool = False, k_ahead: Optional[bool] = None,
-                 bounded_logits: bool = False, speculative_max: bool = False, **spec_kwargs):
+                 **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -64,9 +64,6 @@ class BatchPrefill:
         # mma kernel's m16 row tiles a warp (None: as measured, kernels.prefill.mma_m_tiles). fp8_stages /
         # fp8_int_widen: fp8 K/V on the wgmma kernel, its staging slots and how its producer widens. k_ahead:
         # with values narrower than keys, the producer copies K(t+1) before V(t) (None: on there).
-        # bounded_logits: soft-cap (or out * tanh) logits of bf16 on the wgmma kernel take a fixed row reference, no
-        # running max (kernels.prefill.bounded_logits_blocker says where it applies). speculative_max: the wgmma
-        # kernel's interior tiles skip the row max while their row sums prove it unneeded (16-bit K/V).
         # split_kv: cut KV ranges longer than a fair share of the GPU into chunks merged by LSE (few
         # query tiles against long KV, e.g. a cascade's shared prefix); never in CUDA-graph mode (the
         # partial buffers would change size between plans) nor with a row epilogue that must see the
@@ -84,8 +81,7 @@ class BatchPrefill:
             flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
-                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead,
-                                    bounded_logits, speculative_max)
+                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
         # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
         self.device = checks.cuda_device(device)

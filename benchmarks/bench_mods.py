@@ -15,7 +15,7 @@ import attnforge.mods as mods
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
 from bench_prefill import agrees, causal_flops, flashinfer_ragged_wrapper, ragged
-from harness import Report, kernel_twins, time_interleaved, time_us
+from harness import Report, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -48,27 +48,14 @@ def run(report: Report, peers: bool = True) -> None:
                                        causal=True, score_mod=mod))
         w.plan(ind, ind)
         fns[name] = lambda w=w, q=qp, kv=(kp, vp): w.run(q, kv)
-    # soft-cap on a fixed row reference (bounded_logits: no running max), row attnforge-bounded, same rotation;
-    # ATTNFORGE_BENCH_MODS_BOUNDED_TWINS="fma_exp_every=2;fma_exp_every=0": rows attnforge-bounded-twin<i> with
-    # those BatchPrefill arguments too (with the row max gone, the FMA pipe may take more exponentials)
-    capped = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True,
-                           score_mod=the_mods()["softcap"])
-    bounded = {"attnforge-bounded": BatchPrefill(capped, bounded_logits=True)}
-    for i, fields in enumerate(kernel_twins("ATTNFORGE_BENCH_MODS_BOUNDED_TWINS")):
-        bounded[f"attnforge-bounded-twin{i}"] = BatchPrefill(capped, bounded_logits=True, **fields)
-    for impl, wb in bounded.items():
-        wb.plan(ind, ind)
-        fns[impl] = lambda w=wb, q=qp, kv=(kp, vp): w.run(q, kv)
     times = time_interleaved(fns, calls=2, reps=10)
     report_mods(report, "prefill B1 S8192", times, None, causal_flops([8192]))
-    for impl in bounded:
-        report.add("mods", "softcap prefill B1 S8192", impl, times[impl], None, causal_flops([8192]))
     ours = {}
     if peers:
         ours = {name: fn().clone() for name, fn in fns.items()}  # each peer's output is checked against ours
         bench_flashinfer_mods(report, qp, kp, vp, ind, ours)
         bench_flex_mods(report, qp, kp, vp, ours)
-    del qp, kp, vp, fns, ours, bounded  # the document mask's inputs get fresh memory
+    del qp, kp, vp, fns, ours  # the document mask's inputs get fresh memory
     bench_document_mask(report, peers)
 
 

@@ -89,32 +89,3 @@ class FakeWrapper:
 
     def run(self, q, k, v):
         return torch.full((2,), self.OUT[self.mode])
-
-
-def test_mods_time_the_bounded_kernel_and_its_twins_in_the_plain_kernels_rotation(monkeypatch):
-    import bench_mods
-    from harness import Report
-    rotations, built = [], []
-
-    class Recorder(FakePrefill):
-        def __init__(self, spec, **kw):
-            super().__init__(spec, **kw)
-            built.append(kw)
-    monkeypatch.setattr(bench_mods, "BatchPrefill", Recorder)
-    monkeypatch.setattr(bench_mods, "BatchDecode", Recorder)
-    monkeypatch.setattr(bench_mods, "paged_inputs", lambda *a, **k: (None, None, None, None, None))
-    monkeypatch.setattr(bench_mods, "ragged", lambda lengths: (None, None, None, np.array([0, *lengths])))
-    monkeypatch.setattr(bench_mods, "the_mods", lambda: {"softcap": None, "alibi": None, "window4096": None})
-    monkeypatch.setattr(bench_mods, "bench_document_mask", lambda *a: None)
-    monkeypatch.setattr(bench_mods, "time_interleaved", lambda fns, **kw: rotations.append(sorted(fns)) or
-                        {name: 1.0 for name in fns})
-    monkeypatch.setenv("ATTNFORGE_BENCH_MODS_BOUNDED_TWINS", "fma_exp_every=2;fma_exp_every=0")
-    report = Report()
-    bench_mods.run(report, peers=False)
-    prefill = rotations[-1]  # (the decode rotation first)
-    assert {"plain", "softcap", "attnforge-bounded", "attnforge-bounded-twin0", "attnforge-bounded-twin1"} <= set(
-        prefill)
-    for every in (2, 0):
-        assert {"bounded_logits": True, "fma_exp_every": every} in built
-    impls = {r["impl"] for r in report.rows if r["case"] == "softcap prefill B1 S8192"}
-    assert {"attnforge", "attnforge-plain", "attnforge-bounded", "attnforge-bounded-twin1"} <= impls

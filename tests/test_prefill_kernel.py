@@ -141,39 +141,6 @@ def test_exponentials_on_the_fma_pipe_where_a_score_function_shares_the_sfu():
         PrefillKernel(SPEC, "mma", fma_exp_every=4)
 
 
-def test_bounded_logits_where_every_logit_lies_in_a_fixed_range():
-    """bounded_logits: a fixed row reference where the logits are out * tanh(in * score) with out <= 64 and P is
-    bf16; refused, saying why, everywhere else; off by default (not yet measured on a GPU)."""
-    import dataclasses
-
-    from attnforge import mods
-    from attnforge.kernels.prefill import bounded_logits_blocker
-    capped = dataclasses.replace(SPEC, logits_soft_cap=50.0)
-    for spec in (capped, dataclasses.replace(SPEC, score_mod=mods.softcap(64.0)),
-                 dataclasses.replace(SPEC, logits_soft_cap=1e-3)):
-        assert bounded_logits_blocker(spec) is None
-        k = PrefillKernel(spec, "wgmma", bounded_logits=True)
-        assert "constexpr bool kBoundedLogits = true;" in k.module().source and "_bl_" in k.module().name
-        assert k.module().name != PrefillKernel(spec, "wgmma").module().name
-    assert not PrefillKernel(capped, "wgmma").bounded_logits
-    assert "constexpr bool kBoundedLogits = false;" in PrefillKernel(capped, "wgmma").module().source
-    fp16 = dataclasses.replace(capped, q_dtype="fp16", kv_dtype="fp16", out_dtype="fp16")
-    refusals = {fp16: "q and K/V of bf16", dataclasses.replace(capped, kv_dtype="fp8_e4m3"): "q and K/V of bf16",
-                SPEC: "a logits transform out \\* tanh", dataclasses.replace(SPEC, logits_soft_cap=64.5): "got 64.5",
-                dataclasses.replace(SPEC, score_mod=mods.softcap(100.0)): "got 100",
-                dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(32))): "a logits transform",
-                dataclasses.replace(SPEC, score_mod=mods.softcap(torch.tensor(30.0))): "a logits transform"}
-    for spec, why in refusals.items():
-        assert bounded_logits_blocker(spec) is not None
-        with pytest.raises(ValueError, match=f"bounded_logits=True .*: a fixed row reference needs .*{why}"):
-            PrefillKernel(spec, "wgmma", bounded_logits=True)
-    with pytest.raises(ValueError, match="bounded_logits=True .*'mma'.*needs the wgmma backend"):
-        PrefillKernel(capped, "mma", bounded_logits=True)
-    for bad in (1, None, "yes"):  # a type error says so whatever the spec (fp16 here: bf16 is not its complaint)
-        with pytest.raises(ValueError, match=f"bounded_logits: expected a bool, got {bad!r}"):
-            PrefillKernel(fp16, "wgmma", bounded_logits=bad)
-
-
 def test_persistent_shape_and_refusals():
     k = PrefillKernel(SPEC, "wgmma", persistent=True)
     assert k.module().name.endswith("_ws_pers_tma_s3") and "constexpr bool kPersistent = true;" in k.module().source
@@ -284,14 +251,12 @@ def test_trace_stamps_only_when_asked():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}, {"score_mod": "softcap"},
-                                {"score_mod": "spec_softcap"}, {"speculative_max": True},
-                                {"speculative_max": True, "persistent": False, "head_dim": 64},
-                                {"speculative_max": True, "pingpong": True, "persistent": False}])
+                                {"score_mod": "spec_softcap"}, {"persistent": False, "head_dim": 64},
+                                {"pingpong": True, "persistent": False}])
 def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
     between an issue and its wait branches or touches accumulators: the deferred epilogue runs under
-    the next item's S(0), so its stores are predicated, never branched around; speculative_max's second
-    S(t) is issued in a branch only after every wgmma retired. No spills either."""
+    the next item's S(0), so its stores are predicated, never branched around. No spills either."""
     import dataclasses
 
     from attnforge import mods
@@ -495,34 +460,3 @@ def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
     # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin
     assert len(set(names)) == 6 and sum("kvfp8" in n for n in set(names)) == 4
     assert sum("tma" in n and "kvfp8" in n for n in set(names)) == 2
-
-
-def test_speculative_max_where_s_can_be_issued_again():
-    """speculative_max: the wgmma kernel with 16-bit K/V whose K(t) stays in its slot past step 2 (no k_ahead);
-    refused elsewhere, saying why; off by default (not yet measured on a GPU)."""
-    import dataclasses
-    k = PrefillKernel(SPEC, "wgmma", speculative_max=True)
-    src = k.module().source
-    assert "constexpr bool kSpecMax = true;" in src and "_sm_" in k.module().name
-    assert "constexpr bool kSpecMax = false;" in PrefillKernel(SPEC, "wgmma").module().source
-    assert not PrefillKernel(SPEC, "wgmma").speculative_max
-    split = AttentionSpec(family="prefill", num_qo_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_vo=128,
-                          causal=True)
-    assert PrefillKernel(split, "wgmma").k_ahead
-    with pytest.raises(ValueError, match="head_dim_qk 192"):  # (the slow path spills there)
-        PrefillKernel(split, "wgmma", k_ahead=False, speculative_max=True)
-    d256 = dataclasses.replace(SPEC, head_dim_qk=256, head_dim_vo=256)
-    for spec, backend, why in ((SPEC, "mma", "backend 'mma'"), (split, "wgmma", "k_ahead=True"),
-                               (dataclasses.replace(SPEC, kv_dtype="fp8_e4m3"), "wgmma", "kv_dtype fp8_e4m3"),
-                               (d256, "wgmma", "head_dim_qk 256")):
-        with pytest.raises(ValueError, match=f"speculative_max=True: only on the wgmma.*{why}"):
-            PrefillKernel(spec, backend, speculative_max=True)
-    with pytest.raises(ValueError, match="speculative_max: expected a bool, got 1"):
-        PrefillKernel(dataclasses.replace(SPEC, logits_soft_cap=30.0), "wgmma", speculative_max=1)
-    from attnforge import mods
-    for transformed in (dataclasses.replace(SPEC, logits_soft_cap=30.0),
-                        dataclasses.replace(SPEC, score_mod=mods.alibi(torch.ones(32)))):
-        with pytest.raises(ValueError, match="this spec transforms them.*bounded_logits=True drops the max"):
-            PrefillKernel(transformed, "wgmma", speculative_max=True)
-    masked = dataclasses.replace(SPEC, score_mod=mods.document_mask(torch.zeros(1, 8, dtype=torch.int32)))
-    assert PrefillKernel(masked, "wgmma", speculative_max=True).speculative_max  # a mask alone: full tiles skip it

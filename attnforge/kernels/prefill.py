@@ -104,28 +104,6 @@ def sfu_core_per_score(spec: AttentionSpec) -> bool:
     return spec.logits_soft_cap > 0 or (mod is not None and graph.applies_function_to_score(mod.score_root))
 
 
-BOUNDED_CORES = ("tanh",)  # float functions of the score whose values lie in [-1, 1]
-BOUNDED_LOGIT_MAX = 64.0  # the largest out of out * tanh a fixed row reference serves (the template's bound)
-
-
-def bounded_logits_blocker(spec: AttentionSpec) -> Optional[str]:
-    """None when every logit of the spec lies in [-out, out] with out <= BOUNDED_LOGIT_MAX (soft-cap, or a score
-    modifier out * tanh(in * score)) and P is bf16 (fp32's exponent range), so that the wgmma kernel may keep a
-    fixed row reference instead of a running max (bounded_logits); else what stands in the way."""
-    if spec.q_dtype != "bf16" or spec.kv_dtype != "bf16":
-        return f"q and K/V of bf16 (P in fp16 would flush), got q {spec.q_dtype} and K/V {spec.kv_dtype}"
-    core = spec.score_mod.scaled_core if spec.score_mod is not None else None
-    if spec.logits_soft_cap > 0:
-        out = spec.logits_soft_cap
-    elif core is not None and core[2] in BOUNDED_CORES:
-        out = core[1]
-    else:
-        return "a logits transform out * tanh(in * score) (logits_soft_cap, or such a score_mod)"
-    if out > BOUNDED_LOGIT_MAX:
-        return f"a bound out <= {BOUNDED_LOGIT_MAX:g} (2^(x - m) would overflow past it), got {out:g}"
-    return None
-
-
 def split_dims(spec: AttentionSpec) -> bool:
     """Values narrower than keys (head_dim_vo < head_dim_qk, e.g. DeepSeek's 192/128): the wgmma kernel alone,
     16-bit ragged K/V (V's strides are its own)."""
@@ -188,10 +166,6 @@ class PrefillKernel:
     k_ahead: Optional[bool] = None  # a split ring of narrower V: the producer copies K(t+1) before V(t), so K(t+1)
     # waits only for S(t-1) (its slot's last reader), not behind V(t)'s slot. None: on at split dims (ragged K/V:
     # no paged row offsets that K's copy resolves and V's reuses)
-    bounded_logits: bool = False  # wgmma: logits bounded by out * tanh (bounded_logits_blocker): a fixed row reference,
-    # no running max (the row max, its shuffles and O's rescale leave every tile). Off until measured on a GPU.
-    speculative_max: bool = False  # wgmma, 16-bit K/V, no k_ahead, head_dim_qk <= 128: interior tiles skip the row
-    # max while their row sums prove every weight <= 2^8, else issue S(t) again and take it. Off until measured.
 
     def __post_init__(self):
         if self.m_tiles is None:
@@ -258,26 +232,6 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
-        for name in ("bounded_logits", "speculative_max"):
-            if type(getattr(self, name)) is not bool:
-                raise ValueError(f"PrefillKernel.{name}: expected a bool, got {getattr(self, name)!r}; pass True or "
-                                 "False (the default)")
-        if self.bounded_logits:
-            why = "the wgmma backend" if self.backend != "wgmma" else bounded_logits_blocker(self.spec)
-            if why is not None:
-                raise ValueError(f"PrefillKernel.bounded_logits=True (backend {self.backend!r}): a fixed row reference "
-                                 f"needs {why}. Pass bounded_logits=False, the default")
-        if self.speculative_max and self._transforms_scores:  # (no tile of it is an interior one: nothing to skip)
-            raise ValueError("PrefillKernel.speculative_max=True: the row max it skips is that of plain scores, and "
-                             "this spec transforms them (soft-cap or a score_mod). Pass speculative_max=False; for "
-                             "soft-cap, bounded_logits=True drops the max instead")
-        if self.speculative_max and (self.backend != "wgmma" or self.fp8_kv or self.k_ahead
-                                     or self.spec.head_dim_qk > 128):
-            raise ValueError(f"PrefillKernel.speculative_max=True: only on the wgmma backend with 16-bit K/V, k_ahead "
-                             f"off (S(t) may be issued again from K(t)'s slot) and head_dim_qk <= 128 (the second S's "
-                             f"registers spill above), got backend {self.backend!r}, kv_dtype {self.spec.kv_dtype}, "
-                             f"k_ahead={self.k_ahead}, head_dim_qk {self.spec.head_dim_qk}. Pass speculative_max=False, "
-                             "the default")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
             raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
@@ -305,13 +259,6 @@ class PrefillKernel:
         """The most fp8 staging slots (2 to 4: copies run up to three tiles ahead of the widening) that fit
         beside the rest (2 where none fit: the size check then says so)."""
         return next((n for n in (4, 3) if self._smem_bytes(n) <= SMEM_LIMIT), 2)
-
-    @property
-    def _transforms_scores(self) -> bool:
-        """Whether the spec's variant has a logits transform (soft-cap, a score_mod's body, raw C++ with one)."""
-        mod = self.spec.score_mod
-        raw = mod is not None and "kHasLogitsTransform" in (mod.raw_cpp or "")
-        return self.spec.logits_soft_cap > 0 or (mod is not None and mod.score_root is not None) or raw
 
     @property
     def wgmma_fp8(self) -> bool:
@@ -522,8 +469,7 @@ class PrefillKernel:
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
-               "k_ahead": self.k_ahead, "bounded_logits": self.bounded_logits, "speculative_max": self.speculative_max,
-               "params_struct": self.params.cpp(), "trace": False}
+               "k_ahead": self.k_ahead, "params_struct": self.params.cpp(), "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
@@ -535,7 +481,6 @@ class PrefillKernel:
                          *(["ws"] if self.producer else []), *(["pp"] if self.pingpong else []),
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
-                         *(["bl"] if self.bounded_logits else []), *(["sm"] if self.speculative_max else []),
                          *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
                          *(["iw"] if self.fp8_int_widen else []),
                          *(["kb"] if split_dims(s) and self.split_ring and not self.k_ahead else []),

@@ -8,12 +8,6 @@
 
 namespace attnforge {
 
-// The max of x over a quad (lanes 4i..4i+3), the threads that share an MMA fragment's row.
-AF_DEVICE float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
 struct SoftmaxState {
   float m = kNegInf;  // running max, log2 domain
   float d = 0.f;      // sum of 2^(x - m)

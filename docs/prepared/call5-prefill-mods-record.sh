@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU tests of bounded_logits and speculative_max (both CPU-tested only), then suites `prefill` and `mods`
-# re-recorded (carry .anchors): FlashInfer runs in our rotation, and mods has each peer's own cost of a modifier
-# and the attnforge-bounded row (perf-notes, ninety-third section). The record's rows are an H200's, so off an
-# H200 it stops after the tests, unless CASES names prefill cases to check the suite's code on (not a record):
+# The prefill GPU tests of soft-cap and the running max, then suites `prefill` and `mods` re-recorded (carry
+# .anchors): FlashInfer runs in our rotation, and mods has each peer's own cost of a modifier (perf-notes,
+# ninety-third section). The record's rows are an H200's, so off an H200 it stops after the tests, unless CASES
+# names prefill cases to check the suite's code on (not a record):
 #   bash docs/prepared/call5-prefill-mods-record.sh                      (on the GPU machine, repo root)
 #   CASES="B16 S2048,B1 S8192 paged16" bash docs/prepared/call5-prefill-mods-record.sh      (any GPU)
 # Then, on this machine, for each JSON: python3 benchmarks/report.py merge <files_at>/<suite>.json, and
@@ -23,9 +23,8 @@ if [ -n "$suites" ]; then
   done
 fi
 timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py \
-  -k "bounded or soft_cap or scaled_cores or speculative" \
-  > "$OUT/bounded-tests.log" 2>&1
-grep -E "passed|failed" "$OUT/bounded-tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/bounded-tests.log"
+  -k "soft_cap or scaled_cores or row_max" > "$OUT/tests.log" 2>&1
+grep -E "passed|failed" "$OUT/tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
 wait
 [ -n "$suites" ] || { echo "not an H200 and no CASES: nothing to record"; exit 0; }
 tail -qn 1 "$OUT"/prebuild-*.log; echo "FlashInfer built at $(( $(date +%s) - start )) s"
