@@ -111,4 +111,5 @@ if [ "${BENCH:-1}" = 1 ]; then
   cat "$OUT/bench.log"
 fi
 # the test summary last, so it survives a long benchmark log in the output tail
-echo "== tests: $(grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log" | tr '\n' ' ')"; grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log"
+echo "== tests: $(grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log" | tr '\n' ' ')"
+! grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log"  # the exit status: 1 where a test failed, 0 where none did
