@@ -7,7 +7,9 @@ so a change that quietly adds one is a regression these counts catch without a G
 - ALiBi: interior tiles step the bias along each row in float (one FFMA a score); only the generic edge
   path converts positions per score (I2F). Converted per score on every tile (the sixth session's
   kernel), the kernel held 128 conversions a loop body;
-- soft-cap: one tanh a score on each of the two paths that apply it (core tiles and edge tiles).
+- soft-cap: one tanh a score on each of the two paths that apply it (core tiles and edge tiles), each tanh
+  issued among other work, never in a burst: two changes that left ptxas issuing a tile's 64 tanh back to back
+  (the row max taken on raw scores, thirty-fourth session; a fixed row reference, ninety-fourth) cost +12%.
 Needs nvdisasm, as test_pdl_sass."""
 import re
 import subprocess
@@ -28,7 +30,8 @@ SCORES = 64  # a consumer thread's scores of one tile at d128
 MODS = {"plain": None, "alibi": lambda: mods.alibi(default_slopes(32)), "softcap": lambda: mods.softcap(50.0)}
 
 
-def opcode_counts(mod, tmp_path) -> Counter:
+def opcodes(mod, tmp_path) -> list[str]:
+    """The kernel's opcodes in program order (predicates dropped)."""
     spec = AttentionSpec(family="prefill", num_qo_heads=32, num_kv_heads=8, causal=True,
                          score_mod=None if mod is None else mod())
     log = ptxas_log_of_async_wgmmas(PrefillKernel(spec, "wgmma").module(), "batch_prefill_wgmma_kernel",
@@ -37,12 +40,17 @@ def opcode_counts(mod, tmp_path) -> Counter:
     sass = subprocess.run([str(NVDISASM), "-c", str(tmp_path / "k.cubin")], check=True, capture_output=True,
                           text=True).stdout
     lines = [x.split("*/", 1)[1].strip() for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", x)]
-    return Counter(re.sub(r"^@!?U?P[T0-9]+\s+", "", x).split(" ")[0] for x in lines)
+    return [re.sub(r"^@!?U?P[T0-9]+\s+", "", x).split(" ")[0] for x in lines]
 
 
 @pytest.fixture(scope="module")
-def counts(tmp_path_factory):
-    return {name: opcode_counts(mod, tmp_path_factory.mktemp(name)) for name, mod in MODS.items()}
+def sequences(tmp_path_factory):
+    return {name: opcodes(mod, tmp_path_factory.mktemp(name)) for name, mod in MODS.items()}
+
+
+@pytest.fixture(scope="module")
+def counts(sequences):
+    return {name: Counter(ops) for name, ops in sequences.items()}
 
 
 def test_plain_prefill_takes_one_exponential_a_score_and_no_conversion(counts):
@@ -62,3 +70,17 @@ def test_alibi_converts_positions_on_edge_tiles_only(counts):
 
 def test_softcap_takes_one_tanh_a_score_on_each_path_that_applies_it(counts):
     assert counts["softcap"]["MUFU.TANH"] == 2 * SCORES, counts["softcap"]["MUFU.TANH"]
+
+
+def longest_run(ops: list[str], opcode: str) -> int:
+    run = best = 0
+    for op in ops:
+        run = run + 1 if op == opcode else 0
+        best = max(best, run)
+    return best
+
+
+def test_softcap_issues_each_tanh_among_other_work(sequences):
+    assert longest_run(["FMUL", "MUFU.TANH", "MUFU.TANH", "FMNMX", "MUFU.TANH"], "MUFU.TANH") == 2
+    # (5 in the default kernel at d128: the core tile interleaves its tanh with the row max's FMNMX)
+    assert longest_run(sequences["softcap"], "MUFU.TANH") <= 8, longest_run(sequences["softcap"], "MUFU.TANH")
