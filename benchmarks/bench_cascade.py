@@ -13,7 +13,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from attnforge.cascade import CascadeDecode
-from harness import Report, time_us
+from harness import Report, flashinfer_workspace, time_us
 
 B, PREFIX, OWN, PAGE, HQ, HKV, D = 256, 32768, 512, 16, 32, 8, 128
 CASE = f"B{B} shared{PREFIX}+{OWN}"
@@ -66,7 +66,7 @@ def bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr,
         return
     try:
         import flashinfer
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        ws = flashinfer_workspace()
         w = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
         dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
         w.plan([dev([0, B]), dev(np.arange(B + 1))], [dev([0, pp]), dev(own_indptr)], [dev(prefix), dev(own)],

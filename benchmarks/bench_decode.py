@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchDecode
-from harness import Report, fresh_allocator, kernel_fields, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from harness import (Report, flashinfer_workspace, fresh_allocator, kernel_fields, sdpa_backends, time_interleaved,
+                     time_sdpa_peers, time_us)
 
 HQ, HKV, D = 32, 8, 128
 
@@ -120,8 +121,7 @@ def bench_attnforge(report, case, lengths, page_size, kv_dtype, layout, q, cache
 def flashinfer_decode_us(q, cache, indptr, indices, last, page_size, layout="NHD", hq=HQ, hkv=HKV, d=D) -> float:
     """FlashInfer's paged decode (tensor-core path) on the same pages, timed as ours."""
     import flashinfer
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                      layout, use_tensor_cores=True)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(flashinfer_workspace(), layout, use_tensor_cores=True)
     dev = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
     w.plan(dev(indptr), dev(indices), dev(last), hq, hkv, d, page_size, q_data_type=torch.bfloat16,
            kv_data_type=cache.dtype)

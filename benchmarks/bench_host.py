@@ -24,7 +24,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import host_us
+from harness import flashinfer_workspace, host_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 LAYERS = 32
@@ -61,7 +61,7 @@ def run(report, peers: bool = True) -> None:
         return
     try:
         import flashinfer
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        ws = flashinfer_workspace()
         f = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         cpu = lambda a: torch.as_tensor(a, dtype=torch.int32)  # noqa: E731
         plan_args = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
@@ -91,7 +91,7 @@ def mla_case(report, peers: bool) -> None:
     report.add("host", case, "attnforge", host_us(lambda: m.run(q_nope, q_pe, kv)))
     if not peers:
         return
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = flashinfer_workspace()
     dev = lambda a: torch.as_tensor(a, device="cuda", dtype=torch.int32)  # noqa: E731
     for backend in ("fa2", "fa3"):
         try:
@@ -120,7 +120,7 @@ def prefill_case(report, peers: bool) -> None:
     report.add("host", PREFILL_PLAN, "attnforge", host_us(lambda: w.plan(*qo_kv)))
     if not peers:
         return
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = flashinfer_workspace()
     for backend in ("fa2", "fa3"):
         try:
             import flashinfer

@@ -16,7 +16,7 @@ from attnforge import AttentionSpec, BatchMLADecode
 from attnforge.jit import registry
 from attnforge.kernels.mla import MLA_MERGE_KERNELS
 from attnforge.mla import DEEPSEEK_SM_SCALE
-from harness import Report, prepare, time_interleaved, time_us
+from harness import Report, flashinfer_workspace, prepare, time_interleaved, time_us
 from harness import kernel_twins as env_kernel_twins
 
 PAGE = 64
@@ -183,7 +183,7 @@ def prepare_without_merge(fn, calls, use_graph):
 
 def bench_flashinfer(report, case, heads, q_nope, q_pe, kv, indptr, indices, last, nbytes, flops, q=1):
     import flashinfer
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = flashinfer_workspace()
     b = len(last)
     dev = lambda a: torch.as_tensor(a, device="cuda", dtype=torch.int32)  # noqa: E731
     kv_len = dev((np.diff(indptr) - 1) * PAGE + last)

@@ -15,7 +15,7 @@ import attnforge.mods as mods
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
 from bench_prefill import agrees, causal_flops, flashinfer_ragged_wrapper, ragged
-from harness import Report, time_interleaved, time_us
+from harness import Report, flashinfer_workspace, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -92,7 +92,7 @@ def bench_flashinfer_mods(report: Report, q, k, v, indptr, ours: dict) -> None:
     if importlib_util.find_spec("flashinfer") is None:
         report.note("flashinfer unavailable: not importable (PYTHONPATH=.anchors/flashinfer on the GPU machine)")
         return
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # shared: the wrappers run in turn
+    ws = flashinfer_workspace()  # shared: the wrappers run in turn
     for backend, modes in FLASHINFER_MODES.items():
         fns = {}
         for name in modes:

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers, time_us
+from harness import (Report, flashinfer_workspace, kernel_twins, sdpa_backends, time_interleaved, time_sdpa_peers,
+                     time_us)
 
 HQ, HKV, D = 32, 8, 128
 
@@ -79,9 +80,13 @@ def run(report: Report, peers: bool = True) -> None:
             k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
             w8r = BatchPrefill(spec8)
             w8r.plan(indptr, indptr)
-            # FlashInfer's paged fa3 (bf16) and fa2 (fp8) in the same rotation as ours
-            peer_fns = {**flashinfer_paged(report, case, q, cache, indptr, perm, last),
-                        **flashinfer_paged(report, case, q, cache8, indptr, perm, last, backend="fa2")} if peers else {}
+            # FlashInfer's paged fa3 (bf16) and fa2 (fp8) in the same rotation as ours, each output checked first
+            peer_fns = {}
+            if peers:
+                w.plan(*plan_args, page_size=16)
+                peer_fns = {**flashinfer_paged(report, case, q, cache, indptr, perm, last, want=w.run(q, cache)),
+                            **flashinfer_paged(report, case, q, cache8, indptr, perm, last, backend="fa2",
+                                               want=w8.run(q, cache8))}
             time_schedules(report, case, spec, plan_args, {"page_size": 16}, lambda wv: wv.run(q, cache), flops,
                            extra={"attnforge-ragged-kv": lambda: wr.run(q, (k, v)),
                                   "attnforge-fp8kv": lambda: w8.run(q, cache8),
@@ -155,7 +160,7 @@ def flashinfer_ragged(report, case, q, k, v, indptr, want=None) -> dict:
     except Exception as e:
         report.note(f"flashinfer unavailable: {e}")
         return {}
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # shared: the wrappers run in turn
+    ws = flashinfer_workspace()  # shared: the wrappers run in turn
     fns = {}
     for backend in ("fa2", "fa3"):
         try:
@@ -173,7 +178,7 @@ def flashinfer_ragged_wrapper(flashinfer, backend: str, indptr, hq: int, hkv: in
                               **plan_kw):
     """A FlashInfer ragged causal prefill wrapper, planned (plan() JIT-builds its module); plan_kw: the modes of
     FlashInfer's plan (logits_soft_cap, pos_encoding_mode, ...)."""
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if ws is None else ws
+    ws = flashinfer_workspace() if ws is None else ws
     ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
     w.plan(ind, ind, hq, hkv, d, head_dim_vo=dv, causal=True, q_data_type=torch.bfloat16, **plan_kw)
@@ -186,18 +191,19 @@ def bench_flashinfer(report, case, q, k, v, indptr, flops, suite="prefill"):
         report.add(suite, case, impl, time_us(fn, calls=2, reps=10), None, flops)
 
 
-def flashinfer_paged(report, case, q, cache, indptr, perm, last, backend="fa3") -> dict:
-    """FlashInfer's paged prefill on the same pages as {impl: fn} (an fp8 cache: `flashinfer-<backend>-fp8kv`)."""
+def flashinfer_paged(report, case, q, cache, indptr, perm, last, backend="fa3", want=None) -> dict:
+    """FlashInfer's paged prefill on the same pages as {impl: fn} (an fp8 cache: `flashinfer-<backend>-fp8kv`).
+    With `want` (our output on those pages), a backend whose output differs is left out with a note."""
     fp8 = cache.dtype == torch.float8_e4m3fn
     impl = f"flashinfer-{backend}" + ("-fp8kv" if fp8 else "")
     try:
         import flashinfer
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-        dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(flashinfer_workspace(q.device), "NHD", backend=backend)
+        dev = lambda a: torch.as_tensor(np.asarray(a), device=q.device, dtype=torch.int32)  # noqa: E731
         w.plan(dev(indptr), dev([0, len(perm)]), dev(perm), dev(last), HQ, HKV, D, 16, causal=True,
                q_data_type=torch.bfloat16, kv_data_type=cache.dtype)
-        return {impl: lambda: w.run(q, cache)}
+        fn = (lambda: w.run(q, cache))
+        return {impl: fn} if want is None or agrees(report, f"{impl} paged on {case}", fn(), want) else {}
     except Exception as e:
         report.note(f"{impl} paged on {case}: {type(e).__name__}: {str(e)[:160]}")
         return {}

@@ -20,7 +20,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
-from harness import Report, time_interleaved, time_us
+from harness import Report, flashinfer_workspace, time_interleaved, time_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -72,7 +72,7 @@ def bench_flashinfer(report, case, q, cache, qo_indptr, kv_indptr, kv_indices, l
     except Exception as e:
         report.note(f"flashinfer unavailable: {e}")
         return
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = flashinfer_workspace()
     dev = lambda a: torch.as_tensor(np.asarray(a), device="cuda", dtype=torch.int32)  # noqa: E731
     for backend in ("fa2", "fa3"):
         try:

@@ -28,7 +28,7 @@ import torch
 
 import bench_prefill as bp
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, kernel_twins, prepare, versions
+from harness import Report, flashinfer_workspace, kernel_twins, prepare, versions
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers' name first
@@ -100,7 +100,7 @@ def impls_of(case: str, spec: AttentionSpec, q, k, v, indptr, only: str = "") ->
         return out
     try:
         import flashinfer
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        ws = flashinfer_workspace()
         ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
         fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
         fw.plan(ind, ind, q.shape[1], k.shape[1], k.shape[2], head_dim_vo=v.shape[2], causal=True,

@@ -103,6 +103,12 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def flashinfer_workspace(device="cuda") -> torch.Tensor:
+    """A FlashInfer wrapper's float workspace (256 MB, as FlashInfer's examples size it); one may serve several
+    wrappers that run in turn."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+
 def kernel_fields(text: str) -> dict:
     """Kernel fields from ','-separated field=value (Python literals), e.g. "tma=True,roles_q_steps=4": the
     suites' twin rows (the default kernel with these fields changed, timed in rotation beside it)."""

@@ -89,3 +89,35 @@ class FakeWrapper:
 
     def run(self, q, k, v):
         return torch.full((2,), self.OUT[self.mode])
+
+
+def test_a_paged_peer_is_checked_against_our_output_on_the_same_pages(monkeypatch):
+    """flashinfer_paged(want=...): FlashInfer's paged prefill joins the rotation only where its output agrees
+    with ours on the same pages (a stand-in module on the host; the suite passes each cache's own output)."""
+    import types
+
+    import bench_prefill
+    from harness import Report
+    outputs = []
+
+    class PagedWrapper:
+        def __init__(self, ws, layout, backend):
+            self.backend = backend
+
+        def plan(self, *args, **kw):
+            assert kw["kv_data_type"] == torch.bfloat16 and kw["causal"]
+
+        def run(self, q, cache):
+            return outputs[-1]
+    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=PagedWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(bench_prefill, "flashinfer_workspace", lambda device="cuda": None)
+    q, cache, want = torch.zeros(4, 2, 8), torch.zeros(2, 2, 16, 1, 8, dtype=torch.bfloat16), torch.randn(4, 2, 8)
+    args = (q, cache, [0, 4], np.arange(2), [4])
+    for got, kept in ((want + 0.01, True), (want + 1.0, False)):
+        outputs.append(got)
+        report = Report()
+        fns = bench_prefill.flashinfer_paged(report, "B1 S8192 paged16", *args, want=want)
+        assert (set(fns) == {"flashinfer-fa3"}) == kept
+        assert bool(report.notes) != kept and all("paged on B1 S8192 paged16" in n for n in report.notes)
+    assert set(bench_prefill.flashinfer_paged(Report(), "c", *args)) == {"flashinfer-fa3"}  # no want: not checked

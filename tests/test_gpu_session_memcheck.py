@@ -98,3 +98,15 @@ def test_every_id_names_collected_gpu_tests():
         for test_id in group:  # a file, a function, or one parametrization
             assert any(i == test_id or i.startswith(test_id + "[") or i.startswith(test_id + "::")
                        for i in collected), f"{test_id}: no collected GPU test (renamed?)"
+
+
+def test_the_script_exits_1_only_where_a_test_failed(tmp_path):
+    """The script's last lines print the test summary, and its exit status says whether a test failed (it used
+    to be the status of a grep that found no failure line: 1 when every test passed)."""
+    tail = SCRIPT[SCRIPT.index("# the test summary last"):]
+    for log, status in (("3 passed in 1.0s\n", 0), ("FAILED tests/x.py::t - boom\n1 failed, 2 passed\n", 1)):
+        (tmp_path / "pytest.log").write_text(log)
+        done = subprocess.run(["bash", "-c", tail], env=dict(os.environ, OUT=str(tmp_path)), capture_output=True,
+                              text=True)
+        assert done.returncode == status, (log, done.stdout, done.stderr)
+        assert done.stdout.startswith("== tests: ")
