@@ -8,8 +8,8 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, paged, reference
-from helpers import (assert_attention_close, assert_lse_close, lazy_rescale_allowance, make_paged_case, poison,
-                     poison_unused_slots, replays_after_replans)
+from helpers import (assert_attention_close, assert_lse_close, csr_table, lazy_rescale_allowance, make_paged_case,
+                     poison, poison_unused_slots, replays_after_replans)
 
 pytestmark = pytest.mark.gpu
 
@@ -563,6 +563,19 @@ def test_scaled_cores_at_their_flat_ends(form, dtype, pattern):
     check_against_reference(spec, q, out, lse, per, qo)
 
 
+def ragged_to_pages(k, v, kv, indptr, indices, page_size):
+    """A NHD cache [pages, 2, page_size, heads, dim] holding ragged K/V rows (request b: rows kv[b]..kv[b+1]) in
+    the pages a CSR table gives them, zeros past each request's last token."""
+    cache = torch.zeros(int(indptr[-1]), 2, page_size, *k.shape[1:], dtype=k.dtype, device=k.device)
+    for b in range(len(indptr) - 1):
+        ids = torch.as_tensor(indices[indptr[b]:indptr[b + 1]], dtype=torch.long, device=k.device)
+        for j, t in enumerate((k, v)):
+            rows = torch.zeros(page_size * len(ids), *t.shape[1:], dtype=t.dtype, device=k.device)
+            rows[:kv[b + 1] - kv[b]] = t[kv[b]:kv[b + 1]]
+            cache[ids, j] = rows.view(len(ids), page_size, *t.shape[1:])
+    return cache
+
+
 def scores_pattern(q, k, kv, pattern):
     """q, k reshaped so that the scores follow `pattern` along each request's keys: "rising" (every key's score
     ~8 log2 units above the one 128 keys before: each interior tile passes the row's lazy reference, so O is
@@ -599,18 +612,10 @@ def test_row_max_under_rising_and_jumping_scores(pattern, options):
     q, k, v, qo, kv = ragged_case(spec, qo_lens, kv_lens, seed=29)
     q, k = scores_pattern(q, k, kv, pattern)
     w = BatchPrefill(spec, **kernel)
-    if paged:  # the same K/V rows in 16-token pages, in order
-        pages = [-(-n // 16) for n in kv_lens]
-        cache = torch.zeros(sum(pages), 2, 16, spec.num_kv_heads, spec.head_dim_qk, dtype=k.dtype, device="cuda")
-        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        for b, n in enumerate(kv_lens):
-            for j, t in enumerate((k, v)):
-                rows = torch.zeros(16 * pages[b], *t.shape[1:], dtype=t.dtype, device="cuda")
-                rows[:n] = t[kv[b]:kv[b + 1]]
-                cache[indptr[b]:indptr[b + 1], j] = rows.view(pages[b], 16, *t.shape[1:])
-        last = np.array([n - 16 * (pc - 1) for n, pc in zip(kv_lens, pages)], dtype=np.int32)
-        w.plan(qo, indptr, np.arange(indptr[-1], dtype=np.int32), last, page_size=16)
-        kv_in = cache
+    if paged:  # the same K/V rows in 16-token pages, their ids shuffled
+        table = csr_table(kv_lens, 16)
+        kv_in = ragged_to_pages(k, v, kv, table[0], table[1], 16)
+        w.plan(qo, *table, page_size=16)
     else:
         w.plan(qo, kv)
         kv_in = (k, v)
