@@ -36,12 +36,33 @@ def _finite_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def cuda_device(device=None) -> torch.device:
+def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> torch.device:
     """The device a wrapper runs on: `device` as given (a torch.device, "cuda:1", "cpu" for host-only
     planning), with "cuda" and None meaning the current CUDA device by its index, so that tensors on
-    cuda:0 pass check_cuda's same-device test against a wrapper built with device="cuda"."""
+    cuda:0 pass check_cuda's same-device test against a wrapper built with device="cuda". `who` names the
+    wrapper; "cpu" is refused unless `host_ok` (BatchPrefill plans on the host; the others allocate on the GPU
+    at construction). A machine without a usable CUDA device, or an index past the GPUs torch sees, is named
+    here, before torch's own errors (an AssertionError from a CPU build of torch, or an invalid device ordinal
+    at the first allocation)."""
     d = torch.device("cuda") if device is None else torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+    if d.type != "cuda":
+        if not host_ok:
+            raise fail(f"{who}(device=...)", "a CUDA device ('cuda' or 'cuda:N')", repr(str(d)),
+                       f"{who} allocates its buffers on the GPU at construction; only BatchPrefill plans "
+                       "on the host (device='cpu').")
+        return d
+    if not torch.cuda.is_available():
+        build = f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None else \
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+        raise RuntimeError(f"{who}: expected a CUDA GPU, got {build}. Install a CUDA build of "
+                           "torch or run on a machine with a GPU; kernels build without one "
+                           "(python -m attnforge build).")
+    if d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if d.index >= torch.cuda.device_count():
+        raise fail(f"{who}(device=...)", f"cuda:0 to cuda:{torch.cuda.device_count() - 1}",
+                   repr(str(d)), "Name a GPU this process sees (CUDA_VISIBLE_DEVICES renumbers them from 0).")
+    return d
 
 
 def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:

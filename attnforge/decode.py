@@ -129,7 +129,7 @@ class BatchDecode:
         self.merge_in_launch = merge_launch  # (BatchMLADecode.merge_launch() is a method: another name)
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)
-        self.device = checks.cuda_device(device)
+        self.device = checks.cuda_device(device, type(self).__name__)
         self.use_cuda_graph = use_cuda_graph
         # set by pipelines whose kernel runs right before this one (Quest's selection): the decode kernel
         # is then launched with PDL and waits for it in-kernel (wait_for_prior_grid), hiding the gap

@@ -84,7 +84,7 @@ class BatchPrefill:
                                     persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
         # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
-        self.device = checks.cuda_device(device)
+        self.device = checks.cuda_device(device, "BatchPrefill", host_ok=True)
         self._plan = None
         self._captured = paged.CapturedPages()  # (use_cuda_graph: the captured caches' pages bound each plan)
         self._upload = None  # plan()'s staged uploads outside graph mode (made by the first plan)

@@ -52,13 +52,46 @@ def test_cuda_device_pins_the_current_index(monkeypatch):
     index or a host-only "cpu" stays as given; BatchPrefill resolves through it (BatchDecode too: its
     buffers need a GPU, tests/test_decode_gpu.py::test_wrappers_built_for_cuda_take_tensors_on_cuda_0)."""
     from attnforge import AttentionSpec, BatchPrefill
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert checks.cuda_device("cuda") == torch.device("cuda", 3)
     assert checks.cuda_device(None) == torch.device("cuda", 3)
     assert checks.cuda_device(torch.device("cuda")) == torch.device("cuda", 3)
     assert checks.cuda_device("cuda:1") == torch.device("cuda", 1)
-    assert checks.cuda_device("cpu") == torch.device("cpu")
+    assert checks.cuda_device("cpu", host_ok=True) == torch.device("cpu")
     assert BatchPrefill(AttentionSpec(family="prefill"), device="cuda").device == torch.device("cuda", 3)
+
+
+def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
+    """No usable CUDA device (a CPU build of torch raises an AssertionError of its own at the wrappers' first
+    device call), an index past the GPUs torch sees (an invalid ordinal at the first allocation), and "cpu" for
+    a wrapper that allocates on the GPU at construction: each is named with its fix, before any device call.
+    BatchPrefill alone plans on the host (device="cpu")."""
+    from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
+    from attnforge.kvcache import VirtualKVCache
+
+    def no_device_call(*_, **__):
+        raise AssertionError("a device call before the check")
+    monkeypatch.setattr(torch.cuda, "current_device", no_device_call)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_device_call)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for make, who in ((lambda: BatchDecode(AttentionSpec()), "BatchDecode"),
+                      (lambda: BatchMLADecode(num_qo_heads=16), "BatchMLADecode"),
+                      (lambda: BatchPrefill(AttentionSpec(family="prefill")), "BatchPrefill"),
+                      (lambda: VirtualKVCache(num_layers=1, max_batch=2, max_len=64, num_kv_heads=8, head_dim=128),
+                       "VirtualKVCache")):
+        with pytest.raises(RuntimeError, match=f"^{who}: expected a CUDA GPU, got .*Install a CUDA build"):
+            make()
+    assert BatchPrefill(AttentionSpec(family="prefill"), device="cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"BatchDecode\(device=...\): expected a CUDA device .* got 'cpu'.*"
+                                         r"only BatchPrefill plans on the host"):
+        BatchDecode(AttentionSpec(), device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"BatchMLADecode\(device=...\): expected cuda:0 to cuda:1, got 'cuda:2'"):
+        BatchMLADecode(num_qo_heads=16, device="cuda:2")
+    assert checks.cuda_device("cuda:1", "BatchDecode") == torch.device("cuda", 1)
 
 
 def test_run_memo_derives_again_for_any_change_a_check_reads():

@@ -533,7 +533,7 @@ def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
     from attnforge import BatchMLADecode, checks
     props = types.SimpleNamespace(major=9, shared_memory_per_block_optin=232448, multi_processor_count=132)
     monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(checks, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(checks, "cuda_device", lambda device, *_, **__: torch.device("cpu"))
     monkeypatch.setattr(checks, "check_cuda", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(BatchDecode, "_staged_upload", lambda self, n: HostOnlyUpload(n))

@@ -250,7 +250,7 @@ class QuestDecode:
         if index.summary_shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
             raise fail("QuestIndex shape", f"[pages, {spec.num_kv_heads}, {spec.head_dim_qk}] (the spec's KV heads, "
                        "head_dim)", list(index.summary_shape), "Build the index for this model.")
-        device = checks.cuda_device(decode_kwargs.get("device"))  # (the decode's)
+        device = checks.cuda_device(decode_kwargs.get("device"), type(self).__name__, host_ok=True)
         if index.kmin.device != device:  # the scoring kernel reads the summaries by address
             raise fail("QuestIndex device", f"the wrapper's device {device}", index.kmin.device,
                        "Build the index with device= the GPU that decodes.")
