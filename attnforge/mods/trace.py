@@ -188,10 +188,10 @@ class Sym:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def _refuse(self, what: str):
+    def _refuse(self, what: str, fix: str = "Use torch.where(cond, a, b) instead of `if`, and express loops "
+                                             "over values with tensor indexing."):
         raise ModTraceError(f"{what} on a traced value is data-dependent and cannot be compiled "
-                            f"(at {_user_line()}). Use torch.where(cond, a, b) instead of `if`, and "
-                            "express loops over values with tensor indexing.")
+                            f"(at {_user_line()}). {fix}")
 
     def __bool__(self):
         self._refuse("`if`/`and`/`or`/`not` (truth value)")
@@ -203,10 +203,11 @@ class Sym:
         self._refuse("use as a Python index or range()")
 
     def __int__(self):
-        self._refuse("int()")
+        self._refuse("int()", "Cast with .to(torch.int32), or round with torch.div(a, b, rounding_mode='floor').")
 
-    def __float__(self):
-        self._refuse("float()")
+    def __float__(self):  # (what Python's math functions call on their argument)
+        self._refuse("float() (or a math.* function, which calls it)",
+                     "Call the torch function (torch.tanh, torch.exp, ...), and cast with .to(torch.float32).")
 
     def __len__(self):
         self._refuse("len()")
@@ -325,11 +326,19 @@ def _dispatch(func, args, kwargs):
         if hi is not None:
             x = ("minimum", x, _lift(hi))
         return Sym(x)
-    name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-    raise ModTraceError(f"torch function {name} is not supported in modifiers (at {_user_line()}). Supported: "
+    raise ModTraceError(f"torch function {_torch_name(func)} is not supported in modifiers (at {_user_line()}). Supported: "
                         "arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, clamp, "
                         "div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, sqrt, rsqrt, "
                         "sin, cos, tanh, sigmoid, *_like constants, and indexing captured tensors (see docs/mods.md).")
+
+
+def _torch_name(func) -> str:
+    """How the user wrote a torch function: torch.erf, not its qualname _VariableFunctionsClass.erf."""
+    name = getattr(func, "__name__", repr(func))
+    for prefix, home in (("torch.", torch), ("torch.nn.functional.", torch.nn.functional), ("Tensor.", torch.Tensor)):
+        if getattr(home, name, None) is func:
+            return prefix + name
+    return getattr(func, "__qualname__", name)
 
 
 def _index(tensor: torch.Tensor, index) -> Sym:

@@ -1,6 +1,9 @@
 """Tracing rules: what compiles, what is refused (with the construct and the line), cache keys."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attnforge.mods as m
 from attnforge import AttentionSpec
@@ -24,7 +27,11 @@ def test_if_on_traced_value_names_construct_and_line():
     (lambda s, b, h, q, kv: s + int(kv), "int()"),
     (lambda s, b, h, q, kv: s + float(q), "float()"),
     (lambda s, b, h, q, kv: s + len(range(kv)), "Python index"),
-    (lambda s, b, h, q, kv: torch.erf(s), "torch function erf"),
+    (lambda s, b, h, q, kv: torch.erf(s), "torch function torch.erf is not supported"),  # (as the user wrote it)
+    (lambda s, b, h, q, kv: F.softplus(s), "torch function torch.nn.functional.softplus is not supported"),
+    (lambda s, b, h, q, kv: 30 * math.tanh(s / 30), "a math.* function, which calls it) on a traced value is "
+                                                    "data-dependent .* Call the torch function"),
+    (lambda s, b, h, q, kv: s + int(kv) // 2, "int() on a traced value .* Cast with .to(torch.int32)"),
     (lambda s, b, h, q, kv: s + torch.zeros(4, 4)[kv], "rank 2 must be indexed with 2"),
     (lambda s, b, h, q, kv: s + torch.zeros(4)[0:kv], "slices"),
     (lambda s, b, h, q, kv: s + "x", "type str"),
