@@ -87,6 +87,8 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
     with pytest.raises(ValueError, match=r"BatchDecode\(device=...\): expected a CUDA device .* got 'cpu'.*"
                                          r"only BatchPrefill plans on the host"):
         BatchDecode(AttentionSpec(), device="cpu")
+    with pytest.raises(ValueError, match=r"VirtualKVCache\(device=...\): expected a CUDA device"):
+        VirtualKVCache(num_layers=1, max_batch=2, max_len=64, num_kv_heads=8, head_dim=128, device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"BatchMLADecode\(device=...\): expected cuda:0 to cuda:1, got 'cuda:2'"):

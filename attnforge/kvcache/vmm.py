@@ -109,7 +109,7 @@ class VirtualKVCache:
         if dtype not in _TYPESTR:
             raise fail("VirtualKVCache dtype", "torch.bfloat16, torch.float16, torch.float8_e4m3fn (fp8 KV) or "
                        "torch.float32", dtype, "Allocate the cache in the dtype decode reads (spec.kv_dtype).")
-        self.device = cuda_device(device, "VirtualKVCache", host_ok=True)  # (cpu: the bookkeeping tests)
+        self.device = cuda_device(device, "VirtualKVCache", host_ok=backend is not None)  # (cpu: a fake driver's tests)
         self.backend = backend if backend is not None else CudaVMM(self.device)
         self.gran = self.backend.granularity()
         self.dtype, self.num_layers, self.max_batch = dtype, num_layers, max_batch
