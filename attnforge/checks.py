@@ -37,13 +37,13 @@ def _finite_real(x) -> bool:
 
 
 def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> torch.device:
-    """The device a wrapper runs on: `device` as given (a torch.device, "cuda:1", "cpu" for host-only
-    planning), with "cuda" and None meaning the current CUDA device by its index, so that tensors on
-    cuda:0 pass check_cuda's same-device test against a wrapper built with device="cuda". `who` names the
-    wrapper; "cpu" is refused unless `host_ok` (BatchPrefill plans on the host; the others allocate on the GPU
-    at construction). A machine without a usable CUDA device, or an index past the GPUs torch sees, is named
-    here, before torch's own errors (an AssertionError from a CPU build of torch, or an invalid device ordinal
-    at the first allocation)."""
+    """The device a wrapper runs on: `device` as given (a torch.device, "cuda:1"), with "cuda" and None meaning
+    the current CUDA device by its index, so that tensors on cuda:0 pass check_cuda's same-device test against a
+    wrapper built with device="cuda". `who` names the wrapper. With `host_ok` (BatchPrefill, which allocates
+    nothing at construction outside graph mode) "cpu" or an explicit "cuda:N" also serve on a machine without a
+    GPU, to plan on the host; the other wrappers allocate on the GPU at construction. A missing GPU, or an index
+    past the GPUs torch sees, is named here, before torch's own errors (an AssertionError from a CPU build of
+    torch, or an invalid device ordinal at the first allocation)."""
     d = torch.device("cuda") if device is None else torch.device(device)
     if d.type != "cuda":
         if not host_ok:
@@ -51,7 +51,8 @@ def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> t
                        f"{who} allocates its buffers on the GPU at construction; only BatchPrefill plans "
                        "on the host (device='cpu').")
         return d
-    if not torch.cuda.is_available():
+    available = torch.cuda.is_available()
+    if not available and (d.index is None or not host_ok):
         build = f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None else \
             f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
         raise RuntimeError(f"{who}: expected a CUDA GPU, got {build}. Install a CUDA build of "
@@ -59,7 +60,7 @@ def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> t
                            "(python -m attnforge build).")
     if d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
-    if d.index >= torch.cuda.device_count():
+    if available and d.index >= torch.cuda.device_count():
         raise fail(f"{who}(device=...)", f"cuda:0 to cuda:{torch.cuda.device_count() - 1}",
                    repr(str(d)), "Name a GPU this process sees (CUDA_VISIBLE_DEVICES renumbers them from 0).")
     return d

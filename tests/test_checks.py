@@ -83,7 +83,11 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
                        "VirtualKVCache")):
         with pytest.raises(RuntimeError, match=f"^{who}: expected a CUDA GPU, got .*Install a CUDA build"):
             make()
+    # BatchPrefill plans on the host: "cpu", or a named GPU it will run on later (nothing allocated until then)
     assert BatchPrefill(AttentionSpec(family="prefill"), device="cpu").device == torch.device("cpu")
+    assert BatchPrefill(AttentionSpec(family="prefill"), device="cuda:1").device == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="^BatchDecode: expected a CUDA GPU"):
+        BatchDecode(AttentionSpec(), device="cuda:0")
     with pytest.raises(ValueError, match=r"BatchDecode\(device=...\): expected a CUDA device .* got 'cpu'.*"
                                          r"only BatchPrefill plans on the host"):
         BatchDecode(AttentionSpec(), device="cpu")
