@@ -40,16 +40,17 @@ def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> t
     """The device a wrapper runs on: `device` as given (a torch.device, "cuda:1"), with "cuda" and None meaning
     the current CUDA device by its index, so that tensors on cuda:0 pass check_cuda's same-device test against a
     wrapper built with device="cuda". `who` names the wrapper. With `host_ok` (BatchPrefill, which allocates
-    nothing at construction outside graph mode) "cpu" or an explicit "cuda:N" also serve on a machine without a
-    GPU, to plan on the host; the other wrappers allocate on the GPU at construction. A missing GPU, or an index
+    nothing at construction outside graph mode, and a VirtualKVCache on a stand-in driver) "cpu" or an explicit
+    "cuda:N" also serve on a machine without a GPU, for host-side checks and tests; the other wrappers allocate
+    on the GPU at construction. A missing GPU, or an index
     past the GPUs torch sees, is named here, before torch's own errors (an AssertionError from a CPU build of
     torch, or an invalid device ordinal at the first allocation)."""
     d = torch.device("cuda") if device is None else torch.device(device)
     if d.type != "cuda":
         if not host_ok:
             raise fail(f"{who}(device=...)", "a CUDA device ('cuda' or 'cuda:N')", repr(str(d)),
-                       f"{who} allocates its buffers on the GPU at construction; only BatchPrefill plans "
-                       "on the host (device='cpu').")
+                       f"{who} allocates its buffers on the GPU at construction: pass device='cuda' or "
+                       "'cuda:N'.")
         return d
     available = torch.cuda.is_available()
     if not available and (d.index is None or not host_ok):

@@ -67,7 +67,7 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
     """No usable CUDA device (a CPU build of torch raises an AssertionError of its own at the wrappers' first
     device call), an index past the GPUs torch sees (an invalid ordinal at the first allocation), and "cpu" for
     a wrapper that allocates on the GPU at construction: each is named with its fix, before any device call.
-    BatchPrefill alone plans on the host (device="cpu")."""
+    BatchPrefill, which allocates nothing until it plans, is still built there (its argument checks run first)."""
     from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
     from attnforge.kvcache import VirtualKVCache
 
@@ -83,13 +83,13 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
                        "VirtualKVCache")):
         with pytest.raises(RuntimeError, match=f"^{who}: expected a CUDA GPU, got .*Install a CUDA build"):
             make()
-    # BatchPrefill plans on the host: "cpu", or a named GPU it will run on later (nothing allocated until then)
+    # BatchPrefill is built without a GPU for "cpu" or a named GPU (nothing allocated until it plans)
     assert BatchPrefill(AttentionSpec(family="prefill"), device="cpu").device == torch.device("cpu")
     assert BatchPrefill(AttentionSpec(family="prefill"), device="cuda:1").device == torch.device("cuda", 1)
     with pytest.raises(RuntimeError, match="^BatchDecode: expected a CUDA GPU"):
         BatchDecode(AttentionSpec(), device="cuda:0")
     with pytest.raises(ValueError, match=r"BatchDecode\(device=...\): expected a CUDA device .* got 'cpu'.*"
-                                         r"only BatchPrefill plans on the host"):
+                                         r"pass device='cuda' or 'cuda:N'"):
         BatchDecode(AttentionSpec(), device="cpu")
     with pytest.raises(ValueError, match=r"VirtualKVCache\(device=...\): expected a CUDA device"):
         VirtualKVCache(num_layers=1, max_batch=2, max_len=64, num_kv_heads=8, head_dim=128, device="cpu")
