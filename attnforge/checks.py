@@ -42,9 +42,9 @@ def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> t
     wrapper built with device="cuda". `who` names the wrapper. With `host_ok` (BatchPrefill, which allocates
     nothing at construction outside graph mode, and a VirtualKVCache on a stand-in driver) "cpu" or an explicit
     "cuda:N" also serve on a machine without a GPU, for host-side checks and tests; the other wrappers allocate
-    on the GPU at construction. A missing GPU, or an index
-    past the GPUs torch sees, is named here, before torch's own errors (an AssertionError from a CPU build of
-    torch, or an invalid device ordinal at the first allocation)."""
+    on the GPU at construction. A missing GPU, or an index past the GPUs torch sees, is named here, before
+    torch's own errors (an AssertionError from a CPU build of torch, or an invalid device ordinal at the first
+    allocation)."""
     d = torch.device("cuda") if device is None else torch.device(device)
     if d.type != "cuda":
         if not host_ok:

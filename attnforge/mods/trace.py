@@ -326,9 +326,9 @@ def _dispatch(func, args, kwargs):
         if hi is not None:
             x = ("minimum", x, _lift(hi))
         return Sym(x)
-    raise ModTraceError(f"torch function {_torch_name(func)} is not supported in modifiers (at {_user_line()}). Supported: "
-                        "arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, clamp, "
-                        "div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, sqrt, rsqrt, "
+    raise ModTraceError(f"torch function {_torch_name(func)} is not supported in modifiers (at {_user_line()}). "
+                        "Supported: arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, "
+                        "clamp, div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, sqrt, rsqrt, "
                         "sin, cos, tanh, sigmoid, *_like constants, and indexing captured tensors (see docs/mods.md).")
 
 
