@@ -327,9 +327,10 @@ def _dispatch(func, args, kwargs):
             x = ("minimum", x, _lift(hi))
         return Sym(x)
     raise ModTraceError(f"torch function {_torch_name(func)} is not supported in modifiers (at {_user_line()}). "
-                        "Supported: arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, abs, "
-                        "clamp, div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, sqrt, rsqrt, "
-                        "sin, cos, tanh, sigmoid, *_like constants, and indexing captured tensors (see docs/mods.md).")
+                        "Supported: arithmetic, comparisons, bitwise and logical operations, torch.where, min/max, "
+                        "abs, clamp, div, fmod, floor/ceil/round/trunc, sign, exp, exp2, expm1, log, log2, log1p, "
+                        "sqrt, rsqrt, sin, cos, tanh, sigmoid, *_like constants, and indexing captured tensors (see "
+                        "docs/mods.md).")
 
 
 def _torch_name(func) -> str:
