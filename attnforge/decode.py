@@ -148,8 +148,10 @@ class BatchDecode:
         self.max_num_pages = max_num_pages
         d, rows = self.spec.head_dim_vo, self.partial_slot_rows()
         need = self._workspace_need()
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        if workspace is None:  # zeroed once: the merges copy aligned 16-byte blocks around a chunk's LSEs, whose
+            # neighbours (other slots, the slack) may never be written; their values go unused, but initcheck
+            # reports reads of memory nothing wrote (ninety-fifth session: merge_item's, in batch_decode_kernel)
+            workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
         checks.check_cuda("workspace", workspace, self.device)
         if workspace.numel() * workspace.element_size() < need:
             raise checks.fail("workspace", f"at least {need} bytes", workspace.numel() * workspace.element_size(),

@@ -524,19 +524,25 @@ def test_the_kernels_meta_row_carries_the_plans_snap():
         assert w._upload.dev[off:off + 5].tolist() == [len(lengths), work.span, work.total, snap, 1]
 
 
-def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
-    """BatchDecode.__init__ runs for every decode-shaped wrapper: an attribute it sets must not hide a
-    subclass's method (its merge-launch choice, named merge_launch, once hid BatchMLADecode.merge_launch()).
-    The CUDA queries are stubbed so the constructors and plan() run here."""
+def stub_cuda_for_constructors(monkeypatch):
+    """The CUDA queries of the decode-shaped constructors and plan(), stubbed so they run on the host."""
     import types
     import attnforge.decode as decode
-    from attnforge import BatchMLADecode, checks
+    from attnforge import checks
     props = types.SimpleNamespace(major=9, shared_memory_per_block_optin=232448, multi_processor_count=132)
     monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
     monkeypatch.setattr(checks, "cuda_device", lambda device, *_, **__: torch.device("cpu"))
     monkeypatch.setattr(checks, "check_cuda", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(BatchDecode, "_staged_upload", lambda self, n: HostOnlyUpload(n))
+
+
+def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
+    """BatchDecode.__init__ runs for every decode-shaped wrapper: an attribute it sets must not hide a
+    subclass's method (its merge-launch choice, named merge_launch, once hid BatchMLADecode.merge_launch()).
+    The CUDA queries are stubbed so the constructors and plan() run here."""
+    from attnforge import BatchMLADecode
+    stub_cuda_for_constructors(monkeypatch)
     mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
     mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1)
     for cls, spec, page in ((BatchDecode, mqa, 16), (BatchMLADecode, mla, 64)):
@@ -545,6 +551,21 @@ def test_wrappers_built_by_their_constructors_shadow_no_method(monkeypatch):
         w.plan(*table([131072], page), page_size=page)
         assert w._plan["merge_launch"] is (cls is BatchDecode)  # (MQA B1: ~200 chunks x 16 heads an item)
     assert w.merge_launch()[0] == "mla_merge_one_wave_kernel"  # BatchMLADecode's own merge, still a method
+
+
+def test_the_wrappers_own_workspace_starts_zeroed(monkeypatch):
+    """The merges copy 16-byte blocks around each chunk's LSEs, and neighbours nothing writes are read (their
+    values unused): a workspace the wrapper allocates starts zeroed, so compute-sanitizer's initcheck has nothing
+    to report there. torch.empty is made to return garbage here, so the test fails where the wrapper uses it."""
+    from attnforge import BatchMLADecode
+    stub_cuda_for_constructors(monkeypatch)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(7 if k.get("dtype") == torch.uint8
+                                                                              else float("nan")))
+    mla = AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512)
+    for cls, spec in ((BatchDecode, AttentionSpec()), (BatchMLADecode, mla)):
+        w = cls(spec)
+        assert w._partial_o.numel() and not w._partial_o.any() and not w._partial_lse.any(), cls.__name__
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -92,6 +92,26 @@ def test_another_sanitizer_tool_runs_the_same_groups_into_its_own_log(tmp_path):
     assert not (tmp_path / "out" / "memcheck.log").exists()
 
 
+def test_each_groups_summary_and_a_failing_groups_reports_are_named_by_its_tests(tmp_path):
+    """The log gives each group's error summary under its first test id, and the head holds each failing group's
+    own first reports: initcheck's 436 / 420 / 104 errors in three groups (ninety-fifth session) came back with
+    the first group's reports alone, so the other two counts could not be traced to a kernel."""
+    body = ('echo "========= COMPUTE-SANITIZER"; [ $n -ge 2 ] && [ $n -le 3 ] && { echo "=== report of process $n"; '
+            'echo "========= ERROR SUMMARY: $n errors"; exit 3; }; ' + SUMMARY)
+    log, calls = run_memcheck(tmp_path, 60, body, tool="initcheck")
+    groups = default_groups()
+    lines = [x for x in log.splitlines() if " <- " in x]
+    assert len(lines) == len(groups) == len(calls)
+    for n, (line, group) in enumerate(zip(lines, groups), 1):
+        want = f"exit 3, ========= ERROR SUMMARY: {n} errors" if n in (2, 3) else \
+            "exit 0, ========= ERROR SUMMARY: 0 errors"
+        assert line == f"{want} <- {group[0]} (+{len(group) - 1} more)", line
+    head = (tmp_path / "out" / "initcheck.head").read_text()
+    assert head.index(f"=== group {groups[1][0]} ") < head.index("report of process 2") < \
+        head.index(f"=== group {groups[2][0]} ") < head.index("report of process 3")
+    assert groups[0][0] not in head and not (tmp_path / "out" / "initcheck.errors").exists()
+
+
 def test_every_id_names_collected_gpu_tests():
     collected = groups_tool["gpu_test_ids"]()
     for group in default_groups():

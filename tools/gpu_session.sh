@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 # memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own. The same
 # groups serve the other sanitizer tools (SANITIZE_TOOL; logs $OUT/<tool>.log). initcheck (reads of device
-# memory nothing wrote) found 0 errors on 155 tests, most of these among them (perf-notes, ninety-second section).
+# memory nothing wrote) found 0 errors on 155 tests, most of these among them (perf-notes, ninety-second section),
+# then reads in three of these groups (ninety-fifth section: decode's merge_item among them).
 # --show-backtrace device: the host backtrace (the sanitizer's default, 'yes') keeps a reference to the Python
 # frames of every CUDA call, and through them every test's tensors: one process ran out of memory at its 69th
 # test (eighty-third and eighty-fourth sessions, perf-notes); a precise error still gets its device backtrace
@@ -38,7 +39,7 @@ memcheck() {
   local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try
   local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}" tool=${SANITIZE_TOOL:-memcheck}
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
-  : > "$OUT/$tool.full"
+  : > "$OUT/$tool.full"; : > "$OUT/$tool.groups"; : > "$OUT/$tool.errors"
   for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
     [ $(( end - $(date +%s) )) -lt 5 ] && { echo "$tool: no time left for: $group"; status=124; break; } \
       >> "$OUT/$tool.full"
@@ -56,12 +57,24 @@ memcheck() {
       echo "$tool: the sanitizer died at its start (exit $rc), tried again: $group" >> "$OUT/$tool.full"
     done
     [ $rc -ne 0 ] && status=$rc
+    # each group's summary under its first test id, and a failing group's first reports under the same name, so a
+    # count in the log can be traced to its tests (the whole output's head showed the first group's alone)
+    set -- $group
+    local summary; summary=$(grep -h "ERROR SUMMARY" "$OUT/$tool.group" | tail -n 1)
+    echo "exit $rc, ${summary:-no summary} <- $1 (+$(( $# - 1 )) more)" >> "$OUT/$tool.groups"
+    [ $rc -ne 0 ] && { echo "=== group $1 (+$(( $# - 1 )) more): exit $rc"; head -c 6000 "$OUT/$tool.group"; echo; } \
+      >> "$OUT/$tool.errors"
   done
   rm -f "$OUT/$tool.group"
   echo "$tool exit $status (${#mgroups[@]} groups)" > "$OUT/$tool.log"
   grep -E "Program hit|Invalid|Uninitialized|out of bounds|ERROR SUMMARY|passed|failed|tried again" \
     "$OUT/$tool.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/$tool.log"
-  head -c 20000 "$OUT/$tool.full" > "$OUT/$tool.head"; rm -f "$OUT/$tool.full"
+  cat "$OUT/$tool.groups" >> "$OUT/$tool.log"; rm -f "$OUT/$tool.groups"
+  # the head: each failing group's first reports where any group failed, else the first groups' output (at most 8
+  # files come back from a device call, so no file of its own)
+  if [ -s "$OUT/$tool.errors" ]; then head -c 30000 "$OUT/$tool.errors"; else head -c 20000 "$OUT/$tool.full"; fi \
+    > "$OUT/$tool.head"
+  rm -f "$OUT/$tool.full" "$OUT/$tool.errors"
   cat "$OUT/$tool.log"
 }
 # SANITIZE_PARALLEL=1: memcheck beside the test processes (both mostly wait on nvcc), not after them
