@@ -279,7 +279,9 @@ class BatchDecode:
         rows: group x max_q_len), and 32 bytes past them (the merge copies the lse values in aligned 16-byte
         blocks). A wrapper needs it for the largest of its grids (num_ctas, and its whole-item kernels' CTAs:
         4 an SM for the 4-CTA ones, kernels.decode.whole_item_tilings); its constructor says how many bytes
-        where a given workspace is smaller."""
+        where a given workspace is smaller. A workspace the wrapper allocates starts zeroed; one you pass is used as
+        it is (zero it once, torch.zeros, if compute-sanitizer's initcheck should see no read of unwritten bytes:
+        the merges read a few that no plan writes, and use none of them)."""
         return 2 * num_ctas * spec.group_size * max_q_len * (spec.head_dim_vo + 1) * 4 + MERGE_LSE_SLACK_BYTES
 
     # -- plan ----------------------------------------------------------------------------------------
