@@ -48,9 +48,9 @@ def test_mla_decode_pdl_flag_must_be_a_bool():
 
 def test_cuda_device_pins_the_current_index(monkeypatch):
     """checks.cuda_device: "cuda" and None mean the current CUDA device by its index (a wrapper built with
-    device="cuda" rejected tensors on cuda:0 as on another device: forty-third session), an explicit
-    index stays as given, and so does "cpu" where host_ok allows it; BatchPrefill resolves through it (BatchDecode too: its
-    buffers need a GPU, tests/test_decode_gpu.py::test_wrappers_built_for_cuda_take_tensors_on_cuda_0)."""
+    device="cuda" rejected tensors on cuda:0 as on another device: forty-third session), an explicit index
+    stays as given, and so does "cpu" where host_ok allows it; BatchPrefill resolves through it (BatchDecode
+    too: its buffers need a GPU, tests/test_decode_gpu.py::test_wrappers_built_for_cuda_take_tensors_on_cuda_0)."""
     from attnforge import AttentionSpec, BatchPrefill
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
