@@ -54,17 +54,29 @@ def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> t
         return d
     available = torch.cuda.is_available()
     if not available and (d.index is None or not host_ok):
-        build = f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None else \
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
-        raise RuntimeError(f"{who}: expected a CUDA GPU, got {build}. Install a CUDA build of "
-                           "torch or run on a machine with a GPU; kernels build without one "
-                           "(python -m attnforge build).")
+        raise no_gpu(who)
     if d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     if available and d.index >= torch.cuda.device_count():
         raise fail(f"{who}(device=...)", f"cuda:0 to cuda:{torch.cuda.device_count() - 1}",
                    repr(str(d)), "Name a GPU this process sees (CUDA_VISIBLE_DEVICES renumbers them from 0).")
     return d
+
+
+def no_gpu(who: str) -> RuntimeError:
+    """The error for a wrapper that needs a GPU on a machine whose torch sees none (raised before torch's own
+    `AssertionError: Torch not compiled with CUDA enabled`)."""
+    build = f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None else \
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+    return RuntimeError(f"{who}: expected a CUDA GPU, got {build}. Install a CUDA build of torch or run on a "
+                        "machine with a GPU; kernels build without one (python -m attnforge build).")
+
+
+def require_gpu(device: torch.device, who: str) -> None:
+    """For a wrapper built host-only on a named "cuda:N" (cuda_device's host_ok): its first GPU step (an SM count,
+    an upload) says the GPU is missing instead of torch's AssertionError."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise no_gpu(who)
 
 
 def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:

@@ -229,6 +229,7 @@ class BatchPrefill:
             if upload is not None:
                 upload.drain()  # its pinned buffers go back to torch's allocator: no copy may still read them
             cpu = self.device.type == "cpu"
+            checks.require_gpu(self.device, "BatchPrefill")
             upload = self._upload = HostOnlyUpload(size) if cpu else StagedUpload(size, self.device)
         return upload
 
@@ -273,6 +274,7 @@ class BatchPrefill:
         """The device's SM count, asked once (up to three times a plan otherwise; not at construction,
         which a machine without a GPU runs too)."""
         if self._num_sms is None:
+            checks.require_gpu(self.device, "BatchPrefill")
             self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return self._num_sms
 

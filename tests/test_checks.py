@@ -100,6 +100,33 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
     assert checks.cuda_device("cuda:1", "BatchDecode") == torch.device("cuda", 1)
 
 
+def test_a_prefill_built_for_a_missing_gpu_says_so_at_its_first_gpu_step(monkeypatch):
+    """BatchPrefill on a named "cuda:N" is built without a GPU (its argument checks run there), but its first step
+    that needs the GPU (the SM count a split or persistent plan asks, the plan's upload, graph mode's buffers) names
+    the missing GPU, not torch's `AssertionError: Torch not compiled with CUDA enabled`. Bad arguments still get
+    their own error first."""
+    from attnforge import AttentionSpec, BatchPrefill
+
+    def no_device_call(*_, **__):
+        raise AssertionError("a device call before the check")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_device_call)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = AttentionSpec(family="prefill")
+    no_gpu = "^BatchPrefill: expected a CUDA GPU, got .*Install a CUDA build"
+    for kw in ({}, {"split_kv": False}, {"split_kv": False, "persistent": False}):
+        w = BatchPrefill(spec, device="cuda:1", **kw)
+        with pytest.raises(RuntimeError, match=no_gpu):
+            w.plan([0, 4, 9], [0, 9, 300])
+        with pytest.raises(ValueError, match=r"qo_indptr: expected a non-decreasing"):  # checks come first
+            w.plan([0, 5, 3], [0, 9, 9])
+    with pytest.raises(RuntimeError, match=no_gpu):
+        BatchPrefill(spec, device="cuda:1", use_cuda_graph=True, max_batch_size=4)
+    host_only = BatchPrefill(spec, device="cpu")  # host-only plans (tests, host-cost timing) stay
+    host_only._num_sms = 132
+    host_only.plan([0, 4, 9], [0, 9, 300])
+    assert host_only._plan["num_work"] > 0
+
+
 def test_run_memo_derives_again_for_any_change_a_check_reads():
     memo, calls = checks.RunMemo(), []
 
