@@ -162,6 +162,7 @@ class BatchPrefill:
         tile_indptr = tile_ids = None
         mod = self.spec.score_mod
         if mod is not None and mod.mask_root is not None:  # block-sparse: visit only tiles with a visible pair
+            checks.require_gpu(self.device, "BatchPrefill")  # (the mask is evaluated on the wrapper's device)
             tile_indptr, tile_ids = blockmask.tile_lists(mod, self.spec, qo_len, kv_len, work, tile_q, tile_kv,
                                                          self.device)
             cost = blockmask.item_costs(tile_indptr, tile_kv)  # KV tokens: the fixed cost below is in tokens

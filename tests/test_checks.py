@@ -102,10 +102,10 @@ def test_a_wrapper_without_its_gpu_says_so_before_torch_does(monkeypatch):
 
 def test_a_prefill_built_for_a_missing_gpu_says_so_at_its_first_gpu_step(monkeypatch):
     """BatchPrefill on a named "cuda:N" is built without a GPU (its argument checks run there), but its first step
-    that needs the GPU (the SM count a split or persistent plan asks, the plan's upload, graph mode's buffers) names
-    the missing GPU, not torch's `AssertionError: Torch not compiled with CUDA enabled`. Bad arguments still get
-    their own error first."""
-    from attnforge import AttentionSpec, BatchPrefill
+    that needs the GPU (the SM count a split or persistent plan asks, a mask's tile lists, the plan's upload, graph
+    mode's buffers) names the missing GPU, not torch's `AssertionError: Torch not compiled with CUDA enabled`. Bad
+    arguments still get their own error first."""
+    from attnforge import AttentionSpec, BatchPrefill, mods
 
     def no_device_call(*_, **__):
         raise AssertionError("a device call before the check")
@@ -113,8 +113,10 @@ def test_a_prefill_built_for_a_missing_gpu_says_so_at_its_first_gpu_step(monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     spec = AttentionSpec(family="prefill")
     no_gpu = "^BatchPrefill: expected a CUDA GPU, got .*Install a CUDA build"
-    for kw in ({}, {"split_kv": False}, {"split_kv": False, "persistent": False}):
-        w = BatchPrefill(spec, device="cuda:1", **kw)
+    masked = AttentionSpec(family="prefill", score_mod=mods.sliding_window(64))  # its tiles listed on the GPU
+    for s, kw in ((spec, {}), (spec, {"split_kv": False}), (spec, {"split_kv": False, "persistent": False}),
+                  (masked, {})):
+        w = BatchPrefill(s, device="cuda:1", **kw)
         with pytest.raises(RuntimeError, match=no_gpu):
             w.plan([0, 4, 9], [0, 9, 300])
         with pytest.raises(ValueError, match=r"qo_indptr: expected a non-decreasing"):  # checks come first
