@@ -70,7 +70,8 @@ def _list_cache(root) -> None:
     for path in artifacts:
         try:
             res = kernel_resources(path.read_bytes())
-            detail = ", ".join(f"{fn} {r.registers} registers, stack {r.frame_bytes} B" for fn, r in sorted(res.items()))
+            detail = ", ".join(f"{fn} {r.registers} registers, stack {r.frame_bytes} B"
+                               for fn, r in sorted(res.items()))
         except ValueError:  # a multi-arch image: no single .nv.info to read
             detail = "(not a single-arch cubin)"
         print(f"{path.parent.relative_to(root)}: {detail}")

@@ -64,7 +64,8 @@ def check_page_size(name: str, page_size) -> None:
     """An int >= 1 (numpy's ints too): a float or bool would pass `>= 1` and turn every length computed from it
     into floats, and the folded checks of from_csr would then blame kv_last_page_len."""
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise fail(name, "an int >= 1 (tokens per page)", repr(page_size), "Pass the cache's tokens per page as an int.")
+        raise fail(name, "an int >= 1 (tokens per page)", repr(page_size),
+                   "Pass the cache's tokens per page as an int.")
 
 
 def from_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> PageTable:

@@ -81,7 +81,8 @@ def q_box(head_dim: int, num_heads: int, group: int, tile_q: int, num_tokens: in
 def _kv_box(head_dim, num_heads, tokens, pages, stride_page, stride_token, stride_head, elem_bytes, rows,
             plain_rows=False):
     if plain_rows and (elem_bytes != 1 or head_dim % 16 or head_dim > 256):
-        return None, f"plain rows: one-byte K/V, head_dim a multiple of 16 up to 256 (got {elem_bytes}-byte, {head_dim})"
+        return None, (f"plain rows: one-byte K/V, head_dim a multiple of 16 up to 256 (got {elem_bytes}-byte, "
+                      f"{head_dim})")
     if not plain_rows and (elem_bytes != 2 or head_dim % SWIZZLE_COLS):
         return None, f"16-bit K/V with head_dim a multiple of {SWIZZLE_COLS} (got {elem_bytes}-byte, {head_dim})"
     heads_inner = stride_head < stride_token

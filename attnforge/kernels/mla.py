@@ -263,10 +263,12 @@ class MLADecodeKernel:
             if value is not None and type(value) is not bool:
                 raise ValueError(f"MLADecodeKernel.{name}: expected None, True or False, got {value!r}; leave it None "
                                  f"for the measured default ({default})")
-        if self.tma_l2_promotion is not None and (not self.tma or self.tma_l2_promotion not in tma_maps.L2_PROMOTION_SIZES):
-            raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of {tma_maps.L2_PROMOTION_SIZES} "
-                             f"with tma=True, got {self.tma_l2_promotion!r} with tma={self.tma!r}; pass tma=True with "
-                             f"one of those sizes, or leave tma_l2_promotion None (ROLES_TMA_L2_PROMOTION)")
+        promotion_ok = self.tma and self.tma_l2_promotion in tma_maps.L2_PROMOTION_SIZES
+        if self.tma_l2_promotion is not None and not promotion_ok:
+            raise ValueError(f"MLADecodeKernel.tma_l2_promotion: expected None, or one of "
+                             f"{tma_maps.L2_PROMOTION_SIZES} with tma=True, got {self.tma_l2_promotion!r} with "
+                             f"tma={self.tma!r}; pass tma=True with one of those sizes, or leave tma_l2_promotion "
+                             f"None (ROLES_TMA_L2_PROMOTION)")
         if self.tma and self.resolved_schedule != "roles":
             raise ValueError(f"MLADecodeKernel.tma: the copy engine refills the 'roles' schedule's stages (wgmma, "
                              f"normal pipeline), got schedule={self.resolved_schedule!r}; pass backend='wgmma' and "
@@ -286,7 +288,8 @@ class MLADecodeKernel:
             raise ValueError("MLADecodeKernel.kpe_batched=True shapes the row copies, but this kernel copies by column "
                              "block (copies_by_block, the early-scores transposed kernel's default); pass "
                              "copies_by_block=False with it, or leave kpe_batched None")
-        self._check_flag("partial_16bit", self.backend == "wgmma", "a wgmma kernel (rows scaled over its staged output)")
+        self._check_flag("partial_16bit", self.backend == "wgmma",
+                         "a wgmma kernel (rows scaled over its staged output)")
         self._check_flag("reads_before_wait", True, "any kernel")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")

@@ -145,7 +145,8 @@ class QuestHeadDecode(QuestDecode):
                                                                          self.device)
         k1, v1, r = head_pages_view(k, v, stride_page, stride_token, stride_head, hkv)
         if q.dim() != 3 or q.shape[1:] != (s.num_qo_heads, s.head_dim_qk):
-            raise fail("q.shape", f"[B, {s.num_qo_heads}, {s.head_dim_qk}]", list(q.shape), "One query token per request.")
+            raise fail("q.shape", f"[B, {s.num_qo_heads}, {s.head_dim_qk}]", list(q.shape),
+                       "One query token per request.")
         rows = q.reshape(q.shape[0] * hkv, s.group_size, s.head_dim_qk)
         if out is not None:  # (before the scoring launches)
             checks.check_out(out, tuple(q.shape[:2]) + (s.head_dim_vo,), checks.TORCH_DTYPES[s.out_dtype], self.device,
