@@ -88,19 +88,59 @@ def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph:
 
 def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool = True,
                      timer: Optional[Callable[[Callable[[], None]], float]] = None,
-                     prepare_fn: Callable = prepare) -> dict:
+                     prepare_fn: Callable = prepare, settle_s: Optional[float] = None,
+                     gap_s: Optional[float] = None) -> dict:
     """Median time per call of several variants of one case, timed in rotation: repetition r runs
     them starting from variant r mod n, so drift during the run (clocks, what the L2 holds, the
     previous variant's tail) falls on every variant alike instead of on whichever was timed first.
-    Timed one after another, the same paged prefill case once ranked two launch orders both ways."""
+    Timed one after another, the same paged prefill case once ranked two launch orders both ways.
+    Under a power cap a variant still starts at the clock the one before it left (a rotation with a
+    higher-power kernel lowers the others' clocks); two ways to start each timed run from a state of its
+    own (defaults from the environment, both off):
+      settle_s (ATTNFORGE_BENCH_SETTLE_S): first replay that variant back to back, untimed, for about this
+        many seconds, so it is timed at the clock its own load settles to (as clocks_under_load.py);
+      gap_s (ATTNFORGE_BENCH_GAP_S): first leave the GPU idle this long, so every variant starts from the
+        clock an idle GPU returns to (as a peer timed alone)."""
+    settle_s = env_seconds("ATTNFORGE_BENCH_SETTLE_S") if settle_s is None else settle_s
+    gap_s = env_seconds("ATTNFORGE_BENCH_GAP_S") if gap_s is None else gap_s
     runs = {name: prepare_fn(fn, calls, use_graph) for name, fn in fns.items()}
     timer = timer or (lambda run: time_run(run, calls))
     names, times = list(runs), {name: [] for name in runs}
     for r in range(reps):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
+            if settle_s > 0:
+                settle(runs[name], settle_s)
+            if gap_s > 0:
+                torch.cuda.synchronize()
+                time.sleep(gap_s)
             times[name].append(timer(runs[name]))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def env_seconds(name: str) -> float:
+    """A duration knob of the timing method, in seconds (unset or empty: 0)."""
+    text = os.environ.get(name, "").strip()
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0 or value > 60.0:
+        raise ValueError(f"{name}: expected seconds from 0 to 60, got {text!r}; unset it for none")
+    return value
+
+
+def settle(run: Callable[[], None], seconds: float) -> None:
+    """Replay `run` back to back for about `seconds`, untimed: one replay measures its length, then enough
+    replays to fill the rest are queued at once, so the GPU never idles between them (a sync after each would
+    let the clock recover in the gaps)."""
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - start, 1e-6)
+    for _ in range(max(0, round(seconds / one) - 1)):
+        run()
+    torch.cuda.synchronize()
 
 
 def flashinfer_workspace(device="cuda") -> torch.Tensor:

@@ -112,6 +112,65 @@ def test_interleaved_timing_rotates_the_variants_so_drift_hits_all_alike():
     assert all(order.count(name) == 9 for name in fns)
 
 
+def fake_gpu_clock(harness, monkeypatch):
+    """The harness's host clock, sleep and synchronize replaced: returns the event log, where a replay
+    enqueued by settle or the timer appends its variant's name and sleeping appends ("idle", seconds);
+    each replay advances the clock by 10 ms."""
+    now, log = [0.0], []
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(harness.time, "sleep", lambda s: log.append(("idle", s)))
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
+
+    def replay_of(name):
+        def run():
+            now[0] += 0.010
+            log.append(name)
+        return run
+    return log, replay_of
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_settling_replays_each_variant_untimed_before_its_timed_run(monkeypatch, how):
+    """settle_s: about that long of the variant's own replays, queued back to back, right before each of its
+    timed runs (so under a power cap it is timed at its own load's clock, not its predecessor's)."""
+    harness = load_harness()
+    log, replay_of = fake_gpu_clock(harness, monkeypatch)
+    timed = []
+    fns = {name: replay_of(name) for name in ("a", "b")}
+    kw = {"settle_s": 0.05}
+    if how == "environment":
+        monkeypatch.setenv("ATTNFORGE_BENCH_SETTLE_S", "0.05")
+        kw = {}
+    harness.time_interleaved(fns, reps=2, timer=lambda run: timed.append(len(log)) or run() or 1.0,
+                             prepare_fn=lambda fn, calls, use_graph: fn, **kw)
+    # 0.05 s of 10 ms replays: one to measure, four more; then the timed one; variants in rotation
+    assert log == ["a"] * 6 + ["b"] * 6 + ["b"] * 6 + ["a"] * 6
+    assert timed == [5, 11, 17, 23]  # each timed run right after its own settling replays
+    assert ("idle", 0.0) not in log
+
+
+def test_a_gap_leaves_the_gpu_idle_before_each_timed_run(monkeypatch):
+    harness = load_harness()
+    log, replay_of = fake_gpu_clock(harness, monkeypatch)
+    monkeypatch.setenv("ATTNFORGE_BENCH_GAP_S", "0.1")
+    fns = {name: replay_of(name) for name in ("a", "b")}
+    harness.time_interleaved(fns, reps=2, timer=lambda run: run() or 1.0, prepare_fn=lambda fn, calls, use_graph: fn)
+    assert log == [("idle", 0.1), "a", ("idle", 0.1), "b", ("idle", 0.1), "b", ("idle", 0.1), "a"]
+    log.clear()
+    monkeypatch.delenv("ATTNFORGE_BENCH_GAP_S")  # unset: neither idles nor settles (the default method)
+    harness.time_interleaved(fns, reps=1, timer=lambda run: run() or 1.0, prepare_fn=lambda fn, calls, use_graph: fn)
+    assert log == ["a", "b"]
+
+
+@pytest.mark.parametrize("text", ["-1", "abc", "nan", "61"])
+def test_a_timing_knob_out_of_range_says_what_it_takes(monkeypatch, text):
+    harness = load_harness()
+    monkeypatch.setenv("ATTNFORGE_BENCH_SETTLE_S", text)
+    with pytest.raises(ValueError, match=rf"ATTNFORGE_BENCH_SETTLE_S: expected seconds from 0 to 60, got '{text}'"):
+        harness.time_interleaved({"a": lambda: None}, reps=1, timer=lambda run: 1.0,
+                                 prepare_fn=lambda fn, calls, use_graph: fn)
+
+
 def test_autosave_keeps_every_finished_case_of_a_run_cut_short(tmp_path, monkeypatch):
     harness = load_harness()
     monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *a: "H200")
