@@ -12,7 +12,7 @@ set -u
 start=$(date +%s)
 export PYTHONPATH=$PWD:$PWD/.anchors/flashinfer ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_JOBS=16
 export ATTNFORGE_BENCH_PREFILL_CASES="B1 S8192,B1 S32768"
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader  # (8 files come back: the logs and JSON)
 for m in "fa2 plain" "fa3 plain"; do  # FlashInfer's JIT modules, minutes each, at once
   MAX_JOBS=8 python3 benchmarks/bench_mods.py prebuild $m > /dev/null 2>&1 &
 done
