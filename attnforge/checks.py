@@ -74,7 +74,7 @@ def no_gpu(who: str) -> RuntimeError:
 
 def require_gpu(device: torch.device, who: str) -> None:
     """For a wrapper built host-only on a named "cuda:N" (cuda_device's host_ok): its first GPU step (an SM count,
-    an upload) says the GPU is missing instead of torch's AssertionError."""
+    a mask evaluated on the device, an upload) says the GPU is missing instead of torch's AssertionError."""
     if device.type == "cuda" and not torch.cuda.is_available():
         raise no_gpu(who)
 

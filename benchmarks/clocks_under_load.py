@@ -28,7 +28,7 @@ import torch
 
 import bench_prefill as bp
 from attnforge import AttentionSpec, BatchPrefill
-from harness import Report, flashinfer_workspace, kernel_twins, prepare, versions
+from harness import Report, kernel_twins, prepare, versions
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers' name first
@@ -100,11 +100,7 @@ def impls_of(case: str, spec: AttentionSpec, q, k, v, indptr, only: str = "") ->
         return out
     try:
         import flashinfer
-        ws = flashinfer_workspace()
-        ind = torch.as_tensor(indptr, device="cuda", dtype=torch.int32)
-        fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-        fw.plan(ind, ind, q.shape[1], k.shape[1], k.shape[2], head_dim_vo=v.shape[2], causal=True,
-                q_data_type=torch.bfloat16)
+        fw = bp.flashinfer_ragged_wrapper(flashinfer, "fa3", indptr, q.shape[1], k.shape[1], k.shape[2], v.shape[2])
         out["flashinfer-fa3"] = lambda: fw.run(q, k, v)
     except Exception as e:  # noqa: BLE001 - a missing peer leaves attnforge's row
         print(f"fa3 unavailable on {case}: {type(e).__name__}: {str(e)[:120]}")

@@ -121,3 +121,30 @@ def test_a_paged_peer_is_checked_against_our_output_on_the_same_pages(monkeypatc
         assert (set(fns) == {"flashinfer-fa3"}) == kept
         assert bool(report.notes) != kept and all("paged on B1 S8192 paged16" in n for n in report.notes)
     assert set(bench_prefill.flashinfer_paged(Report(), "c", *args)) == {"flashinfer-fa3"}  # no want: not checked
+
+
+def test_the_sustained_runs_plan_fa3_through_the_suites_wrapper(monkeypatch):
+    """clocks_under_load's fa3 row is planned by bench_prefill.flashinfer_ragged_wrapper (the prefill and mods
+    suites' own), with the heads and widths read from q, k and v."""
+    import types
+
+    import bench_prefill
+    import clocks_under_load
+    planned = []
+
+    class FakeWrapper:
+        def run(self, q, k, v):
+            return "fa3 output"
+
+    def wrapper(flashinfer, backend, indptr, hq, hkv, d, dv, ws=None, **plan_kw):
+        planned.append((flashinfer.__name__, backend, list(indptr), hq, hkv, d, dv))
+        return FakeWrapper()
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(bench_prefill, "flashinfer_ragged_wrapper", wrapper)
+    monkeypatch.setattr(clocks_under_load, "BatchPrefill", FakePrefill)
+    q, k, v = torch.zeros(10, 16, 192), torch.zeros(10, 4, 192), torch.zeros(10, 4, 128)
+    impls = clocks_under_load.impls_of("case", None, q, k, v, [0, 10])
+    assert sorted(impls) == ["attnforge", "flashinfer-fa3"]
+    assert planned == [("flashinfer", "fa3", [0, 10], 16, 4, 192, 128)]
+    assert impls["flashinfer-fa3"]() == "fa3 output"
+    assert sorted(clocks_under_load.impls_of("case", None, q, k, v, [0, 10], only="attnforge")) == ["attnforge"]

@@ -15,7 +15,8 @@ python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 # memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own. The same
 # groups serve the other sanitizer tools (SANITIZE_TOOL; logs $OUT/<tool>.log). initcheck (reads of device
 # memory nothing wrote) found 0 errors on 155 tests, most of these among them (perf-notes, ninety-second section),
-# then reads in three of these groups (ninety-fifth section: decode's merge_item among them).
+# then reads in three of these groups (ninety-fifth section: decode's merge_item, around a chunk's LSEs), and 0
+# in all six once decode's own workspace started zeroed (ninety-sixth section).
 # --show-backtrace device: the host backtrace (the sanitizer's default, 'yes') keeps a reference to the Python
 # frames of every CUDA call, and through them every test's tensors: one process ran out of memory at its 69th
 # test (eighty-third and eighty-fourth sessions, perf-notes); a precise error still gets its device backtrace
