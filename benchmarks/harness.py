@@ -10,6 +10,7 @@ Output: one JSON format for all suites:
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import json
 import os
@@ -82,13 +83,42 @@ def host_us(fn: Callable[..., object], *args, calls: int = 2000, warmup: int = 5
 
 
 def time_us(fn: Callable[[], object], calls: int = 5, reps: int = 20, use_graph: bool = True) -> float:
-    run = prepare(fn, calls, use_graph)
-    return statistics.median(time_run(run, calls) for _ in range(reps))
+    """time_interleaved of one variant: the same method (and gap or settling) as a rotation's rows."""
+    return time_interleaved({"fn": fn}, calls, reps, use_graph)["fn"]
+
+
+# A suite's timing method (timing_method() sets it; the environment's knobs, where set, win over it)
+_METHOD = {"gap_s": 0.0, "settle_s": 0.0}
+
+# Compute-bound suites (prefill, mods): under the 700 W cap a rotation with a kernel that draws more power a
+# clock lowers the next one's clock; a 0.1 s idle gap before each timed run gave the ratios of sustained 2 s
+# windows within 1% (ninety-seventh session, H100: fa3 +6.0% at B1 S32768 against +5.9% sustained; +18% without)
+COMPUTE_BOUND_GAP_S = 0.1
+
+
+@contextlib.contextmanager
+def timing_method(gap_s: float = 0.0, settle_s: float = 0.0):
+    """Within the block, time_interleaved and time_us default to this gap / settling (time_interleaved's
+    arguments say what each does); ATTNFORGE_BENCH_GAP_S / ATTNFORGE_BENCH_SETTLE_S, where set, still win."""
+    before = dict(_METHOD)
+    _METHOD.update(gap_s=gap_s, settle_s=settle_s)
+    try:
+        yield
+    finally:
+        _METHOD.update(before)
+
+
+def method_note() -> str:
+    """The timing method in force, for a suite's notes."""
+    gap, settle_for = (env_seconds(f"ATTNFORGE_BENCH_{k.upper()}", _METHOD[k]) for k in ("gap_s", "settle_s"))
+    parts = ([f"{gap:g} s of idle GPU before each timed run"] if gap else []) + \
+        ([f"{settle_for:g} s of the variant's own untimed replays before each timed run"] if settle_for else [])
+    return "timing: " + ("; ".join(parts) if parts else "timed runs back to back, no gap, no settling")
 
 
 def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool = True,
                      timer: Optional[Callable[[Callable[[], None]], float]] = None,
-                     prepare_fn: Callable = prepare, settle_s: Optional[float] = None,
+                     prepare_fn: Optional[Callable] = None, settle_s: Optional[float] = None,
                      gap_s: Optional[float] = None) -> dict:
     """Median time per call of several variants of one case, timed in rotation: repetition r runs
     them starting from variant r mod n, so drift during the run (clocks, what the L2 holds, the
@@ -96,14 +126,14 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
     Timed one after another, the same paged prefill case once ranked two launch orders both ways.
     Under a power cap a variant still starts at the clock the one before it left (a rotation with a
     higher-power kernel lowers the others' clocks); two ways to start each timed run from a state of its
-    own (defaults from the environment, both off):
+    own (defaults: timing_method()'s, both off outside one; the environment's, where set, win):
       settle_s (ATTNFORGE_BENCH_SETTLE_S): first replay that variant back to back, untimed, for about this
         many seconds, so it is timed at the clock its own load settles to (as clocks_under_load.py);
       gap_s (ATTNFORGE_BENCH_GAP_S): first leave the GPU idle this long, so every variant starts from the
         clock an idle GPU returns to (as a peer timed alone)."""
-    settle_s = env_seconds("ATTNFORGE_BENCH_SETTLE_S") if settle_s is None else settle_s
-    gap_s = env_seconds("ATTNFORGE_BENCH_GAP_S") if gap_s is None else gap_s
-    runs = {name: prepare_fn(fn, calls, use_graph) for name, fn in fns.items()}
+    settle_s = env_seconds("ATTNFORGE_BENCH_SETTLE_S", _METHOD["settle_s"]) if settle_s is None else settle_s
+    gap_s = env_seconds("ATTNFORGE_BENCH_GAP_S", _METHOD["gap_s"]) if gap_s is None else gap_s
+    runs = {name: (prepare_fn or prepare)(fn, calls, use_graph) for name, fn in fns.items()}
     timer = timer or (lambda run: time_run(run, calls))
     names, times = list(runs), {name: [] for name in runs}
     for r in range(reps):
@@ -118,11 +148,11 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def env_seconds(name: str) -> float:
-    """A duration knob of the timing method, in seconds (unset or empty: 0)."""
+def env_seconds(name: str, default: float = 0.0) -> float:
+    """A duration knob of the timing method, in seconds (unset or empty: `default`)."""
     text = os.environ.get(name, "").strip()
     try:
-        value = float(text) if text else 0.0
+        value = float(text) if text else default
     except ValueError:
         value = -1.0
     if not value >= 0.0 or value > 60.0:

@@ -24,13 +24,16 @@ class FakePrefill:
 
 def test_prefill_cases_time_flashinfer_in_attnforges_rotation(monkeypatch):
     import bench_prefill
+    import harness
     from harness import Report
     rotations, checked = [], []
     monkeypatch.setattr(bench_prefill, "BatchPrefill", FakePrefill)
     monkeypatch.setattr(bench_prefill, "ragged", lambda lengths: (None, None, None, np.array([0, *np.cumsum(lengths)])))
+    gaps = []  # the suite's rows are timed after an idle gap (harness.timing_method)
     monkeypatch.setattr(bench_prefill, "time_interleaved", lambda fns, **kw: rotations.append(sorted(fns)) or
-                        {name: 1.0 for name in fns})
+                        gaps.append(harness._METHOD["gap_s"]) or {name: 1.0 for name in fns})
     monkeypatch.setattr(bench_prefill, "bench_dense", lambda *a, **k: None)
+    monkeypatch.delenv("ATTNFORGE_BENCH_GAP_S", raising=False)
 
     def peers(report, case, q, k, v, indptr, want=None):
         checked.append(want is not None)  # our output goes along, for the peers' outputs to be checked against
@@ -40,6 +43,8 @@ def test_prefill_cases_time_flashinfer_in_attnforges_rotation(monkeypatch):
     report = Report()
     bench_prefill.run(report, peers=True)
     assert checked == [True, True]
+    assert gaps == [harness.COMPUTE_BOUND_GAP_S] * 2 and harness._METHOD["gap_s"] == 0.0
+    assert report.notes[0] == f"timing: {harness.COMPUTE_BOUND_GAP_S:g} s of idle GPU before each timed run"
     assert len(rotations) == 2
     for names in rotations:
         assert {"attnforge", "attnforge-cta-per-item", "flashinfer-fa2", "flashinfer-fa3"} <= set(names)

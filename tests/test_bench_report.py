@@ -162,6 +162,26 @@ def test_a_gap_leaves_the_gpu_idle_before_each_timed_run(monkeypatch):
     assert log == ["a", "b"]
 
 
+def test_a_suites_timing_method_reaches_time_us_and_the_environment_still_wins(monkeypatch):
+    """timing_method(gap_s): time_us (a peer timed on its own) idles before each timed run like a rotation's rows,
+    inside the block only; ATTNFORGE_BENCH_GAP_S, where set (0 too), wins over the suite's default."""
+    harness = load_harness()
+    log, replay_of = fake_gpu_clock(harness, monkeypatch)
+    monkeypatch.setattr(harness, "prepare", lambda fn, calls, use_graph: fn)
+    monkeypatch.setattr(harness, "time_run", lambda run, calls: run() or 1.0)
+    monkeypatch.delenv("ATTNFORGE_BENCH_GAP_S", raising=False)
+    with harness.timing_method(gap_s=0.1):
+        harness.time_us(replay_of("peer"), reps=2)
+        assert harness.method_note() == "timing: 0.1 s of idle GPU before each timed run"
+        monkeypatch.setenv("ATTNFORGE_BENCH_GAP_S", "0")
+        harness.time_us(replay_of("env"), reps=1)
+        assert harness.method_note() == "timing: timed runs back to back, no gap, no settling"
+        monkeypatch.delenv("ATTNFORGE_BENCH_GAP_S")
+    harness.time_us(replay_of("after"), reps=1)
+    assert log == [("idle", 0.1), "peer", ("idle", 0.1), "peer", "env", "after"]
+    assert harness._METHOD == {"gap_s": 0.0, "settle_s": 0.0}  # restored on leaving the block
+
+
 @pytest.mark.parametrize("text", ["-1", "abc", "nan", "61"])
 def test_a_timing_knob_out_of_range_says_what_it_takes(monkeypatch, text):
     harness = load_harness()

@@ -5,13 +5,15 @@
 # names prefill cases to check the suite's code on (not a record):
 #   bash docs/prepared/call5-prefill-mods-record.sh                      (on the GPU machine, repo root)
 #   CASES="B16 S2048,B1 S8192 paged16" bash docs/prepared/call5-prefill-mods-record.sh      (any GPU)
+#   TESTS=0 SUITES=mods bash docs/prepared/call5-prefill-mods-record.sh       (no tests; one suite)
+# Both suites time every row after a 0.1 s idle gap (harness.COMPUTE_BOUND_GAP_S), ~80 s more than without.
 # Then, on this machine, for each JSON: python3 benchmarks/report.py merge <files_at>/<suite>.json, and
 # python3 benchmarks/report.py.
 set -u
 start=$(date +%s)
 export PYTHONPATH=$PWD:$PWD/.anchors/flashinfer ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
-suites="prefill mods"
+suites="${SUITES:-prefill mods}"
 if ! grep -q H200 "$OUT/gpu.txt"; then
   suites=""; [ -n "${CASES:-}" ] && { export ATTNFORGE_BENCH_PREFILL_CASES="$CASES"; suites=prefill; }
 fi
@@ -22,9 +24,11 @@ if [ -n "$suites" ]; then
     MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
   done
 fi
-timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py \
-  -k "soft_cap or scaled_cores or row_max" > "$OUT/tests.log" 2>&1
-grep -E "passed|failed" "$OUT/tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
+if [ "${TESTS:-1}" != 0 ]; then  # TESTS=0: the suites alone (their tests ran on this code already)
+  timeout 300 python3 -m pytest -q -m gpu tests/test_prefill_gpu.py \
+    -k "soft_cap or scaled_cores or row_max" > "$OUT/tests.log" 2>&1
+  grep -E "passed|failed" "$OUT/tests.log" | tail -n 1; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
+fi
 wait
 [ -n "$suites" ] || { echo "not an H200 and no CASES: nothing to record"; exit 0; }
 tail -qn 1 "$OUT"/prebuild-*.log; echo "FlashInfer built at $(( $(date +%s) - start )) s"
