@@ -6,7 +6,8 @@
 #   bash docs/prepared/call5-prefill-mods-record.sh                      (on the GPU machine, repo root)
 #   CASES="B16 S2048,B1 S8192 paged16" bash docs/prepared/call5-prefill-mods-record.sh      (any GPU)
 #   TESTS=0 SUITES=mods bash docs/prepared/call5-prefill-mods-record.sh       (no tests; one suite)
-# Both suites time every row after a 0.1 s idle gap (harness.COMPUTE_BOUND_GAP_S), ~80 s more than without.
+# Both suites time every row after a 0.1 s idle gap (harness.COMPUTE_BOUND_GAP_S). On an H100 (ninety-seventh
+# session) four FlashInfer builds took 179 s, prefill 200 s and mods over 190 s: one suite a call.
 # Then, on this machine, for each JSON: python3 benchmarks/report.py merge <files_at>/<suite>.json, and
 # python3 benchmarks/report.py.
 set -u
@@ -17,11 +18,14 @@ suites="${SUITES:-prefill mods}"
 if ! grep -q H200 "$OUT/gpu.txt"; then
   suites=""; [ -n "${CASES:-}" ] && { export ATTNFORGE_BENCH_PREFILL_CASES="$CASES"; suites=prefill; }
 fi
-# FlashInfer builds a module per (backend, mode) at first use, minutes each for fa3: four at once, 4 jobs each,
-# beside the GPU tests
+# FlashInfer builds a module per (backend, mode) at first use, minutes each for fa3: all at once, beside the GPU
+# tests
+# (prefill alone needs the two plain ones: 8 jobs each, ~80 s against ~180 s for four)
+modes=("fa2 plain" "fa3 plain"); jobs=8
+[[ "$suites" == *mods* ]] && { modes+=("fa2 alibi" "fa3 softcap"); jobs=4; }
 if [ -n "$suites" ]; then
-  for m in "fa2 plain" "fa3 plain" "fa2 alibi" "fa3 softcap"; do
-    MAX_JOBS=4 python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
+  for m in "${modes[@]}"; do
+    MAX_JOBS=$jobs python3 benchmarks/bench_mods.py prebuild $m > "$OUT/prebuild-${m/ /-}.log" 2>&1 &
   done
 fi
 if [ "${TESTS:-1}" != 0 ]; then  # TESTS=0: the suites alone (their tests ran on this code already)
