@@ -15,8 +15,7 @@ import attnforge.mods as mods
 from attnforge import AttentionSpec, BatchDecode, BatchPrefill
 from bench_decode import kv_bytes, paged_inputs
 from bench_prefill import agrees, causal_flops, flashinfer_ragged_wrapper, ragged
-from harness import (COMPUTE_BOUND_GAP_S, Report, flashinfer_workspace, method_note, time_interleaved, time_us,
-                     timing_method)
+from harness import Report, compute_bound_suite, flashinfer_workspace, time_interleaved, time_us
 
 HQ, HKV, D = 32, 8, 128
 
@@ -30,15 +29,8 @@ def _slopes():
     return default_slopes(HQ, "cuda")
 
 
+@compute_bound_suite
 def run(report: Report, peers: bool = True) -> None:
-    """Every row timed after an idle gap (harness.COMPUTE_BOUND_GAP_S): compute-bound under a power cap, a
-    rotation would otherwise hand each kernel the clock its predecessor left."""
-    with timing_method(gap_s=COMPUTE_BOUND_GAP_S):
-        report.note(method_note())
-        run_cases(report, peers)
-
-
-def run_cases(report: Report, peers: bool) -> None:
     # A modifier's cost is a few percent of the kernel: every variant of a family is timed in rotation
     # (harness.time_interleaved), so drift during the run falls on the plain kernel and the mods alike.
     lengths = [8192] * 16

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from attnforge import AttentionSpec, BatchPrefill
-from harness import (COMPUTE_BOUND_GAP_S, Report, flashinfer_workspace, kernel_twins, method_note, sdpa_backends,
-                     time_interleaved, time_sdpa_peers, time_us, timing_method)
+from harness import (Report, compute_bound_suite, flashinfer_workspace, kernel_twins, sdpa_backends,
+                     time_interleaved, time_sdpa_peers, time_us)
 
 HQ, HKV, D = 32, 8, 128
 
@@ -52,15 +52,8 @@ def ragged(lengths):
     return q, k, v, np.concatenate([[0], np.cumsum(lengths)])
 
 
+@compute_bound_suite
 def run(report: Report, peers: bool = True) -> None:
-    """Every row timed after an idle gap (harness.COMPUTE_BOUND_GAP_S): compute-bound under a power cap, a
-    rotation would otherwise hand each kernel the clock its predecessor left."""
-    with timing_method(gap_s=COMPUTE_BOUND_GAP_S):
-        report.note(method_note())
-        run_cases(report, peers)
-
-
-def run_cases(report: Report, peers: bool) -> None:
     spec = AttentionSpec(family="prefill", num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, causal=True)
     for case, lengths in cases():
         q, k, v, indptr = ragged(lengths)

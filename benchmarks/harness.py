@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -106,6 +107,17 @@ def timing_method(gap_s: float = 0.0, settle_s: float = 0.0):
         yield
     finally:
         _METHOD.update(before)
+
+
+def compute_bound_suite(run: Callable) -> Callable:
+    """A suite's run(report, peers) with every row timed after an idle gap (COMPUTE_BOUND_GAP_S) and a note
+    naming the method: compute-bound under a power cap, a rotation hands each kernel its predecessor's clock."""
+    @functools.wraps(run)
+    def gapped(report: "Report", peers: bool = True) -> None:
+        with timing_method(gap_s=COMPUTE_BOUND_GAP_S):
+            report.note(method_note())
+            run(report, peers)
+    return gapped
 
 
 def method_note() -> str:
