@@ -134,7 +134,10 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
         "`python benchmarks/run.py --out docs/benchmarks/h200.json` on the GPU (or `bash tools/gpu_session.sh`, which "
         "runs the GPU tests and every suite in one call), then `python benchmarks/report.py`; "
         "`python benchmarks/report.py merge new.json` replaces only the (suite, case) pairs a partial run measured. "
-        "Where each suite's rows came from (date, device call, code) and what changed since: the notes at the end.",
+        "Where each suite's rows came from (date, device call, code) and what changed since: the notes at the end. "
+        "Since the ninety-seventh session the prefill and mods suites time every row after a 0.1 s idle gap, so that "
+        "under the 700 W cap no kernel inherits the clock of the one before it (`docs/measuring.md`); a run so timed "
+        "says so in a `timing:` note, and rows without one were timed back to back in rotation.",
         "",
         "## The issues' targets against this record",
         "",
