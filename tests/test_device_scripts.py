@@ -1,0 +1,37 @@
+"""The device-call scripts run only on the GPU machine, where a slip costs device time: each parses, and
+tools/on_h200.sh picks its script by the GPU's name (a fake nvidia-smi on PATH here)."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "docs" / "prepared").glob("*.sh")) + sorted((ROOT / "tools").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_script_parses(script):
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def run_on(tmp_path, gpu_name, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{gpu_name}'\n")
+    smi.chmod(0o755)
+    for name in ("record", "other"):
+        (tmp_path / f"{name}.sh").write_text(f'echo "ran {name} TESTS=$TESTS"\n')
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TESTS": "0", **env}
+    return subprocess.run(["bash", str(ROOT / "tools" / "on_h200.sh")], cwd=tmp_path, env=full_env,
+                          capture_output=True, text=True)
+
+
+def test_on_h200_runs_the_record_only_on_an_h200(tmp_path):
+    out = run_on(tmp_path, "NVIDIA H200", IF_H200="record.sh", ELSE="other.sh")
+    assert out.returncode == 0 and "ran record TESTS=0" in out.stdout and "ran other" not in out.stdout
+    out = run_on(tmp_path, "NVIDIA H100 80GB HBM3", IF_H200="record.sh", ELSE="other.sh")
+    assert "ran other TESTS=0" in out.stdout and "ran record" not in out.stdout
+    out = run_on(tmp_path, "NVIDIA H100 80GB HBM3", IF_H200="record.sh")
+    assert out.returncode == 0 and "ran" not in out.stdout and "nothing run" in out.stdout
