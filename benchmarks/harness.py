@@ -120,9 +120,15 @@ def compute_bound_suite(run: Callable) -> Callable:
     return gapped
 
 
+def method_in_force() -> tuple[float, float]:
+    """(gap_s, settle_s): the environment's knobs where set, else timing_method()'s."""
+    return (env_seconds("ATTNFORGE_BENCH_GAP_S", _METHOD["gap_s"]),
+            env_seconds("ATTNFORGE_BENCH_SETTLE_S", _METHOD["settle_s"]))
+
+
 def method_note() -> str:
     """The timing method in force, for a suite's notes."""
-    gap, settle_for = (env_seconds(f"ATTNFORGE_BENCH_{k.upper()}", _METHOD[k]) for k in ("gap_s", "settle_s"))
+    gap, settle_for = method_in_force()
     parts = ([f"{gap:g} s of idle GPU before each timed run"] if gap else []) + \
         ([f"{settle_for:g} s of the variant's own untimed replays before each timed run"] if settle_for else [])
     return "timing: " + ("; ".join(parts) if parts else "timed runs back to back, no gap, no settling")
@@ -143,8 +149,9 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
         many seconds, so it is timed at the clock its own load settles to (as clocks_under_load.py);
       gap_s (ATTNFORGE_BENCH_GAP_S): first leave the GPU idle this long, so every variant starts from the
         clock an idle GPU returns to (as a peer timed alone)."""
-    settle_s = env_seconds("ATTNFORGE_BENCH_SETTLE_S", _METHOD["settle_s"]) if settle_s is None else settle_s
-    gap_s = env_seconds("ATTNFORGE_BENCH_GAP_S", _METHOD["gap_s"]) if gap_s is None else gap_s
+    gap_in_force, settle_in_force = method_in_force()
+    settle_s = settle_in_force if settle_s is None else settle_s
+    gap_s = gap_in_force if gap_s is None else gap_s
     runs = {name: (prepare_fn or prepare)(fn, calls, use_graph) for name, fn in fns.items()}
     timer = timer or (lambda run: time_run(run, calls))
     names, times = list(runs), {name: [] for name in runs}
