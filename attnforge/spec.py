@@ -95,9 +95,10 @@ class AttentionSpec:
 
     family: str = "decode"
     num_qo_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim_qk: int = 128
-    head_dim_vo: Optional[int] = None  # None: same as head_dim_qk
+    # None: the family's shape (mla_decode: 1 KV head, 576/512; else 8 KV heads, 128): an MLA spec needs only its heads
+    num_kv_heads: Optional[int] = None
+    head_dim_qk: Optional[int] = None
+    head_dim_vo: Optional[int] = None  # None: same as head_dim_qk (mla_decode: 512)
     q_dtype: Any = "bf16"
     kv_dtype: Any = None  # None: same as q_dtype
     out_dtype: Any = None  # None: same as q_dtype
@@ -113,6 +114,13 @@ class AttentionSpec:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         if self.family not in FAMILIES:
             raise _bad("family", self.family, f"one of {FAMILIES}", "Pick the kernel family to build.")
+        mla = self.family == "mla_decode"
+        if self.num_kv_heads is None:
+            put("num_kv_heads", 1 if mla else 8)
+        if self.head_dim_qk is None:
+            put("head_dim_qk", MLA_HEAD_DIM_QK if mla else 128)
+        if mla and self.head_dim_vo is None:
+            put("head_dim_vo", MLA_HEAD_DIM_VO)
         for f in ("num_qo_heads", "num_kv_heads", "head_dim_qk"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -31,6 +31,21 @@ def test_mla_spec():
     assert s.pipeline == "normal"  # measured faster at every head count with the mma.sync kernels
 
 
+def test_unset_shape_fields_take_the_familys_shape():
+    # MLA has one valid KV shape, so its spec needs only the heads; the GQA families keep 8 KV heads of 128
+    mla = AttentionSpec(family="mla_decode", num_qo_heads=16)
+    assert (mla.num_kv_heads, mla.head_dim_qk, mla.head_dim_vo) == (1, 576, 512)
+    assert mla == AttentionSpec(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576,
+                                head_dim_vo=512)
+    assert AttentionSpec(family="mla_decode", num_qo_heads=16, head_dim_qk=576).head_dim_vo == 512
+    for family in ("decode", "prefill"):
+        gqa = AttentionSpec(family=family)
+        assert (gqa.num_kv_heads, gqa.head_dim_qk, gqa.head_dim_vo) == (8, 128, 128)
+        assert gqa.content_hash == AttentionSpec(family=family, num_kv_heads=8, head_dim_qk=128).content_hash
+    assert AttentionSpec(family="prefill", head_dim_qk=192, head_dim_vo=128).head_dim_vo == 128
+    assert AttentionSpec.from_dict(mla.to_dict()) == mla
+
+
 @pytest.mark.parametrize("kwargs, field, hint", [
     (dict(family="encode"), "family", "one of"),
     (dict(num_qo_heads=0), "num_qo_heads", "positive int"),
@@ -55,7 +70,8 @@ def test_mla_spec():
      "num_kv_heads", "1 for MLA"),
     (dict(family="mla_decode", num_qo_heads=12, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512),
      "num_qo_heads", "mla_decode"),
-    (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1), "head_dim_qk/head_dim_vo", "576"),
+    (dict(family="mla_decode", num_qo_heads=16, head_dim_qk=128), "head_dim_qk/head_dim_vo", "576"),
+    (dict(family="mla_decode", num_qo_heads=16, head_dim_vo=576), "head_dim_qk/head_dim_vo", "576"),
     (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
           kv_layout="HND"), "kv_layout", "'NHD' for MLA"),
     (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
