@@ -153,9 +153,7 @@ class BatchMLADecode(BatchDecode):
         self._kernel_fields = self._checked_kernel_fields(kernel_fields)
         self._backend, self._schedule = backend, schedule
         self._graph_lanes = None  # the merge's lanes in graph mode, fixed at the first plan
-        if spec is None:
-            spec_kwargs = {"num_kv_heads": 1, "head_dim_qk": MLA_HEAD_DIM_QK, "head_dim_vo": MLA_HEAD_DIM_VO,
-                           **spec_kwargs}
+        if spec is None:  # (the spec fills MLA's one KV shape: 1 head, 576 / 512)
             spec = AttentionSpec(family="mla_decode", **spec_kwargs)
             spec_kwargs = {}
         super().__init__(spec, workspace, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
