@@ -24,9 +24,10 @@ def default_groups() -> list:
 SUMMARY = 'echo "========= ERROR SUMMARY: 0 errors"'
 
 
-def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "") -> tuple[str, list]:
+def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "", env_extra: dict = None,
+                 rc: int = 0) -> tuple[str, list]:
     """memcheck() with a compute-sanitizer that records its pytest arguments, then runs `body` (bash; $n is the
-    process's number, from 1): (its log, one line per process)."""
+    process's number, from 1): (its log, one line per process). memcheck() must return `rc`."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
@@ -37,12 +38,14 @@ def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "") 
     part = tmp_path / "memcheck.sh"
     part.write_text(memcheck_part())
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SANITIZE_TIMEOUT=str(timeout_s))
-    env.pop("SANITIZE_TESTS", None)
-    env.pop("SANITIZE_TOOL", None)
+    for knob in ("SANITIZE_TESTS", "SANITIZE_TOOL", "SANITIZE_GROUPS"):
+        env.pop(knob, None)
     if tool:
         env["SANITIZE_TOOL"] = tool
-    log = subprocess.run(["bash", "-c", f"source {part}; memcheck"], env=env, capture_output=True, text=True,
-                         check=True).stdout
+    env.update(env_extra or {})
+    run = subprocess.run(["bash", "-c", f"source {part}; memcheck"], env=env, capture_output=True, text=True)
+    assert run.returncode == rc, run.stdout + run.stderr
+    log = run.stdout
     assert (out / f"{tool or 'memcheck'}.log").read_text() == log
     return log, calls.read_text().splitlines() if calls.exists() else []
 
@@ -54,6 +57,23 @@ def test_each_group_runs_in_a_process_of_its_own(tmp_path):
     assert [c.split()[-len(g):] for c, g in zip(calls, groups)] == groups and len(calls) == len(groups)
     # (the host backtrace, the default, keeps every CUDA call's Python frames and their tensors alive)
     assert all("--show-backtrace device" in c for c in calls)
+
+
+def test_sanitize_groups_picks_groups_by_their_1_based_index(tmp_path):
+    groups = default_groups()
+    log, calls = run_memcheck(tmp_path, 60, env_extra={"SANITIZE_GROUPS": f"{len(groups)},2"})
+    assert log.startswith("memcheck exit 0 (2 groups)")
+    assert [c.split()[-len(g):] for c, g in zip(calls, (groups[-1], groups[1]))] == [groups[-1], groups[1]]
+    assert len(calls) == 2
+
+
+def test_sanitize_groups_out_of_range_runs_nothing(tmp_path):
+    """An index past the list would make an empty group, and pytest given no ids runs every GPU test."""
+    for i, bad in enumerate(("0", str(len(default_groups()) + 1), "two")):
+        where = tmp_path / str(i)
+        where.mkdir()
+        log, calls = run_memcheck(where, 60, env_extra={"SANITIZE_GROUPS": f"1,{bad}"}, rc=2)
+        assert calls == [] and f"expected indices 1..{len(default_groups())}, got '{bad}'" in log
 
 
 def test_a_group_out_of_time_is_reported(tmp_path):

@@ -2,7 +2,8 @@
 # One device call: GPU tests, SASS of the Hopper prefill kernel, optional memcheck and ncu, and the
 # benchmarks; logs and JSON to $OUT.
 # Usage (on the GPU machine, repo root): [TESTS=paths] [TEST_GROUPS='args;args'] [SUITES=a,b] [BENCH=0]
-#   [SANITIZE=1 [SANITIZE_PARALLEL=1] [SANITIZE_TOOL=memcheck|initcheck|synccheck]] [PROFILE=1]
+#   [SANITIZE=1 [SANITIZE_PARALLEL=1] [SANITIZE_TOOL=memcheck|initcheck|synccheck] [SANITIZE_GROUPS=5,6]]
+#   [PROFILE=1]
 # Split test groups by file or node id, not by -k: parametrized tests carry the keywords
 # "parametrize" and "pytestmark", so -k tma selects nearly all of them (fifth session).
 #   bash tools/gpu_session.sh [pytest-args...]
@@ -40,6 +41,15 @@ memcheck() {
   local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try
   local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}" tool=${SANITIZE_TOOL:-memcheck}
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
+  if [ -n "${SANITIZE_GROUPS:-}" ]; then  # 1-based indices of the groups to run, e.g. 5,6 (the rest skipped)
+    local picked=() i
+    for i in ${SANITIZE_GROUPS//,/ }; do  # (an index past the list would run an empty group: every GPU test)
+      [[ "$i" =~ ^[0-9]+$ ]] && [ "$i" -ge 1 ] && [ "$i" -le ${#mgroups[@]} ] \
+        || { echo "SANITIZE_GROUPS: expected indices 1..${#mgroups[@]}, got '$i'" | tee "$OUT/$tool.log"; return 2; }
+      picked+=("${mgroups[i - 1]}")
+    done
+    mgroups=("${picked[@]}")
+  fi
   : > "$OUT/$tool.full"; : > "$OUT/$tool.groups"; : > "$OUT/$tool.errors"
   for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
     [ $(( end - $(date +%s) )) -lt 5 ] && { echo "$tool: no time left for: $group"; status=124; break; } \
