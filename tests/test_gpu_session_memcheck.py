@@ -24,7 +24,7 @@ def default_groups() -> list:
 SUMMARY = 'echo "========= ERROR SUMMARY: 0 errors"'
 
 
-def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "", env_extra: dict = None,
+def run_memcheck(tmp_path, timeout_s: int, body: str = SUMMARY, tool: str = "", env_extra: dict | None = None,
                  rc: int = 0) -> tuple[str, list]:
     """memcheck() with a compute-sanitizer that records its pytest arguments, then runs `body` (bash; $n is the
     process's number, from 1): (its log, one line per process). memcheck() must return `rc`."""
