@@ -68,12 +68,18 @@ def test_sanitize_groups_picks_groups_by_their_1_based_index(tmp_path):
 
 
 def test_sanitize_groups_out_of_range_runs_nothing(tmp_path):
-    """An index past the list would make an empty group, and pytest given no ids runs every GPU test."""
-    for i, bad in enumerate(("0", str(len(default_groups()) + 1), "two")):
-        where = tmp_path / str(i)
+    """An index past the list would make an empty group, and pytest given no ids runs every GPU test; a list with
+    no index would run no group and read as a clean run."""
+    n = len(default_groups())
+    cases = {"0": "1,0", "past": f"1,{n + 1}", "word": "1,two", "octal": "1,08", "none": ",", "blank": " "}
+    for name, value in cases.items():
+        where = tmp_path / name
         where.mkdir()
-        log, calls = run_memcheck(where, 60, env_extra={"SANITIZE_GROUPS": f"1,{bad}"}, rc=2)
-        assert calls == [] and f"expected indices 1..{len(default_groups())}, got '{bad}'" in log
+        log, calls = run_memcheck(where, 60, env_extra={"SANITIZE_GROUPS": value}, rc=2)
+        got = value if name in ("none", "blank") else value.split(",")[1]
+        assert calls == [], name
+        assert f"expected comma-separated indices 1..{n} of the groups" in log and f"got '{got}'" in log, name
+        assert "e.g. SANITIZE_GROUPS=5,6" in log, name
 
 
 def test_a_group_out_of_time_is_reported(tmp_path):

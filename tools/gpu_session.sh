@@ -43,11 +43,15 @@ memcheck() {
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
   if [ -n "${SANITIZE_GROUPS:-}" ]; then  # 1-based indices of the groups to run, e.g. 5,6 (the rest skipped)
     local picked=() i
+    local bad="SANITIZE_GROUPS: expected comma-separated indices 1..${#mgroups[@]} of the groups in MEMCHECK_GROUPS"
+    bad+=" (or SANITIZE_TESTS where set), e.g. SANITIZE_GROUPS=5,6"
     for i in ${SANITIZE_GROUPS//,/ }; do  # (an index past the list would run an empty group: every GPU test)
-      [[ "$i" =~ ^[0-9]+$ ]] && [ "$i" -ge 1 ] && [ "$i" -le ${#mgroups[@]} ] \
-        || { echo "SANITIZE_GROUPS: expected indices 1..${#mgroups[@]}, got '$i'" | tee "$OUT/$tool.log"; return 2; }
+      # (no leading zero: bash arithmetic would read 08 as octal)
+      [[ "$i" =~ ^[1-9][0-9]*$ ]] && [ "$i" -le ${#mgroups[@]} ] \
+        || { echo "$bad; got '$i'" | tee "$OUT/$tool.log"; return 2; }
       picked+=("${mgroups[i - 1]}")
     done
+    [ ${#picked[@]} -gt 0 ] || { echo "$bad; got '$SANITIZE_GROUPS'" | tee "$OUT/$tool.log"; return 2; }
     mgroups=("${picked[@]}")
   fi
   : > "$OUT/$tool.full"; : > "$OUT/$tool.groups"; : > "$OUT/$tool.errors"
