@@ -218,14 +218,22 @@ def test_register_path_spans_signs_and_magnitudes():
     assert got == kernel_model(scores, 40) == reference(scores, 40)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_a_requests_distinct_scores_take_one_pass_and_a_warp_rank(seed):
-    # the suite's case: 4096 pages, budget 256, scores of one sign and similar size (Quest's bounds)
-    rng = np.random.default_rng(seed)
-    scores = (50 + 10 * rng.standard_normal(4096)).astype(np.float32)
-    *_, passes, ranked = register_path_select(scores, 256)
-    assert passes == 1 and ranked
-    assert fast_kernel_model(scores, 256, threads=1024, run=8) == reference(scores, 256)
+def test_a_requests_distinct_scores_mostly_take_one_pass():
+    """The suite's case: 4096 pages, budget 256, scores of one sign and similar size (Quest's bounds). After one
+    11-bit pass the boundary bin is either kept whole or ranked by one warp (at most 32 candidates left); a second
+    pass is rare (9 of 2000 draws, none of these 200). Four draws once asserted the rank on every draw: over 100
+    more, 8 kept the bin whole instead."""
+    one_pass = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        scores = (50 + 10 * rng.standard_normal(4096)).astype(np.float32)
+        *_, take, tied, passes, ranked = register_path_select(scores, 256)
+        assert passes <= 2, (seed, passes)
+        if passes == 1:
+            assert ranked or take == tied, (seed, take, tied)  # the bin kept whole: no rank needed
+            one_pass += 1
+        assert fast_kernel_model(scores, 256, threads=1024, run=8) == reference(scores, 256), seed
+    assert one_pass >= 198, one_pass
 
 
 NARROW_X = np.float32(5e5)
