@@ -260,9 +260,10 @@ def test_assign_sets_all_pages_and_rounds_fp8_outward():
 
 
 def test_int4_index_selects_as_exact_summaries_do_where_key_magnitudes_vary():
-    """tools/quest_summary_quality.py's keys (outlier channels, a drift from page to page): the pages an
-    int4 QuestIndex with channel_scales ranks first hold the attention mass that exact summaries'
-    pages hold (within 2%); fp8 rounded outward falls short on seed 0 (the table in perf-notes)."""
+    """tools/quest_summary_quality.py's keys (outlier channels, a drift from page to page): on each of ten caches
+    the pages an int4 QuestIndex with channel_scales ranks first hold the attention mass that exact summaries'
+    pages hold (within 2%); fp8 rounded outward falls more than 3% short on two of them (seeds 0 and 3; over 30
+    seeds: 2 of 30, its worst 0.956 of exact against int4's 0.987)."""
     import sys
     from pathlib import Path
 
@@ -270,7 +271,8 @@ def test_int4_index_selects_as_exact_summaries_do_where_key_magnitudes_vary():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import quest_summary_quality as study
     pages, budget = 512, 32
-    for seed in range(2):
+    fp8_short = []
+    for seed in range(10):
         k, q = study.synthetic(pages, seed, drift_step=0.2)
         mass = study.page_mass(k, q)
         keys, page_ids = k.reshape(-1, study.HKV, study.D), torch.arange(pages).repeat_interleave(study.PAGE)
@@ -282,8 +284,9 @@ def test_int4_index_selects_as_exact_summaries_do_where_key_magnitudes_vary():
             scores = page_scores(q[None], idx, torch.tensor([0, pages]), torch.arange(pages))
             kept[name] = float(mass[torch.topk(scores, budget).indices].sum() / mass.sum())
         assert kept["int4"] >= 0.98 * kept["exact"], (seed, kept)
-        if seed == 0:
-            assert kept["fp8"] < 0.97 * kept["exact"], kept
+        if kept["fp8"] < 0.97 * kept["exact"]:
+            fp8_short.append(seed)
+    assert fp8_short, "fp8 fell short on no cache: the reason int4 is the default is gone (re-measure it)"
 
 
 def test_channel_scales_refuse_keys_without_heads_and_unscaled_formats():
