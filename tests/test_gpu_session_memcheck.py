@@ -12,8 +12,9 @@ groups_tool = runpy.run_path("tools/gpu_test_groups.py", run_name="lib")
 
 
 def memcheck_part() -> str:
-    """The script's MEMCHECK_GROUPS and memcheck() alone (the rest runs the demo and the tests)."""
-    return re.search(r"^MEMCHECK_GROUPS=.*?^}\n", SCRIPT, re.M | re.S).group(0)
+    """The script's MEMCHECK_GROUPS, sanitizer_groups() and memcheck() alone (the rest runs the demo and the
+    tests)."""
+    return re.search(r"^MEMCHECK_GROUPS=.*?^memcheck\(\) \{.*?^}\n", SCRIPT, re.M | re.S).group(0)
 
 
 def default_groups() -> list:
@@ -80,6 +81,26 @@ def test_sanitize_groups_out_of_range_runs_nothing(tmp_path):
         assert calls == [], name
         assert f"expected comma-separated indices 1..{n} of the groups" in log and f"got '{got}'" in log, name
         assert "e.g. SANITIZE_GROUPS=5,6" in log, name
+
+
+def test_a_bad_sanitize_groups_stops_the_call_before_its_demo_and_tests(tmp_path):
+    """The whole script with SANITIZE=1 and a bad SANITIZE_GROUPS exits 2 with the reason before it runs anything
+    (nvidia-smi, python3 and the sanitizer are stubs that record a call); a good value gets past the check."""
+    bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls"
+    bin_dir.mkdir()
+    for tool in ("nvidia-smi", "python3", "compute-sanitizer", "cuobjdump"):
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho {tool} >> "{calls}"\n')
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SANITIZE="1",
+               SANITIZE_GROUPS="0", BENCH="0", SASS="0", TESTS="tests/test_merge_gpu.py", SANITIZE_TIMEOUT="1")
+    for knob in ("SANITIZE_TESTS", "SANITIZE_TOOL", "SANITIZE_PARALLEL", "TEST_GROUPS"):
+        env.pop(knob, None)
+    run = subprocess.run(["bash", "tools/gpu_session.sh"], env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and not calls.exists(), run.stdout + run.stderr
+    assert "SANITIZE_GROUPS: expected comma-separated indices" in run.stdout and "got '0'" in run.stdout
+    run = subprocess.run(["bash", "tools/gpu_session.sh"], env=dict(env, SANITIZE_GROUPS="1"), capture_output=True,
+                         text=True)
+    assert "nvidia-smi" in calls.read_text().split() and "python3" in calls.read_text().split(), run.stdout
 
 
 def test_a_group_out_of_time_is_reported(tmp_path):

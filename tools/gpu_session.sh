@@ -11,8 +11,6 @@ set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache TORCH_CUDA_ARCH_LIST=9.0a
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 # memcheck's default tests, in groups (';'): a process each, so a group's time and log are its own. The same
 # groups serve the other sanitizer tools (SANITIZE_TOOL; logs $OUT/<tool>.log). initcheck (reads of device
 # memory nothing wrote) found 0 errors on 155 tests, most of these among them (perf-notes, ninety-second section),
@@ -37,23 +35,29 @@ MEMCHECK_GROUPS="tests/test_merge_gpu.py tests/test_decode_gpu.py::test_pages_la
   tests/test_append_gpu.py::test_mla_append_matches_torch_indexing
   tests/test_decode_verify_gpu.py::test_draft_tokens_against_the_reference
   tests/test_decode_verify_gpu.py::test_long_requests_split_and_merged"
-memcheck() {
-  local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try
-  local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}" tool=${SANITIZE_TOOL:-memcheck}
+# The sanitizer's groups into the array mgroups: MEMCHECK_GROUPS (or SANITIZE_TESTS), narrowed by SANITIZE_GROUPS,
+# 1-based indices (e.g. 5,6). A bad value returns 2 with its reason in $OUT/<tool>.log: an index past the list
+# would make an empty group (pytest given no ids runs every GPU test), a leading zero reads as octal in bash
+# arithmetic, and a list with no index would run nothing and read as clean.
+sanitizer_groups() {
+  local list="${SANITIZE_TESTS:-$MEMCHECK_GROUPS}" tool=${SANITIZE_TOOL:-memcheck} picked=() i got=""
   IFS=';' read -ra mgroups <<< "${list//$'\n'/ }"  # (read stops at a newline)
-  if [ -n "${SANITIZE_GROUPS:-}" ]; then  # 1-based indices of the groups to run, e.g. 5,6 (the rest skipped)
-    local picked=() i
-    local bad="SANITIZE_GROUPS: expected comma-separated indices 1..${#mgroups[@]} of the groups in MEMCHECK_GROUPS"
-    bad+=" (or SANITIZE_TESTS where set), e.g. SANITIZE_GROUPS=5,6"
-    for i in ${SANITIZE_GROUPS//,/ }; do  # (an index past the list would run an empty group: every GPU test)
-      # (no leading zero: bash arithmetic would read 08 as octal)
-      [[ "$i" =~ ^[1-9][0-9]*$ ]] && [ "$i" -le ${#mgroups[@]} ] \
-        || { echo "$bad; got '$i'" | tee "$OUT/$tool.log"; return 2; }
-      picked+=("${mgroups[i - 1]}")
-    done
-    [ ${#picked[@]} -gt 0 ] || { echo "$bad; got '$SANITIZE_GROUPS'" | tee "$OUT/$tool.log"; return 2; }
-    mgroups=("${picked[@]}")
+  [ -n "${SANITIZE_GROUPS:-}" ] || return 0
+  for i in ${SANITIZE_GROUPS//,/ }; do
+    if [[ "$i" =~ ^[1-9][0-9]*$ ]] && [ "$i" -le ${#mgroups[@]} ]; then picked+=("${mgroups[i - 1]}")
+    else got=$i; break; fi
+  done
+  [ ${#picked[@]} -gt 0 ] || got=${got:-$SANITIZE_GROUPS}
+  if [ -n "$got" ]; then
+    echo "SANITIZE_GROUPS: expected comma-separated indices 1..${#mgroups[@]} of the groups in MEMCHECK_GROUPS" \
+      "(or SANITIZE_TESTS where set), e.g. SANITIZE_GROUPS=5,6; got '$got'" | tee "$OUT/$tool.log"
+    return 2
   fi
+  mgroups=("${picked[@]}")
+}
+memcheck() {
+  local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try tool=${SANITIZE_TOOL:-memcheck}
+  sanitizer_groups || return 2
   : > "$OUT/$tool.full"; : > "$OUT/$tool.groups"; : > "$OUT/$tool.errors"
   for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
     [ $(( end - $(date +%s) )) -lt 5 ] && { echo "$tool: no time left for: $group"; status=124; break; } \
@@ -92,6 +96,10 @@ memcheck() {
   rm -f "$OUT/$tool.full" "$OUT/$tool.errors"
   cat "$OUT/$tool.log"
 }
+# a bad SANITIZE_GROUPS stops the call here, before its demo and tests, not after them
+if [ "${SANITIZE:-0}" = 1 ]; then sanitizer_groups || exit 2; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -m attnforge demo 2>&1 | tee "$OUT/demo.log"
 # SANITIZE_PARALLEL=1: memcheck beside the test processes (both mostly wait on nvcc), not after them
 if [ "${SANITIZE:-0}" = 1 ] && [ "${SANITIZE_PARALLEL:-0}" = 1 ]; then memcheck > /dev/null 2>&1 & fi
 if [ -n "${TEST_GROUPS:-}" ]; then
