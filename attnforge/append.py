@@ -318,6 +318,7 @@ def append_paged_kv_cache(k: torch.Tensor, v: torch.Tensor, batch_indices: torch
 
     kv_cache is [P, 2, page, Hkv, D] (NHD) / [P, 2, Hkv, page, D] (HND) or a (K, V) pair. Index tensors are
     int32 or int64 on the GPU. An fp8 e4m3 cache takes 16-bit tokens quantized by k_scale / v_scale."""
+    checks.check_untracked("append_paged_kv_cache", ("k", k), ("v", v), ("kv_cache", kv_cache))
     if ops.compiling():
         return reference.append_paged_kv(k, v, batch_indices, positions, kv_cache, kv_indices, kv_indptr, kv_layout,
                                          k_scale, v_scale)
@@ -337,6 +338,7 @@ def append_kv_by_slots(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     """Write token i of k/v [N, Hkv, D] at cache slot slot_mapping[i] = page * page_size + offset (int32 or
     int64 on the GPU); a negative slot skips the token (padding), as vLLM's slot_mapping. Caches and scales
     as append_paged_kv_cache."""
+    checks.check_untracked("append_kv_by_slots", ("k", k), ("v", v), ("kv_cache", kv_cache))
     if ops.compiling():
         return reference.append_kv_slots(k, v, slot_mapping, kv_cache, kv_layout, k_scale, v_scale)
     key = None if check_indices else _call_key("slots", (k, v, slot_mapping, kv_cache), kv_layout, k_scale, v_scale)
@@ -355,6 +357,8 @@ def append_paged_mla_kv_cache(ckv: torch.Tensor, kpe: torch.Tensor, batch_indice
     [P, page, 64], or, with kpe_cache None, one [P, page, 576] cache (latent, then rope), the caches
     BatchMLADecode.run reads. Indices as append_paged_kv_cache; an fp8 cache takes 16-bit tokens quantized
     by kv_scale (plan with k_scale = v_scale = kv_scale)."""
+    checks.check_untracked("append_paged_mla_kv_cache", ("ckv", ckv), ("kpe", kpe), ("ckv_cache", ckv_cache),
+                           ("kpe_cache", kpe_cache))
     if ops.compiling():
         return reference.append_paged_mla(ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
                                           kv_indptr, kv_scale)

@@ -100,6 +100,7 @@ class CascadeDecode:
         self.batch = batch
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        checks.check_untracked("CascadeDecode.run", ("q", q), ("kv_cache", kv_cache), ("out", out))
         if not hasattr(self, "batch"):
             raise RuntimeError("CascadeDecode.run: call plan(...) first")
         if not ops.compiling():  # (traced, each launch is a custom op that checks its inputs when it runs)

@@ -79,6 +79,22 @@ def require_gpu(device: torch.device, who: str) -> None:
         raise no_gpu(who)
 
 
+def check_untracked(who: str, *named) -> None:
+    """attnforge's kernels compute the forward pass only and write through raw pointers, so autograd records
+    nothing of a call: an input it tracks would get no gradient, silently. Refused while grad mode is on; under
+    torch.inference_mode() or torch.no_grad(), where engines run, the check is one flag read. named: (name,
+    value) pairs, a value a tensor, a (K, V) pair or None."""
+    if torch.is_grad_enabled():
+        for name, value in named:
+            for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    shown = f"{name}[{i}]" if isinstance(value, (tuple, list)) else name
+                    raise fail(f"{who}: {shown}", "a tensor autograd does not track (attnforge has no backward "
+                               "pass)", f"{shown}.requires_grad=True with grad mode on",
+                               f"Call it under torch.inference_mode() or torch.no_grad(), or pass {shown}.detach(); "
+                               "to train through attention, use torch SDPA or FlexAttention.")
+
+
 def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise fail(name, "a torch.Tensor", type(t).__name__, "Pass a CUDA tensor.")

@@ -488,6 +488,7 @@ class BatchDecode:
         Returns out [B, Hq, D] (and lse [B, Hq] float32, natural log, if return_lse), as q's rows.
         Under torch.compile the call is one custom op (attnforge.ops).
         """
+        checks.check_untracked("BatchDecode.run", ("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse))
         if ops.compiling():
             args = [q, *paged.cache_list(kv_cache)]
             return ops.compiled_run(self, self._plan is not None, args, out, lse, return_lse)

@@ -44,6 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     is_causal: SDPA's, for Lq == Lk (query i sees keys 0..i): the prefill kernels' own causal tiles, no mask to
     plan from (with a score_mod or mask_mod, they apply within it).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    checks.check_untracked("attention", ("q", q), ("k", k), ("v", v))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)

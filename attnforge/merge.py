@@ -90,6 +90,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
 
     Returns (out [N, H, D], lse [N, H] float32).
     """
+    checks.check_untracked("merge_states", ("v", v), ("s", s), ("out", out))
     if ops.compiling():
         return ops.compiled_merge(ops.merge_states_op, (v, s), out, out_dtype)
     checks.check_cuda("v", v)
@@ -112,6 +113,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Merge two states: v_* [N, H, D], s_* [N, H] float32 natural-log LSE. Returns (out, lse)."""
+    checks.check_untracked("merge_state", ("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b), ("out", out))
     if ops.compiling():
         return ops.compiled_merge(ops.merge_state_op, (v_a, s_a, v_b, s_b), out, out_dtype)
     for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):

@@ -359,6 +359,8 @@ class BatchMLADecode(BatchDecode):
         """q_nope [B*q_len, H, 512], q_pe [B*q_len, H, 64]; ckv_cache [P, page, 512] with kpe_cache
         [P, page, 64], or one [P, page, 576] cache. Returns out [B*q_len, H, 512] (and lse
         [B*q_len, H] float32, natural log, if return_lse). Under torch.compile: one custom op (attnforge.ops)."""
+        checks.check_untracked("BatchMLADecode.run", ("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
+                               ("kpe_cache", kpe_cache), ("out", out), ("lse", lse))
         if ops.compiling():
             caches = [ckv_cache] + ([] if kpe_cache is None else [kpe_cache])
             return ops.compiled_run(self, self._plan is not None, [q_nope, q_pe, *caches], out, lse, return_lse)

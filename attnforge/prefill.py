@@ -394,6 +394,7 @@ class BatchPrefill:
         (and lse [total_q, Hq] float32, natural log, with return_lse). Under torch.compile: one custom op
         (attnforge.ops). Inputs are checked once per address, shape, strides and dtype under the plan
         (checks.RunMemo)."""
+        checks.check_untracked("BatchPrefill.run", ("q", q), ("kv", kv), ("out", out))
         if ops.compiling():
             return ops.compiled_run(self, self._plan is not None, [q, *paged.cache_list(kv)], out, None, return_lse)
         if self._plan is None:
@@ -481,6 +482,7 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """One request: q [Lq, Hq, D]; k [Lk, Hkv, D], v [Lk, Hkv, Dv] of q's dtype (Dv = D, or narrower: see
     spec.PREFILL_QK_VO_DIMS), or fp8 e4m3 with the cache's per-tensor k_scale / v_scale (the K/V dtype is k's).
     Returns out [Lq, Hq, Dv], and lse [Lq, Hq] with return_lse."""
+    checks.check_untracked("single_prefill", ("q", q), ("k", k), ("v", v))
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor) or t.dim() != 3:

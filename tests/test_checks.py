@@ -21,6 +21,22 @@ def test_given_buffers_are_checked():
         checks.output_buffers(None, torch.empty(3, 4), True, (3, 4, 8), torch.float32, cpu, "o", "l")
 
 
+def test_tracked_inputs_are_named_and_refused_only_in_grad_mode():
+    """check_untracked names the tracked tensor, a pair's element by its index, and says how to fix the call;
+    untracked tensors, None and non-tensors pass (their own checks follow), and so does anything under no_grad."""
+    plain, tracked = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    checks.check_untracked("f", ("q", plain), ("kv", (plain, plain)), ("out", None), ("n", 3))
+    with pytest.raises(ValueError, match=r"^f: kv\[1\]: expected a tensor autograd does not track \(attnforge has "
+                                         r"no backward pass\), got kv\[1\].requires_grad=True with grad mode on\. "
+                                         r"Call it under torch.inference_mode\(\) or torch.no_grad\(\), or pass "
+                                         r"kv\[1\].detach\(\)"):
+        checks.check_untracked("f", ("q", plain), ("kv", [plain, tracked]))
+    with pytest.raises(ValueError, match=r"^g: q: expected"):
+        checks.check_untracked("g", ("q", tracked * 2))  # (a non-leaf too)
+    with torch.no_grad():
+        checks.check_untracked("f", ("q", tracked), ("kv", (tracked, tracked)))
+
+
 def test_aligned_rows():
     """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
     t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)

@@ -66,3 +66,20 @@ def test_each_mutation_is_refused_clearly_or_runs(env, api, mutation):
         return
     assert mutation.kind != REFUSE, f"{mutation.id} was accepted"
     assert len(rec.launches) == 2 * launched  # the valid call's launches again
+
+
+@pytest.mark.parametrize("api", [a for a in APIS if a.cpu], ids=lambda a: a.name)
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_tensors_autograd_tracks_run_where_grad_mode_is_off(env, api, mode):
+    """The requires-grad refusals come from grad mode, not the flag alone: an engine's step runs under no_grad or
+    inference_mode, where a tracked input (a parameter, say) launches as the valid call does."""
+    env, rec = env
+    args = api.build(env)
+    api.invoke(env, dict(args))
+    launched = len(rec.launches)
+    tracked = {k: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+               else v for k, v in args.items()}
+    assert any(isinstance(v, torch.Tensor) and v.requires_grad for v in tracked.values())
+    with mode():
+        api.invoke(env, tracked)
+    assert len(rec.launches) == 2 * launched

@@ -89,6 +89,18 @@ def test_attention_with_bad_shapes_fails_while_the_graph_is_made(fake):
         compiled(lambda q, k: attnforge.attention(q, k, k), Recorder())(q, k)
 
 
+def test_a_tracked_query_fails_while_the_graph_is_made(fake):
+    """The custom ops have no backward: a compiled call with a tracked input fails as the eager one does, at the
+    trace, rather than at a later backward (or not at all where nothing reaches it)."""
+    q, k = cuda(2, 8, 10, 64).requires_grad_(), cuda(2, 8, 10, 64)
+    with pytest.raises(Exception, match=r"attention: q: expected a tensor autograd does not track"):
+        compiled(lambda q, k: attnforge.attention(q, k, k), Recorder())(q, k)
+    rec = Recorder()
+    with torch.no_grad():
+        compiled(lambda q, k: attnforge.attention(q, k, k), rec)(q, k)
+    assert len(rec.op_nodes("attention")) == 1
+
+
 SLOPES = torch.rand(8)  # a tensor outside the compiled function (a CPU one: nothing launches here)
 
 

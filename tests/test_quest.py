@@ -259,6 +259,23 @@ def test_assign_sets_all_pages_and_rounds_fp8_outward():
         plain.assign(lo, hi)
 
 
+def test_summaries_never_join_an_autograd_graph():
+    """Keys autograd tracks (a model run with grad mode on) would make the summary buffers part of their graph,
+    one that grows with every append and gives no gradient: refused with grad mode on, folded under no_grad."""
+    import pytest
+    k = torch.randn(4, 2, 16, requires_grad=True)
+    idx = QuestIndex(3, 2, 16)
+    with pytest.raises(ValueError, match=r"QuestIndex.append: k: expected a tensor autograd does not track.*"
+                                         r"torch.inference_mode\(\)"):
+        idx.append(k, [0, 1, 1, 2])
+    with pytest.raises(ValueError, match=r"QuestIndex.assign: kmax: expected"):
+        idx.assign(k[:3].detach(), k[:3] + 1)
+    with torch.no_grad():
+        idx.append(k, [0, 1, 1, 2])
+    assert not idx.kmin.requires_grad and idx.kmin.grad_fn is None
+    assert torch.equal(idx.kmin[0], k[0].detach()) and torch.equal(idx.kmax[1], torch.maximum(k[1], k[2]).detach())
+
+
 def test_int4_index_selects_as_exact_summaries_do_where_key_magnitudes_vary():
     """tools/quest_summary_quality.py's keys (outlier channels, a drift from page to page): on each of ten caches
     the pages an int4 QuestIndex with channel_scales ranks first hold the attention mass that exact summaries'

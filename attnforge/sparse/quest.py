@@ -78,6 +78,7 @@ class QuestIndex:
         into the summaries. page_ids: a tensor on the index's device, read without synchronising: ids
         outside [0, num_pages) are not folded (check_indices=True counts them and raises, a sync); or host ids
         (a list, a numpy array, a CPU tensor), checked here before anything is written."""
+        checks.check_untracked("QuestIndex.append", ("k", k))  # (else the summaries join k's autograd graph)
         if not isinstance(k, torch.Tensor):
             raise TypeError(f"k: expected a torch tensor [N, Hkv, D], got {type(k).__name__}. Pass the keys.")
         if not k.dtype.is_floating_point:
@@ -124,6 +125,7 @@ class QuestIndex:
 
     def assign(self, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         """Set every page's summaries at once, kmin / kmax [num_pages, Hkv, D] (e.g. built from a cache)."""
+        checks.check_untracked("QuestIndex.assign", ("kmin", kmin), ("kmax", kmax))
         for name, t in (("kmin", kmin), ("kmax", kmax)):
             if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
                 raise TypeError(f"assign({name}): expected a floating torch tensor {list(self._min.shape)}, got "
@@ -419,6 +421,7 @@ class QuestDecode:
         return self.decode._device_region("kv_indices")
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        checks.check_untracked("QuestDecode.run", ("q", q), ("kv_cache", kv_cache), ("out", out))
         if ops.compiling():  # scoring, selection and decode as one custom op (attnforge.ops)
             return ops.compiled_run(self, self._planned is not None, [q, *paged.cache_list(kv_cache)], out, None,
                                     return_lse)

@@ -135,6 +135,7 @@ class QuestHeadDecode(QuestDecode):
         return {"raw_indptr": max_batch_size // hkv + 1, "raw_pages": max_num_pages // hkv}
 
     def run(self, q: torch.Tensor, kv_cache, out=None, return_lse: bool = False):
+        checks.check_untracked("QuestHeadDecode.run", ("q", q), ("kv_cache", kv_cache), ("out", out))
         if ops.compiling():  # scoring, selection and decode as one custom op (attnforge.ops)
             return ops.compiled_run(self, self._planned is not None, [q, *paged.cache_list(kv_cache)], out, None,
                                     return_lse)
