@@ -84,15 +84,21 @@ def check_untracked(who: str, *named) -> None:
     nothing of a call: an input it tracks would get no gradient, silently. Refused while grad mode is on; under
     torch.inference_mode() or torch.no_grad(), where engines run, the check is one flag read. named: (name,
     value) pairs, a value a tensor, a (K, V) pair or None."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled():  # (attribute reads only: on a run's path in grad mode, half a generic loop's time)
         for name, value in named:
-            for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    shown = f"{name}[{i}]" if isinstance(value, (tuple, list)) else name
-                    raise fail(f"{who}: {shown}", "a tensor autograd does not track (attnforge has no backward "
-                               "pass)", f"{shown}.requires_grad=True with grad mode on",
-                               f"Call it under torch.inference_mode() or torch.no_grad(), or pass {shown}.detach(); "
-                               "to train through attention, use torch SDPA or FlexAttention.")
+            if getattr(value, "requires_grad", False) or (
+                    isinstance(value, (tuple, list)) and any(getattr(t, "requires_grad", False) for t in value)):
+                raise _tracked(who, name, value)
+
+
+def _tracked(who: str, name: str, value) -> ValueError:
+    """check_untracked's error, naming the tensor (a pair's element by its index)."""
+    if isinstance(value, (tuple, list)):
+        name = f"{name}[{next(i for i, t in enumerate(value) if getattr(t, 'requires_grad', False))}]"
+    return fail(f"{who}: {name}", "a tensor autograd does not track (attnforge has no backward pass)",
+                f"{name}.requires_grad=True with grad mode on",
+                f"Call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach(); to train "
+                "through attention, use torch SDPA or FlexAttention.")
 
 
 def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
