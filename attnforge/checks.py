@@ -154,8 +154,24 @@ def check_out(out: torch.Tensor, shape, dtype: torch.dtype, device, meaning: str
     check_dtype("out", out, (dtype,))
     check_shape("out", out, shape, meaning)
     check_contiguous_last("out", out)
+    if overlaps_itself(out):  # (an expanded view: CTAs would store different rows to one address, a race)
+        raise fail("out", "a tensor whose elements never share an address (no expanded or interleaved strides)",
+                   f"strides {tuple(out.stride())} for shape {list(out.shape)}",
+                   "Pass a buffer from torch.empty, or out.contiguous().")
     if aligned:
         check_aligned_rows("out", out)
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of t may share an address (torch refuses such tensors as in-place outputs): its
+    dimensions of more than one element by stride, each stride past the extent of the smaller ones together.
+    Conservative: an interleaved layout whose addresses happen to be distinct (strides 2 and 3) also answers yes."""
+    extent = 1  # (addresses spanned, in elements, by the dimensions taken so far)
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += (size - 1) * stride
+    return False
 
 
 def output_buffers(out, lse, return_lse: bool, shape, dtype: torch.dtype, device, meaning: str, lse_meaning: str,

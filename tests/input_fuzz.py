@@ -88,11 +88,14 @@ def _other_dtype(t: torch.Tensor) -> torch.dtype:
     raise AssertionError
 
 
+WRITTEN = ("out", "lse")  # the arguments a call writes (its output buffers)
+
+
 def tensor(arg: str, t: torch.Tensor, gpu: bool, rows: bool = True, padded: str = EITHER) -> list[Mutation]:
     """A device tensor of run(): refused in another dtype, with one more dimension, one element short on the last
     (head) dimension, one row short (rows=True: its first dimension is counted by the plan), with a strided last
     dimension, at a misaligned address, with rows 1 element apart in memory past their end, tracked by autograd
-    (a floating tensor), or on the CPU (gpu);
+    (a floating tensor), with every row at the first one's address (an output: WRITTEN), or on the CPU (gpu);
     padded rows 16-byte aligned are `padded`'s kind (an API may take row strides or refuse them)."""
     out = [Mutation(arg, "dtype", REFUSE, lambda x: x.to(_other_dtype(x))),
            Mutation(arg, "float32", REFUSE, lambda x: x.float()),
@@ -108,6 +111,8 @@ def tensor(arg: str, t: torch.Tensor, gpu: bool, rows: bool = True, padded: str 
         out.append(Mutation(arg, "one-row-short", REFUSE, lambda x: x[:-1]))
     if t.dtype.is_floating_point:  # (grad mode is on in the tests: autograd would track it, and get no gradient)
         out.append(Mutation(arg, "requires-grad", REFUSE, lambda x: x.detach().clone().requires_grad_()))
+    if arg in WRITTEN:  # (one row's memory for every row: CTAs storing other rows there would race)
+        out.append(Mutation(arg, "overlapping-rows", REFUSE, lambda x: x[:1].expand_as(x)))
     if gpu:
         out.append(Mutation(arg, "cpu", REFUSE, lambda x: x.cpu()))
     return out

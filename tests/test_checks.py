@@ -37,6 +37,35 @@ def test_tracked_inputs_are_named_and_refused_only_in_grad_mode():
         checks.check_untracked("f", ("q", tracked), ("kv", (tracked, tracked)))
 
 
+def test_overlaps_itself_matches_the_addresses_of_random_views():
+    """checks.overlaps_itself against the brute force (every element's offset, distinct or not) on random strided
+    views: never a false 'no' (an output some rows share would race), and exact on the layouts torch makes
+    (contiguous, padded rows, permuted dims, expanded dims, slices)."""
+    import itertools
+    import random
+    base = torch.zeros(4096)
+
+    def shares(t):
+        offs = [sum(i * st for i, st in zip(idx, t.stride())) for idx in itertools.product(*map(range, t.shape))]
+        return len(set(offs)) < len(offs)
+
+    rng = random.Random(0)
+    shared = 0
+    for _ in range(400):
+        shape = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+        strides = [rng.choice([0, 1, 2, 3, 4, 5, 8, 12, 16, 40]) for _ in shape]
+        t = base.as_strided(shape, strides)
+        if shares(t):
+            shared += 1
+            assert checks.overlaps_itself(t), (shape, strides)
+    assert shared >= 50  # (98 of the 400 views share an address)
+    made = [torch.zeros(3, 8, 128), torch.zeros(3, 8, 136)[..., :128], torch.zeros(8, 3, 128).transpose(0, 1),
+            torch.zeros(1, 8, 128).expand(3, 8, 128), torch.zeros(6, 8, 128)[::2], torch.zeros(0, 8, 128),
+            torch.zeros(3, 1, 128).expand(3, 1, 128)]
+    assert [checks.overlaps_itself(t) for t in made] == [False, False, False, True, False, False, False]
+    assert [checks.overlaps_itself(t) for t in made] == [shares(t) for t in made]
+
+
 def test_aligned_rows():
     """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
     t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)
