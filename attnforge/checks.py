@@ -110,6 +110,24 @@ def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -
         raise fail(name, f"a tensor on {device}", f"device {t.device}", "Put all inputs on one GPU.")
 
 
+def workspace_floats(workspace: torch.Tensor, need: int, who: str) -> torch.Tensor:
+    """A caller's workspace (any dtype, on the wrapper's GPU: check_cuda first) as `need` bytes of float32 values:
+    contiguous, since the wrapper carves it by byte offsets, at a 16-byte aligned address, since the kernels store
+    partial states as 16-byte vectors (a slice at another offset would fault at the first split request:
+    a misaligned address), and large enough."""
+    size = workspace.numel() * workspace.element_size()
+    if not workspace.is_contiguous() or workspace.data_ptr() % 16:
+        raise fail(f"{who}(workspace=...)", "a contiguous tensor at a 16-byte aligned address (the kernels store "
+                   "partial states as 16-byte vectors)", f"data_ptr % 16 = {workspace.data_ptr() % 16}, strides "
+                   f"{tuple(workspace.stride())} for shape {list(workspace.shape)}",
+                   "Allocate it with torch.empty(n, dtype=torch.uint8, device=...), or share one buffer by slicing "
+                   "it at multiples of 16 bytes.")
+    if size < need:
+        raise fail(f"{who}(workspace=...)", f"at least {need} bytes", size,
+                   f"Allocate {who}.workspace_bytes(...)={need} bytes or let the wrapper allocate.")
+    return workspace.reshape(-1).view(torch.uint8)[:need].view(torch.float32)
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if t.dtype not in allowed:
         raise fail(f"{name}.dtype", " or ".join(str(a) for a in allowed), t.dtype,

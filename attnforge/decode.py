@@ -153,10 +153,7 @@ class BatchDecode:
             # reports reads of memory nothing wrote (ninety-fifth session: merge_item's, in batch_decode_kernel)
             workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
         checks.check_cuda("workspace", workspace, self.device)
-        if workspace.numel() * workspace.element_size() < need:
-            raise checks.fail("workspace", f"at least {need} bytes", workspace.numel() * workspace.element_size(),
-                              f"Allocate BatchDecode.workspace_bytes(...)={need} bytes or let the wrapper allocate.")
-        ws = workspace.view(torch.uint8)[:need].view(torch.float32)
+        ws = checks.workspace_floats(workspace, need, type(self).__name__)
         self._partial_o = ws[: 2 * rows * d]
         self._partial_lse = ws[2 * rows * d:]
         # chunks finished per split (request, work item): the last one merges and resets it to 0

@@ -66,6 +66,24 @@ def test_overlaps_itself_matches_the_addresses_of_random_views():
     assert [checks.overlaps_itself(t) for t in made] == [shares(t) for t in made]
 
 
+def test_a_callers_workspace_is_carved_by_bytes_where_contiguous_and_aligned():
+    """workspace_floats: any dtype and shape, contiguous and 16-byte aligned, viewed as `need` bytes of floats at its
+    own address; a misaligned slice, a strided view or too few bytes are refused with what to pass instead."""
+    buf = torch.zeros(4, 64)  # (float32, 2-D: its bytes count)
+    ws = checks.workspace_floats(buf, 512, "BatchDecode")
+    assert ws.dtype == torch.float32 and ws.numel() == 128 and ws.data_ptr() == buf.data_ptr()
+    flat = buf.view(-1).view(torch.uint8)
+    assert checks.workspace_floats(flat[16:], 512, "BatchMLADecode").data_ptr() == buf.data_ptr() + 16
+    with pytest.raises(ValueError, match=r"BatchDecode\(workspace=...\): expected a contiguous tensor at a 16-byte "
+                                         r"aligned address .*got data_ptr % 16 = 4, .*slicing it at multiples of 16"):
+        checks.workspace_floats(flat[4:], 512, "BatchDecode")
+    with pytest.raises(ValueError, match=r"got data_ptr % 16 = 0, strides \(64, 2\)"):
+        checks.workspace_floats(buf[:, ::2], 64, "BatchDecode")
+    with pytest.raises(ValueError, match=r"expected at least 2048 bytes, got 1024. Allocate "
+                                         r"BatchMLADecode.workspace_bytes"):
+        checks.workspace_floats(buf, 2048, "BatchMLADecode")
+
+
 def test_aligned_rows():
     """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
     t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)

@@ -178,6 +178,27 @@ def test_long_request_split_across_ctas(pipeline):
     run_case(AttentionSpec(pipeline=pipeline), [65536, 3, 1000], 16, seed=3)
 
 
+def test_a_callers_workspace_shared_by_two_wrappers():
+    """One buffer of another dtype, sliced at 16-byte multiples for two wrappers (as engines share a workspace):
+    each wrapper's long, split request agrees with the reference and with its own default workspace bitwise; a
+    slice at another offset is refused before anything runs (the partial states' 16-byte stores would fault)."""
+    spec = AttentionSpec()
+    need = BatchDecode(spec)._workspace_need()
+    per = -(-need // 16) * 16
+    buf = torch.full((2 * per // 4 + 1,), float("nan"), device="cuda")  # (float32: views by bytes)
+    flat = buf.view(torch.uint8)
+    mine, _ = run_case(spec, [65536, 3, 1000], 16, seed=3, workspace=flat[per:2 * per])
+    first, out0 = run_case(spec, [65536, 3, 1000], 16, seed=3, workspace=flat[:per])
+    _, default = run_case(spec, [65536, 3, 1000], 16, seed=3)
+    assert torch.equal(out0, default)
+    assert mine._partial_o.data_ptr() == buf.data_ptr() + per and first._partial_o.data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError, match=r"BatchDecode\(workspace=...\): expected a contiguous tensor at a 16-byte "
+                                         r"aligned address .*got data_ptr % 16 = 4"):
+        BatchDecode(spec, workspace=flat[4:4 + per])
+    with pytest.raises(ValueError, match=r"expected at least \d+ bytes, got 16"):
+        BatchDecode(spec, workspace=flat[:16])
+
+
 # Equal requests plan spans aligned to their items (scheduler.ALIGN_SLACK): each item cut into
 # CTAs // items chunks of ~700 positions, one chunk a span (items padded to whole spans when the cost
 # is no multiple of the chunk count: shave); odd page size, GQA, MQA (head splits), MHA
