@@ -32,6 +32,20 @@ def check_plan_scales(sm_scale, k_scale, v_scale) -> None:
                        "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
 
 
+def check_flag(who: str, name: str, value, optional: bool = False) -> None:
+    """A constructor's switch: a bool (or None, the default's pick, where `optional`). A truthy string such as
+    "no" would otherwise turn the option on."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise fail(f"{who}({name}=...)", "None, True or False" if optional else "True or False", repr(value),
+                   f"Pass a bool{' (None for the default)' if optional else ''}.")
+
+
+def check_count(who: str, name: str, value, least: int = 1) -> None:
+    """A constructor's capacity or size: an int >= least (not a bool, a float or a string)."""
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least):
+        raise fail(f"{who}({name}=...)", f"an int >= {least}", repr(value), "Pass the largest count you will plan.")
+
+
 def _finite_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 

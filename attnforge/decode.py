@@ -109,6 +109,8 @@ class BatchDecode:
         self.max_q_len = max_q_len
         if not isinstance(pdl, bool):
             raise checks.fail("pdl", "True or False", repr(pdl), "Pass pdl=False for a plain launch.")
+        checks.check_flag(type(self).__name__, "use_cuda_graph", use_cuda_graph)
+        checks.check_count(type(self).__name__, "max_num_pages", max_num_pages)
         self.pdl = pdl
         if not (whole_items is None or isinstance(whole_items, bool)):
             raise checks.fail("whole_items", "None, True or False", repr(whole_items), "Pass None for the default.")

@@ -71,6 +71,14 @@ class BatchPrefill:
         # not commute with the merge.
         # work_order: the launch order of work items (scheduler.order_prefill_work); "grouped" measured
         # +2-13% over "longest_first" on the H200's contiguous cases (docs/perf-notes.md).
+        for name, value in (("use_cuda_graph", use_cuda_graph), ("pingpong", pingpong), ("split_kv", split_kv),
+                            ("fp8_int_widen", fp8_int_widen)):
+            checks.check_flag("BatchPrefill", name, value)
+        for name, value in (("producer", producer), ("persistent", persistent), ("tma", tma), ("k_ahead", k_ahead)):
+            checks.check_flag("BatchPrefill", name, value, optional=True)
+        for name, value in (("max_batch_size", max_batch_size), ("max_work_items", max_work_items),
+                            ("max_num_pages", max_num_pages), ("max_tiles", max_tiles)):
+            checks.check_count("BatchPrefill", name, value)
         if work_order not in scheduler.WORK_ORDERS:
             raise checks.fail("BatchPrefill(work_order=...)", f"one of {scheduler.WORK_ORDERS}", repr(work_order),
                               "'grouped' keeps each (request, kv head)'s items together for L2 reuse.")

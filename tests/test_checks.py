@@ -84,6 +84,26 @@ def test_a_callers_workspace_is_carved_by_bytes_where_contiguous_and_aligned():
         checks.workspace_floats(buf, 2048, "BatchMLADecode")
 
 
+@pytest.mark.parametrize("kw,expected", [
+    ({"persistent": "no"}, r"persistent=...\): expected None, True or False, got 'no'"),
+    ({"pingpong": "yes"}, r"pingpong=...\): expected True or False, got 'yes'"),
+    ({"use_cuda_graph": 1}, r"use_cuda_graph=...\): expected True or False, got 1"),
+    ({"split_kv": None}, r"split_kv=...\): expected True or False, got None"),
+    ({"max_batch_size": 0}, r"max_batch_size=...\): expected an int >= 1, got 0"),
+    ({"max_num_pages": 1.5}, r"max_num_pages=...\): expected an int >= 1, got 1.5"),
+    ({"max_work_items": "8"}, r"max_work_items=...\): expected an int >= 1, got '8'"),
+    ({"max_tiles": True}, r"max_tiles=...\): expected an int >= 1, got True")])
+def test_prefill_switches_and_capacities_are_checked_at_construction(kw, expected):
+    """A truthy string turned an option on ("no" meant persistent), and a capacity of 0 or 1.5 waited for the
+    first graph-mode plan to fail: both now fail at construction; numpy ints and None where allowed pass."""
+    import numpy as np
+    from attnforge import AttentionSpec, BatchPrefill
+    spec = AttentionSpec(family="prefill", causal=True)
+    with pytest.raises(ValueError, match="BatchPrefill\\(" + expected):
+        BatchPrefill(spec, device="cpu", **kw)
+    BatchPrefill(spec, device="cpu", persistent=None, tma=False, max_batch_size=np.int64(8), use_cuda_graph=False)
+
+
 def test_aligned_rows():
     """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
     t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)
