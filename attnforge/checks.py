@@ -40,10 +40,10 @@ def check_flag(who: str, name: str, value, optional: bool = False) -> None:
                    f"Pass a bool{' (None for the default)' if optional else ''}.")
 
 
-def check_count(who: str, name: str, value, least: int = 1) -> None:
+def check_count(who: str, name: str, value, least: int = 1, fix: str = "Pass the largest count you will plan.") -> None:
     """A constructor's capacity or size: an int >= least (not a bool, a float or a string)."""
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least):
-        raise fail(f"{who}({name}=...)", f"an int >= {least}", repr(value), "Pass the largest count you will plan.")
+        raise fail(f"{who}({name}=...)", f"an int >= {least}", repr(value), fix)
 
 
 def _finite_real(x) -> bool:

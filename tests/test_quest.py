@@ -259,6 +259,17 @@ def test_assign_sets_all_pages_and_rounds_fp8_outward():
         plain.assign(lo, hi)
 
 
+def test_index_sizes_are_checked_at_construction():
+    """num_pages -1 built an index of no rows that took appends, and 4.5 failed inside torch.full: both name the
+    argument now."""
+    import pytest
+    for args, name, got in (((-1, 2, 16), "num_pages", "-1"), ((4, 0, 16), "num_kv_heads", "0"),
+                            ((4, 2, 0), "head_dim", "0"), ((4.5, 2, 16), "num_pages", "4.5")):
+        with pytest.raises(ValueError, match=rf"QuestIndex\({name}=...\): expected an int >= 1, got {got}. Pass the "
+                                             r"cache's pages"):
+            QuestIndex(*args)
+
+
 def test_summaries_never_join_an_autograd_graph():
     """Keys autograd tracks (a model run with grad mode on) would make the summary buffers part of their graph,
     one that grows with every append and gives no gradient: refused with grad mode on, folded under no_grad."""

@@ -40,6 +40,9 @@ class QuestIndex:
 
     def __init__(self, num_pages: int, num_kv_heads: int, head_dim: int, device=None, dtype=torch.float32,
                  scale=1.0):
+        for name, value in (("num_pages", num_pages), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            # (num_pages -1 made an index of no rows that took appends)
+            checks.check_count("QuestIndex", name, value, fix="Pass the cache's pages, KV heads and head_dim.")
         self.format = summaries.format_of(dtype)
         if self.format == "int4" and head_dim % 2:
             raise fail("QuestIndex head_dim", "an even number for int4 summaries (two codes a byte)", head_dim,
