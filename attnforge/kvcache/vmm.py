@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..checks import cuda_device, fail
+from ..checks import check_count, cuda_device, fail
 from ..paged import host_int_array
 
 
@@ -103,9 +103,12 @@ class VirtualKVCache:
     def __init__(self, num_layers: int, max_batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, device=None, max_physical_bytes: Optional[int] = None,
                  backend=None):
-        if min(num_layers, max_batch, max_len, num_kv_heads, head_dim) < 1:
-            raise fail("VirtualKVCache sizes", "positive layers, batch, length, heads and head_dim",
-                       (num_layers, max_batch, max_len, num_kv_heads, head_dim), "Pass the model's sizes.")
+        for name, value in (("num_layers", num_layers), ("max_batch", max_batch), ("max_len", max_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_count("VirtualKVCache", name, value, fix="Pass the model's sizes.")
+        if max_physical_bytes is not None:  # (a string or -5 compared at the first grow, or never refused anything)
+            check_count("VirtualKVCache", "max_physical_bytes", max_physical_bytes, fix="Pass a byte budget, or None "
+                        "for the device's memory.")
         if dtype not in _TYPESTR:
             raise fail("VirtualKVCache dtype", "torch.bfloat16, torch.float16, torch.float8_e4m3fn (fp8 KV) or "
                        "torch.float32", dtype, "Allocate the cache in the dtype decode reads (spec.kv_dtype).")

@@ -159,3 +159,18 @@ def test_slot_arguments_are_ints_in_range():
         with pytest.raises(ValueError, match=r"expected an int in \[0, (max_|num_layers)"):
             call()
     assert c.mapped_bytes == before and c.backed_tokens(np.int64(3)) == 1024  # (one chunk)
+
+
+@pytest.mark.parametrize("kw,name,got", [({"num_layers": 2.5}, "num_layers", "2.5"),
+                                         ({"head_dim": 128.0}, "head_dim", "128.0"),
+                                         ({"max_len": "4096"}, "max_len", "'4096'"),
+                                         ({"max_batch": 0}, "max_batch", "0"),
+                                         ({"max_physical_bytes": -5}, "max_physical_bytes", "-5")])
+def test_sizes_and_the_byte_budget_are_checked_at_construction(kw, name, got):
+    """A float or string size failed inside range() or a comparison, and a byte budget of -5 or "x" was taken
+    (the first compared at the first grow): each now names its argument before anything is reserved."""
+    backend = FakeVMM()
+    sizes = {**dict(num_layers=2, max_batch=4, max_len=4096, num_kv_heads=8, head_dim=128), **kw}
+    with pytest.raises(ValueError, match=rf"VirtualKVCache\({name}=...\): expected an int >= 1, got {got}"):
+        VirtualKVCache(**sizes, device="cpu", backend=backend)
+    assert backend.reserved == {}
