@@ -92,6 +92,18 @@ def test_bad_budgets_are_refused_before_any_work():
         QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=4096, page_size=16.0)
     with pytest.raises(ValueError, match="k.shape"):
         QuestIndex(4, 8, 128).append(torch.randn(3, 4, 128), torch.zeros(3, dtype=torch.int64))
+    from attnforge.sparse import QuestHeadDecode
+    hnd = AttentionSpec(kv_layout="HND")
+    for cls in (QuestDecode, QuestHeadDecode):  # (before the per-head wrapper scales the capacities by Hkv)
+        name = cls.__name__
+        with pytest.raises(ValueError, match=rf"{name}\(index=...\): expected a QuestIndex .*got Tensor"):
+            cls(hnd, torch.zeros(4, 8, 128), budget_tokens=64, page_size=16)
+        with pytest.raises(ValueError, match=rf"{name}\(max_num_pages=...\): expected an int >= 1, got -1"):
+            cls(hnd, QuestIndex(4, 8, 128), budget_tokens=64, page_size=16, max_num_pages=-1)
+        with pytest.raises(ValueError, match=rf"{name}\(max_pages_per_request=...\): expected an int >= 1, got 0"):
+            cls(hnd, QuestIndex(4, 8, 128), budget_tokens=64, page_size=16, max_pages_per_request=0)
+        with pytest.raises(ValueError, match=rf"{name}\(use_cuda_graph=...\): expected True or False, got 'no'"):
+            cls(hnd, QuestIndex(4, 8, 128), budget_tokens=64, page_size=16, use_cuda_graph="no")
 
 
 def test_page_without_keys_scores_zero_not_inf():

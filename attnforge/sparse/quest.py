@@ -226,6 +226,18 @@ def select_pages(scores: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torc
     return indptr, kv_indices.to(torch.int64)[chosen[keep]]
 
 
+def check_wrapper_args(who: str, index, use_cuda_graph, max_batch_size, max_num_pages, max_pages_per_request) -> None:
+    """A Quest wrapper's index and capacities, named as the caller passed them (before the per-head wrapper scales
+    them by Hkv and the decode wrapper adds its dump slot to max_num_pages)."""
+    if not isinstance(index, QuestIndex):
+        raise fail(f"{who}(index=...)", "a QuestIndex (the cache's page summaries)", type(index).__name__,
+                   "Build one with QuestIndex(num_pages, num_kv_heads, head_dim, device=...).")
+    checks.check_flag(who, "use_cuda_graph", use_cuda_graph)
+    for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages),
+                        ("max_pages_per_request", max_pages_per_request)):
+        checks.check_count(who, name, value)
+
+
 class QuestDecode:
     """Score pages, keep each request's best `budget_tokens`, then batch decode over the selection.
 
@@ -249,6 +261,8 @@ class QuestDecode:
             raise fail("QuestDecode(select=...)", "'kernel' (one radix-select launch) or 'torch' (topk)", repr(select),
                        "Use 'kernel' unless comparing the two.")
         self.select = select
+        check_wrapper_args(type(self).__name__, index, use_cuda_graph, max_batch_size, max_num_pages,
+                           max_pages_per_request)
         paged.check_page_size("QuestDecode(page_size=...)", page_size)
         if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")

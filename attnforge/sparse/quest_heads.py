@@ -22,7 +22,7 @@ import torch
 from .. import checks, ops, paged
 from ..checks import fail
 from ..jit.loader import on_device
-from .quest import QuestDecode, QuestIndex
+from .quest import QuestDecode, QuestIndex, check_wrapper_args
 
 
 def expand_per_head(indptr: torch.Tensor, pages: torch.Tensor, num_kv_heads: int):
@@ -68,6 +68,8 @@ class QuestHeadDecode(QuestDecode):
     def __init__(self, spec, index: QuestIndex, budget_tokens: int, page_size: int, *, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_num_pages: int = 1 << 16, max_pages_per_request: int = 8192,
                  select: str = "kernel", **decode_kwargs):
+        check_wrapper_args("QuestHeadDecode", index, use_cuda_graph, max_batch_size, max_num_pages,
+                           max_pages_per_request)
         if spec.kv_layout != "HND":
             raise fail("QuestHeadDecode spec.kv_layout", "'HND' (a head's tokens contiguous in a page)",
                        repr(spec.kv_layout), "Use an HND cache, or QuestDecode for one selection per request.")
