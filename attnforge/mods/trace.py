@@ -106,7 +106,7 @@ def _lift(x) -> tuple:
     if isinstance(x, bool):
         return ("const", bool(x), "b")
     if isinstance(x, int):
-        return ("const", int(x), "i")
+        return ("const", _int32(x), "i")
     if isinstance(x, float):
         if not math.isfinite(x):
             return ("const", x, "f")
@@ -283,7 +283,18 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 
 def _constant(value, kind: str) -> tuple:
     return ("const", bool(value), "b") if kind == "b" else (
-        ("const", int(value), "i") if kind == "i" else ("const", float(value), "f"))
+        ("const", _int32(int(value)), "i") if kind == "i" else ("const", float(value), "f"))
+
+
+def _int32(v: int) -> int:
+    """An integer constant as the device holds it: modifier integers are 32-bit (af_int), so one past 32 bits
+    would wrap in the kernel while the torch reference computes in int64 (q - kv <= 10**12 masked every key)."""
+    if not -2 ** 31 <= v < 2 ** 31:
+        raise ModTraceError(f"the integer constant {v} is outside 32 bits; modifier integers are 32-bit on the device "
+                            f"(as in FlexAttention's kernels), so it would wrap. Use a float constant (e.g. "
+                            f"{float(v):g}), or one within 32 bits: a window past any sequence is no window "
+                            f"(at {_user_line()})")
+    return v
 
 
 def _dispatch(func, args, kwargs):

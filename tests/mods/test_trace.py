@@ -251,6 +251,21 @@ def test_int64_tables_outside_32_bits_are_refused_when_traced():
     assert compile_mod(mask_mod=lambda b, h, q, kv: fits[q] == fits[kv]).tensors[0] is fits
 
 
+def test_integer_constants_outside_32_bits_are_refused_when_traced():
+    """A constant the device's 32-bit integers would wrap (10**12 became -727379968: every key masked, while the
+    torch reference kept them all) is refused naming its line; the 32-bit bounds and float constants trace."""
+    with pytest.raises(ModTraceError, match=r"integer constant 1000000000000 is outside 32 bits.*1e\+12.*"
+                                            r"test_trace.py"):
+        compile_mod(mask_mod=lambda b, h, q, kv: q - kv <= 10 ** 12)
+    with pytest.raises(ModTraceError, match=r"integer constant -2147483649 is outside 32 bits"):
+        compile_mod(score_mod=lambda s, b, h, q, kv: s + torch.where(q > kv, 0, -2 ** 31 - 1))
+    with pytest.raises(ModTraceError, match=r"integer constant 4294967296 is outside 32 bits"):
+        compile_mod(mask_mod=lambda b, h, q, kv: torch.full_like(q, 2 ** 32) > kv)
+    assert compile_mod(mask_mod=lambda b, h, q, kv: q - kv <= 2 ** 31 - 1).mask_root[2] == ("const", 2 ** 31 - 1, "i")
+    assert compile_mod(mask_mod=lambda b, h, q, kv: q - kv >= -2 ** 31).mask_root[2] == ("const", -2 ** 31, "i")
+    assert compile_mod(mask_mod=lambda b, h, q, kv: q - kv <= 1e12).mask_root[2] == ("const", 1e12, "f")
+
+
 def test_only_a_modifier_with_nothing_to_apply_is_identity():
     """attention() and the compiled op run the plain kernel for an identity modifier (Flex's noop_mask: a mask
     that is the constant True); a sink or raw C++ alone has work to do and is kept."""
