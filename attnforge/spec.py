@@ -198,6 +198,9 @@ class AttentionSpec:
         if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or self.window_left < -1:
             raise _bad("window_left", self.window_left, "-1 (off) or an int >= 0",
                        "window_left=W keeps the W keys before the query and the query's own.")
+        if self.window_left >= 2 ** 31:  # (the kernels take it as int32: 10**12 wrapped negative)
+            raise _bad("window_left", self.window_left, "an int below 2^31 (the kernels' positions are 32-bit)",
+                       "A window past any sequence is no window: pass -1.")
         if self.window_left >= 0 and self.family == "mla_decode":
             raise _bad("window_left", self.window_left, "-1 for mla_decode (no sliding window: DeepSeek's MLA "
                        "attends the whole cache)", "Use a mask_mod in score_mod if you need one.")

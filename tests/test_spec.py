@@ -63,6 +63,7 @@ def test_unset_shape_fields_take_the_familys_shape():
     (dict(family="prefill", pipeline="transposed"), "pipeline", "'normal' for prefill"),
     (dict(causal=1), "causal", "a bool"),
     (dict(window_left=-2), "window_left", "-1 (off)"),
+    (dict(window_left=10 ** 12), "window_left", "an int below 2^31"),
     (dict(logits_soft_cap=-1.0), "logits_soft_cap", "finite float"),
     (dict(logits_soft_cap=float("inf")), "logits_soft_cap", "finite float"),
     (dict(score_mod=lambda s: s), "score_mod", "cache_key"),
