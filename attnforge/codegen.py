@@ -49,6 +49,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32
            "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "tmap": ctypes.c_uint64 * 16}  # a CUtensorMap (attnforge/jit/tma.py), packed from its 128 bytes
 TMAP_ALIGN = 64  # the copy engine reads a tensor map from a 64-byte aligned address
+_INT32_RANGES = {"i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1)}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class ParamsLayout:
         self.ctype = type(struct_name, (ctypes.Structure,), {"_fields_": layout})
         self._names = frozenset(f.name for f in self.fields)
         self._tmap_names = tuple(f.name for f in self.fields if f.kind == "tmap")
+        self._int32 = tuple((f.name, _INT32_RANGES[f.kind]) for f in self.fields if f.kind in _INT32_RANGES)
         self._templates: dict = {}  # (per-run names, fixed items) -> ParamsTemplate
 
     @property
@@ -102,6 +104,11 @@ class ParamsLayout:
             raise TypeError(f"{self.struct_name}: missing {sorted(missing)}, unexpected {sorted(extra)}")
         for name in self._tmap_names:  # the map's 128 bytes (attnforge.jit.tma.encode), or zeros when unused
             values[name] = _tmap(values[name])
+        for name, (lo, hi) in self._int32:  # ctypes wraps an int past 32 bits silently: the kernel would get garbage
+            if not lo <= values[name] <= hi:
+                raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's 32-bit field "
+                                    f"[{lo}, {hi}]: an input past the kernels' 32-bit range that no check caught; "
+                                    f"please report it with the call")
         return self.ctype(**values)
 
     def template(self, per_run: Sequence[str], **fixed) -> "ParamsTemplate":

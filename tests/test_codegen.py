@@ -64,6 +64,21 @@ def test_params_layout_matches_ctypes():
         ParamsLayout("Q", [ParamField("x", "double", "f64")])
 
 
+def test_packing_refuses_an_int_its_32_bit_field_would_wrap():
+    """ctypes wraps an int past 32 bits silently (10**12 -> -727379968): pack refuses it, naming the field, so an
+    input no check caught fails on the host, not as garbage in the kernel; the bounds themselves pack."""
+    layout = ParamsLayout("P", [ParamField("n", "int32_t", "i32"), ParamField("m", "uint32_t", "u32"),
+                                ParamField("s", "int64_t", "i64")])
+    ok = layout.pack(n=-2 ** 31, m=2 ** 32 - 1, s=10 ** 12)
+    assert (ok.n, ok.m, ok.s) == (-2 ** 31, 2 ** 32 - 1, 10 ** 12)
+    with pytest.raises(OverflowError, match=r"P.n = 1000000000000 does not fit the kernel's 32-bit field"):
+        layout.pack(n=10 ** 12, m=0, s=0)
+    with pytest.raises(OverflowError, match=r"P.m = -1 does not fit .*\[0, 4294967295\]"):
+        layout.pack(n=0, m=-1, s=0)
+    with pytest.raises(OverflowError, match=r"P.n = 2147483648"):
+        layout.template(["s"], n=2 ** 31, m=0)
+
+
 def test_tensor_map_fields_come_first_and_align_the_struct():
     maps = [ParamField("km", "TensorMap", "tmap"), ParamField("vm", "TensorMap", "tmap")]
     layout = ParamsLayout("P", [*maps, ParamField("n", "int32_t", "i32")])

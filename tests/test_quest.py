@@ -88,6 +88,8 @@ def test_bad_budgets_are_refused_before_any_work():
         select_pages(torch.randn(3), torch.tensor([0, 3]), torch.tensor([0, 1, 2]), budget_pages=0)
     with pytest.raises(ValueError, match="at least one page"):
         QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=8, page_size=16)
+    with pytest.raises(ValueError, match=r"budget_tokens: expected fewer than 2\^31 tokens"):
+        QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=10 ** 12, page_size=16)
     with pytest.raises(ValueError, match=r"QuestDecode\(page_size=...\): expected an int >= 1"):
         QuestDecode(AttentionSpec(), QuestIndex(4, 8, 128), budget_tokens=4096, page_size=16.0)
     with pytest.raises(ValueError, match="k.shape"):

@@ -266,6 +266,9 @@ class QuestDecode:
         paged.check_page_size("QuestDecode(page_size=...)", page_size)
         if not isinstance(budget_tokens, int) or budget_tokens < page_size:
             raise fail("budget_tokens", f"at least one page ({page_size} tokens)", budget_tokens, "Raise the budget.")
+        if budget_tokens >= 2 ** 31:  # (the select kernel takes the budget's pages as int32)
+            raise fail("budget_tokens", "fewer than 2^31 tokens (the kernels' lengths are 32-bit)", budget_tokens,
+                       "A budget past every request's length keeps every page: pass the longest context.")
         if index.summary_shape[1:] != (spec.num_kv_heads, spec.head_dim_qk):
             raise fail("QuestIndex shape", f"[pages, {spec.num_kv_heads}, {spec.head_dim_qk}] (the spec's KV heads, "
                        "head_dim)", list(index.summary_shape), "Build the index for this model.")
