@@ -15,7 +15,6 @@ torch formulation in attnforge.reference.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,7 +114,7 @@ def _check_rows(name: str, t: torch.Tensor, strides) -> None:
 
 
 def _check_scale(name: str, scale, quantizes: bool) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if not (checks.finite_float32(scale) and scale > 0):  # (past float32's range the kernel would get inf)
         raise checks.fail(name, "a finite float > 0", repr(scale), "Pass the scale decode will read the cache with.")
     if not quantizes and scale != 1.0:
         raise checks.fail(name, "1.0 (a scale applies only when 16-bit tokens are quantized into an fp8 cache)", scale,

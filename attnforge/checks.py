@@ -23,11 +23,11 @@ def check_plan_scales(sm_scale, k_scale, v_scale) -> None:
     sign flip would otherwise reach every score of every request, silently."""
     if sm_scale is None and type(k_scale) is float and type(v_scale) is float and k_scale == v_scale == 1.0:
         return  # the usual call, the defaults (plan() is on the step's path)
-    if sm_scale is not None and not _finite_real(sm_scale):
+    if sm_scale is not None and not finite_float32(sm_scale):
         raise fail("plan(sm_scale=...)", "None (1 / sqrt(head_dim)) or a finite float", repr(sm_scale),
                    "Pass the softmax scale as a float.")
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not (_finite_real(x) and x > 0):
+        if not (finite_float32(x) and x > 0):
             raise fail(f"plan({name}=...)", "a finite float > 0", repr(x),
                        "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
 
@@ -46,8 +46,13 @@ def check_count(who: str, name: str, value, least: int = 1, fix: str = "Pass the
         raise fail(f"{who}({name}=...)", f"an int >= {least}", repr(value), fix)
 
 
-def _finite_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels take scales as float32: a larger value arrives as inf (finite
+# means finite there)
+
+
+def finite_float32(x) -> bool:
+    """A real number (not a bool) that float32, the kernels' scale type, holds as a finite value."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def cuda_device(device=None, who: str = "attnforge", host_ok: bool = False) -> torch.device:

@@ -6,6 +6,7 @@ the matching ctypes.Structure, so host and device layouts cannot drift apart.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,6 +51,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32
            "tmap": ctypes.c_uint64 * 16}  # a CUtensorMap (attnforge/jit/tma.py), packed from its 128 bytes
 TMAP_ALIGN = 64  # the copy engine reads a tensor map from a 64-byte aligned address
 _INT32_RANGES = {"i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1)}
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class ParamsLayout:
         self._names = frozenset(f.name for f in self.fields)
         self._tmap_names = tuple(f.name for f in self.fields if f.kind == "tmap")
         self._int32 = tuple((f.name, _INT32_RANGES[f.kind]) for f in self.fields if f.kind in _INT32_RANGES)
+        self._f32 = tuple(f.name for f in self.fields if f.kind == "f32")
         self._templates: dict = {}  # (per-run names, fixed items) -> ParamsTemplate
 
     @property
@@ -109,6 +112,11 @@ class ParamsLayout:
                 raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's 32-bit field "
                                     f"[{lo}, {hi}]: an input past the kernels' 32-bit range that no check caught; "
                                     f"please report it with the call")
+        for name in self._f32:  # a finite value past float32's range would arrive as inf (a scale of 1e39, say)
+            if abs(values[name]) > _FLOAT32_MAX and math.isfinite(values[name]):
+                raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's float32 "
+                                    f"field: a scale or bound past float32's range that no check caught; please "
+                                    f"report it with the call")
         return self.ctype(**values)
 
     def template(self, per_run: Sequence[str], **fixed) -> "ParamsTemplate":

@@ -205,7 +205,8 @@ class AttentionSpec:
             raise _bad("window_left", self.window_left, "-1 for mla_decode (no sliding window: DeepSeek's MLA "
                        "attends the whole cache)", "Use a mask_mod in score_mod if you need one.")
         cap = self.logits_soft_cap
-        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap < float("inf")):
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap <= 3.4028234663852886e38):
+            # (the kernels take it as float32: a cap past float32's range arrived as inf, and inf * tanh(0) is NaN)
             raise _bad("logits_soft_cap", cap, "0 (off) or a finite float > 0", "Gemma-2 uses 50.0.")
         object.__setattr__(self, "logits_soft_cap", float(cap))
         if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):

@@ -113,6 +113,8 @@ def cpu_case(n=4, hkv=2, d=16, page=4, dtype=torch.bfloat16):
     (dict(k_scale=2.0), "k_scale: expected 1.0"),
     (dict(kv_cache=torch.zeros(4, 2, 4, 2, 16, dtype=FP8), v_scale=-1.0), "v_scale: expected a finite float > 0"),
     (dict(kv_cache=torch.zeros(4, 2, 4, 2, 16, dtype=FP8), k_scale=float("nan")), "k_scale"),
+    (dict(kv_cache=torch.zeros(4, 2, 4, 2, 16, dtype=FP8), k_scale=1e39), "k_scale: expected a finite float > 0, "
+     r"got 1e\+39"),  # (past float32: the kernel would divide by inf)
     (dict(k=torch.zeros(4, 2, 20).bfloat16()[..., :16]), "k: expected rows of contiguous elements"),
     (dict(k=torch.zeros(4, 2, 16).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)), "k: expected rows"),
     (dict(kv_cache=torch.zeros(4, 2, 4, 2, 20).bfloat16()[..., :16]), "k cache: expected rows"),

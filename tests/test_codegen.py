@@ -64,9 +64,10 @@ def test_params_layout_matches_ctypes():
         ParamsLayout("Q", [ParamField("x", "double", "f64")])
 
 
-def test_packing_refuses_an_int_its_32_bit_field_would_wrap():
-    """ctypes wraps an int past 32 bits silently (10**12 -> -727379968): pack refuses it, naming the field, so an
-    input no check caught fails on the host, not as garbage in the kernel; the bounds themselves pack."""
+def test_packing_refuses_a_value_its_32_bit_field_would_wrap():
+    """ctypes wraps an int past 32 bits silently (10**12 -> -727379968) and rounds a float past float32's range to
+    inf: pack refuses both, naming the field, so an input no check caught fails on the host, not as garbage in the
+    kernel; the bounds themselves, and infinities, pack."""
     layout = ParamsLayout("P", [ParamField("n", "int32_t", "i32"), ParamField("m", "uint32_t", "u32"),
                                 ParamField("s", "int64_t", "i64")])
     ok = layout.pack(n=-2 ** 31, m=2 ** 32 - 1, s=10 ** 12)
@@ -77,6 +78,11 @@ def test_packing_refuses_an_int_its_32_bit_field_would_wrap():
         layout.pack(n=0, m=-1, s=0)
     with pytest.raises(OverflowError, match=r"P.n = 2147483648"):
         layout.template(["s"], n=2 ** 31, m=0)
+    floats = ParamsLayout("F", [ParamField("x", "float", "f32")])
+    for fine in (3.4e38, -3.4e38, float("inf"), float("-inf"), 1e-45):  # (infinities are sentinels some kernels take)
+        floats.pack(x=fine)
+    with pytest.raises(OverflowError, match=r"F.x = 1e\+39 does not fit the kernel's float32 field"):
+        floats.pack(x=1e39)
 
 
 def test_tensor_map_fields_come_first_and_align_the_struct():

@@ -575,7 +575,9 @@ def test_the_wrappers_own_workspace_starts_zeroed(monkeypatch):
     (dict(v_scale=float("inf")), r"v_scale=...\): expected a finite float > 0, got inf"),
     (dict(k_scale=True), r"k_scale=...\): expected a finite float > 0, got True"),
     (dict(sm_scale=float("nan")), r"plan\(sm_scale=...\): expected None \(1 / sqrt\(head_dim\)\) or a finite float"),
-    (dict(sm_scale="0.1"), r"sm_scale=...\): expected .* got '0.1'")])
+    (dict(sm_scale="0.1"), r"sm_scale=...\): expected .* got '0.1'"),
+    (dict(sm_scale=1e39), r"sm_scale=...\): expected .* got 1e\+39"),  # (finite, but inf as the kernel's float32)
+    (dict(v_scale=-1e39), r"v_scale=...\): expected a finite float > 0, got -1e\+39")])
 def test_plan_refuses_scales_that_would_reach_every_score(kw, match):
     """Decode's and MLA's plan refuse a NaN, infinite, non-positive or non-numeric scale before any work (they
     took any value float() accepted: NaN outputs, or a sign flip of every score); numpy scalars pass."""

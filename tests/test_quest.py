@@ -127,7 +127,7 @@ def test_bf16_summaries_and_bad_dtype():
         QuestIndex(2, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="1.0 for float32"):
         QuestIndex(2, 1, 8, scale=0.5)
-    for bad in (0.0, -1.0, float("inf"), float("nan")):  # fp8 summaries hold key / scale
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e39):  # fp8 summaries hold key / scale (1e39: inf in fp32)
         with pytest.raises(ValueError, match="a finite float > 0"):
             QuestIndex(2, 1, 8, dtype=torch.float8_e4m3fn, scale=bad)
     with pytest.raises(ValueError, match=r"scale.shape: expected \[1, 8\]"):

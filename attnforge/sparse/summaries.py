@@ -12,11 +12,9 @@ query sums, so either costs the same there.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..checks import fail
+from ..checks import fail, finite_float32
 
 INT4 = "int4"  # QuestIndex(dtype=INT4)
 FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", INT4: "int4"}
@@ -60,7 +58,7 @@ def checked_scale(scale, fmt: str, num_kv_heads: int, head_dim: int, device):
             raise fail("QuestIndex scale", "1.0 for float32 / bfloat16 summaries", "a tensor",
                        "Drop scale, or use fp8 / int4 summaries.")
         return scale.detach().to(device=device, dtype=torch.float32)
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if not (finite_float32(scale) and scale > 0):
         raise fail("QuestIndex scale", "a finite float > 0 or a tensor [Hkv, D] (fp8 / int4 summaries hold "
                    "key / scale)", scale, "Pass about max|key| / 448 (int4: / 7), channel_scales(...), or 1.0.")
     if fmt not in LEVELS and scale != 1.0:
