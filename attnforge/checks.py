@@ -7,6 +7,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .spec import FLOAT32_MAX
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
                 "fp32": torch.float32}
 CPP_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "float",
@@ -44,10 +46,6 @@ def check_count(who: str, name: str, value, least: int = 1, fix: str = "Pass the
     """A constructor's capacity or size: an int >= least (not a bool, a float or a string)."""
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least):
         raise fail(f"{who}({name}=...)", f"an int >= {least}", repr(value), fix)
-
-
-FLOAT32_MAX = 3.4028234663852886e38  # the kernels take scales as float32: a larger value arrives as inf (finite
-# means finite there)
 
 
 def finite_float32(x) -> bool:

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import jinja2
 
+from .spec import FLOAT32_MAX
+
 _HERE = Path(__file__).resolve().parent
 
 
@@ -51,7 +53,6 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32
            "tmap": ctypes.c_uint64 * 16}  # a CUtensorMap (attnforge/jit/tma.py), packed from its 128 bytes
 TMAP_ALIGN = 64  # the copy engine reads a tensor map from a 64-byte aligned address
 _INT32_RANGES = {"i32": (-2 ** 31, 2 ** 31 - 1), "u32": (0, 2 ** 32 - 1)}
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,11 @@ class ParamsLayout:
             values[name] = _tmap(values[name])
         for name, (lo, hi) in self._int32:  # ctypes wraps an int past 32 bits silently: the kernel would get garbage
             if not lo <= values[name] <= hi:
-                raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's 32-bit field "
-                                    f"[{lo}, {hi}]: an input past the kernels' 32-bit range that no check caught; "
-                                    f"please report it with the call")
+                raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's 32-bit "
+                                    f"field [{lo}, {hi}]: an input past the kernels' 32-bit range that no check "
+                                    f"caught; please report it with the call")
         for name in self._f32:  # a finite value past float32's range would arrive as inf (a scale of 1e39, say)
-            if abs(values[name]) > _FLOAT32_MAX and math.isfinite(values[name]):
+            if abs(values[name]) > FLOAT32_MAX and math.isfinite(values[name]):
                 raise OverflowError(f"{self.struct_name}.{name} = {values[name]} does not fit the kernel's float32 "
                                     f"field: a scale or bound past float32's range that no check caught; please "
                                     f"report it with the call")

@@ -63,6 +63,7 @@ PREFILL_QK_VO_DIMS = ((192, 128), (128, 64), (256, 128))
 MLA_HEAD_DIM_QK, MLA_HEAD_DIM_VO = 576, 512  # 512 latent (ckv) + 64 rope (kpe)
 MLA_HEADS = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 64
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels take scales and caps as float32: past it a finite value is inf
 
 # Accept torch dtypes and common spellings without importing torch at module load.
 _DTYPE_ALIASES = {
@@ -205,7 +206,7 @@ class AttentionSpec:
             raise _bad("window_left", self.window_left, "-1 for mla_decode (no sliding window: DeepSeek's MLA "
                        "attends the whole cache)", "Use a mask_mod in score_mod if you need one.")
         cap = self.logits_soft_cap
-        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap <= 3.4028234663852886e38):
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 <= cap <= FLOAT32_MAX):
             # (the kernels take it as float32: a cap past float32's range arrived as inf, and inf * tanh(0) is NaN)
             raise _bad("logits_soft_cap", cap, "0 (off) or a finite float > 0", "Gemma-2 uses 50.0.")
         object.__setattr__(self, "logits_soft_cap", float(cap))
