@@ -77,10 +77,16 @@ def check_merge_out(out: torch.Tensor, device, shape) -> None:
         raise checks.fail("out", "a contiguous tensor", f"strides {out.stride()}", "Pass out.contiguous().")
 
 
-def _prepare_out(out, like: torch.Tensor, shape, dtype):
+def _prepare_out(out, like: torch.Tensor, shape, out_dtype):
+    if out_dtype is not None and out_dtype not in _V_DTYPES:  # (an int dtype reached the kernel cache's names)
+        raise checks.fail("out_dtype", f"None (the inputs' dtype) or one of {_V_DTYPES}", out_dtype,
+                          "Merge into bf16, fp16 or fp32.")
     if out is None:
-        return torch.empty(shape, dtype=dtype, device=like.device)
+        return torch.empty(shape, dtype=out_dtype or like.dtype, device=like.device)
     check_merge_out(out, like.device, shape)
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise checks.fail("out_dtype", f"out's dtype {out.dtype} (or None) when out is given", out_dtype,
+                          "Pass out_dtype or out, not two different dtypes.")
     return out
 
 
@@ -103,7 +109,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = No
     checks.check_shape("s", s, (n, ns, h), "[N, S, H] LSE of each partial output")
     if ns == 0:
         raise checks.fail("v.shape[1]", "at least one state to merge", 0, "Pass S >= 1.")
-    out = _prepare_out(out, v, (n, h, d), out_dtype or v.dtype)
+    out = _prepare_out(out, v, (n, h, d), out_dtype)
     lse = torch.empty((n, h), dtype=torch.float32, device=v.device)
     if n * h:
         _run("merge_states_kernel", checks.dense_copy(v), s.contiguous(), None, None, ns, out, lse)
@@ -128,7 +134,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     for name, t in (("s_a", s_a), ("s_b", s_b)):
         checks.check_dtype(name, t, (torch.float32,))
         checks.check_shape(name, t, (n, h), "[N, H] natural-log LSE")
-    out = _prepare_out(out, v_a, (n, h, d), out_dtype or v_a.dtype)
+    out = _prepare_out(out, v_a, (n, h, d), out_dtype)
     lse = torch.empty((n, h), dtype=torch.float32, device=v_a.device)
     if n * h:
         _run("merge_state_pair_kernel", checks.dense_copy(v_a), s_a.contiguous(), checks.dense_copy(v_b),

@@ -261,18 +261,21 @@ def attention_invoke(env: Env, a: dict):
 def merge_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(5)
     return {"v": _rand(g, (7, 3, 4, 128), torch.bfloat16, env.device),
-            "s": _rand(g, (7, 3, 4), torch.float32, env.device)}
+            "s": _rand(g, (7, 3, 4), torch.float32, env.device), "out_dtype": None}
 
 
 def merge_mutations(a: dict, env: Env) -> list:
     m = retag(retag(tensor("v", a["v"], env.gpu), SAME, *COPIED), None, "dtype", "float32", "narrow-last")
     m += retag(retag(tensor("s", a["s"], env.gpu), SAME, *COPIED), None, "dtype", "float32", "narrow-last")
     return m + [Mutation("s", "bf16", REFUSE, lambda t: t.bfloat16()),
-                Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1])]
+                Mutation("s", "one-state-short", REFUSE, lambda t: t[:, :-1]),
+                Mutation("out_dtype", "int32", REFUSE, lambda x: torch.int32),  # (no merge writes integers)
+                Mutation("out_dtype", "string", REFUSE, lambda x: "bf16"),
+                Mutation("out_dtype", "bf16", SAME, lambda x: torch.bfloat16)]  # (v's own dtype)
 
 
 def merge_invoke(env: Env, a: dict):
-    return attnforge.merge_states(a["v"], a["s"])
+    return attnforge.merge_states(a["v"], a["s"], out_dtype=a["out_dtype"])
 
 
 def append_build(env: Env) -> dict:

@@ -4,6 +4,7 @@ the valid call does. (The GPU file compares the accepted calls' outputs, and add
 import pytest
 import torch
 
+import attnforge
 from attnforge import BatchDecode, BatchMLADecode, BatchPrefill, append, dense, prefill
 from helpers import stub_host_prefill
 from input_fuzz import REFUSE, SAME, clear_refusal
@@ -83,3 +84,19 @@ def test_tensors_autograd_tracks_run_where_grad_mode_is_off(env, api, mode):
     with mode():
         api.invoke(env, tracked)
     assert len(rec.launches) == 2 * launched
+
+
+def test_a_merge_given_out_and_another_out_dtype_is_refused(env):
+    """merge_states(out=..., out_dtype=...) with two different dtypes wrote out's dtype and ignored out_dtype: now
+    refused before the launch; the same dtype twice, or out alone, runs."""
+    from input_fuzz_apis import merge_build
+    env, rec = env
+    a = merge_build(env)
+    out = torch.empty(7, 4, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"out_dtype: expected out's dtype torch.float32 \(or None\) when out is "
+                                         r"given, got torch.bfloat16"):
+        attnforge.merge_states(a["v"], a["s"], out=out, out_dtype=torch.bfloat16)
+    assert not rec.launches
+    attnforge.merge_states(a["v"], a["s"], out=out, out_dtype=torch.float32)
+    attnforge.merge_states(a["v"], a["s"], out=out)
+    assert len(rec.launches) == 2
