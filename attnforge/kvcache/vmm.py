@@ -201,7 +201,8 @@ class VirtualKVCache:
         self.chunks[slot] = 0
 
     def trim_pool(self, keep: int = 0) -> None:
-        """Give pooled chunks back to the device."""
+        """Give pooled chunks back to the device, keeping `keep` of them for the next grows."""
+        check_count("trim_pool", "keep", keep, least=0, fix="Pass how many pooled chunks to keep (0: none).")
         while len(self.pool) > keep:
             self.backend.release(self.pool.pop())
             self.created -= 1

@@ -174,3 +174,18 @@ def test_sizes_and_the_byte_budget_are_checked_at_construction(kw, name, got):
     with pytest.raises(ValueError, match=rf"VirtualKVCache\({name}=...\): expected an int >= 1, got {got}"):
         VirtualKVCache(**sizes, device="cpu", backend=backend)
     assert backend.reserved == {}
+
+
+def test_trim_pool_keeps_a_count_it_checks():
+    """trim_pool(-3) emptied the pool and then popped an empty list (IndexError): the count is checked first."""
+    backend = FakeVMM()
+    c = VirtualKVCache(1, 2, 4096, 8, 128, device="cpu", backend=backend)
+    c.grow(0, 4096)
+    c.free(0)
+    pooled = len(c.pool)
+    assert pooled > 1
+    with pytest.raises(ValueError, match=r"trim_pool\(keep=...\): expected an int >= 0, got -3"):
+        c.trim_pool(-3)
+    assert len(c.pool) == pooled
+    c.trim_pool(1)
+    assert len(c.pool) == 1 and c.physical_bytes == GRAN
