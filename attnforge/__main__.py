@@ -16,7 +16,11 @@ def _cmd_build(args) -> int:
             return 2
         specs += presets.PRESETS[name]()
     for path in args.spec_file or []:
-        specs += presets.load_spec_file(path)
+        try:
+            specs += presets.load_spec_file(path)
+        except (OSError, ValueError) as e:  # a missing file, bad JSON or a bad spec: the reason, not a traceback
+            print(f"python -m attnforge build: {e}", file=sys.stderr)
+            return 2
     if not specs:
         print("nothing to build: pass --preset NAME or --spec-file FILE", file=sys.stderr)
         return 2

@@ -52,14 +52,23 @@ def load_spec_file(path: str | Path) -> list:
     """A JSON list of AttentionSpec field dicts, e.g. [{"family": "decode", "num_qo_heads": 32}]. A decode
     entry may add "max_q_len" (speculative decoding's verify step): the kernel BatchDecode(spec, max_q_len=...)
     launches, in place of the spec's one-token kernels."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: expected a JSON list of spec objects, got invalid JSON ({e})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of spec objects, got {type(data).__name__}")
     for i, d in enumerate(data):
         if not isinstance(d, dict):
             raise ValueError(f"{path}: entry {i}: expected an object of AttentionSpec fields (and \"max_q_len\" for a "
                              f"decode verify kernel), got {type(d).__name__} {d!r}; write it as {{\"family\": ...}}")
-    return [_spec_entry(dict(d)) for d in data]
+    specs = []
+    for i, d in enumerate(data):
+        try:
+            specs.append(_spec_entry(dict(d)))
+        except ValueError as e:  # (which entry of a long file)
+            raise ValueError(f"{path}: entry {i}: {e}") from None
+    return specs
 
 
 def _spec_entry(d: dict):

@@ -63,7 +63,13 @@ def test_build_errors_are_clear(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"family": "decode", "head_dim_qk": 96}]))
     r = cli("build", "--spec-file", str(bad), cache=tmp_path)
-    assert r.returncode != 0 and "AttentionSpec.head_dim_qk" in r.stderr
+    assert r.returncode == 2 and "bad.json: entry 0: AttentionSpec.head_dim_qk" in r.stderr
+    assert "Traceback" not in r.stderr  # (the reason alone, for a missing file or bad JSON too)
+    bad.write_text("[{'family': 'decode'}]")
+    r = cli("build", "--spec-file", str(bad), cache=tmp_path)
+    assert r.returncode == 2 and "got invalid JSON" in r.stderr and "Traceback" not in r.stderr
+    r = cli("build", "--spec-file", str(tmp_path / "missing.json"), cache=tmp_path)
+    assert r.returncode == 2 and "No such file" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path of the demo runs in the gpu suite")
