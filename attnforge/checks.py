@@ -101,17 +101,21 @@ def check_untracked(who: str, *named) -> None:
     nothing of a call: an input it tracks would get no gradient, silently. Refused while grad mode is on; under
     torch.inference_mode() or torch.no_grad(), where engines run, the check is one flag read. named: (name,
     value) pairs, a value a tensor, a (K, V) pair or None."""
-    if torch.is_grad_enabled():  # (attribute reads only: on a run's path in grad mode, half a generic loop's time)
+    if torch.is_grad_enabled():  # (attribute reads only: on a run's path in grad mode, half a generic loop's time;
+        # plain loops, no generator expression, for dynamo, which traces this before a compiled call's custom op)
         for name, value in named:
-            if getattr(value, "requires_grad", False) or (
-                    isinstance(value, (tuple, list)) and any(getattr(t, "requires_grad", False) for t in value)):
+            if getattr(value, "requires_grad", False):
                 raise _tracked(who, name, value)
+            if isinstance(value, (tuple, list)):
+                for t in value:
+                    if getattr(t, "requires_grad", False):
+                        raise _tracked(who, name, value)
 
 
 def _tracked(who: str, name: str, value) -> ValueError:
     """check_untracked's error, naming the tensor (a pair's element by its index)."""
     if isinstance(value, (tuple, list)):
-        name = f"{name}[{next(i for i, t in enumerate(value) if getattr(t, 'requires_grad', False))}]"
+        name = f"{name}[{[getattr(t, 'requires_grad', False) for t in value].index(True)}]"
     return fail(f"{who}: {name}", "a tensor autograd does not track (attnforge has no backward pass)",
                 f"{name}.requires_grad=True with grad mode on",
                 f"Call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach(); to train "
