@@ -34,12 +34,12 @@ def check_plan_scales(sm_scale, k_scale, v_scale) -> None:
                        "Pass the cache's per-tensor dequantisation scale (1.0 for none).")
 
 
-def check_flag(who: str, name: str, value, optional: bool = False) -> None:
+def check_flag(who: str, name: str, value, optional: bool = False, fix: Optional[str] = None) -> None:
     """A constructor's switch: a bool (or None, the default's pick, where `optional`). A truthy string such as
     "no" would otherwise turn the option on."""
     if not (isinstance(value, bool) or (optional and value is None)):
         raise fail(f"{who}({name}=...)", "None, True or False" if optional else "True or False", repr(value),
-                   f"Pass a bool{' (None for the default)' if optional else ''}.")
+                   fix or f"Pass a bool{' (None for the default)' if optional else ''}.")
 
 
 def check_count(who: str, name: str, value, least: int = 1, fix: str = "Pass the largest count you will plan.") -> None:
@@ -104,18 +104,15 @@ def check_untracked(who: str, *named) -> None:
     if torch.is_grad_enabled():  # (attribute reads only: on a run's path in grad mode, half a generic loop's time;
         # plain loops, no generator expression, for dynamo, which traces this before a compiled call's custom op)
         for name, value in named:
-            if getattr(value, "requires_grad", False):
-                raise _tracked(who, name, value)
             if isinstance(value, (tuple, list)):
-                for t in value:
+                for i, t in enumerate(value):
                     if getattr(t, "requires_grad", False):
-                        raise _tracked(who, name, value)
+                        raise _tracked(who, f"{name}[{i}]")
+            elif getattr(value, "requires_grad", False):
+                raise _tracked(who, name)
 
 
-def _tracked(who: str, name: str, value) -> ValueError:
-    """check_untracked's error, naming the tensor (a pair's element by its index)."""
-    if isinstance(value, (tuple, list)):
-        name = f"{name}[{[getattr(t, 'requires_grad', False) for t in value].index(True)}]"
+def _tracked(who: str, name: str) -> ValueError:
     return fail(f"{who}: {name}", "a tensor autograd does not track (attnforge has no backward pass)",
                 f"{name}.requires_grad=True with grad mode on",
                 f"Call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach(); to train "

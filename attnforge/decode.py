@@ -107,13 +107,13 @@ class BatchDecode:
             raise checks.fail("max_q_len", f"an int in [1, {self.MAX_Q_LEN}]", repr(max_q_len),
                               "Query tokens per request (1 + speculative draft tokens).")
         self.max_q_len = max_q_len
-        if not isinstance(pdl, bool):
-            raise checks.fail("pdl", "True or False", repr(pdl), "Pass pdl=False for a plain launch.")
-        checks.check_flag(type(self).__name__, "use_cuda_graph", use_cuda_graph)
-        checks.check_count(type(self).__name__, "max_num_pages", max_num_pages)
+        who = type(self).__name__
+        checks.check_flag(who, "pdl", pdl, fix="Pass pdl=False for a plain launch.")
+        checks.check_flag(who, "use_cuda_graph", use_cuda_graph)
+        checks.check_count(who, "max_batch_size", max_batch_size)
+        checks.check_count(who, "max_num_pages", max_num_pages)
         self.pdl = pdl
-        if not (whole_items is None or isinstance(whole_items, bool)):
-            raise checks.fail("whole_items", "None, True or False", repr(whole_items), "Pass None for the default.")
+        checks.check_flag(who, "whole_items", whole_items, optional=True)
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
         elif spec_kwargs:
@@ -126,8 +126,7 @@ class BatchDecode:
             spec = spec_for_rows(spec, max_q_len)
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
-        if not (merge_launch is None or isinstance(merge_launch, bool)):
-            raise checks.fail("merge_launch", "None, True or False", repr(merge_launch), "Pass None for the default.")
+        checks.check_flag(who, "merge_launch", merge_launch, optional=True)
         self.merge_in_launch = merge_launch  # (BatchMLADecode.merge_launch() is a method: another name)
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)
@@ -144,8 +143,6 @@ class BatchDecode:
         # (a GPU with less shared memory per CTA than Hopper keeps one kernel)
         self._wholes = () if explicit or whole_items is False else self._whole_launches(
             spec, lambda k: fits_device_smem(props, k))
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise checks.fail("max_batch_size", "an int >= 1", max_batch_size, "Pass the largest batch you will plan.")
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
         d, rows = self.spec.head_dim_vo, self.partial_slot_rows()

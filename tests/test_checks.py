@@ -104,6 +104,17 @@ def test_prefill_switches_and_capacities_are_checked_at_construction(kw, expecte
     BatchPrefill(spec, device="cpu", persistent=None, tma=False, max_batch_size=np.int64(8), use_cuda_graph=False)
 
 
+@pytest.mark.parametrize("kw,expected", [({"use_cuda_graph": "no"}, r"use_cuda_graph=...\): expected True or False"),
+                                         ({"max_num_pages": 0}, r"max_num_pages=...\): expected an int >= 1, got 0"),
+                                         ({"max_batch_size": 2.0}, r"max_batch_size=...\): expected an int >= 1")])
+def test_decode_switches_and_capacities_are_checked_before_any_device_work(kw, expected):
+    from attnforge import AttentionSpec, BatchDecode, BatchMLADecode
+    with pytest.raises(ValueError, match=r"BatchDecode\(" + expected):
+        BatchDecode(AttentionSpec(), device="cpu", **kw)
+    with pytest.raises(ValueError, match=r"BatchMLADecode\(" + expected):
+        BatchMLADecode(num_qo_heads=16, device="cpu", **kw)
+
+
 def test_aligned_rows():
     """Kernels copy and store rows as 16-byte vectors: padded rows or an offset start are refused."""
     t = torch.zeros(6, 4, 128, dtype=torch.bfloat16)
@@ -119,13 +130,13 @@ def test_aligned_rows():
 
 def test_decode_pdl_flag_must_be_a_bool():
     from attnforge import AttentionSpec, BatchDecode
-    with pytest.raises(ValueError, match="pdl: expected True or False"):
+    with pytest.raises(ValueError, match=r"pdl=...\): expected True or False"):
         BatchDecode(AttentionSpec(), pdl="yes")  # refused before any device work
 
 
 def test_mla_decode_pdl_flag_must_be_a_bool():
     from attnforge import BatchMLADecode
-    with pytest.raises(ValueError, match="pdl: expected True or False"):
+    with pytest.raises(ValueError, match=r"pdl=...\): expected True or False"):
         BatchMLADecode(num_qo_heads=16, pdl=1)  # refused before any device work
 
 

@@ -425,7 +425,7 @@ def test_merge_launch_forced_and_under_cuda_graphs():
 
 
 def test_merge_launch_takes_none_or_a_bool_at_every_head_dim():
-    with pytest.raises(ValueError, match="merge_launch: expected None, True or False"):
+    with pytest.raises(ValueError, match=r"merge_launch=...\): expected None, True or False"):
         BatchDecode(AttentionSpec(), merge_launch=1, device="cpu")
     # one block a row, 4 dims a thread: d64's lanes are half warps (two a warp), d128's and d256's whole warps
     for d, block in ((64, (16, 1, 16)), (128, (32, 1, 8)), (256, (64, 1, 4))):
@@ -435,7 +435,7 @@ def test_merge_launch_takes_none_or_a_bool_at_every_head_dim():
 
 
 def test_whole_items_takes_only_none_or_a_bool():
-    with pytest.raises(ValueError, match="whole_items: expected None, True or False"):
+    with pytest.raises(ValueError, match=r"whole_items=...\): expected None, True or False"):
         BatchDecode(AttentionSpec(), whole_items="yes", device="cpu")
 
 
