@@ -693,6 +693,36 @@ def test_functional_attention_is_causal_matches_sdpa(length):
     assert (out.float() - by_mask.float()).abs().max().item() < 2e-2
 
 
+def test_functional_attention_with_bool_and_byte_tables_matches_sdpa():
+    """A bool key-padding mask captured by a mask_mod (`keep[b, kv_idx]`: bool elements are booleans) and an int8
+    bias table, against SDPA given the same mask and bias as its attn_mask (a bool one, then a float one), and the
+    float64 reference; a request whose keys are all masked gives zeros and LSE -inf."""
+    torch.manual_seed(21)
+    q = torch.randn(3, 8, 200, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 2, 333, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.rand(3, 333, device="cuda") < 0.7
+    keep[2] = False
+    bias8 = torch.randint(-128, 128, (8, 333), device="cuda", dtype=torch.int8)
+    out, lse = attnforge.attention(q, k, v, mask_mod=lambda b, h, qi, ki: keep[b, ki], enable_gqa=True,
+                                   return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
+                                                             enable_gqa=True)
+    biased = attnforge.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias8[h, ki] * 0.05,
+                                 mask_mod=lambda b, h, qi, ki: keep[b, ki], enable_gqa=True)
+    float_mask = torch.where(keep[:, None, None, :], bias8[None, :, None, :] * 0.05, -math.inf)
+    sdpa_biased = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=float_mask.to(q.dtype),
+                                                                    enable_gqa=True)
+    for b in range(2):
+        args = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+        mask = lambda bb, h, qi, ki, b=b: keep[b, ki]  # noqa: E731
+        ref, ref_lse = reference.attention(*args, mask_mod=mask)
+        assert_attention_close(out[b].transpose(0, 1), ref, sdpa[b].transpose(0, 1), f"padding, request {b}")
+        assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"padding, request {b}")
+        ref, _ = reference.attention(*args, mask_mod=mask, score_mod=lambda s, bb, h, qi, ki: s + bias8[h, ki] * 0.05)
+        assert_attention_close(biased[b].transpose(0, 1), ref, sdpa_biased[b].transpose(0, 1), f"bias, request {b}")
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all() and (biased[2] == 0).all()
+
+
 def test_functional_attention_follows_what_its_modifiers_read():
     """attention() plans once per call signature (attnforge/dense.py): a mask input written in place (no version
     bump), a captured 0-d scalar changed, and two modifiers of one expression over different tensors must each

@@ -98,15 +98,22 @@ _SPELLING = {"and": "&", "or": "|", "xor": "^", "not": "~", "lshift": "<<", "rsh
              "fmod": "fmod", **{op: op for op in ROUNDING}}
 
 
+# captured tensors' element types; the position is the runtime code raw C++ reads in p.mod_t<k>_dtype
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int32: "i32",
-               torch.int64: "i64"}
+               torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8"}
+
+
+def slot_kind(t: torch.Tensor) -> str:
+    """The graph type a load from this captured tensor has: a bool tensor's elements are booleans (as in torch,
+    `keep[kv_idx]` can be a mask_mod's result), every other integer dtype's are integers."""
+    return "f" if t.is_floating_point() else ("b" if t.dtype == torch.bool else "i")
 
 
 @dataclass(frozen=True)
 class TensorSlot:
     """A captured tensor: its position, element type and rank (values are runtime parameters)."""
     index: int
-    kind: str  # "f" or "i"
+    kind: str  # "f", "i" or "b" (slot_kind)
     ndim: int
     dtype: str = "f32"  # one of DTYPE_NAMES' values: loads are typed at compile time
 
@@ -146,7 +153,7 @@ def evaluate(node: tuple, env: dict[str, torch.Tensor], tensors: list[torch.Tens
         idx = [_wrap_clamp(ev(i).to(torch.int64), t.shape[d]) for d, i in enumerate(node[2:])]
         idx = torch.broadcast_tensors(*idx)
         out = t[tuple(i.to(t.device) for i in idx)]
-        return out.float() if out.is_floating_point() else out.to(torch.int64)
+        return out.float() if out.is_floating_point() else (out if out.dtype == torch.bool else out.to(torch.int64))
     if op == "where":
         return torch.where(ev(node[1]).bool(), ev(node[2]), ev(node[3]))
     if op == "cast":
@@ -230,8 +237,8 @@ def emit_cpp(root: tuple, slots: dict[int, TensorSlot], ret: str) -> str:
         elif op == "load":
             slot = slots[node[1]]
             idx = ", ".join(visit(i) for i in node[2:])
-            fn = "load_f" if slot.kind == "f" else "load_i"
-            expr = f"a.{fn}({node[1]}, {{{idx}}})"
+            fn = "load_f" if slot.kind == "f" else "load_i"  # (a bool element is loaded as an integer, 0 or 1)
+            expr = f"a.{fn}({node[1]}, {{{idx}}})" if slot.kind != "b" else f"(a.load_i({node[1]}, {{{idx}}}) != 0)"
         elif op == "where":
             t = node_type(node, slots)
             expr = f"({visit(node[1])} ? {_cpp_cast(visit(node[2]), t)} : {_cpp_cast(visit(node[3]), t)})"

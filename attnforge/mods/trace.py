@@ -55,7 +55,8 @@ class Tracer:
                 return i
         if t.dtype not in graph.DTYPE_NAMES or t.dim() == 0 or t.dim() > 4:
             raise ModTraceError(f"captured tensor of dtype {t.dtype} and rank {t.dim()} cannot be indexed by a "
-                                f"modifier; use a float32/float16/bfloat16/int32/int64 tensor of rank 1..4 "
+                                f"modifier; use a float32/float16/bfloat16, int64/int32/int16/int8/uint8 or bool tensor of "
+                                f"rank 1..4 "
                                 f"(at {_user_line()})")
         if t.dtype == torch.int64 and t.numel() and t.device.type != "meta" and \
                 not isinstance(t, torch._subclasses.FakeTensor):
@@ -65,7 +66,7 @@ class Tracer:
                                     f"integers are 32-bit on the device, so they would wrap. Remap the values (e.g. "
                                     f"torch.unique(t, return_inverse=True)[1]) (at {_user_line()})")
         self.tensors.append(t)
-        kind = "f" if t.is_floating_point() else "i"
+        kind = graph.slot_kind(t)
         self.slots[len(self.tensors) - 1] = graph.TensorSlot(len(self.tensors) - 1, kind, t.dim(),
                                                              graph.DTYPE_NAMES[t.dtype])
         return len(self.tensors) - 1

@@ -16,8 +16,6 @@ from . import affine, graph, scaled
 from .trace import ModTraceError, scalar_value, trace
 
 MAX_TENSORS, MAX_SCALARS = 8, 8
-_F_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_I_DTYPES = (torch.int32, torch.int64)
 
 # Helpers shared by generated code on the device and in the g++ host test.
 CPP_PRELUDE = r"""
@@ -176,17 +174,17 @@ class ScoreMod:
     def cpp_decl(self) -> str:
         n = self.cpp_struct_name
         reads = {"f32": "float({ptr}[off])", "f16": "__half2float({ptr}[off])",
-                 "bf16": "__bfloat162float({ptr}[off])", "i32": "{ptr}[off]", "i64": "{ptr}[off]"}
-        ctypes_ = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i32": "int", "i64": "long long"}
-        reads["i64"] = "af_int({ptr}[off])"
+                 "bf16": "__bfloat162float({ptr}[off])"}  # (integer and bool elements: af_int(...), below)
+        ctypes_ = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i32": "int", "i64": "long long",
+                   "i16": "short", "i8": "signed char", "u8": "unsigned char", "b8": "unsigned char"}
         loads = {"f": [], "i": []}
         for k, s in sorted(self.slots.items()):  # typed at compile time: the dtype is in the cache key
             dims = ", ".join(f"p.mod_t{k}_size{d}" for d in range(s.ndim))
             ptr = f"static_cast<const {ctypes_[s.dtype]}*>(p.mod_t{k})"
-            loads[s.kind].append(
+            loads["f" if s.kind == "f" else "i"].append(
                 f"    if (k == {k}) {{ const long long sz[{s.ndim}] = {{{dims}}}; long long off = 0;\n"
                 f"      for (int d = 0; d < {s.ndim}; ++d) off = off * sz[d] + af_index(idx.begin()[d], sz[d]);\n"
-                f"      return {reads[s.dtype].format(ptr=ptr)}; }}")
+                f"      return {reads.get(s.dtype, 'af_int({ptr}[off])').format(ptr=ptr)}; }}")
         scalars = "\n".join(f"    if (k == {k}) return p.mod_s{k};" for k in range(len(self.scalars)))
         accessor = f"""
 template <class P>
@@ -265,12 +263,11 @@ struct {n}_Access {{
         for k, t in enumerate(self.tensors):
             if not t.is_contiguous():
                 raise ValueError(f"score_mod captured tensor #{k}: expected a contiguous tensor. Pass t.contiguous().")
-            code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}.get(t.dtype)
             if graph.DTYPE_NAMES.get(t.dtype) != self.slots[k].dtype:
                 raise ValueError(f"score_mod captured tensor #{k}: compiled for {self.slots[k].dtype}, now {t.dtype}. "
                                  "Keep the tensor's dtype or build the modifier again.")
             vals[f"mod_t{k}"] = t.data_ptr()
-            vals[f"mod_t{k}_dtype"] = code
+            vals[f"mod_t{k}_dtype"] = list(graph.DTYPE_NAMES).index(t.dtype)
             for d in range(t.dim()):
                 vals[f"mod_t{k}_size{d}"] = t.shape[d]
         for k, v in enumerate(self.scalars):
@@ -334,7 +331,7 @@ def raw_mod(cpp_body: str, tensors: Sequence[torch.Tensor] = (), scalars: Sequen
             name: str = "raw") -> ScoreMod:
     """Escape hatch: C++ methods for the variant struct (see attnforge/variant.cuh), with extra
     parameters p.mod_t<k> (const void*, plus p.mod_t<k>_dtype / _size<d>) and p.mod_s<k> (float)."""
-    slots = {k: graph.TensorSlot(k, "f" if t.is_floating_point() else "i", t.dim(), graph.DTYPE_NAMES[t.dtype])
+    slots = {k: graph.TensorSlot(k, graph.slot_kind(t), t.dim(), graph.DTYPE_NAMES[t.dtype])
              for k, t in enumerate(tensors)}
     return ScoreMod(None, None, list(tensors), [float(s) for s in scalars], slots, raw_cpp=cpp_body, name=name)
 

@@ -99,3 +99,49 @@ def run_calls(calls, inputs, directory: Path, flags=()) -> torch.Tensor:
 def run_on_host(mod, inputs, directory: Path, call=None) -> torch.Tensor:
     """One mod's values on the inputs (its score function, or `call`)."""
     return run_calls([(mod, call or default_call(mod))], inputs, directory)[0]
+
+
+def device_accessor_program(mod, inputs) -> str:
+    """The kernels' own accessor (`ScoreMod.cpp_decl`, which reads each captured tensor through a pointer of its
+    element's C type) over a params struct of the mod's fields, its tensors' bytes as static arrays: the host
+    check of how the device reads int8 / uint8 / int16 / bool / int64 elements (signs, widths, strides)."""
+    n = mod.cpp_struct_name
+    decl = mod.cpp_decl.split(f"struct {n} : attnforge::IdentityVariant")[0]  # (the rest needs the CUDA headers)
+    fields = "\n".join(f"  {f.cpp_type} {f.name};" for f in mod.param_fields())
+    arrays, sets = [], []
+    for name, value in mod.param_values(torch.device("cpu")).items():
+        k = name[len("mod_t"):] if name.startswith("mod_t") and name[len("mod_t"):].isdigit() else None
+        if k is not None:
+            data = mod.tensors[int(k)].contiguous().view(-1).view(torch.uint8).tolist()
+            arrays.append(f"alignas(16) static const unsigned char B{k}[] = {{{', '.join(map(str, data)) or '0'}}};")
+            sets.append(f"  p.{name} = B{k};")
+        else:
+            sets.append(f"  p.{name} = {value!r};")
+    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
+    return f"""#include <cstdio>
+#include <cstdint>
+{decl}
+struct P {{
+{fields}
+}};
+{chr(10).join(arrays)}
+struct In {{ float s; af_int b, h, q, kv; }};
+static const In in[] = {{
+{rows}
+}};
+int main() {{
+  P p;
+{chr(10).join(sets)}
+  const {n}_Access<P> a{{p}};
+  for (unsigned i = 0; i < sizeof(in) / sizeof(in[0]); ++i) std::printf("%.9g\\n", (double)({default_call(mod)}));
+}}
+"""
+
+
+def run_device_accessor(mod, inputs, directory: Path) -> torch.Tensor:
+    """device_accessor_program() built with g++ and run: one float32 value an input row."""
+    src, exe = directory / "access.cpp", directory / "access"
+    src.write_text(device_accessor_program(mod, inputs))
+    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return torch.tensor([float(x) for x in out.split()], dtype=torch.float32)

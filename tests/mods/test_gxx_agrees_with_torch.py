@@ -11,7 +11,9 @@ from attnforge.mods import compile_mod
 from attnforge.mods.alibi import default_slopes
 from attnforge.mods.variant import CPP_PRELUDE
 
-from .host_program import DEVICE_LIKE, default_call, host_has_fma, run_calls, run_on_host
+from mod_library import every_operation
+
+from .host_program import DEVICE_LIKE, default_call, host_has_fma, run_calls, run_device_accessor, run_on_host
 
 N = 400
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
@@ -53,9 +55,24 @@ def user_mods():
     def mask_combo(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) % 4 != 0) | ~(kv_idx > q_idx) & (h < 2)
 
+    narrow = (torch.randint(-128, 128, (7,), generator=g, dtype=torch.int8),
+              torch.randint(0, 256, (5,), generator=g, dtype=torch.uint8),
+              torch.randint(-2 ** 15, 2 ** 15, (4, 3), generator=g, dtype=torch.int16))
+    keep = torch.rand(4, 60, generator=g) < 0.6  # (bool elements are booleans, as in torch)
+
+    def narrow_tables(score, b, h, q_idx, kv_idx):
+        return score + narrow[0][kv_idx % 7] + narrow[1][q_idx - kv_idx] * 0.5 + narrow[2][h, b - kv_idx] * 0.01
+
+    def bool_table(score, b, h, q_idx, kv_idx):
+        return torch.where(keep[h, kv_idx], score, score * 2 + keep[h, q_idx])
+
+    def bool_table_mask(b, h, q_idx, kv_idx):
+        return keep[h, kv_idx] & (q_idx >= kv_idx) | ~keep[h, -q_idx]
+
     return [compile_mod(score_mod=f) for f in (arith, where_minmax, intops, transcendental, table_negative_index,
-                                              clamp_and_cast, divisions, fast_forms, minus_inf)] + \
-        [compile_mod(mask_mod=mask_combo)]
+                                              clamp_and_cast, divisions, fast_forms, minus_inf, narrow_tables,
+                                              bool_table)] + \
+        [compile_mod(mask_mod=mask_combo), compile_mod(mask_mod=bool_table_mask), every_operation("cpu")]
 
 
 def library_mods():
@@ -83,6 +100,27 @@ def test_gxx_matches_torch(mod, tmp_path):
         want = mod.torch_mask(b, h, q, kv).float()
     assert got.shape == want.shape
     assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def _host_readable(mods):  # (the kernels' f16 / bf16 element reads need cuda_fp16.h: device only)
+    return [x for x in mods if all(slot.dtype not in ("f16", "bf16") for slot in x.slots.values())]
+
+
+@pytest.mark.parametrize("mod", _host_readable(user_mods() + library_mods()), ids=lambda x: x.name)
+def test_the_kernels_accessor_reads_each_element_type_as_torch_does(mod, tmp_path):
+    """The accessor the kernels use (ScoreMod.cpp_decl: each captured tensor read through a pointer of its element's
+    C type, at offsets from the sizes in the params struct), built with g++ over the tensors' bytes, gives what torch
+    gives: int8 and int16 signs, uint8 past 127, bool bytes, int64 read as 32 bits, negative indices wrapped."""
+    assert any(x.slots and {s.dtype for s in x.slots.values()} >= {"i8", "u8", "i16", "b8"}
+               for x in _host_readable(user_mods() + library_mods()))  # (the narrow types are in this test)
+    g = torch.Generator().manual_seed(6)
+    score = torch.randn(N, generator=g) * 3
+    b, h = torch.randint(0, 2, (N,), generator=g), torch.randint(0, 4, (N,), generator=g)
+    q, kv = torch.randint(0, 60, (N,), generator=g), torch.randint(0, 60, (N,), generator=g)
+    got = run_device_accessor(mod, list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist())),
+                              tmp_path)
+    want = mod.torch_score(score, b, h, q, kv) if mod.score_root is not None else mod.torch_mask(b, h, q, kv)
+    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want.float()).abs().max()
 
 
 def test_float_floor_division_and_modulo_match_torch_bitwise(tmp_path):

@@ -251,6 +251,26 @@ def test_int64_tables_outside_32_bits_are_refused_when_traced():
     assert compile_mod(mask_mod=lambda b, h, q, kv: fits[q] == fits[kv]).tensors[0] is fits
 
 
+def test_bool_and_narrow_integer_tables_trace_with_torch_types():
+    """A captured bool tensor's elements are booleans, so `keep[b, kv_idx]` is a mask_mod's whole result (as in
+    FlexAttention); int8 / uint8 / int16 elements are integers. Each dtype is its own build (the kernels read
+    elements of that width); other dtypes are refused naming the supported ones and the line."""
+    keep = torch.rand(2, 50) < 0.5
+    mod = compile_mod(mask_mod=lambda b, h, q, kv: keep[b, kv])
+    b, kv = torch.tensor([[0], [1]]), torch.arange(50)
+    assert torch.equal(mod.torch_mask(b, torch.tensor(0), torch.tensor(0), kv), keep)
+    assert "(a.load_i(0, {b, kv_idx}) != 0)" in mod.host_functions()
+    keys = {compile_mod(score_mod=lambda s, b, h, q, kv: s + t[kv % 3]).cache_key
+            for t in (torch.tensor([1, 0, 1], dtype=d) for d in (torch.int8, torch.uint8, torch.int16, torch.int32))}
+    assert len(keys) == 4
+    u8 = torch.tensor([250, 3], dtype=torch.uint8)
+    got = compile_mod(score_mod=lambda s, b, h, q, kv: s + u8[kv]).torch_score(torch.zeros(2), 0, 0, 0, torch.arange(2))
+    assert torch.equal(got, torch.tensor([250.0, 3.0]))
+    for bad in (torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.complex64)):
+        with pytest.raises(ModTraceError, match=r"int64/int32/int16/int8/uint8 or bool tensor.*test_trace.py"):
+            compile_mod(score_mod=lambda s, b, h, q, kv: s + bad[kv])
+
+
 def test_integer_constants_outside_32_bits_are_refused_when_traced():
     """A constant the device's 32-bit integers would wrap (10**12 became -727379968: every key masked, while the
     torch reference kept them all) is refused naming its line; the 32-bit bounds and float constants trace."""
