@@ -55,8 +55,8 @@ class Tracer:
                 return i
         if t.dtype not in graph.DTYPE_NAMES or t.dim() == 0 or t.dim() > 4:
             raise ModTraceError(f"captured tensor of dtype {t.dtype} and rank {t.dim()} cannot be indexed by a "
-                                f"modifier; use a float32/float16/bfloat16, int64/int32/int16/int8/uint8 or bool tensor of "
-                                f"rank 1..4 "
+                                f"modifier; use a float32/float16/bfloat16, int64/int32/int16/int8/uint8 or bool "
+                                f"tensor of rank 1..4 "
                                 f"(at {_user_line()})")
         if t.dtype == torch.int64 and t.numel() and t.device.type != "meta" and \
                 not isinstance(t, torch._subclasses.FakeTensor):
