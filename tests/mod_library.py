@@ -21,11 +21,12 @@ def library(device="cuda"):
 
 
 def every_operation(device="cuda"):
-    """A score_mod of every operation the tracer knows beyond the library's, with torch's meanings: bitwise & | ^ ~ << >>
-    on integers, True + True is True, logical_xor on nonzero-ness, float // and % of positions, fmod, truncating
-    division, round / ceil / sign, an integer power, int32 / int16 / int8 / uint8 tables, a bool table in the branch
-    condition, rsqrt / log1p / expm1, and -inf for some keys. Discontinuities take positions only: a score's last
-    ulp differs between the kernel's MMA and the reference, and must not move a floor or a branch."""
+    """A score_mod of every operation the tracer knows beyond the library's, with torch's meanings: bitwise & | ^ ~ <<
+    >> on integers, True + True is True, logical_xor on nonzero-ness, float // and % of positions, fmod,
+    truncating division, round / ceil / sign, an integer power, int32 / int16 / int8 / uint8 tables, a bool
+    table in the branch condition, rsqrt / log1p / expm1, and -inf for some keys. Discontinuities take positions
+    only: a score's last ulp differs between the kernel's MMA and the reference, and must not move a floor or a
+    branch."""
     table = torch.tensor([3, -2, 7, 1], dtype=torch.int32, device=device)
     i16 = torch.tensor([-3000, 1200, 9, -1], dtype=torch.int16, device=device)  # (narrow elements, signs kept)
     i8 = torch.tensor([-100, 5, 77], dtype=torch.int8, device=device)
