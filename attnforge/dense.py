@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import checks, ops
+from .attn_mask import as_modifiers as attn_mask_modifiers
 from .merge import merge_states
 from .prefill import BatchPrefill
 from .spec import PREFILL_QK_VO_DIMS, AttentionSpec
@@ -34,7 +35,7 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False, *,
-              block_mask=None, is_causal: bool = False):
+              block_mask=None, is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
@@ -43,12 +44,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     that BlockMask object: build a new one when the mask's inputs change, as for Flex).
     is_causal: SDPA's, for Lq == Lk (query i sees keys 0..i): the prefill kernels' own causal tiles, no mask to
     plan from (with a score_mod or mask_mod, they apply within it).
+    attn_mask: SDPA's, broadcastable to [B, Hq, Lq, Lk] (row i: query i); bool (True: the key takes part, and-ed
+    with mask_mod; fully masked tiles are skipped) or float (added to the scaled score after score_mod; -inf
+    masks). A row with every key masked gives zeros and lse -inf (SDPA's math backend gives NaN there).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     checks.check_untracked("attention", ("q", q), ("k", k), ("v", v))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
     check_causal(is_causal, q, k)
+    if attn_mask is not None:
+        score_mod, mask_mod = sdpa_mask(attn_mask, q, k, score_mod, mask_mod, block_mask, is_causal)
     if ops.compiling():
         out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse,
                                     is_causal)
@@ -74,6 +80,21 @@ def check_causal(is_causal, q, k) -> None:
                           f"For the bottom right pass mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx "
                           f"(attnforge's q_idx is aligned to the end of the keys); for the top left, "
                           f"mask_mod=lambda b, h, q_idx, kv_idx: {top_left} >= kv_idx")
+
+
+def sdpa_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, score_mod, mask_mod, block_mask, is_causal) -> tuple:
+    """(score_mod, mask_mod) with SDPA's attn_mask applied after them (attnforge/attn_mask.py)."""
+    for given, what in ((is_causal, "is_causal=True"), (block_mask is not None, "a block_mask")):
+        if given:
+            raise checks.fail("attention(attn_mask=...)", "one mask", f"an attn_mask and {what}",
+                              "Fold one into the other (SDPA refuses attn_mask with is_causal too), e.g. the causal "
+                              "rule as mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx beside the attn_mask.")
+    if ops.compiling():
+        raise checks.fail("attention(attn_mask=...)", "an eager call", "a call under torch.compile",
+                          "Capture the mask in a mask_mod (lambda b, h, q_idx, kv_idx: keep[b, kv_idx]) or a "
+                          "score_mod, which compiled graphs take.")
+    return attn_mask_modifiers(attn_mask, tuple(q.shape), k.shape[-2], score_mod, mask_mod, q.device,
+                               _mod_key)  # (q and k are 4-d here: attention() checked)
 
 
 def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):

@@ -238,7 +238,8 @@ def attention_build(env: Env) -> dict:
     g = torch.Generator().manual_seed(4)
     return {"q": _rand(g, (2, 8, 40, 128), torch.bfloat16, env.device),
             "k": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device),
-            "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False}
+            "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False,
+            "attn_mask": torch.ones(2, 1, 1, 100, dtype=torch.bool, device=env.device)}  # (SDPA's, keeping all)
 
 
 def attention_mutations(a: dict, env: Env) -> list:
@@ -250,12 +251,21 @@ def attention_mutations(a: dict, env: Env) -> list:
           Mutation("k", "heads-not-dividing", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1, -1).contiguous()),
           Mutation("v", "other-length", REFUSE, lambda t: t[:, :, :-1].contiguous()),
           Mutation("is_causal", "int", REFUSE, lambda x: 1),
-          Mutation("is_causal", "with-fewer-queries-than-keys", REFUSE, lambda x: True)]  # (40 queries, 100 keys)
+          Mutation("is_causal", "with-fewer-queries-than-keys", REFUSE, lambda x: True),  # (40 queries, 100 keys)
+          Mutation("attn_mask", "int32", REFUSE, lambda t: t.int()),
+          Mutation("attn_mask", "other-length", REFUSE, lambda t: t[..., :-1]),
+          Mutation("attn_mask", "5-d", REFUSE, lambda t: t[None]),
+          Mutation("attn_mask", "list", REFUSE, lambda t: t.tolist()),
+          Mutation("attn_mask", "expanded", SAME, lambda t: t.expand(2, 8, 40, 100)),
+          Mutation("attn_mask", "strided", SAME, lambda t: t.repeat(1, 1, 1, 2)[..., ::2])]
+    if env.gpu:
+        m.append(Mutation("attn_mask", "on-the-cpu", REFUSE, lambda t: t.cpu()))
     return m
 
 
 def attention_invoke(env: Env, a: dict):
-    return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True, is_causal=a["is_causal"])
+    return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True, is_causal=a["is_causal"],
+                               attn_mask=a["attn_mask"])
 
 
 def merge_build(env: Env) -> dict:

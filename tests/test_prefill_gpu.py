@@ -723,6 +723,42 @@ def test_functional_attention_with_bool_and_byte_tables_matches_sdpa():
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all() and (biased[2] == 0).all()
 
 
+def test_functional_attention_takes_sdpas_attn_mask():
+    """attention(attn_mask=) against the float64 reference and SDPA given the same mask: a bool key-padding mask
+    [B, 1, 1, Lk] (a new tensor each call: the planned call is kept and its skipped tiles follow the values), a
+    float [Lq, Lk] bias with -inf, and a bool mask beside a mask_mod; Lq < Lk (mask rows are queries)."""
+    from attnforge import dense
+    torch.manual_seed(31)
+    q = torch.randn(2, 8, 150, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 400, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def check(out, mask, what):
+        full = mask.expand(2, 8, 150, 400)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full if mask.dtype == torch.bool
+                                                                 else full.to(q.dtype), enable_gqa=True)
+        for b in range(2):
+            args = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+            if mask.dtype == torch.bool:
+                kw = dict(mask_mod=lambda bb, h, qi, ki, b=b: full[b][h, qi - 250, ki])
+            else:
+                kw = dict(score_mod=lambda s, bb, h, qi, ki, b=b: s + full[b][h, qi - 250, ki].double())
+            ref, _ = reference.attention(*args, **kw)
+            assert_attention_close(out[b].transpose(0, 1), ref, sdpa[b].transpose(0, 1), f"{what}, request {b}")
+    calls = None
+    for step in range(3):
+        pad = torch.arange(400, device="cuda")[None] < torch.tensor([[400 - 90 * step], [170 + step]], device="cuda")
+        mask = pad[:, None, None, :]
+        check(attnforge.attention(q, k, v, attn_mask=mask, enable_gqa=True), mask, f"padding, step {step}")
+        calls = len(dense._CALLS) if calls is None else calls
+        assert len(dense._CALLS) == calls, "a new mask tensor of the same layout keeps the planned call"
+    bias = torch.randn(150, 400, device="cuda") * 2
+    bias[:, 300:] = -math.inf
+    check(attnforge.attention(q, k, v, attn_mask=bias, enable_gqa=True), bias, "float bias")
+    keep = torch.rand(150, 400, device="cuda") < 0.8
+    out = attnforge.attention(q, k, v, attn_mask=keep, mask_mod=lambda b, h, qi, ki: ki % 2 == 1, enable_gqa=True)
+    check(out, keep & (torch.arange(400, device="cuda") % 2 == 1), "and-ed with a mask_mod")
+
+
 def test_functional_attention_follows_what_its_modifiers_read():
     """attention() plans once per call signature (attnforge/dense.py): a mask input written in place (no version
     bump), a captured 0-d scalar changed, and two modifiers of one expression over different tensors must each
