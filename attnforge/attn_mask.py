@@ -41,12 +41,33 @@ def mask_layout(attn_mask: torch.Tensor, target: tuple, device: torch.device) ->
     return m
 
 
+class MaskAdapter:
+    """One mask layout's buffer and the modifiers that read it. A call on another stream may still be reading the
+    buffer when the next call refills it: each fill waits for the event the last launch recorded (read_by_launch)."""
+
+    def __init__(self, buf: torch.Tensor, offset: int, score_mod, mask_mod):
+        self.buf = buf
+        self.score_mod, self.mask_mod = _modifiers(buf, offset, score_mod, mask_mod)
+        self._read = None  # the event recorded after the last launch that reads buf
+
+    def fill(self, m: torch.Tensor) -> None:
+        if self._read is not None:
+            torch.cuda.current_stream(self.buf.device).wait_event(self._read)
+        self.buf.copy_(m)  # (this call's values; a bool mask's are compared with the planned ones by the call)
+
+    def read_by_launch(self) -> None:
+        """After the launch that reads buf, on the stream current then."""
+        if self.buf.is_cuda:
+            self._read = torch.cuda.Event()
+            self._read.record(torch.cuda.current_stream(self.buf.device))
+
+
 def as_modifiers(attn_mask: torch.Tensor, q_shape: tuple, lk: int, score_mod: Optional[Callable],
-                 mask_mod: Optional[Callable], device: torch.device, key_of: Callable) -> tuple:
-    """(score_mod, mask_mod) that apply attn_mask after the caller's own: a bool mask is and-ed with mask_mod, a
-    float one added to what score_mod returns. key_of(fn): what a modifier built from fn depends on
-    (dense._mod_key); the adapters are kept per mask layout and those keys, so their functions are the same
-    objects call after call."""
+                 mask_mod: Optional[Callable], device: torch.device, key_of: Callable) -> MaskAdapter:
+    """The adapter whose score_mod and mask_mod apply attn_mask after the caller's own (a bool mask and-ed with
+    mask_mod, a float one added to what score_mod returns), its buffer filled with this call's mask. key_of(fn):
+    what a modifier built from fn depends on (dense._mod_key); the adapters are kept per mask layout and those
+    keys, so their functions are the same objects call after call."""
     bq, hq, lq, _ = q_shape
     m = mask_layout(attn_mask, (bq, hq, lq, lk), device)
     dtype = m.dtype if m.dtype == torch.bool or m.dtype in _FLOAT_KEPT else torch.float32
@@ -55,14 +76,14 @@ def as_modifiers(attn_mask: torch.Tensor, q_shape: tuple, lk: int, score_mod: Op
     if adapter is None:
         if len(_ADAPTERS) >= MAX_ADAPTERS:
             _ADAPTERS.clear()
-        adapter = _ADAPTERS[key] = _adapter(torch.empty(m.shape, dtype=dtype, device=device), lk - lq, score_mod,
-                                            mask_mod)
-    adapter[0].copy_(m)  # (this call's values; a bool mask's are compared with the planned ones by the call)
-    return adapter[1], adapter[2]
+        adapter = _ADAPTERS[key] = MaskAdapter(torch.empty(m.shape, dtype=dtype, device=device), lk - lq,
+                                               score_mod, mask_mod)
+    adapter.fill(m)
+    return adapter
 
 
-def _adapter(buf: torch.Tensor, offset: int, score_mod, mask_mod) -> tuple:
-    """(buffer, score_mod, mask_mod) reading buf[b, h, q_idx - offset, kv_idx], with 0 for a size-1 dimension
+def _modifiers(buf: torch.Tensor, offset: int, score_mod, mask_mod) -> tuple:
+    """(score_mod, mask_mod) reading buf[b, h, q_idx - offset, kv_idx], with 0 for a size-1 dimension
     (attnforge's q_idx is aligned to the end of the keys, SDPA's mask rows to the first query)."""
     nb, nh, nq, nk = buf.shape
 
@@ -76,11 +97,11 @@ def _adapter(buf: torch.Tensor, offset: int, score_mod, mask_mod) -> tuple:
         else:
             def masked(b, h, q_idx, kv_idx):
                 return mask_mod(b, h, q_idx, kv_idx) & at(b, h, q_idx, kv_idx)
-        return buf, score_mod, masked
+        return score_mod, masked
     if score_mod is None:
         def biased(score, b, h, q_idx, kv_idx):
             return score + at(b, h, q_idx, kv_idx)
     else:
         def biased(score, b, h, q_idx, kv_idx):
             return score_mod(score, b, h, q_idx, kv_idx) + at(b, h, q_idx, kv_idx)
-    return buf, biased, mask_mod
+    return biased, mask_mod

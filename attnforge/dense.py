@@ -53,8 +53,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
     check_causal(is_causal, q, k)
-    if attn_mask is not None:
-        score_mod, mask_mod = sdpa_mask(attn_mask, q, k, score_mod, mask_mod, block_mask, is_causal)
+    adapter = None if attn_mask is None else sdpa_mask(attn_mask, q, k, score_mod, mask_mod, block_mask, is_causal)
+    if adapter is not None:
+        score_mod, mask_mod = adapter.score_mod, adapter.mask_mod
     if ops.compiling():
         out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse,
                                     is_causal)
@@ -64,6 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
         mod = None
     out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse,
                                   block_mask=block_mask if mod is not None else None, causal=is_causal)
+    if adapter is not None:
+        adapter.read_by_launch()
     return (out, lse) if return_lse else out
 
 
@@ -82,8 +85,9 @@ def check_causal(is_causal, q, k) -> None:
                           f"mask_mod=lambda b, h, q_idx, kv_idx: {top_left} >= kv_idx")
 
 
-def sdpa_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, score_mod, mask_mod, block_mask, is_causal) -> tuple:
-    """(score_mod, mask_mod) with SDPA's attn_mask applied after them (attnforge/attn_mask.py)."""
+def sdpa_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, score_mod, mask_mod, block_mask, is_causal):
+    """The MaskAdapter whose modifiers apply SDPA's attn_mask after score_mod and mask_mod (attnforge/attn_mask.py),
+    filled with this call's mask."""
     for given, what in ((is_causal, "is_causal=True"), (block_mask is not None, "a block_mask")):
         if given:
             raise checks.fail("attention(attn_mask=...)", "one mask", f"an attn_mask and {what}",

@@ -24,8 +24,8 @@ def inputs(seed=0):
 
 def through_reference(q, k, v, mask, score_mod=None, mask_mod=None):
     """attention() as the kernels compute it, in float64: the modifiers the mask becomes, applied per request."""
-    sm, mm = attn_mask.as_modifiers(mask, tuple(q.shape), k.shape[2], score_mod, mask_mod, CPU, _mod_key)
-    mod = compile_mod(score_mod=sm, mask_mod=mm)
+    adapter = attn_mask.as_modifiers(mask, tuple(q.shape), k.shape[2], score_mod, mask_mod, CPU, _mod_key)
+    mod = compile_mod(score_mod=adapter.score_mod, mask_mod=adapter.mask_mod)
     outs = []
     for b in range(q.shape[0]):
         o, _ = reference.attention(*(t[b].transpose(0, 1) for t in (q, k, v)), batch_index=b,
@@ -85,15 +85,14 @@ def test_one_adapter_per_layout_refilled_each_call():
     first, second = (torch.rand(B, 1, LQ, LK, generator=g) < 0.5 for _ in range(2))
     shape = (B, HQ, LQ, 32)
     a = attn_mask.as_modifiers(first, shape, LK, None, None, CPU, _mod_key)
+    assert torch.equal(a.buf, first)
     b = attn_mask.as_modifiers(second, shape, LK, None, None, CPU, _mod_key)
-    assert a[1] is b[1] and a[0] is None
-    assert torch.equal(compile_mod(mask_mod=b[1]).tensors[0], second)  # (this call's values)
-    assert compile_mod(mask_mod=a[1]).cache_key == compile_mod(mask_mod=b[1]).cache_key
+    assert a is b and b.score_mod is None and b.mask_mod is not None
+    assert torch.equal(compile_mod(mask_mod=b.mask_mod).tensors[0], second)  # (this call's values)
     other = attn_mask.as_modifiers(second.float(), shape, LK, None, None, CPU, _mod_key)
-    assert other[0] is not None and other[1] is None  # (a float mask: a score_mod)
+    assert other.score_mod is not None and other.mask_mod is None  # (a float mask: a score_mod)
     wide = attn_mask.as_modifiers(second.expand(B, HQ, LQ, LK), shape, LK, None, None, CPU, _mod_key)
-    assert wide[1] is b[1]  # (the expanded view is the [B, 1, Lq, Lk] layout)
-    assert compile_mod(mask_mod=wide[1]).tensors[0].shape == (B, 1, LQ, LK)
+    assert wide is b and wide.buf.shape == (B, 1, LQ, LK)  # (the expanded view is the [B, 1, Lq, Lk] layout)
 
 
 @pytest.mark.parametrize("mask,match", [

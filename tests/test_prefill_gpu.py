@@ -759,6 +759,28 @@ def test_functional_attention_takes_sdpas_attn_mask():
     check(out, keep & (torch.arange(400, device="cuda") % 2 == 1), "and-ed with a mask_mod")
 
 
+def test_attn_mask_calls_on_two_streams_each_read_their_own_mask():
+    """attention(attn_mask=) refills one buffer per mask layout: a call on a second stream must not overwrite the
+    mask while the first stream's kernel (~2 ms here) still reads it. Each result equals, bitwise, the same call
+    made alone afterwards."""
+    torch.manual_seed(41)
+    q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bias = torch.randn(8192, device="cuda") * 4
+    attnforge.attention(q, k, v, attn_mask=bias, enable_gqa=True)  # (built and planned: both launches are quick)
+    masks, streams = (bias, -bias), (torch.cuda.Stream(), torch.cuda.Stream())
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for s, mask in zip(streams, masks):
+        with torch.cuda.stream(s):
+            outs.append(attnforge.attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    torch.cuda.synchronize()
+    for out, mask in zip(outs, masks):
+        assert torch.equal(out, attnforge.attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    assert not torch.equal(outs[0], outs[1])
+
+
 def test_functional_attention_follows_what_its_modifiers_read():
     """attention() plans once per call signature (attnforge/dense.py): a mask input written in place (no version
     bump), a captured 0-d scalar changed, and two modifiers of one expression over different tensors must each
