@@ -48,7 +48,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     with mask_mod; fully masked tiles are skipped) or float (added to the scaled score after score_mod; -inf
     masks). A row with every key masked gives zeros and lse -inf (SDPA's math backend gives NaN there).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
-    checks.check_untracked("attention", ("q", q), ("k", k), ("v", v))
+    checks.check_untracked("attention", ("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)

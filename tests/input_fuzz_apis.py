@@ -257,7 +257,8 @@ def attention_mutations(a: dict, env: Env) -> list:
           Mutation("attn_mask", "5-d", REFUSE, lambda t: t[None]),
           Mutation("attn_mask", "list", REFUSE, lambda t: t.tolist()),
           Mutation("attn_mask", "expanded", SAME, lambda t: t.expand(2, 8, 40, 100)),
-          Mutation("attn_mask", "strided", SAME, lambda t: t.repeat(1, 1, 1, 2)[..., ::2])]
+          Mutation("attn_mask", "strided", SAME, lambda t: t.repeat(1, 1, 1, 2)[..., ::2]),
+          Mutation("attn_mask", "float-requires-grad", REFUSE, lambda t: t.float().requires_grad_())]
     if env.gpu:
         m.append(Mutation("attn_mask", "on-the-cpu", REFUSE, lambda t: t.cpu()))
     return m
