@@ -43,23 +43,30 @@ def mask_layout(attn_mask: torch.Tensor, target: tuple, device: torch.device) ->
 
 class MaskAdapter:
     """One mask layout's buffer and the modifiers that read it. A call on another stream may still be reading the
-    buffer when the next call refills it: each fill waits for the event the last launch recorded (read_by_launch)."""
+    buffer when the next call refills it: a fill on another stream waits for the event the last launch recorded
+    (read_by_launch). Not while a graph is captured: its replay repeats the fill from the captured mask, and
+    orders itself against other streams as any replay does."""
 
     def __init__(self, buf: torch.Tensor, offset: int, score_mod, mask_mod):
         self.buf = buf
         self.score_mod, self.mask_mod = _modifiers(buf, offset, score_mod, mask_mod)
-        self._read = None  # the event recorded after the last launch that reads buf
+        self._read = None  # (stream, event recorded there after the last launch that read buf)
 
     def fill(self, m: torch.Tensor) -> None:
-        if self._read is not None:
-            torch.cuda.current_stream(self.buf.device).wait_event(self._read)
+        if self._read is not None and not torch.cuda.is_current_stream_capturing():
+            stream, event = self._read
+            current = torch.cuda.current_stream(self.buf.device)
+            if current != stream:
+                current.wait_event(event)
         self.buf.copy_(m)  # (this call's values; a bool mask's are compared with the planned ones by the call)
 
     def read_by_launch(self) -> None:
         """After the launch that reads buf, on the stream current then."""
-        if self.buf.is_cuda:
-            self._read = torch.cuda.Event()
-            self._read.record(torch.cuda.current_stream(self.buf.device))
+        if self.buf.is_cuda and not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream(self.buf.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._read = (stream, event)
 
 
 def as_modifiers(attn_mask: torch.Tensor, q_shape: tuple, lk: int, score_mod: Optional[Callable],
