@@ -31,11 +31,16 @@ class Expr:
 
 
 def captured(seed: int, device="cpu") -> dict:
-    """The tensors a generated function may capture: a float table [HEADS, POSITIONS] and an int table [TABLE]
-    (on `device`), and a 0-d float and a 0-d int (runtime scalars, on the CPU)."""
+    """The tensors a generated function may capture: a float table [HEADS, POSITIONS], an int64, an int8, a uint8
+    and a bool table [TABLE] (on `device`), and a 0-d float and a 0-d int (runtime scalars, on the CPU). The byte
+    tables are read through `.long()`: eager torch keeps int8 / uint8 arithmetic in 8 bits, the modifiers widen
+    elements when read (docs/mods.md)."""
     g = torch.Generator().manual_seed(seed)
     return {"tf": torch.randn(HEADS, POSITIONS, generator=g).to(device),
             "ti": torch.randint(-5, 10, (TABLE,), generator=g).to(device),
+            "t8": torch.randint(-128, 128, (TABLE,), generator=g, dtype=torch.int8).to(device),
+            "tu": torch.randint(0, 256, (TABLE,), generator=g, dtype=torch.uint8).to(device),
+            "tb": (torch.rand(TABLE, generator=g) < 0.5).to(device),
             "s0": torch.tensor(0.75), "n0": torch.tensor(5), "torch": torch}
 
 
@@ -78,6 +83,8 @@ class Generator:
     def _leaf(self, kind: str, exact: bool) -> Expr:
         r = self.rng
         if kind == "b":
+            if r.random() < 0.15:
+                return Expr(f"tb[{self._index('i', TABLE)}]", "b", 1)
             name = r.choice(["h", "q_idx", "kv_idx"])
             return Expr(f"({name} {r.choice(['<', '>=', '==', '!='])} {r.randint(0, 40)})", "b", 1)
         if kind == "i":
@@ -90,7 +97,10 @@ class Generator:
                 return Expr(str(v), "i", abs(v), const=True)
             if c < 0.87:
                 return Expr("n0", "i", 5)  # a 0-d integer tensor: an integer runtime scalar
-            return Expr(f"ti[{self._index('i', TABLE)}]", "i", 9)
+            if c < 0.93:
+                return Expr(f"ti[{self._index('i', TABLE)}]", "i", 9)
+            table = r.choice(["t8", "tu"])
+            return Expr(f"{table}[{self._index('i', TABLE)}].long()", "i", 255)
         c = r.random()
         if c < 0.45 and self.with_score:
             return Expr("score", "f", 16)
