@@ -33,8 +33,7 @@ def mask_layout(attn_mask: torch.Tensor, target: tuple, device: torch.device) ->
     if attn_mask.dim() > 4 or any(n not in (1, want) for n, want in zip(attn_mask.shape[::-1], target[::-1])):
         raise checks.fail("attn_mask.shape", f"a shape broadcastable to [B, Hq, Lq, Lk] = {list(target)}",
                           list(attn_mask.shape), "Give each dimension its full size or 1 (SDPA's rule).")
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else \
-        attn_mask
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     for d in range(4):  # (an expanded view: one copy of what it repeats)
         if m.shape[d] > 1 and m.stride(d) == 0:
             m = m.narrow(d, 0, 1)
@@ -99,11 +98,10 @@ def _modifiers(buf: torch.Tensor, offset: int, score_mod, mask_mod) -> tuple:
 
     if buf.dtype == torch.bool:
         if mask_mod is None:
-            def masked(b, h, q_idx, kv_idx):
-                return at(b, h, q_idx, kv_idx)
-        else:
-            def masked(b, h, q_idx, kv_idx):
-                return mask_mod(b, h, q_idx, kv_idx) & at(b, h, q_idx, kv_idx)
+            return score_mod, at
+
+        def masked(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx, kv_idx) & at(b, h, q_idx, kv_idx)
         return score_mod, masked
     if score_mod is None:
         def biased(score, b, h, q_idx, kv_idx):

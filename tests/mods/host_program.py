@@ -58,21 +58,26 @@ def program(calls, inputs) -> str:
         blocks.append(f"{_access_struct(mod, f'm{j}')}\n"
                       f"static void run{j}() {{\n  m{j}::HostAccess a;\n"
                       f"  for (unsigned i = 0; i < kRows; ++i) std::printf(\"%.9g\\n\", (double)({call}));\n}}")
-    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
     runs = "\n".join(f"  run{j}();" for j in range(len(calls)))
     return f"""#include <cstdio>
 #include <initializer_list>
 {chr(10).join(functions.values())}
-struct In {{ float s; af_int b, h, q, kv; }};
-static const In in[] = {{
-{rows}
-}};
-static const unsigned kRows = sizeof(in) / sizeof(in[0]);
+{_input_table(inputs)}
 {chr(10).join(blocks)}
 int main() {{
 {runs}
 }}
 """
+
+
+def _input_table(inputs) -> str:
+    """The (score, b, h, q, kv) rows as `in[kRows]` (after the prelude: af_int)."""
+    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
+    return f"""struct In {{ float s; af_int b, h, q, kv; }};
+static const In in[] = {{
+{rows}
+}};
+static const unsigned kRows = sizeof(in) / sizeof(in[0]);"""
 
 
 # nvcc fuses a * b + c into one FMA by default; g++ does the same with these flags on a CPU that has FMA
@@ -89,11 +94,16 @@ def host_has_fma() -> bool:
 def run_calls(calls, inputs, directory: Path, flags=()) -> torch.Tensor:
     """program() compiled with g++ (and `flags`) and run: [len(calls), len(inputs)] float32 values (printed
     with 9 significant digits, which round-trip a float32 exactly)."""
-    src, exe = directory / "mods.cpp", directory / "mods"
-    src.write_text(program(calls, inputs))
+    return _build_and_run(program(calls, inputs), directory / "mods", flags).view(len(calls), len(inputs))
+
+
+def _build_and_run(source: str, exe: Path, flags=()) -> torch.Tensor:
+    """source built with g++ as `exe` and run: the float32 values it printed."""
+    src = exe.with_suffix(".cpp")
+    src.write_text(source)
     subprocess.run(["g++", "-std=c++17", "-O2", *flags, "-o", str(exe), str(src)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    return torch.tensor([float(x) for x in out.split()], dtype=torch.float32).view(len(calls), len(inputs))
+    return torch.tensor([float(x) for x in out.split()], dtype=torch.float32)
 
 
 def run_on_host(mod, inputs, directory: Path, call=None) -> torch.Tensor:
@@ -117,7 +127,6 @@ def device_accessor_program(mod, inputs) -> str:
             sets.append(f"  p.{name} = B{k};")
         else:
             sets.append(f"  p.{name} = {value!r};")
-    rows = "\n".join(f"  {{{s!r}f, {b}, {h}, {q}, {kv}}}," for s, b, h, q, kv in inputs)
     return f"""#include <cstdio>
 #include <cstdint>
 {decl}
@@ -125,23 +134,16 @@ struct P {{
 {fields}
 }};
 {chr(10).join(arrays)}
-struct In {{ float s; af_int b, h, q, kv; }};
-static const In in[] = {{
-{rows}
-}};
+{_input_table(inputs)}
 int main() {{
   P p;
 {chr(10).join(sets)}
   const {n}_Access<P> a{{p}};
-  for (unsigned i = 0; i < sizeof(in) / sizeof(in[0]); ++i) std::printf("%.9g\\n", (double)({default_call(mod)}));
+  for (unsigned i = 0; i < kRows; ++i) std::printf("%.9g\\n", (double)({default_call(mod)}));
 }}
 """
 
 
 def run_device_accessor(mod, inputs, directory: Path) -> torch.Tensor:
     """device_accessor_program() built with g++ and run: one float32 value an input row."""
-    src, exe = directory / "access.cpp", directory / "access"
-    src.write_text(device_accessor_program(mod, inputs))
-    subprocess.run(["g++", "-std=c++17", "-O2", "-o", str(exe), str(src)], check=True, capture_output=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    return torch.tensor([float(x) for x in out.split()], dtype=torch.float32)
+    return _build_and_run(device_accessor_program(mod, inputs), directory / "access")

@@ -84,22 +84,22 @@ def library_mods():
             m.prefix_lm(torch.tensor([5, 17]))]
 
 
+def random_calls(mod, seed):
+    """N random (score, b, h, q, kv) rows and the torch evaluation of mod's graph on them (a mask as 0 / 1)."""
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randn(N, generator=g) * 3
+    b, h = torch.randint(0, 2, (N,), generator=g), torch.randint(0, 4, (N,), generator=g)
+    q, kv = torch.randint(0, 60, (N,), generator=g), torch.randint(0, 60, (N,), generator=g)
+    want = mod.torch_score(score, b, h, q, kv) if mod.score_root is not None else mod.torch_mask(b, h, q, kv)
+    return list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist())), want.float()
+
+
 @pytest.mark.parametrize("mod", user_mods() + library_mods(), ids=lambda x: x.name)
 def test_gxx_matches_torch(mod, tmp_path):
-    g = torch.Generator().manual_seed(2)
-    score = torch.randn(N, generator=g) * 3
-    b = torch.randint(0, 2, (N,), generator=g)
-    h = torch.randint(0, 4, (N,), generator=g)
-    q = torch.randint(0, 60, (N,), generator=g)
-    kv = torch.randint(0, 60, (N,), generator=g)
-    inputs = list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist()))
+    inputs, want = random_calls(mod, 2)
     got = run_on_host(mod, inputs, tmp_path)
-    if mod.score_root is not None:
-        want = mod.torch_score(score, b, h, q, kv)
-    else:
-        want = mod.torch_mask(b, h, q, kv).float()
     assert got.shape == want.shape
-    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
 
 
 def _host_readable(mods):  # (the kernels' f16 / bf16 element reads need cuda_fp16.h: device only)
@@ -113,14 +113,10 @@ def test_the_kernels_accessor_reads_each_element_type_as_torch_does(mod, tmp_pat
     gives: int8 and int16 signs, uint8 past 127, bool bytes, int64 read as 32 bits, negative indices wrapped."""
     assert any(x.slots and {s.dtype for s in x.slots.values()} >= {"i8", "u8", "i16", "b8"}
                for x in _host_readable(user_mods() + library_mods()))  # (the narrow types are in this test)
-    g = torch.Generator().manual_seed(6)
-    score = torch.randn(N, generator=g) * 3
-    b, h = torch.randint(0, 2, (N,), generator=g), torch.randint(0, 4, (N,), generator=g)
-    q, kv = torch.randint(0, 60, (N,), generator=g), torch.randint(0, 60, (N,), generator=g)
-    got = run_device_accessor(mod, list(zip(score.tolist(), b.tolist(), h.tolist(), q.tolist(), kv.tolist())),
-                              tmp_path)
-    want = mod.torch_score(score, b, h, q, kv) if mod.score_root is not None else mod.torch_mask(b, h, q, kv)
-    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5), (got - want.float()).abs().max()
+    inputs, want = random_calls(mod, 6)
+    got = run_device_accessor(mod, inputs, tmp_path)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
 
 
 def test_float_floor_division_and_modulo_match_torch_bitwise(tmp_path):
