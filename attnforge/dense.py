@@ -35,7 +35,8 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False, *,
-              block_mask=None, is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None):
+              block_mask=None, is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
@@ -47,8 +48,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     attn_mask: SDPA's, broadcastable to [B, Hq, Lq, Lk] (row i: query i); bool (True: the key takes part, and-ed
     with mask_mod; fully masked tiles are skipped) or float (added to the scaled score after score_mod; -inf
     masks). A row with every key masked gives zeros and lse -inf (SDPA's math backend gives NaN there).
+    dropout_p: SDPA's, taken so a model's call carries over; only 0.0 (attnforge is forward-only, for inference).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     checks.check_untracked("attention", ("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask))
+    check_no_dropout(dropout_p)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
@@ -68,6 +71,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     if adapter is not None:
         adapter.read_by_launch()
     return (out, lse) if return_lse else out
+
+
+def check_no_dropout(dropout_p) -> None:
+    """SDPA's dropout_p: attnforge computes inference's attention, which has none."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise checks.fail("attention(dropout_p=...)", "0.0 (attnforge is forward-only: inference has no dropout)",
+                          repr(dropout_p), "Pass dropout_p=(p if module.training else 0.0), or drop the argument.")
 
 
 def check_causal(is_causal, q, k) -> None:

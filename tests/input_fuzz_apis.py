@@ -239,7 +239,8 @@ def attention_build(env: Env) -> dict:
     return {"q": _rand(g, (2, 8, 40, 128), torch.bfloat16, env.device),
             "k": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device),
             "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False,
-            "attn_mask": torch.ones(2, 1, 1, 100, dtype=torch.bool, device=env.device)}  # (SDPA's, keeping all)
+            "attn_mask": torch.ones(2, 1, 1, 100, dtype=torch.bool, device=env.device),  # (SDPA's, keeping all)
+            "dropout_p": 0.0}
 
 
 def attention_mutations(a: dict, env: Env) -> list:
@@ -258,7 +259,11 @@ def attention_mutations(a: dict, env: Env) -> list:
           Mutation("attn_mask", "list", REFUSE, lambda t: t.tolist()),
           Mutation("attn_mask", "expanded", SAME, lambda t: t.expand(2, 8, 40, 100)),
           Mutation("attn_mask", "strided", SAME, lambda t: t.repeat(1, 1, 1, 2)[..., ::2]),
-          Mutation("attn_mask", "float-requires-grad", REFUSE, lambda t: t.float().requires_grad_())]
+          Mutation("attn_mask", "float-requires-grad", REFUSE, lambda t: t.float().requires_grad_()),
+          Mutation("dropout_p", "int-zero", SAME, lambda x: 0),
+          Mutation("dropout_p", "training-value", REFUSE, lambda x: 0.1),
+          Mutation("dropout_p", "nan", REFUSE, lambda x: float("nan")),
+          Mutation("dropout_p", "tensor", REFUSE, lambda x: torch.tensor(0.0))]
     if env.gpu:
         m.append(Mutation("attn_mask", "on-the-cpu", REFUSE, lambda t: t.cpu()))
     return m
@@ -266,7 +271,7 @@ def attention_mutations(a: dict, env: Env) -> list:
 
 def attention_invoke(env: Env, a: dict):
     return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True, is_causal=a["is_causal"],
-                               attn_mask=a["attn_mask"])
+                               attn_mask=a["attn_mask"], dropout_p=a["dropout_p"])
 
 
 def merge_build(env: Env) -> dict:
