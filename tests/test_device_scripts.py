@@ -35,3 +35,20 @@ def test_on_h200_runs_the_record_only_on_an_h200(tmp_path):
     assert "ran other TESTS=0" in out.stdout and "ran record" not in out.stdout
     out = run_on(tmp_path, "NVIDIA H100 80GB HBM3", IF_H200="record.sh")
     assert out.returncode == 0 and "ran" not in out.stdout and "nothing run" in out.stdout
+
+
+def test_the_changed_tests_call_selects_each_new_gpu_test():
+    """call7's -k expression must keep selecting the GPU tests it exists for: a renamed test would drop out of it
+    silently and the call would pass without running it."""
+    script = (ROOT / "docs" / "prepared" / "call7-changed-gpu-tests.sh").read_text()
+    selection = script.split('CHANGED="', 1)[1].split('"', 1)[0]
+    files = ["tests/test_prefill_gpu.py", "tests/test_input_fuzz_gpu.py"]
+    out = subprocess.run(["python3", "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          *files, "-k", selection], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for wanted in ("test_functional_attention_takes_sdpas_attn_mask",
+                   "test_attn_mask_calls_on_two_streams_each_read_their_own_mask",
+                   "test_functional_attention_with_bool_and_byte_tables_matches_sdpa",
+                   "test_library_mods_in_prefill[every_operation-None]", "attention-dropout_p:training-value",
+                   "attention-attn_mask:expanded"):
+        assert wanted in out.stdout, f"{wanted} is not selected by {selection!r}"
