@@ -1,6 +1,7 @@
 """The device-call scripts run only on the GPU machine, where a slip costs device time: each parses, and
 tools/on_h200.sh picks its script by the GPU's name (a fake nvidia-smi on PATH here)."""
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_changed_tests_call_selects_each_new_gpu_test():
     script = (ROOT / "docs" / "prepared" / "call7-changed-gpu-tests.sh").read_text()
     selection = script.split('CHANGED="', 1)[1].split('"', 1)[0]
     files = ["tests/test_prefill_gpu.py", "tests/test_input_fuzz_gpu.py"]
-    out = subprocess.run(["python3", "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                           *files, "-k", selection], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     for wanted in ("test_functional_attention_takes_sdpas_attn_mask",
