@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .. import checks
 from ..codegen import ParamField
 from . import affine, graph, scaled
 from .trace import ModTraceError, scalar_value, trace
@@ -331,9 +332,34 @@ def raw_mod(cpp_body: str, tensors: Sequence[torch.Tensor] = (), scalars: Sequen
             name: str = "raw") -> ScoreMod:
     """Escape hatch: C++ methods for the variant struct (see attnforge/variant.cuh), with extra
     parameters p.mod_t<k> (const void*, plus p.mod_t<k>_dtype / _size<d>) and p.mod_s<k> (float)."""
+    tensors, scalars = list(tensors), list(scalars)
+    _check_raw_inputs(tensors, scalars)
     slots = {k: graph.TensorSlot(k, graph.slot_kind(t), t.dim(), graph.DTYPE_NAMES[t.dtype])
              for k, t in enumerate(tensors)}
-    return ScoreMod(None, None, list(tensors), [float(s) for s in scalars], slots, raw_cpp=cpp_body, name=name)
+    return ScoreMod(None, None, tensors, [float(s) for s in scalars], slots, raw_cpp=cpp_body, name=name)
+
+
+def _check_raw_inputs(tensors, scalars) -> None:
+    """raw_mod's extra parameters, checked as a traced modifier's are: a KeyError or an AttributeError would not
+    say which argument is wrong, nor what would do."""
+    if len(tensors) > MAX_TENSORS or len(scalars) > MAX_SCALARS:
+        raise checks.fail("raw_mod", f"at most {MAX_TENSORS} tensors and {MAX_SCALARS} scalars",
+                          f"{len(tensors)} and {len(scalars)}", "Pack tables into one tensor (a stacked table).")
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dtype not in graph.DTYPE_NAMES:
+            got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise checks.fail(f"raw_mod(tensors[{k}])", "a torch.Tensor of dtype "
+                              + ", ".join(str(d).replace("torch.", "") for d in graph.DTYPE_NAMES), got,
+                              "Convert it (e.g. t.float() or t.int()); p.mod_t<k>_dtype tells the C++ which.")
+    for k, v in enumerate(scalars):
+        if not isinstance(v, (str, bytes)):  # (float() would parse a string)
+            try:
+                float(v)  # (a number, or a one-element tensor as before)
+                continue
+            except (TypeError, ValueError, RuntimeError):
+                pass
+        raise checks.fail(f"raw_mod(scalars[{k}])", "a number (passed as float32)", repr(v),
+                          "Pass a Python int or float.")
 
 
 def _shift(node, t_off, s_off):

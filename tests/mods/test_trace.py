@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import attnforge.mods as m
 from attnforge import AttentionSpec
 from attnforge.kernels import module_for_attention
-from attnforge.mods import ModTraceError, compile_mod, raw_mod
+from attnforge.mods import ModTraceError, compile_mod, graph, raw_mod
 
 
 def test_if_on_traced_value_names_construct_and_line():
@@ -135,6 +135,28 @@ def test_raw_cpp_escape_hatch_compiles():
   }""", tensors=[torch.zeros(32)], scalars=[0.5])
     src = module_for_attention(AttentionSpec(score_mod=mod)).source
     assert "p.mod_s0" in src and "float mod_s0;" in src
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensors=[torch.zeros(3, dtype=torch.float64)]), r"raw_mod\(tensors\[0\]\): expected a torch.Tensor of dtype "
+                                                          r"float32.*bool, got dtype torch.float64\. Convert it"),
+    (dict(tensors=[torch.zeros(2), [1, 2]]), r"tensors\[1\].*got list"),
+    (dict(tensors=[torch.zeros(2)] * 9), r"at most 8 tensors and 8 scalars, got 9 and 0\. Pack"),
+    (dict(scalars=["0.5"]), r"raw_mod\(scalars\[0\]\): expected a number.*got '0.5'\. Pass a Python"),
+    (dict(scalars=[1.0, torch.zeros(3)]), r"scalars\[1\].*got tensor"),
+    (dict(scalars=[None]), r"scalars\[0\].*got None")])
+def test_raw_mod_refuses_what_its_parameters_cannot_carry(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        raw_mod("return score;", **kwargs)
+
+
+def test_raw_mod_takes_each_captured_dtype_and_one_element_scalars():
+    kinds = {}
+    for dtype in graph.DTYPE_NAMES:
+        mod = raw_mod("return score;", tensors=iter([torch.zeros(2, dtype=dtype)]), scalars=[2, torch.tensor(0.5)])
+        assert mod.scalars == [2.0, 0.5] and mod.tensors[0].dtype == dtype  # (a generator is taken too)
+        kinds[dtype] = mod.slots[0].kind
+    assert kinds[torch.bool] == "b" and kinds[torch.int8] == "i" and kinds[torch.bfloat16] == "f"
 
 
 def test_library_is_one_factory_per_file():
