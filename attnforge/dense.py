@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import checks, ops
+from . import checks, flex_args, ops
 from .attn_mask import as_modifiers as attn_mask_modifiers
 from .merge import merge_states
 from .prefill import BatchPrefill
@@ -34,9 +34,9 @@ MAX_CALLS = 64  # call signatures kept (a model has a few); past it the table st
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None, mask_mod=None,
-              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False, *,
-              block_mask=None, is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0):
+              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
+              kernel_options=None, *, block_mask=None, is_causal: bool = False,
+              attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, return_aux=None):
     """SDPA/FlexAttention layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] -> out [B, Hq, Lq, Dv]
     (and lse [B, Hq, Lq], natural log); Dv = D, or narrower (spec.PREFILL_QK_VO_DIMS, e.g. 192/128).
     score_mod / mask_mod follow FlexAttention's signatures; q_idx is the query's position aligned to the end of
@@ -49,9 +49,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     with mask_mod; fully masked tiles are skipped) or float (added to the scaled score after score_mod; -inf
     masks). A row with every key masked gives zeros and lse -inf (SDPA's math backend gives NaN there).
     dropout_p: SDPA's, taken so a model's call carries over; only 0.0 (attnforge is forward-only, for inference).
+    Flex's positional order carries over too (a BlockMask fifth is taken as block_mask), and its kernel_options
+    (Triton tuning knobs: taken, and ignored) and return_aux=AuxRequest(lse=True) (returns (out, AuxOutput)).
     Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
     checks.check_untracked("attention", ("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask))
     check_no_dropout(dropout_p)
+    mask_mod, block_mask = flex_args.positional_block_mask(mask_mod, block_mask)
+    flex_args.check_modifier_functions(score_mod, mask_mod)
+    flex_args.check_kernel_options(kernel_options)
+    want_lse = flex_args.lse_wanted(return_lse, return_aux)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
     mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
@@ -60,16 +66,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     if adapter is not None:
         score_mod, mask_mod = adapter.score_mod, adapter.mask_mod
     if ops.compiling():
-        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, return_lse,
+        out, lse = ops.attention_op(q, k, v, ops.mod_handle(score_mod, mask_mod), scale, enable_gqa, want_lse,
                                     is_causal)
-        return (out, lse) if return_lse else out
+        return flex_outputs(out, lse, return_lse, return_aux)
     mod = compiled_mod(score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None
     if mod is not None and mod.is_identity:
         mod = None
-    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, return_lse,
+    out, lse = attention_with_mod(q, k, v, mod, scale, enable_gqa, want_lse,
                                   block_mask=block_mask if mod is not None else None, causal=is_causal)
     if adapter is not None:
         adapter.read_by_launch()
+    return flex_outputs(out, lse, return_lse, return_aux)
+
+
+def flex_outputs(out, lse, return_lse, return_aux):
+    """SDPA's out, (out, lse) for return_lse, or Flex's (out, AuxOutput) for return_aux."""
+    if return_aux is not None:
+        return out, flex_args.aux_output(lse if return_aux.lse else None)
     return (out, lse) if return_lse else out
 
 

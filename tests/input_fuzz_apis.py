@@ -6,6 +6,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import AuxRequest
 
 import attnforge
 from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
@@ -240,7 +241,8 @@ def attention_build(env: Env) -> dict:
             "k": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device),
             "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False,
             "attn_mask": torch.ones(2, 1, 1, 100, dtype=torch.bool, device=env.device),  # (SDPA's, keeping all)
-            "dropout_p": 0.0}
+            "dropout_p": 0.0, "score_mod": None, "mask_mod": None, "kernel_options": None,
+            "return_aux": AuxRequest(lse=True)}  # (Flex's arguments: attnforge/flex_args.py)
 
 
 def attention_mutations(a: dict, env: Env) -> list:
@@ -263,15 +265,26 @@ def attention_mutations(a: dict, env: Env) -> list:
           Mutation("dropout_p", "int-zero", SAME, lambda x: 0),
           Mutation("dropout_p", "training-value", REFUSE, lambda x: 0.1),
           Mutation("dropout_p", "nan", REFUSE, lambda x: float("nan")),
-          Mutation("dropout_p", "tensor", REFUSE, lambda x: torch.tensor(0.0))]
+          Mutation("dropout_p", "tensor", REFUSE, lambda x: torch.tensor(0.0)),
+          Mutation("score_mod", "float", REFUSE, lambda x: 0.5),
+          Mutation("mask_mod", "string", REFUSE, lambda x: "causal"),
+          Mutation("mask_mod", "bool-tensor", REFUSE, lambda x: torch.ones(40, 100, dtype=torch.bool)),
+          Mutation("kernel_options", "dict", SAME, lambda x: {"BLOCK_M": 64, "num_stages": 2}),
+          Mutation("kernel_options", "int", REFUSE, lambda x: 64),
+          Mutation("return_aux", "lse-as-int", REFUSE, lambda x: AuxRequest(lse=1)),
+          Mutation("return_aux", "max-scores", REFUSE, lambda x: AuxRequest(lse=True, max_scores=True)),
+          Mutation("return_aux", "plain-tuple", REFUSE, lambda x: (True, False))]
     if env.gpu:
         m.append(Mutation("attn_mask", "on-the-cpu", REFUSE, lambda t: t.cpu()))
     return m
 
 
 def attention_invoke(env: Env, a: dict):
-    return attnforge.attention(a["q"], a["k"], a["v"], scale=a["scale"], enable_gqa=True, is_causal=a["is_causal"],
-                               attn_mask=a["attn_mask"], dropout_p=a["dropout_p"])
+    out, aux = attnforge.attention(a["q"], a["k"], a["v"], a["score_mod"], a["mask_mod"], scale=a["scale"],
+                                   enable_gqa=True, is_causal=a["is_causal"], attn_mask=a["attn_mask"],
+                                   dropout_p=a["dropout_p"], kernel_options=a["kernel_options"],
+                                   return_aux=a["return_aux"])
+    return out, aux.lse
 
 
 def merge_build(env: Env) -> dict:

@@ -42,7 +42,9 @@ def test_the_changed_tests_call_selects_each_new_gpu_test():
     """call7's -k expression must keep selecting the GPU tests it exists for: a renamed test would drop out of it
     silently and the call would pass without running it."""
     script = (ROOT / "docs" / "prepared" / "call7-changed-gpu-tests.sh").read_text()
-    selection = script.split('CHANGED="', 1)[1].split('"', 1)[0]
+    assignments = "\n".join(line for line in script.splitlines() if line.startswith("CHANGED="))
+    selection = subprocess.run(["bash", "-c", assignments + '\necho "$CHANGED"'], capture_output=True,
+                               text=True, check=True).stdout.strip()  # (the script builds it over two lines)
     files = ["tests/test_prefill_gpu.py", "tests/test_input_fuzz_gpu.py"]
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                           *files, "-k", selection], cwd=ROOT, capture_output=True, text=True)
@@ -51,5 +53,6 @@ def test_the_changed_tests_call_selects_each_new_gpu_test():
                    "test_attn_mask_calls_on_two_streams_each_read_their_own_mask",
                    "test_functional_attention_with_bool_and_byte_tables_matches_sdpa",
                    "test_library_mods_in_prefill[every_operation-None]", "attention-dropout_p:training-value",
-                   "attention-attn_mask:expanded"):
+                   "attention-attn_mask:expanded", "attention-kernel_options:dict",
+                   "test_a_flex_call_carries_over_with_its_positional_arguments_and_return_aux"):
         assert wanted in out.stdout, f"{wanted} is not selected by {selection!r}"

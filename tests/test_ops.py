@@ -277,3 +277,24 @@ def test_eager_modifiers_are_kept_in_a_bounded_table_and_graph_ones_for_good(mon
     assert first_bias() is None, "an evicted eager modifier still holds its captured tensor"
     assert dense.compiled_mod(pinned, None) is graph_mod, "the graph's modifier was rebuilt or dropped"
     assert ops.lookup(ops.handle(graph_mod)) is graph_mod
+
+
+def test_flexs_positional_call_and_return_aux_compile_to_one_op(fake_mode):
+    """flex_attention's call spelled for attnforge (a BlockMask fifth, kernel_options, return_aux) traces to one
+    attention op that returns the LSE, handed back in Flex's AuxOutput."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    docs = torch.arange(64) // 20
+
+    def same_doc(b, h, q, kv):
+        return docs[q] == docs[kv]
+    block_mask = flex.create_block_mask(same_doc, None, None, 64, 64, device="cpu")
+    with fake_mode:
+        rec = Recorder()
+        q = cuda(1, 8, 64, 128)
+        fn = compiled(lambda q, k, v: attnforge.attention(q, k, v, None, block_mask, 0.1, False, False,
+                                                          {"BLOCK_M": 64}, return_aux=flex.AuxRequest(lse=True)), rec)
+        out, aux = fn(q, q, q)
+        assert out.shape == q.shape and aux.lse.shape == (1, 8, 64) and aux.max_scores is None
+    (node,) = rec.op_nodes("attention")
+    assert node.args[4:6] == (0.1, False) and node.args[6] is True  # (scale, enable_gqa; return_lse asked of the op)
+    assert ops.lookup(node.args[3]).mask_root is not None

@@ -1112,3 +1112,23 @@ def test_functional_attention_with_a_flex_block_mask_matches_flex():
     low = flex.flex_attention(q, k, v, score_mod=bias, block_mask=block_mask, enable_gqa=True)
     assert_attention_close(out.transpose(1, 2), want.transpose(1, 2).double(), low.transpose(1, 2), "flex",
                            lazy_rescale_allowance(torch.bfloat16, v.abs().max().item()))
+
+
+def test_a_flex_call_carries_over_with_its_positional_arguments_and_return_aux():
+    """flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+    return_aux=AuxRequest(lse=True)) spelled for attnforge: bitwise the keyword call's output and LSE, and Flex's
+    own LSE (float32 inputs) within 2e-3."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v, _, mask = causal_documents(2, 300, 120, seed=6)
+
+    def bias(s, b, h, qi, ki):
+        return s - 0.02 * (qi - ki).to(s.dtype)
+    bm = flex.create_block_mask(mask, None, None, 300, 300, device="cuda")
+    out, aux = attnforge.attention(q, k, v, bias, bm, 0.09, True, False, {"BLOCK_M": 64},
+                                   return_aux=flex.AuxRequest(lse=True))
+    want, want_lse = attnforge.attention(q, k, v, score_mod=bias, block_mask=bm, scale=0.09, enable_gqa=True,
+                                         return_lse=True)
+    assert torch.equal(out, want) and torch.equal(aux.lse, want_lse) and aux.max_scores is None
+    _, flex_aux = flex.flex_attention(q.float(), k.float(), v.float(), bias, bm, 0.09, True,
+                                      return_aux=flex.AuxRequest(lse=True))
+    assert_lse_close(aux.lse, flex_aux.lse, "flex's lse")
