@@ -59,8 +59,7 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
 
 class CascadeDecode:
     def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False, **decode_kwargs):
-        if spec.family != "decode":
-            raise checks.fail("CascadeDecode spec.family", "'decode'", repr(spec.family), "Pass a decode spec.")
+        checks.check_spec("CascadeDecode", spec, "decode", "Pass a decode spec.")
         if spec.score_mod is not None or spec.window_left >= 0:
             raise checks.fail("CascadeDecode spec", "no score_mod and no sliding window (positions differ per level)",
                               spec.name, "Use BatchDecode for those variants.")

@@ -19,6 +19,18 @@ def fail(what: str, expected: str, got, fix: str) -> ValueError:
     return ValueError(f"{what}: expected {expected}, got {got}. {fix}")
 
 
+def check_spec(who: str, spec, family: str, fix: str) -> None:
+    """A wrapper's spec is an AttentionSpec of the family it runs (a raw int or string would otherwise fail on an
+    attribute read deep inside, naming nothing)."""
+    from .spec import AttentionSpec
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"{who}(spec=...): expected an AttentionSpec(family={family!r}, ...), got "
+                        f"{type(spec).__name__} {spec!r:.60}. Build one with attnforge.AttentionSpec(family="
+                        f"{family!r}, num_qo_heads=..., num_kv_heads=..., ...).")
+    if spec.family != family:
+        raise fail(f"{who} spec.family", repr(family), repr(spec.family), fix)
+
+
 def check_plan_scales(sm_scale, k_scale, v_scale) -> None:
     """plan()'s scales, before any work: sm_scale None (1 / sqrt(head_dim)) or a finite float; k_scale and v_scale
     (an fp8 cache's per-tensor dequantisation scales, 1.0 for none) finite and > 0. A NaN, an infinity or a

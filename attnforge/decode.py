@@ -119,9 +119,7 @@ class BatchDecode:
         elif spec_kwargs:
             raise TypeError(f"BatchDecode: pass either a spec or spec keyword arguments, not both "
                             f"(got extra {sorted(spec_kwargs)})")
-        if spec.family != self.FAMILY:
-            raise checks.fail(f"{type(self).__name__} spec.family", repr(self.FAMILY), repr(spec.family),
-                              "Use the wrapper of that family.")
+        checks.check_spec(who, spec, self.FAMILY, "Use the wrapper of that family.")
         if self.FAMILY == "decode":  # several tokens a request: the pipeline 'auto' picks for the item's rows
             spec = spec_for_rows(spec, max_q_len)
         self._head_splits = head_splits

@@ -50,8 +50,7 @@ class BatchPrefill:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
             raise TypeError(f"BatchPrefill: pass either a spec or keyword arguments (extra {sorted(spec_kwargs)})")
-        if spec.family != "prefill":
-            raise checks.fail("BatchPrefill spec.family", "'prefill'", repr(spec.family), "Use the matching wrapper.")
+        checks.check_spec("BatchPrefill", spec, "prefill", "Use the matching wrapper.")
         # backend: "wgmma" (Hopper) or "mma" (portable); None picks the best that applies here.
         # num_stages / kv_tile / producer / pingpong / persistent override the kernel's defaults
         # (kernels/prefill.py); persistent: one CTA per SM walks the work list (None: wherever the

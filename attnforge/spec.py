@@ -211,8 +211,10 @@ class AttentionSpec:
             raise _bad("logits_soft_cap", cap, "0 (off) or a finite float > 0", "Gemma-2 uses 50.0.")
         object.__setattr__(self, "logits_soft_cap", float(cap))
         if self.score_mod is not None and not isinstance(getattr(self.score_mod, "cache_key", None), str):
-            raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key",
-                       "Build modifiers with the attnforge.mods factories.")
+            fix = ("A Python function is traced first: score_mod=attnforge.mods.compile_mod(score_mod=fn) (or "
+                   "mask_mod=fn, as for FlexAttention)." if callable(self.score_mod) else
+                   "Build modifiers with the attnforge.mods factories (compile_mod, raw_mod, alibi, softcap, ...).")
+            raise _bad("score_mod", self.score_mod, "None or a traced modifier with a str .cache_key", fix)
         sink = getattr(self.score_mod, "sink", None)  # (read by query head: one logit each, or reads run past it)
         if sink is not None and sink.numel() != self.num_qo_heads:
             raise _bad("score_mod", f"attention sink logits of {sink.numel()} heads",

@@ -308,3 +308,29 @@ def test_run_memo_new_plan_drops_plan_values_only():
     memo.get("kv", (t,), lambda: calls.append(1), 16)  # the same input and page size: still checked
     memo.get("kv", (t,), lambda: calls.append(1), 64)  # another page size: checked again
     assert len(calls) == 2
+
+
+def _wrappers():
+    """Each wrapper that takes a spec, as a function of it (the other arguments valid where a check reads them)."""
+    import attnforge
+    from attnforge.cascade import CascadeDecode
+    from attnforge.sparse import QuestDecode, QuestHeadDecode
+    return {"BatchDecode": (attnforge.BatchDecode, "decode"), "BatchMLADecode": (attnforge.BatchMLADecode, "mla_decode"),
+            "BatchPrefill": (attnforge.BatchPrefill, "prefill"), "CascadeDecode": (CascadeDecode, "decode"),
+            "QuestDecode": (lambda spec: QuestDecode(spec, None, 64, 16), "decode"),
+            "QuestHeadDecode": (lambda spec: QuestHeadDecode(spec, None, 64, 16), "decode")}
+
+
+@pytest.mark.parametrize("name", sorted(_wrappers()))
+def test_each_wrapper_names_a_spec_that_is_not_one_or_of_another_family(name):
+    """A wrapper given an int, a string or the AttentionSpec class says what it wanted (was an AttributeError on
+    .family, naming nothing), and a spec of another family is refused by that family."""
+    from attnforge import AttentionSpec
+    make, family = _wrappers()[name]
+    for bad, shown in ((5, "int 5"), ("decode", "str 'decode'"), (AttentionSpec, "type")):
+        with pytest.raises(TypeError, match=rf"{name}\(spec=...\): expected an AttentionSpec\(family='{family}'.*"
+                                            rf"got {shown}.*attnforge.AttentionSpec\(family='{family}'"):
+            make(bad)
+    other = AttentionSpec(family="prefill" if family != "prefill" else "decode", num_qo_heads=16, num_kv_heads=16)
+    with pytest.raises(ValueError, match=rf"{name} spec.family: expected '{family}', got '{other.family}'"):
+        make(other)

@@ -67,7 +67,8 @@ def test_unset_shape_fields_take_the_familys_shape():
     (dict(logits_soft_cap=-1.0), "logits_soft_cap", "finite float"),
     (dict(logits_soft_cap=float("inf")), "logits_soft_cap", "finite float"),
     (dict(logits_soft_cap=1e39), "logits_soft_cap", "finite float"),  # (inf as float32: inf * tanh(0) is NaN)
-    (dict(score_mod=lambda s: s), "score_mod", "cache_key"),
+    (dict(score_mod=lambda s: s), "score_mod", "compile_mod(score_mod=fn)"),  # (a function: says to trace it)
+    (dict(score_mod="alibi"), "score_mod", "attnforge.mods factories"),
     (dict(family="mla_decode", num_qo_heads=16, num_kv_heads=2, head_dim_qk=576, head_dim_vo=512),
      "num_kv_heads", "1 for MLA"),
     (dict(family="mla_decode", num_qo_heads=12, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512),

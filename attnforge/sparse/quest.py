@@ -261,6 +261,7 @@ class QuestDecode:
             raise fail("QuestDecode(select=...)", "'kernel' (one radix-select launch) or 'torch' (topk)", repr(select),
                        "Use 'kernel' unless comparing the two.")
         self.select = select
+        checks.check_spec(type(self).__name__, spec, "decode", "Quest selects pages for decode: pass a decode spec.")
         check_wrapper_args(type(self).__name__, index, use_cuda_graph, max_batch_size, max_num_pages,
                            max_pages_per_request)
         paged.check_page_size("QuestDecode(page_size=...)", page_size)

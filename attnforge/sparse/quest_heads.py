@@ -68,6 +68,7 @@ class QuestHeadDecode(QuestDecode):
     def __init__(self, spec, index: QuestIndex, budget_tokens: int, page_size: int, *, use_cuda_graph: bool = False,
                  max_batch_size: int = 256, max_num_pages: int = 1 << 16, max_pages_per_request: int = 8192,
                  select: str = "kernel", **decode_kwargs):
+        checks.check_spec("QuestHeadDecode", spec, "decode", "Quest selects pages for decode: pass a decode spec.")
         check_wrapper_args("QuestHeadDecode", index, use_cuda_graph, max_batch_size, max_num_pages,
                            max_pages_per_request)
         if spec.kv_layout != "HND":

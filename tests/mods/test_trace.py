@@ -330,3 +330,19 @@ def test_sink_logits_are_one_per_query_head_on_the_kernels_device():
     with pytest.raises(ValueError, match="attention sink logits: expected a tensor on meta, got cpu"):
         sink.param_values(torch.device("meta"))
     assert sink.param_values(torch.device("cpu"))["mod_sink"] == sink.sink.data_ptr()
+
+
+@pytest.mark.parametrize("kind,fn", [("score", 3), ("mask", 7.0), ("mask", "q >= k")])
+def test_compile_mod_refuses_what_is_not_a_function(kind, fn):
+    with pytest.raises(TypeError, match=rf"a {kind}_mod must be a Python function, got"):
+        compile_mod(**{f"{kind}_mod": fn})
+
+
+@pytest.mark.parametrize("sink,got", [(0.5, "float 0.5"), (torch.zeros(2, 16), r"shape \[2, 16\]"),
+                                      (torch.ones(32, dtype=torch.bool), "torch.bool"),
+                                      ([0.0] * 32, "list")])
+def test_a_sink_must_be_one_real_logit_per_query_head(sink, got):
+    with pytest.raises(TypeError, match=rf"sink=.*expected a 1-d tensor of one real logit per query head.*got .*{got}"):
+        compile_mod(score_mod=lambda s, b, h, q, k: s, sink=sink)
+    taken = compile_mod(sink=torch.arange(32, dtype=torch.int32))  # (an integer tensor is taken, as float32)
+    assert taken.sink.dtype == torch.float32 and taken.sink.tolist() == list(range(32))
