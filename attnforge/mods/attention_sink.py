@@ -1,13 +1,13 @@
 import torch
 
+from .library_args import check_table
 from .variant import ScoreMod, compile_mod
 
 
 def attention_sink(sink_logits: torch.Tensor, score_mod=None, mask_mod=None) -> ScoreMod:
     """Attention sinks (gpt-oss style): a learned per-head logit sink[h] that joins the softmax
     denominator but contributes no value: out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j))."""
-    if sink_logits.dim() != 1:
-        raise ValueError(f"attention_sink: expected sink logits [num_qo_heads], got {list(sink_logits.shape)}")
+    check_table("attention_sink", "sink_logits", sink_logits, 1, "[num_qo_heads]")
     return compile_mod(score_mod=score_mod, mask_mod=mask_mod, sink=sink_logits, name="attention_sink")
 
 

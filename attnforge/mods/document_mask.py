@@ -1,14 +1,17 @@
 import torch
 
+from .library_args import check_table, describe
+from .trace import ModTraceError
 from .variant import ScoreMod, compile_mod
 
 
 def document_mask(doc_ids: torch.Tensor, causal: bool = True) -> ScoreMod:
     """Packed sequences: attend only within the same document. doc_ids [B, max_len] (int) gives
     each token's document; with causal=True also only to earlier tokens."""
-    if doc_ids.dim() != 2 or doc_ids.is_floating_point():
-        raise ValueError(f"document_mask: expected integer doc_ids [B, max_len], got {doc_ids.dtype} "
-                         f"{list(doc_ids.shape)}")
+    check_table("document_mask", "doc_ids", doc_ids, 2, "[B, max_len] (each token's document)", integer=True)
+    if not isinstance(causal, bool):
+        raise ModTraceError(f"document_mask(causal=...): expected a bool, got {describe(causal)}. Pass True to "
+                            f"also mask later tokens, False for the whole document.")
 
     def document_mask_fn(b, h, q_idx, kv_idx):
         same = doc_ids[b, q_idx] == doc_ids[b, kv_idx]

@@ -1,5 +1,6 @@
 import torch
 
+from .library_args import check_cap
 from .variant import ScoreMod, compile_mod
 
 
@@ -12,7 +13,7 @@ def softcap(cap) -> ScoreMod:
     session). Where that matters, write the core with exp and a division, which the device evaluates
     to ~2^-21: `cap * (1 - 2 / (torch.exp(2 * score / cap) + 1))` (not folded into the exponent, so
     slower in prefill)."""
-    cap_value = cap if isinstance(cap, torch.Tensor) else float(cap)
+    cap_value = check_cap("softcap", cap)
 
     def softcap_score(score, b, h, q_idx, kv_idx):
         return cap_value * torch.tanh(score / cap_value)

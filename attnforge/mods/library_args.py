@@ -1,0 +1,48 @@
+"""The mod library's argument checks: each factory says what it expected, what it got and how to fix it, before
+tracing (a number where a table belongs would otherwise fail inside the trace as "not subscriptable")."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .trace import ModTraceError
+
+
+def describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)}"
+    return f"{type(x).__name__} {x!r:.40}"
+
+
+def check_table(who: str, name: str, t, dims: int, layout: str, integer: bool = False) -> None:
+    """A captured table: a tensor of `dims` dimensions, real (integer where it holds ids or lengths). Its dtype's
+    support is the tracer's to check (it names the dtypes a modifier can read)."""
+    kind = "an integer" if integer else "a real"
+    ok = (isinstance(t, torch.Tensor) and t.dim() == dims and t.dtype != torch.bool and not t.is_complex()
+          and not (integer and t.is_floating_point()))
+    if not ok:
+        raise ModTraceError(f"{who}({name}=...): expected {kind} tensor {layout}, got {describe(t)}. Pass a "
+                            f"tensor on the device the kernel runs on; its values are read at each launch.")
+
+
+def check_count(who: str, name: str, n, least: int = 0) -> int:
+    """A Python int >= least (compiled into the modifier); a bool is refused, though Python calls it an int."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < least:
+        raise ModTraceError(f"{who}({name}=...): expected an int >= {least}, got {describe(n)}. It is compiled into "
+                            f"the kernel; pass a tensor where the library takes one for a runtime value.")
+    return int(n)
+
+
+def check_cap(who: str, cap):
+    """A soft-cap: a finite number > 0 (compiled in), or a 0-d real tensor (a runtime value, read at each launch)."""
+    if isinstance(cap, torch.Tensor):
+        if cap.dim() != 0 or cap.dtype == torch.bool or cap.is_complex():
+            raise ModTraceError(f"{who}(cap=...): expected a number > 0 or a 0-d real tensor, got {describe(cap)}. "
+                                f"A runtime cap is one value: torch.tensor(50.0).")
+        return cap
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap > 0):
+        raise ModTraceError(f"{who}(cap=...): expected a finite number > 0 (cap * tanh(score / cap)), got "
+                            f"{describe(cap)}. Gemma-2 uses 50.0; to turn capping off, leave the modifier out.")
+    return float(cap)
