@@ -315,7 +315,8 @@ def _wrappers():
     import attnforge
     from attnforge.cascade import CascadeDecode
     from attnforge.sparse import QuestDecode, QuestHeadDecode
-    return {"BatchDecode": (attnforge.BatchDecode, "decode"), "BatchMLADecode": (attnforge.BatchMLADecode, "mla_decode"),
+    return {"BatchDecode": (attnforge.BatchDecode, "decode"),
+            "BatchMLADecode": (attnforge.BatchMLADecode, "mla_decode"),
             "BatchPrefill": (attnforge.BatchPrefill, "prefill"), "CascadeDecode": (CascadeDecode, "decode"),
             "QuestDecode": (lambda spec: QuestDecode(spec, None, 64, 16), "decode"),
             "QuestHeadDecode": (lambda spec: QuestHeadDecode(spec, None, 64, 16), "decode")}

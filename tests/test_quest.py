@@ -340,6 +340,13 @@ def test_channel_scales_refuse_keys_without_heads_and_unscaled_formats():
         channel_scales(torch.randn(8))
     with pytest.raises(ValueError, match="float32 / bfloat16 summaries take no scale"):
         channel_scales(keys, torch.float32)
+    for bad, got in ((keys.numpy(), "ndarray"), (keys.to(torch.int32), "torch.int32"), (None, "NoneType")):
+        with pytest.raises(ValueError, match=rf"channel_scales\(keys=...\): expected a floating-point tensor.*{got}"):
+            channel_scales(bad, "int4")
+    for headroom in (0.9, 0.0, float("inf"), float("nan"), "1.25", True):  # (below 1: clamped keys break the bound)
+        with pytest.raises(ValueError, match=r"channel_scales\(headroom=...\): expected a finite float >= 1.0"):
+            channel_scales(keys, "int4", headroom=headroom)
+    assert torch.equal(channel_scales(keys, "int4", headroom=2), keys.abs().amax(0) * 2 / 7)
 
 
 def staged_quest(cls, max_batch_size: int, max_num_pages: int, **fields):

@@ -12,6 +12,8 @@ query sums, so either costs the same there.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..checks import fail, finite_float32
@@ -32,8 +34,16 @@ def format_of(dtype) -> str:
 def channel_scales(keys: torch.Tensor, dtype=torch.float8_e4m3fn, headroom: float = 1.25) -> torch.Tensor:
     """Per-channel scales [Hkv, D] from sample keys [..., Hkv, D] (e.g. a prefill's): each channel's
     largest |key| times `headroom`, mapped to the format's largest code (fp8: 448, int4: 7)."""
+    if not isinstance(keys, torch.Tensor) or not keys.is_floating_point():
+        got = f"a {keys.dtype} tensor" if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise fail("channel_scales(keys=...)", "a floating-point tensor of sample keys [..., Hkv, D]", got,
+                   "Pass keys as the cache holds them (bf16, fp16, or fp8 as float after its dequantization).")
     if keys.dim() < 2:
         raise fail("channel_scales(keys.shape)", "[..., Hkv, D]", list(keys.shape), "Pass keys with their head axis.")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1.0 <= headroom < math.inf:
+        raise fail("channel_scales(headroom=...)", "a finite float >= 1.0 (keys past the sample's largest are "
+                   "clamped, and a clamped maximum no longer bounds the page's scores)", repr(headroom),
+                   "Keep the default 1.25, or raise it for keys that grow past the sample.")
     top = keys.detach().abs()
     if keys.dim() > 2:  # (amax over no dims would reduce all of them)
         top = top.amax(dim=tuple(range(keys.dim() - 2)))
