@@ -19,13 +19,21 @@ def fail(what: str, expected: str, got, fix: str) -> ValueError:
     return ValueError(f"{what}: expected {expected}, got {got}. {fix}")
 
 
+def describe(x) -> str:
+    """A value as an error message shows it: a tensor by dtype and shape (its repr spans lines), else type and
+    value, cut short."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)}"
+    return f"{type(x).__name__} {x!r:.40}"
+
+
 def check_spec(who: str, spec, family: str, fix: str) -> None:
     """A wrapper's spec is an AttentionSpec of the family it runs (a raw int or string would otherwise fail on an
     attribute read deep inside, naming nothing)."""
     from .spec import AttentionSpec
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"{who}(spec=...): expected an AttentionSpec(family={family!r}, ...), got "
-                        f"{type(spec).__name__} {spec!r:.60}. Build one with attnforge.AttentionSpec(family="
+                        f"{describe(spec)}. Build one with attnforge.AttentionSpec(family="
                         f"{family!r}, num_qo_heads=..., num_kv_heads=..., ...).")
     if spec.family != family:
         raise fail(f"{who} spec.family", repr(family), repr(spec.family), fix)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from . import checks
 
 
@@ -31,9 +33,11 @@ def check_modifier_functions(score_mod, mask_mod) -> None:
     for name, fn, signature in (("score_mod", score_mod, "score_mod(score, b, h, q_idx, kv_idx)"),
                                 ("mask_mod", mask_mod, "mask_mod(b, h, q_idx, kv_idx)")):
         if fn is not None and not callable(fn):
+            sdpa = (" A tensor there may be SDPA's attn_mask, fourth in SDPA's order: pass it as attn_mask=."
+                    if isinstance(fn, torch.Tensor) else "")
             raise TypeError(f"attention({name}=...): expected None or a function {signature}, got "
-                            f"{type(fn).__name__} {fn!r:.60}. Pass a Python function (a lambda or a def) as "
-                            f"for FlexAttention, or None.")
+                            f"{checks.describe(fn)}. Pass a Python function (a lambda or a def) as "
+                            f"for FlexAttention, or None.{sdpa}")
 
 
 def check_kernel_options(kernel_options) -> None:
@@ -43,7 +47,7 @@ def check_kernel_options(kernel_options) -> None:
         return
     if not isinstance(kernel_options, Mapping) or not all(isinstance(key, str) for key in kernel_options):
         raise checks.fail("attention(kernel_options=...)", "None or a dict of FlexAttention's options by name",
-                          f"{type(kernel_options).__name__} {kernel_options!r:.60}",
+                          checks.describe(kernel_options),
                           "Pass a dict such as {'BLOCK_M': 64} (attnforge ignores them: it picks its own tiles), "
                           "or drop the argument.")
 
@@ -60,7 +64,7 @@ def lse_wanted(return_lse, return_aux) -> bool:
     lse, max_scores = getattr(return_aux, "lse", None), getattr(return_aux, "max_scores", None)
     if not isinstance(lse, bool) or not isinstance(max_scores, bool):
         raise checks.fail("attention(return_aux=...)", "None or FlexAttention's AuxRequest(lse=..., max_scores=...)",
-                          f"{type(return_aux).__name__} {return_aux!r:.60}",
+                          checks.describe(return_aux),
                           "Pass torch.nn.attention.flex_attention.AuxRequest(lse=True).")
     if max_scores:
         raise checks.fail("attention(return_aux=AuxRequest(max_scores=True))", "max_scores=False",

@@ -88,7 +88,8 @@ def test_return_aux_gives_flexs_aux_output_with_the_lse(recorder):
     ({"score_mod": 0.5}, r"score_mod=.*expected None or a function score_mod\(score, b, h, q_idx, kv_idx\), got "
                          r"float 0.5"),
     ({"mask_mod": "causal"}, r"mask_mod=.*expected None or a function mask_mod\(b, h, q_idx, kv_idx\), got str"),
-    ({"mask_mod": torch.ones(256, 256, dtype=torch.bool)}, r"mask_mod=.*got Tensor"),
+    ({"mask_mod": torch.ones(256, 256, dtype=torch.bool)}, r"mask_mod=.*got a torch.bool tensor of shape \[256, 256\]"),
+    ({"score_mod": torch.zeros(256, 256)}, r"score_mod=.*got a torch.float32 tensor.*SDPA's attn_mask.*pass it as attn_mask="),
 ])
 def test_misused_flex_arguments_are_refused_before_any_launch(recorder, kw, error):
     q, k, v = inputs()

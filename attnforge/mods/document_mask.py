@@ -1,6 +1,7 @@
 import torch
 
-from .library_args import check_table, describe
+from ..checks import describe
+from .library_args import check_table
 from .trace import ModTraceError
 from .variant import ScoreMod, compile_mod
 

@@ -7,13 +7,8 @@ import numbers
 
 import torch
 
+from ..checks import describe
 from .trace import ModTraceError
-
-
-def describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {list(x.shape)}"
-    return f"{type(x).__name__} {x!r:.40}"
 
 
 def check_table(who: str, name: str, t, dims: int, layout: str, integer: bool = False) -> None:

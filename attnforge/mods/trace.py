@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import checks
 from . import graph
 from . import torch_names as names
 
@@ -384,7 +385,7 @@ def _builtin_min_max(name):
 def trace(fn: Callable, kind: str):
     """kind: 'score' (5 arguments) or 'mask' (4). Returns (root node, tracer)."""
     if not callable(fn):  # (inspect.signature's own error names no argument)
-        raise ModTraceError(f"a {kind}_mod must be a Python function, got {type(fn).__name__} {fn!r:.60}; pass a "
+        raise ModTraceError(f"a {kind}_mod must be a Python function, got {checks.describe(fn)}; pass a "
                             f"lambda or a def taking ({'score, ' if kind == 'score' else ''}b, h, q_idx, kv_idx)")
     params = [p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

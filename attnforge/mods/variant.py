@@ -305,10 +305,8 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
         raise ValueError("compile_mod: pass a score_mod, a mask_mod or a sink")
     if sink is not None and not (isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.dtype != torch.bool
                                  and not sink.is_complex()):
-        got = (f"a {sink.dtype} tensor of shape {list(sink.shape)}" if isinstance(sink, torch.Tensor) else
-               f"{type(sink).__name__} {sink!r:.40}")
         raise ModTraceError(f"compile_mod(sink=...): expected a 1-d tensor of one real logit per query head "
-                            f"[num_qo_heads], got {got}; pass e.g. torch.zeros(num_qo_heads)")
+                            f"[num_qo_heads], got {checks.describe(sink)}; pass e.g. torch.zeros(num_qo_heads)")
     tensors, scalars, slots, sources = [], [], {}, []
     roots = {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
