@@ -57,6 +57,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     mask_mod, block_mask = flex_args.positional_block_mask(mask_mod, block_mask)
     flex_args.check_modifier_functions(score_mod, mask_mod)
     flex_args.check_kernel_options(kernel_options)
+    for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        checks.check_flag("attention", name, flag)  # (a truthy "no" would turn it on)
     want_lse = flex_args.lse_wanted(return_lse, return_aux)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)

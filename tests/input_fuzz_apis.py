@@ -242,7 +242,7 @@ def attention_build(env: Env) -> dict:
             "v": _rand(g, (2, 2, 100, 128), torch.bfloat16, env.device), "scale": 0.1, "is_causal": False,
             "attn_mask": torch.ones(2, 1, 1, 100, dtype=torch.bool, device=env.device),  # (SDPA's, keeping all)
             "dropout_p": 0.0, "score_mod": None, "mask_mod": None, "kernel_options": None,
-            "return_aux": AuxRequest(lse=True)}  # (Flex's arguments: attnforge/flex_args.py)
+            "return_aux": AuxRequest(lse=True), "enable_gqa": True}  # (Flex's arguments: attnforge/flex_args.py)
 
 
 def attention_mutations(a: dict, env: Env) -> list:
@@ -271,6 +271,7 @@ def attention_mutations(a: dict, env: Env) -> list:
           Mutation("mask_mod", "bool-tensor", REFUSE, lambda x: torch.ones(40, 100, dtype=torch.bool)),
           Mutation("kernel_options", "dict", SAME, lambda x: {"BLOCK_M": 64, "num_stages": 2}),
           Mutation("kernel_options", "int", REFUSE, lambda x: 64),
+          Mutation("enable_gqa", "string", REFUSE, lambda x: "yes"),
           Mutation("return_aux", "lse-as-int", REFUSE, lambda x: AuxRequest(lse=1)),
           Mutation("return_aux", "max-scores", REFUSE, lambda x: AuxRequest(lse=True, max_scores=True)),
           Mutation("return_aux", "plain-tuple", REFUSE, lambda x: (True, False))]
@@ -281,7 +282,7 @@ def attention_mutations(a: dict, env: Env) -> list:
 
 def attention_invoke(env: Env, a: dict):
     out, aux = attnforge.attention(a["q"], a["k"], a["v"], a["score_mod"], a["mask_mod"], scale=a["scale"],
-                                   enable_gqa=True, is_causal=a["is_causal"], attn_mask=a["attn_mask"],
+                                   enable_gqa=a["enable_gqa"], is_causal=a["is_causal"], attn_mask=a["attn_mask"],
                                    dropout_p=a["dropout_p"], kernel_options=a["kernel_options"],
                                    return_aux=a["return_aux"])
     return out, aux.lse

@@ -80,21 +80,23 @@ def test_return_aux_gives_flexs_aux_output_with_the_lse(recorder):
     assert aux == flex.AuxOutput(lse=None, max_scores=None) and not recorder.launches[-1][2].lse
 
 
-@pytest.mark.parametrize("kw,error", [
+@pytest.mark.parametrize("kw,error", [  # (Flex's arguments, and the flags a truthy string would turn on)
     ({"return_aux": flex.AuxRequest(lse=True, max_scores=True)}, r"max_scores=False.*AuxRequest\(lse=True\)"),
     ({"return_aux": flex.AuxRequest(lse=True), "return_lse": True}, "expected one of the two, got both"),
     ({"return_aux": (True, False)}, r"expected None or FlexAttention's AuxRequest"),
     ({"return_aux": True}, r"expected None or FlexAttention's AuxRequest"),
     ({"score_mod": 0.5}, r"score_mod=.*expected None or a function score_mod\(score, b, h, q_idx, kv_idx\), got "
                          r"float 0.5"),
+    ({"return_lse": "no"}, r"attention\(return_lse=...\): expected True or False, got 'no'"),
+    ({"enable_gqa": 1}, r"attention\(enable_gqa=...\): expected True or False, got 1"),
     ({"mask_mod": "causal"}, r"mask_mod=.*expected None or a function mask_mod\(b, h, q_idx, kv_idx\), got str"),
     ({"mask_mod": torch.ones(256, 256, dtype=torch.bool)}, r"mask_mod=.*got a torch.bool tensor of shape \[256, 256\]"),
     ({"score_mod": torch.zeros(256, 256)}, r"score_mod=.*got a torch.float32 tensor.*SDPA's attn_mask.*pass it as attn_mask="),
 ])
-def test_misused_flex_arguments_are_refused_before_any_launch(recorder, kw, error):
+def test_misused_arguments_are_refused_before_any_launch(recorder, kw, error):
     q, k, v = inputs()
     with pytest.raises((ValueError, TypeError), match=error):
-        dense.attention(q, k, v, enable_gqa=True, **kw)
+        dense.attention(q, k, v, **{"enable_gqa": True, **kw})
     assert recorder.launches == []
 
 
