@@ -126,6 +126,10 @@ class BatchDecode:
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         checks.check_flag(who, "merge_launch", merge_launch, optional=True)
         self.merge_in_launch = merge_launch  # (BatchMLADecode.merge_launch() is a method: another name)
+        if workspace is not None and not isinstance(workspace, torch.Tensor):
+            raise TypeError(f"{who}(workspace=...): expected None or a CUDA tensor of at least "
+                            f"{who}.workspace_bytes(spec, num_ctas) bytes, got {checks.describe(workspace)}. Leave it "
+                            f"out and the wrapper allocates its own.")
         if device is None and workspace is not None:
             device = workspace.device  # (a given workspace names the GPU)
         self.device = checks.cuda_device(device, type(self).__name__)

@@ -335,3 +335,16 @@ def test_each_wrapper_names_a_spec_that_is_not_one_or_of_another_family(name):
     other = AttentionSpec(family="prefill" if family != "prefill" else "decode", num_qo_heads=16, num_kv_heads=16)
     with pytest.raises(ValueError, match=rf"{name} spec.family: expected '{family}', got '{other.family}'"):
         make(other)
+
+
+@pytest.mark.parametrize("workspace", [1 << 20, "auto", True, [0] * 16])
+def test_a_workspace_that_is_not_a_tensor_is_named(workspace):
+    """(It was read for its .device: an AttributeError naming nothing.)"""
+    import attnforge
+    for cls, spec in ((attnforge.BatchDecode, attnforge.AttentionSpec()),
+                      (attnforge.BatchMLADecode, attnforge.AttentionSpec(family="mla_decode", num_qo_heads=16,
+                                                                         num_kv_heads=1, head_dim_qk=576,
+                                                                         head_dim_vo=512))):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(workspace=...\): expected None or a CUDA tensor.*"
+                                            rf"Leave it out"):
+            cls(spec, workspace)

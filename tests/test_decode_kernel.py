@@ -47,6 +47,9 @@ def test_wide_heads_take_small_tiles_of_two_warps():
     assert (DecodeKernel(AttentionSpec(head_dim_qk=256)).tile_kv, DecodeKernel(AttentionSpec(head_dim_qk=256)).num_warps) == (32, 2)
     with pytest.raises(ValueError, match="tile_kv: expected 32, 64, 128 or 256"):
         DecodeKernel(AttentionSpec(), tile_kv=16)
+    for stages in (2.5, "3", True, 9):  # (a float would otherwise reach the template as "2.5")
+        with pytest.raises(ValueError, match=r"stages \(num_stages\): expected an int in 2..8, got"):
+            DecodeKernel(AttentionSpec(), stages=stages)
     with pytest.raises(ValueError, match="one 16-token sub-block per warp"):
         DecodeKernel(AttentionSpec(), tile_kv=32, num_warps=4)
     with pytest.raises(ValueError, match=r"64 query rows \(heads x tokens\) per work item need 4 warps, got 2"):

@@ -37,6 +37,9 @@ def test_transposed_pipeline_does_not_pad_eight_heads():
 def test_deeper_pipeline_refused_when_it_does_not_fit():
     with pytest.raises(ValueError, match="shared memory"):
         MLADecodeKernel(spec(128, "normal"), num_stages=3, tile_kv=64)
+    for stages in (2.5, "2", False):
+        with pytest.raises(ValueError, match="MLADecodeKernel.num_stages: expected an int in 2..6, got"):
+            MLADecodeKernel(spec(16, "transposed"), num_stages=stages)
 
 
 def test_rendered_source_matches_spec():

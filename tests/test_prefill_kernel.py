@@ -76,10 +76,13 @@ def test_shapes_and_refusals():
     assert (d256_plain.tile_q, d256_plain.stages, d256_plain.threads, d256_plain.split_ring) == (64, 3, 128, False)
     assert d256_plain.smem_bytes == 64 * 256 * 2 + 3 * 2 * 64 * 256 * 2 + 1024 + 128
     assert not k.split_ring and PrefillKernel(SPEC, "wgmma", num_stages=2).split_ring  # a producer at 2 stages
-    with pytest.raises(ValueError, match="without a producer needs at least 3, got 2"):
+    with pytest.raises(ValueError, match="without a producer needs an int of at least 3, got 2"):
         PrefillKernel(SPEC, "wgmma", producer=False, num_stages=2)
-    with pytest.raises(ValueError, match="with a producer needs at least 2, got 1"):
+    with pytest.raises(ValueError, match="with a producer needs an int of at least 2, got 1"):
         PrefillKernel(SPEC, "wgmma", num_stages=1)
+    for stages in (2.5, "3"):
+        with pytest.raises(ValueError, match=r"needs an int of at least 2, got (2.5|'3')"):
+            PrefillKernel(SPEC, "wgmma", num_stages=stages)
     with pytest.raises(ValueError, match="exceeds 232448 B at 4 stages of 128-token tiles; use fewer stages, or None"):
         PrefillKernel(SPEC, "wgmma", num_stages=4)
     with pytest.raises(ValueError, match="expected one of .*got 'tensor'; or pass backend=None"):

@@ -389,8 +389,8 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
         if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
             raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
-        if self.stages is not None and not 2 <= self.stages <= 8:
-            raise ValueError(f"DecodeKernel.stages: expected 2..8, got {self.stages}")
+        if self.stages is not None and (type(self.stages) is not int or not 2 <= self.stages <= 8):
+            raise ValueError(f"DecodeKernel.stages (num_stages): expected an int in 2..8, got {self.stages!r}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise ValueError(f"DecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages or a smaller tile")

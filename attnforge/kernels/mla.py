@@ -293,8 +293,8 @@ class MLADecodeKernel:
         self._check_flag("reads_before_wait", True, "any kernel")
         if self.tile_kv not in (None, 32, 64):
             raise ValueError(f"MLADecodeKernel.tile_kv: expected 32 or 64, got {self.tile_kv}")
-        if self.num_stages is not None and not 2 <= self.num_stages <= 6:
-            raise ValueError(f"MLADecodeKernel.num_stages: expected 2..6, got {self.num_stages}")
+        if self.num_stages is not None and (type(self.num_stages) is not int or not 2 <= self.num_stages <= 6):
+            raise ValueError(f"MLADecodeKernel.num_stages: expected an int in 2..6, got {self.num_stages!r}")
         if self.smem_bytes + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise ValueError(f"MLADecodeKernel: {self.smem_bytes} B of shared memory per CTA exceeds the SM's "
                              f"{SMEM_PER_SM - SMEM_RESERVED_PER_CTA} B; use fewer stages")

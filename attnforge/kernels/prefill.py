@@ -239,10 +239,10 @@ class PrefillKernel:
                              f"{self.m_tiles!r} with backend {self.backend!r} at head_dim {self.spec.head_dim_qk}; "
                              "pass None for the default")
         least = 3 if self.backend == "wgmma" and not self.producer else 2  # a producer's split ring: 2
-        if self.stages < least:
+        if type(self.stages) is not int or self.stages < least:
             raise ValueError(f"PrefillKernel.num_stages: {self.backend} "
-                             f"{'with' if self.producer else 'without'} a producer needs at least {least}, got "
-                             f"{self.stages}; pass more, or None for the default")
+                             f"{'with' if self.producer else 'without'} a producer needs an int of at least "
+                             f"{least}, got {self.stages!r}; pass more, or None for the default")
         if self.smem_bytes > SMEM_LIMIT:
             staging = self.fp8_stages * 2 * self.tile_kv * self.spec.head_dim_qk
             detail = f" ({self.fp8_stages} fp8 staging slots: {staging} B)" if self.wgmma_fp8 else ""
