@@ -181,7 +181,9 @@ class BatchMLADecode(BatchDecode):
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
         # a tiling override is for the mma.sync kernel (the wgmma one has a fixed 64 x 2 tiling)
-        backend = self._backend or ("mma" if (tile_kv, num_stages) != (None, None) else default_backend(spec))
+        backend = self._backend
+        if backend is None:  # (a falsy 0 or "" is refused by the kernel, not taken as the default)
+            backend = "mma" if (tile_kv, num_stages) != (None, None) else default_backend(spec)
         return MLADecodeKernel(spec, num_stages, tile_kv, backend, self._schedule, **self._kernel_fields)
 
     def _host_only_defaults(self) -> None:

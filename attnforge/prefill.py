@@ -87,7 +87,8 @@ class BatchPrefill:
         row_epilogue = mod is not None and (mod.sink is not None or any(
             flag in (mod.raw_cpp or "") for flag in ("kHasSink", "kHasOutputTransform")))
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
-        self.kernel = PrefillKernel(spec, backend or default_backend(spec), num_stages, kv_tile, producer, pingpong,
+        backend = default_backend(spec) if backend is None else backend  # (a falsy 0 or "" is refused, not the default)
+        self.kernel = PrefillKernel(spec, backend, num_stages, kv_tile, producer, pingpong,
                                     persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
         # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
         self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}

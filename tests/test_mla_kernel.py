@@ -40,6 +40,10 @@ def test_deeper_pipeline_refused_when_it_does_not_fit():
     for stages in (2.5, "2", False):
         with pytest.raises(ValueError, match="MLADecodeKernel.num_stages: expected an int in 2..6, got"):
             MLADecodeKernel(spec(16, "transposed"), num_stages=stages)
+    from attnforge import BatchMLADecode
+    for falsy in (0, ""):  # (taken as None, the default, before)
+        with pytest.raises(ValueError, match=rf"MLADecodeKernel.backend: expected one of .*got {falsy!r}"):
+            BatchMLADecode(spec(16, "transposed"), backend=falsy)
 
 
 def test_rendered_source_matches_spec():

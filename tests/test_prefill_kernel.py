@@ -87,6 +87,10 @@ def test_shapes_and_refusals():
         PrefillKernel(SPEC, "wgmma", num_stages=4)
     with pytest.raises(ValueError, match="expected one of .*got 'tensor'; or pass backend=None"):
         PrefillKernel(SPEC, "tensor")
+    from attnforge import BatchPrefill
+    for falsy in (0, "", False):  # (BatchPrefill took them as None, the default, before)
+        with pytest.raises(ValueError, match=rf"expected one of .*got {falsy!r}; or pass backend=None"):
+            BatchPrefill(SPEC, backend=falsy)
 
 
 def test_wgmma_module_builds_for_sm90a_whatever_the_arch_list():
