@@ -91,7 +91,8 @@ def test_return_aux_gives_flexs_aux_output_with_the_lse(recorder):
     ({"enable_gqa": 1}, r"attention\(enable_gqa=...\): expected True or False, got 1"),
     ({"mask_mod": "causal"}, r"mask_mod=.*expected None or a function mask_mod\(b, h, q_idx, kv_idx\), got str"),
     ({"mask_mod": torch.ones(256, 256, dtype=torch.bool)}, r"mask_mod=.*got a torch.bool tensor of shape \[256, 256\]"),
-    ({"score_mod": torch.zeros(256, 256)}, r"score_mod=.*got a torch.float32 tensor.*SDPA's attn_mask.*pass it as attn_mask="),
+    ({"score_mod": torch.zeros(256, 256)},
+     r"score_mod=.*got a torch.float32 tensor.*SDPA's attn_mask.*pass it as attn_mask="),
 ])
 def test_misused_arguments_are_refused_before_any_launch(recorder, kw, error):
     q, k, v = inputs()

@@ -7,6 +7,7 @@ from .variant import ScoreMod, compile_mod
 def alibi(slopes: torch.Tensor) -> ScoreMod:
     """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes [num_qo_heads] (see `default_slopes`)."""
     check_table("alibi", "slopes", slopes, 1, "[num_qo_heads] (see attnforge.mods.alibi.default_slopes)")
+
     def alibi_score(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
     return compile_mod(score_mod=alibi_score, name="alibi")

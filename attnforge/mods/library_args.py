@@ -26,7 +26,7 @@ def check_count(who: str, name: str, n, least: int = 0) -> int:
     """A Python int >= least (compiled into the modifier); a bool is refused, though Python calls it an int."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < least:
         raise ModTraceError(f"{who}({name}=...): expected an int >= {least}, got {describe(n)}. It is compiled into "
-                            f"the kernel; pass a tensor where the library takes one for a runtime value.")
+                            f"the kernel (another value builds another kernel): pass a Python int.")
     return int(n)
 
 
