@@ -229,15 +229,20 @@ def test_the_run_op_rebuilds_each_run_signature_from_its_flat_arguments():
     assert same(BatchMLADecode._op_run_args([q, k, cache, kpe]), (q, k, cache, kpe))
 
 
-def test_a_flex_block_mask_compiles_to_its_mask_mod(fake_mode):
-    """attention(..., block_mask=create_block_mask(...)) inside torch.compile: one op whose modifier is the
-    BlockMask's mask_mod (the block mask built before, as a model builds it)."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+def documents_block_mask(flex):
+    """A Flex BlockMask over 64 tokens in documents of 20, built before compiling, as a model builds it."""
     docs = torch.arange(64) // 20
 
     def same_doc(b, h, q, kv):
         return docs[q] == docs[kv]
-    block_mask = flex.create_block_mask(same_doc, None, None, 64, 64, device="cpu")
+    return flex.create_block_mask(same_doc, None, None, 64, 64, device="cpu")
+
+
+def test_a_flex_block_mask_compiles_to_its_mask_mod(fake_mode):
+    """attention(..., block_mask=create_block_mask(...)) inside torch.compile: one op whose modifier is the
+    BlockMask's mask_mod."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    block_mask = documents_block_mask(flex)
     with fake_mode:
         rec = Recorder()
         q = cuda(1, 8, 64, 128)
@@ -283,11 +288,7 @@ def test_flexs_positional_call_and_return_aux_compile_to_one_op(fake_mode):
     """flex_attention's call spelled for attnforge (a BlockMask fifth, kernel_options, return_aux) traces to one
     attention op that returns the LSE, handed back in Flex's AuxOutput."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    docs = torch.arange(64) // 20
-
-    def same_doc(b, h, q, kv):
-        return docs[q] == docs[kv]
-    block_mask = flex.create_block_mask(same_doc, None, None, 64, 64, device="cpu")
+    block_mask = documents_block_mask(flex)
     with fake_mode:
         rec = Recorder()
         q = cuda(1, 8, 64, 128)
