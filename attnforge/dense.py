@@ -62,7 +62,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     want_lse = flex_args.lse_wanted(return_lse, return_aux)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument, before a shape is read below)
-    mask_mod = flex_block_mask(mask_mod, block_mask, q, k)
+    mask_mod = flex_args.block_mask_function(mask_mod, block_mask, q, k)
     check_causal(is_causal, q, k)
     adapter = None if attn_mask is None else sdpa_mask(attn_mask, q, k, score_mod, mask_mod, block_mask, is_causal)
     if adapter is not None:
@@ -124,30 +124,6 @@ def sdpa_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, score_mod, mask_mod, 
                           "score_mod, which compiled graphs take.")
     return attn_mask_modifiers(attn_mask, tuple(q.shape), k.shape[-2], score_mod, mask_mod, q.device,
                                _mod_key)  # (q and k are 4-d here: attention() checked)
-
-
-def flex_block_mask(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
-    """The mask_mod a call asks for: its own, or its FlexAttention BlockMask's (checked against q and k)."""
-    if block_mask is None:
-        return mask_mod
-    if mask_mod is not None:
-        raise ValueError("attention: got both a mask_mod and a block_mask; pass one (a block_mask stands for "
-                         "the mask_mod it was built from)")
-    fn = getattr(block_mask, "mask_mod", None)
-    if not callable(fn):
-        raise TypeError(f"attention: block_mask must be a FlexAttention BlockMask (create_block_mask(mask_mod, "
-                        f"B, H, Q_LEN, KV_LEN)), got {type(block_mask).__name__}")
-    if q.shape[-2] != k.shape[-2]:  # (a BlockMask holds Flex's positions; taking its function would move them)
-        raise ValueError(f"attention: a block_mask needs as many queries as keys, got {q.shape[-2]} and "
-                         f"{k.shape[-2]}: FlexAttention's q_idx starts at 0 while attnforge aligns queries to the "
-                         f"end of the keys, so the same mask_mod would mask other pairs. Pass mask_mod= written "
-                         f"for end-aligned positions (q_idx = {k.shape[-2] - q.shape[-2]} + the query's row)")
-    built_for = tuple(getattr(block_mask, "seq_lengths", ()))
-    if built_for and built_for != (q.shape[-2], k.shape[-2]):
-        raise ValueError(f"attention: the block_mask was built for (Q_LEN, KV_LEN) = {built_for}, but q holds "
-                         f"{q.shape[-2]} queries and k {k.shape[-2]} keys; build it with create_block_mask(mask_mod, "
-                         f"B, H, {q.shape[-2]}, {k.shape[-2]})")
-    return fn
 
 
 def compiled_mod(score_mod, mask_mod, for_graph: bool = False):

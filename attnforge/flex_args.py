@@ -13,8 +13,9 @@ from . import checks
 
 
 def is_block_mask(x) -> bool:
-    """A FlexAttention BlockMask, by what attention() reads of it (no import of torch's flex module needed)."""
-    return callable(getattr(x, "mask_mod", None)) and hasattr(x, "kv_num_blocks")
+    """A FlexAttention BlockMask, by what attention() reads of it, its mask_mod (no import of torch's flex module
+    needed; a mask_mod function has no such attribute)."""
+    return callable(getattr(x, "mask_mod", None))
 
 
 def positional_block_mask(mask_mod, block_mask):
@@ -26,6 +27,29 @@ def positional_block_mask(mask_mod, block_mask):
         raise checks.fail("attention(mask_mod=..., block_mask=...)", "one mask", "a BlockMask in each",
                           "Pass the BlockMask once, as block_mask= (or as the fifth argument, Flex's place).")
     return None, mask_mod
+
+
+def block_mask_function(mask_mod, block_mask, q: torch.Tensor, k: torch.Tensor):
+    """The mask_mod a call asks for: its own, or its FlexAttention BlockMask's (checked against q and k)."""
+    if block_mask is None:
+        return mask_mod
+    if mask_mod is not None:
+        raise checks.fail("attention(mask_mod=..., block_mask=...)", "one of the two", "both a mask_mod and a "
+                          "block_mask", "Pass one: a block_mask stands for the mask_mod it was built from.")
+    if not is_block_mask(block_mask):
+        raise TypeError(f"attention: block_mask must be a FlexAttention BlockMask (create_block_mask(mask_mod, "
+                        f"B, H, Q_LEN, KV_LEN)), got {type(block_mask).__name__}")
+    if q.shape[-2] != k.shape[-2]:  # (a BlockMask holds Flex's positions; taking its function would move them)
+        raise ValueError(f"attention: a block_mask needs as many queries as keys, got {q.shape[-2]} and "
+                         f"{k.shape[-2]}: FlexAttention's q_idx starts at 0 while attnforge aligns queries to the "
+                         f"end of the keys, so the same mask_mod would mask other pairs. Pass mask_mod= written "
+                         f"for end-aligned positions (q_idx = {k.shape[-2] - q.shape[-2]} + the query's row)")
+    built_for = tuple(getattr(block_mask, "seq_lengths", ()))
+    if built_for and built_for != (q.shape[-2], k.shape[-2]):
+        raise ValueError(f"attention: the block_mask was built for (Q_LEN, KV_LEN) = {built_for}, but q holds "
+                         f"{q.shape[-2]} queries and k {k.shape[-2]} keys; build it with create_block_mask(mask_mod, "
+                         f"B, H, {q.shape[-2]}, {k.shape[-2]})")
+    return block_mask.mask_mod
 
 
 def check_modifier_functions(score_mod, mask_mod) -> None:

@@ -3,7 +3,7 @@ from typing import Union
 
 import torch
 
-from .library_args import check_count, check_table
+from .library_args import compiled_int, check_table
 from .variant import ScoreMod, compile_mod
 
 
@@ -11,7 +11,7 @@ def prefix_lm(prefix_len: Union[torch.Tensor, int]) -> ScoreMod:
     """Prefix-LM: the first prefix_len[b] tokens are seen by every query; later ones causally. prefix_len: an
     integer tensor [B] (read at each launch), or one int for every request (compiled in)."""
     if isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
-        prefix = check_count("prefix_lm", "prefix_len", prefix_len)
+        prefix = compiled_int("prefix_lm", "prefix_len", prefix_len)
 
         def prefix_lm_mask(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) | (kv_idx < prefix)

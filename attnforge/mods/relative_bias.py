@@ -1,13 +1,13 @@
 import torch
 
-from .library_args import check_count, check_table
+from .library_args import compiled_int, check_table
 from .variant import ScoreMod, compile_mod
 
 
 def relative_position_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
     """T5-style learned bias: score + table[h, clamp(kv_idx - q_idx, -max, max) + max];
     table [num_qo_heads, 2 * max_distance + 1]."""
-    max_distance = check_count("relative_position_bias", "max_distance", max_distance)
+    max_distance = compiled_int("relative_position_bias", "max_distance", max_distance)
     check_table("relative_position_bias", "table", table, 2, f"[num_qo_heads, {2 * max_distance + 1}]")
     if table.shape[1] != 2 * max_distance + 1:
         raise ValueError(f"relative_position_bias: expected table [H, {2 * max_distance + 1}], got {list(table.shape)}")

@@ -1,12 +1,12 @@
 import torch
 
-from .library_args import check_count
+from .library_args import compiled_int
 from .variant import ScoreMod, compile_mod
 
 
 def sliding_window(window: int) -> ScoreMod:
     """Causal sliding window: a query sees itself and the `window` keys before it."""
-    window = check_count("sliding_window", "window", window)
+    window = compiled_int("sliding_window", "window", window)
 
     def sliding_window_mask(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
