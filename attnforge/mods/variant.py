@@ -14,6 +14,7 @@ import torch
 from .. import checks
 from ..codegen import ParamField
 from . import affine, graph, scaled
+from .library_args import check_table
 from .trace import ModTraceError, scalar_value, trace
 
 MAX_TENSORS, MAX_SCALARS = 8, 8
@@ -303,10 +304,8 @@ def compile_mod(score_mod: Optional[Callable] = None, mask_mod: Optional[Callabl
     """Trace Python modifiers into a ScoreMod (the value AttentionSpec.score_mod takes)."""
     if score_mod is None and mask_mod is None and sink is None:
         raise ValueError("compile_mod: pass a score_mod, a mask_mod or a sink")
-    if sink is not None and not (isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.dtype != torch.bool
-                                 and not sink.is_complex()):
-        raise ModTraceError(f"compile_mod(sink=...): expected a 1-d tensor of one real logit per query head "
-                            f"[num_qo_heads], got {checks.describe(sink)}; pass e.g. torch.zeros(num_qo_heads)")
+    if sink is not None:
+        check_table("compile_mod", "sink", sink, 1, "[num_qo_heads] (one logit per query head)")
     tensors, scalars, slots, sources = [], [], {}, []
     roots = {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):

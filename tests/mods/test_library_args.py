@@ -23,6 +23,7 @@ BAD = [  # (factory, argument, value, what the message says it got)
     ("relative_position_bias", "max_distance", "16", "'16'"),
     ("relative_position_bias", "max_distance", -2, "-2"),
     ("relative_position_bias", "table", 7, "int 7"),
+    ("relative_position_bias", "table", torch.zeros(8, 31), r"\[8, 31\]"),  # (one column short: read past its end)
     ("sliding_window", "window", 64.0, "64.0"), ("sliding_window", "window", True, "True"),
     ("softcap", "cap", 0.0, "float 0.0"), ("softcap", "cap", float("inf"), "float inf"),
     ("softcap", "cap", "50", "str '50'"), ("softcap", "cap", torch.tensor([50.0]), r"shape \[1\]"),

@@ -342,7 +342,8 @@ def test_compile_mod_refuses_what_is_not_a_function(kind, fn):
                                       (torch.ones(32, dtype=torch.bool), "torch.bool"),
                                       ([0.0] * 32, "list")])
 def test_a_sink_must_be_one_real_logit_per_query_head(sink, got):
-    with pytest.raises(TypeError, match=rf"sink=.*expected a 1-d tensor of one real logit per query head.*got .*{got}"):
+    want = r"compile_mod\(sink=...\): expected a real tensor \[num_qo_heads\] \(one logit per query head\), got "
+    with pytest.raises(TypeError, match=want + f".*{got}"):
         compile_mod(score_mod=lambda s, b, h, q, k: s, sink=sink)
     taken = compile_mod(sink=torch.arange(32, dtype=torch.int32))  # (an integer tensor is taken, as float32)
     assert taken.sink.dtype == torch.float32 and taken.sink.tolist() == list(range(32))
