@@ -295,6 +295,8 @@ def draw(seed: int, count: int, mask: bool, device="cpu", **generator_kw):
     for _ in range(count):
         kind = "b" if mask else gen.rng.choice("ffffib")
         e = gen.gen(kind, gen.rng.randint(1, 5))
+        while kind == "i" and e.bound > gen.float_limit:  # (it is added to the score: a logit, bounded as floats are)
+            e = gen.gen(kind, gen.rng.randint(1, 5))
         if not mask and "score" not in e.src:
             e = Expr(f"(score + {e.src})" if kind != "b" else f"torch.where({e.src}, score, -score)", "f", 0, e.exact)
         out.append((make_function(e.src, MASK_PARAMS if mask else SCORE_PARAMS, ns), e.exact))
