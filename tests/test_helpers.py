@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (largest_holders, lazy_rescale_allowance, log_test_memory, poison_unused_slots, python_tensors,
+from helpers import (largest_holders, weight_rounding_allowance, log_test_memory, poison_unused_slots, python_tensors,
                      replays_after_replans)
 
 
@@ -82,7 +82,7 @@ def test_async_wgmma_check_fails_on_each_serialising_info_line(monkeypatch, tmp_
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lazy_rescale_allowance_bounds_weights_rounded_against_a_lagging_max(dtype):
+def test_weight_rounding_allowance_bounds_weights_rounded_against_a_lagging_max(dtype):
     """Peaked rows, their reference max lagging the true one by 0-8 (log2), P = 2^(s - ref) rounded to
     16 bits and normalised by the unrounded sum (as the roles kernel does): the output's error stays
     within the allowance, and a lagging max does show more error than an eager one on these rows."""
@@ -97,7 +97,7 @@ def test_lazy_rescale_allowance_bounds_weights_rounded_against_a_lagging_max(dty
             p = torch.exp2(s - (s.max() - lag))
             out = (p.to(dtype).double() @ v) / p.sum()
             err = (out - exact).abs().max().item()
-            assert err <= lazy_rescale_allowance(dtype, v.abs().max().item())
+            assert err <= weight_rounding_allowance(dtype, v.abs().max().item())
             if kind == "lazy":
                 worst_lazy = max(worst_lazy, err)
             else:

@@ -9,7 +9,7 @@ from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
-from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, lazy_rescale_allowance, poison,
+from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, weight_rounding_allowance, poison,
                      random_page_table, replays_after_replans, unheld_slots)
 
 pytestmark = pytest.mark.gpu
@@ -74,7 +74,7 @@ def check_against_reference(w, out, q_nope, q_pe, per_req, q_len, scale, v_scale
     lagging = 0.0  # (the roles kernel's row max lags: its dominant weights round)
     if w.kernel.rescale_slack > 0 and any(len(r) for r in per_req):
         max_v = max(r[:, :512].abs().max().item() for r in per_req if len(r))
-        lagging = lazy_rescale_allowance(q_nope.dtype, v_scale * max_v)
+        lagging = weight_rounding_allowance(q_nope.dtype, v_scale * max_v)
     assert_attention_close(out, ref.to(out.device), low.to(q_nope.dtype).to(out.device), what, lagging)
     return ref, ref_lse
 
@@ -707,7 +707,7 @@ def replay_and_check(w, kv, q_nope, q_pe, replan, rounds: int, q_len: int, check
                    for b in range(len(lengths))]
             ref, _ = mla_reference(q_nope, q_pe, per, q_len, DEEPSEEK_SM_SCALE)
             lagging = w.kernel.rescale_slack > 0  # (the captured kernel: plans keep it)
-            bound = 2e-2 + (lazy_rescale_allowance(kv.dtype, ckv.abs().max().item()) if lagging else 0.0)
+            bound = 2e-2 + (weight_rounding_allowance(kv.dtype, ckv.abs().max().item()) if lagging else 0.0)
             assert (out.double() - ref).abs().max().item() < bound, f"replay {i}"
 
 

@@ -757,7 +757,7 @@ def test_aligned_chunks_cut_on_the_kernel_tiles(heads, pipeline):
 
 def test_only_the_roles_kernel_lets_its_row_max_lag():
     """MLADecodeKernel.rescale_slack is what the template renders (kRescaleSlack) and what the GPU tests'
-    accuracy rule reads (helpers.lazy_rescale_allowance): 8 (log2) for the roles kernel, 0 for the rest."""
+    accuracy rule reads (helpers.weight_rounding_allowance): 8 (log2) for the roles kernel, 0 for the rest."""
     from attnforge.kernels.mla import ROLES_RESCALE_SLACK
     spec = AttentionSpec(family="mla_decode", num_qo_heads=128, num_kv_heads=1, head_dim_qk=576, head_dim_vo=512,
                          pipeline="normal")

@@ -8,7 +8,7 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, paged, reference
-from helpers import (assert_attention_close, assert_lse_close, csr_table, lazy_rescale_allowance, make_paged_case,
+from helpers import (assert_attention_close, assert_lse_close, csr_table, weight_rounding_allowance, make_paged_case,
                      poison, poison_unused_slots, replays_after_replans)
 
 pytestmark = pytest.mark.gpu
@@ -102,7 +102,7 @@ def test_d256_split_ring_schedules(page_size, options):
     torch.cuda.synchronize()
     # the wgmma kernel's lagging row max: one 2^-8 rounding of a peaked row's dominant weight (seen once here at
     # 6.9e-3 against torch's 1.9e-3, the sixty-third session, on q from the global generator)
-    allowance = lazy_rescale_allowance(torch.bfloat16, max(v.abs().max().item() for _, v in per if v.numel()))
+    allowance = weight_rounding_allowance(torch.bfloat16, max(v.abs().max().item() for _, v in per if v.numel()))
     check_against_reference(spec, q, out, lse, per, qo, dominant_weight_error=allowance)
     assert torch.all(out[qo[5]:] == 0) and torch.all(lse[qo[5]:] == -math.inf)  # kv_len 0
 
@@ -1111,7 +1111,7 @@ def test_functional_attention_with_a_flex_block_mask_matches_flex():
                                enable_gqa=True)
     low = flex.flex_attention(q, k, v, score_mod=bias, block_mask=block_mask, enable_gqa=True)
     assert_attention_close(out.transpose(1, 2), want.transpose(1, 2).double(), low.transpose(1, 2), "flex",
-                           lazy_rescale_allowance(torch.bfloat16, v.abs().max().item()))
+                           weight_rounding_allowance(torch.bfloat16, v.abs().max().item()))
 
 
 def test_a_flex_call_carries_over_with_its_positional_arguments_and_return_aux():
