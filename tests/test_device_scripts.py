@@ -16,6 +16,14 @@ def test_device_script_parses(script):
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.parametrize("patch", sorted((ROOT / "docs" / "prepared").glob("*.patch")), ids=lambda p: p.name)
+def test_a_prepared_patch_applies_to_this_tree(patch):
+    """A call script applies its patch first and stops if it does not apply: when main moves under a patch, this
+    fails here, not on the GPU machine (regenerate the patch from a branch)."""
+    out = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 def run_on(tmp_path, gpu_name, **env):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
