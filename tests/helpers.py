@@ -134,8 +134,8 @@ def decode_expected(spec: AttentionSpec, q, per_request):
 
 def assert_attention_close(out, ref64, low_ref, what="", dominant_weight_error=0.0):
     """FlashAttention's rule: our error at most 2x that of torch in low precision, plus a small atol;
-    and the relative error in the bf16 band of METHOD.md. dominant_weight_error: what a kernel that
-    rescales lazily may add (weight_rounding_allowance)."""
+    and the relative error in the bf16 band of METHOD.md. dominant_weight_error: what rounding weights or
+    partial rows to 16 bits may add where torch's float32 yardstick rounds neither (weight_rounding_allowance)."""
     out = out.double()
     assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten or NaN output)"
     err = (out - ref64).abs().max().item()

@@ -18,7 +18,7 @@ from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestHeadDecode, QuestIndex, expand_per_head, page_scores, select_pages
 from attnforge.spec import PREFILL_QK_VO_DIMS
 from helpers import assert_attention_close, assert_lse_close, decode_reference, int4_kernel_scores, \
-    weight_rounding_allowance, make_paged_case, poison, summary_format
+    make_paged_case, poison, summary_format, weight_rounding_allowance
 from test_decode_gpu import run_case as run_decode_case
 from test_decode_verify_gpu import verify_case
 from test_mla_gpu import mla_spec, run_case as run_mla_case

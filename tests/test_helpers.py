@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (largest_holders, weight_rounding_allowance, log_test_memory, poison_unused_slots, python_tensors,
-                     replays_after_replans)
+from helpers import (largest_holders, log_test_memory, poison_unused_slots, python_tensors, replays_after_replans,
+                     weight_rounding_allowance)
 
 
 def test_replay_protocol_order(monkeypatch):

@@ -9,8 +9,8 @@ from attnforge import AttentionSpec, BatchMLADecode, mods, reference
 from attnforge.checks import TORCH_DTYPES
 from attnforge.kernels.mla import WGMMA_MIN_HEADS
 from attnforge.mla import DEEPSEEK_SM_SCALE, MAX_MERGE_LANES
-from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, weight_rounding_allowance, poison,
-                     random_page_table, replays_after_replans, unheld_slots)
+from helpers import (assert_attention_close, assert_lse_close, chain_on_own_outputs, poison, random_page_table,
+                     replays_after_replans, unheld_slots, weight_rounding_allowance)
 
 pytestmark = pytest.mark.gpu
 PIPELINES = ["normal", "transposed"]

@@ -8,8 +8,8 @@ import torch
 import attnforge
 import attnforge.mods as m
 from attnforge import AttentionSpec, BatchPrefill, paged, reference
-from helpers import (assert_attention_close, assert_lse_close, csr_table, weight_rounding_allowance, make_paged_case,
-                     poison, poison_unused_slots, replays_after_replans)
+from helpers import (assert_attention_close, assert_lse_close, csr_table, make_paged_case, poison, poison_unused_slots,
+                     replays_after_replans, weight_rounding_allowance)
 
 pytestmark = pytest.mark.gpu
 
