@@ -193,3 +193,19 @@ def test_reference_agrees_with_flex_attention_on_random_modifiers(seed):
             assert torch.allclose(out.float(), want[b].transpose(0, 1), atol=1e-4, rtol=1e-4), fn.source
             both_empty = lse.isinf() & lse_want.isinf()
             assert (both_empty | ((lse - lse_want).abs() <= 1e-5 * (1 + lse.abs()))).all(), fn.source
+
+
+@pytest.mark.parametrize("seed,heads", [(11, 32), (21, 16), (21, 128)])
+def test_the_gpu_draws_keep_their_logits_within_the_limit(seed, heads):
+    """gpu_mods' draws meet the float64 reference on the GPU, where a float32 logit keeps 24 bits: at 1e5 an ulp
+    is 7.8e-3, past the tolerance. Seed 11 once drew `score + (max(..., kv_idx * ...) >> 3) - ...` (logits ~1e6:
+    an integer root added to the score without the float limit). Over the tests' bounds (batch 8, `heads`, 4096
+    positions), a draw's value stays within float_limit 64 plus the score's 16."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4096
+    env = {"score": torch.randn(n, generator=g) * 3, "b": torch.randint(0, 8, (n,), generator=g),
+           "h": torch.randint(0, heads, (n,), generator=g), "q_idx": torch.randint(0, 4096, (n,), generator=g),
+           "kv_idx": torch.randint(0, 4096, (n,), generator=g)}
+    for fn, _ in draw(seed, 8, False, steps_see_score=False, bounds=(8, heads, 4096), float_limit=64.0):
+        value = fn(**env).double()
+        assert torch.isfinite(value).all() and value.abs().max().item() <= 64.0 + 16.0, fn.source
