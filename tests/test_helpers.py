@@ -105,6 +105,33 @@ def test_weight_rounding_allowance_bounds_weights_rounded_against_a_lagging_max(
     assert worst_lazy > 1.5 * worst_eager  # the dominant weight, exact only under an eager max
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_rounding_allowance_bounds_partial_rows_rounded_before_their_merge(dtype):
+    """Keys split into 2-8 chunks, each chunk's normalised output rounded to 16 bits (a cascade's levels, a split
+    prefill's 16-bit partials), merged by their exact LSE weights: the merged row stays within the allowance
+    (the weights sum to one; these rows reach ~38% of it), and rounding the partials does show more error than
+    merging them in float64."""
+    g = torch.Generator().manual_seed(1)
+    worst_rounded, worst_exact = 0.0, 0.0
+    for _ in range(200):
+        n = int(torch.randint(64, 1024, (1,), generator=g))
+        s = torch.randn(n, generator=g, dtype=torch.float64) * 2
+        v = torch.randn(n, 64, generator=g, dtype=torch.float64) * 2
+        exact = torch.softmax(s, 0) @ v
+        cuts = torch.linspace(0, n, int(torch.randint(3, 10, (1,), generator=g))).long().tolist()
+        parts = [(torch.softmax(s[a:b], 0) @ v[a:b], torch.logsumexp(s[a:b], 0)) for a, b in zip(cuts, cuts[1:])]
+        weights = torch.softmax(torch.stack([lse for _, lse in parts]), 0)
+        for rounded in (True, False):
+            merged = sum(w * (o.to(dtype).double() if rounded else o) for w, (o, _) in zip(weights, parts))
+            err = (merged - exact).abs().max().item()
+            assert err <= weight_rounding_allowance(dtype, v.abs().max().item())
+            if rounded:
+                worst_rounded = max(worst_rounded, err)
+            else:
+                worst_exact = max(worst_exact, err)
+    assert worst_rounded > 100 * worst_exact
+
+
 def test_memory_log_names_what_holds_the_largest_tensor():
     """The memory log's diagnosis (conftest, ATTNFORGE_TEST_MEMLOG): the tensors Python holds, and for the largest
     the types that refer to it and to those; nothing under the size bound, and this test's own lists not counted."""
