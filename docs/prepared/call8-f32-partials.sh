@@ -11,7 +11,7 @@ TEST_GROUPS="$(python3 tools/gpu_test_groups.py 14)" BENCH=0 SASS=0 SANITIZE=1 S
   SANITIZE_TIMEOUT=400 TEST_TIMEOUT=360 bash tools/gpu_session.sh > "$OUT/session.log" 2>&1
 echo "tests done at $(( $(date +%s) - start )) s"
 grep -hE '[0-9]+ (passed|failed)' "$OUT/pytest.log"; grep -hE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
-grep -c "ERROR SUMMARY: 0 errors" "$OUT/memcheck.log"; grep -E "ERROR SUMMARY: [1-9]" "$OUT/memcheck.log" | head -5
+cat "$OUT/memcheck.log"
 export PYTHONPATH=$PWD ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_JOBS=16
 for side in patch main patch main; do
   if [ "$side" = main ]; then git apply -R "$patch_file"; fi
