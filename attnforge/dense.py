@@ -281,7 +281,7 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     out = q.new_empty((bq, hq, lq, d))
     slots = w._plan["num_slots"]
     if slots > 1:  # split KV (few query tiles, long keys): partials [B, H, Lq, slots, D], merged by LSE
-        part = torch.empty((bq, hq, lq, slots, d), dtype=q.dtype, device=q.device)
+        part = torch.empty((bq, hq, lq, slots, d), dtype=torch.float32, device=q.device)  # (a split plan: float rows)
         part_lse = torch.full((bq, hq, lq, slots), -math.inf, dtype=torch.float32, device=q.device)
         template = w._dense_template(q, k, v, dict(out_stride_n=slots * d, out_stride_h=lq * slots * d,
                                                    out_stride_slot=d, lse_stride_n=slots, lse_stride_h=lq * slots,

@@ -90,8 +90,10 @@ class BatchPrefill:
         backend = default_backend(spec) if backend is None else backend  # (a falsy 0 or "" is refused, not the default)
         self.kernel = PrefillKernel(spec, backend, num_stages, kv_tile, producer, pingpong,
                                     persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
-        # the kernel a plan runs, by its KV kind (ragged or paged): self.kernel, or a twin for one kind
-        self._kernel_for_kv = {ragged: self.kernel.for_kv(ragged) for ragged in (False, True)}
+        # the kernel a plan runs, by its KV kind (ragged or paged) and whether it splits KV: self.kernel, or a twin
+        # for one kind, or that kernel's twin that writes float32 partial states (PrefillKernel.for_partials)
+        self._kernels = {(ragged, split): self.kernel.for_kv(ragged).for_partials() if split else
+                         self.kernel.for_kv(ragged) for ragged in (False, True) for split in (False, True)}
         self.device = checks.cuda_device(device, "BatchPrefill", host_ok=True)
         self._plan = None
         self._captured = paged.CapturedPages()  # (use_cuda_graph: the captured caches' pages bound each plan)
@@ -225,7 +227,7 @@ class BatchPrefill:
         self._plan = {"batch": b, "total_q": int(qo[-1]), "ragged": ragged, "kv_tokens": int(kv_len.sum()),
                       "page_size": int(page), "max_page": max_page, "kv_len": kv_len, "num_work": len(work),
                       "dev": dev, "host": host, "ptrs": ptrs, "sm_scale": scale, "v_scale": v_scale,
-                      "num_slots": num_slots, "kernel": self._kernel_for_kv[ragged],
+                      "num_slots": num_slots, "kernel": self._kernels[ragged, num_slots > 1],
                       "grid": self._grid(len(work))}
         self._memo.new_plan()
 
@@ -269,10 +271,11 @@ class BatchPrefill:
 
     def launchable_kernels(self) -> tuple:
         """Every kernel spec a plan of this wrapper may launch: the kernel for paged and for ragged K/V (one, or a
-        twin: PrefillKernel.for_kv) and, where plans split KV, the merge of the partial states."""
-        kernels = tuple(dict.fromkeys(self._kernel_for_kv.values()))
+        twin: PrefillKernel.for_kv) and, where plans split KV, their float32-partials twins and the merge of the
+        partial states."""
+        kernels = tuple(dict.fromkeys(k for (_, split), k in self._kernels.items() if self.split_kv or not split))
         out = checks.TORCH_DTYPES[self.spec.out_dtype]
-        return kernels + ((MergeSpec(out, out),) if self.split_kv else ())
+        return kernels + ((MergeSpec(torch.float32, out),) if self.split_kv else ())
 
     def load_kernels(self) -> tuple[str, ...]:
         """Build (where the cache lacks them) and load on this wrapper's GPU every kernel its plans may launch;
@@ -423,12 +426,12 @@ class BatchPrefill:
         slots = pl["num_slots"]
         if slots > 1:  # split KV: partial states [rows, slots, Hq, D] (unwritten slots keep LSE -inf), merged
             n, h, d = out_shape
-            part = torch.empty((n, slots, h, d), dtype=out.dtype, device=self.device)
+            part = torch.empty((n, slots, h, d), dtype=torch.float32, device=self.device)  # (rounded once, merged)
             part_lse = torch.full((n, slots, h), -math.inf, dtype=torch.float32, device=self.device)
             self._launch(q, part, part_lse, dict(**fields, out_stride_n=slots * h * d, out_stride_h=d,
                                                  out_stride_slot=h * d, lse_stride_n=slots * h, lse_stride_h=1,
                                                  lse_stride_slot=h))
-            merged, lse = merge_states(part, part_lse, out=out if out.is_contiguous() else None)
+            merged, lse = merge_states(part, part_lse, out=out if out.is_contiguous() else None, out_dtype=out.dtype)
             if merged is not out:
                 out.copy_(merged)
             return (out, lse) if return_lse else out

@@ -91,8 +91,8 @@ def verify_kernel(spec: AttentionSpec, max_q_len: int):
 def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has them, its
     whole-item kernels (BatchDecode(whole_items=...) picks one per plan), a verify entry's too; a prefill spec's
-    kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv); so an AOT build covers what
-    plans pick."""
+    kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv), and their twins for plans that split
+    KV (PrefillKernel.for_partials); so an AOT build covers what plans pick."""
     mods = [module_for(spec)]
     from .kernels.decode import DecodeKernel, whole_item_kernels
     if isinstance(spec, AttentionSpec) and spec.family == "decode":
@@ -102,8 +102,8 @@ def modules_for(spec) -> list:
     if isinstance(spec, AttentionSpec) and spec.family == "prefill":
         from .kernels.prefill import PrefillKernel, default_backend
         kernel = PrefillKernel(spec, default_backend(spec))
-        twin = kernel.for_kv(ragged=True)
-        mods += [twin.module()] if twin is not kernel else []
+        kernels = list(dict.fromkeys([kernel, kernel.for_kv(ragged=True)]))
+        mods += [k.module() for k in kernels[1:] + [k.for_partials() for k in kernels]]
     return mods
 
 

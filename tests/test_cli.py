@@ -24,14 +24,16 @@ def test_build_spec_file_info_and_clear(tmp_path):
                                  {"family": "prefill", "causal": True}]))
     r = cli("build", "--spec-file", str(specs), cache=cache)
     assert r.returncode == 0, r.stderr
-    assert "building 2 modules" in r.stderr and "decode_mha_d64" in r.stdout and "prefill_gqa4" in r.stdout
+    # the decode kernel, the prefill kernel and its twin for plans that split KV (float32 partial states)
+    assert "building 3 modules" in r.stderr and "decode_mha_d64" in r.stdout and "prefill_gqa4" in r.stdout
+    assert "_outf32_" in r.stdout
     cubins = list(cache.rglob("kernel.cubin"))
-    assert len(cubins) == 2
+    assert len(cubins) == 3
     r = cli("info", cache=cache)
     assert r.returncode == 0 and str(cache) in r.stdout and "ATTNFORGE_CACHE_DIR" in r.stdout
     assert "MiB" in r.stdout
     r = cli("cache", "list", cache=cache)
-    assert r.returncode == 0 and "2 modules" in r.stdout, r.stderr
+    assert r.returncode == 0 and "3 modules" in r.stdout, r.stderr
     assert "batch_decode_kernel" in r.stdout and "registers, stack 0 B" in r.stdout  # read from the cubins
     r = cli("cache", "clear", cache=cache)
     assert r.returncode == 0 and not cache.exists()

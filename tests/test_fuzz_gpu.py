@@ -169,11 +169,9 @@ def test_random_prefill(seed):
     per = [(k.double() * k_scale, v.double() * v_scale) for k, v in per]
     out, lse = w.run(q, kv_arg, out=poison(q.shape, q.dtype), return_lse=True)
     torch.cuda.synchronize()
-    # a split plan stores partial rows in the output type and the merge rounds again (as a cascade's levels do)
-    split = w._plan["num_slots"] > 1
-    max_abs_v = max(v.abs().max().item() for _, v in per if v.numel()) if split else 0.0
-    check_against_reference(spec, q, out, lse, per, qo,
-                            dominant_weight_error=weight_rounding_allowance(q.dtype, max_abs_v))
+    # (no allowance for split plans: their partial states are float32, each output rounds once; seed 917 read 2.8x
+    # torch's error when they were 16-bit)
+    check_against_reference(spec, q, out, lse, per, qo)
 
 
 def draw_prefill_split_dims(rng):

@@ -461,9 +461,10 @@ def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
     names = []
     for spec in specs:
         w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
-        launched = [w._kernel_for_kv[ragged].module().name for ragged in (False, True)]  # paged, ragged plans
-        assert [m.name for m in presets.modules_for(spec)] == sorted(set(launched), key=launched.index)
+        launched = [k.module().name for k in w.launchable_kernels() if isinstance(k, PrefillKernel)]
+        assert sorted(m.name for m in presets.modules_for(spec)) == sorted(launched)
         names += launched
-    # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin
-    assert len(set(names)) == 6 and sum("kvfp8" in n for n in set(names)) == 4
-    assert sum("tma" in n and "kvfp8" in n for n in set(names)) == 2
+    # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin; plans that split KV, a float32-partials twin of each
+    assert len(set(names)) == 12 and sum("kvfp8" in n for n in set(names)) == 8
+    assert sum("tma" in n and "kvfp8" in n for n in set(names)) == 4
+    assert sum("outf32" in n for n in set(names)) == 6

@@ -129,14 +129,15 @@ def test_compiled_attention_output_takes_v_width():
 
 def test_the_deepseek_prefill_preset_builds_what_batch_prefill_launches():
     """`python -m attnforge build --preset deepseek-prefill`: 192/128 in bf16 and fp16, the module a ragged plan
-    launches (the only kind these specs plan)."""
+    launches (the only kind these specs plan) and its float32-partials twin (plans that split KV)."""
     from attnforge import presets
     specs = presets.PRESETS["deepseek-prefill"]()
     assert {(s.head_dim_qk, s.head_dim_vo, s.q_dtype) for s in specs} == {(192, 128, "bf16"), (192, 128, "fp16")}
     for spec in specs:
         w = BatchPrefill(spec, device="cpu")
-        assert [m.name for m in presets.modules_for(spec)] == [w._kernel_for_kv[True].module().name]
-        assert "wgmma" in w._kernel_for_kv[True].module().name
+        ragged = [w._kernels[True, split].module().name for split in (False, True)]
+        assert [m.name for m in presets.modules_for(spec)] == ragged
+        assert all("wgmma" in name for name in ragged) and "outf32" in ragged[1]
 
 
 def test_k_goes_a_tile_ahead_of_v_on_split_dims_alone():

@@ -166,6 +166,8 @@ class PrefillKernel:
     k_ahead: Optional[bool] = None  # a split ring of narrower V: the producer copies K(t+1) before V(t), so K(t+1)
     # waits only for S(t-1) (its slot's last reader), not behind V(t)'s slot. None: on at split dims (ragged K/V:
     # no paged row offsets that K's copy resolves and V's reuses)
+    partial_out: bool = False  # the rows are a split plan's partial states, float32, merged by LSE after (16-bit
+    # partials are rounded twice: up to 2.8x torch's error on GPU fuzz seed 917; decode's partials are float32 too)
 
     def __post_init__(self):
         if self.m_tiles is None:
@@ -401,6 +403,10 @@ class PrefillKernel:
             return dataclasses.replace(self, tma=True)
         return self
 
+    def for_partials(self) -> "PrefillKernel":
+        """The twin a plan that splits KV runs: the same tiles, its rows written as float32 partial states."""
+        return dataclasses.replace(self, partial_out=True)
+
     def tma_values(self, k, v, page_size: int, ragged: bool, q=None) -> dict:
         """The TMA fields of the params for these K/V: maps and box rows, or box rows 0 (cp.async).
         Ragged K/V is [tokens, Hkv, D]; the SDPA layout [B, Hkv, Lk, D] (attention()) is described as
@@ -461,7 +467,8 @@ class PrefillKernel:
 
     def module(self) -> JitModule:
         s = self.spec
-        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
+        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype],
+               "out_dtype": "float" if self.partial_out else _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "head_dim_vo": s.head_dim_vo, "group_size": s.group_size,
                "causal": s.causal,
                "tile_q": self.tile_q, "tile_kv": self.tile_kv, "num_stages": self.stages, "m_tiles": self.m_tiles,
@@ -472,7 +479,8 @@ class PrefillKernel:
                "k_ahead": self.k_ahead, "params_struct": self.params.cpp(), "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
-                         dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []), f"out{s.out_dtype}",
+                         dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []),
+                         f"out{'f32' if self.partial_out else s.out_dtype}",
                          *(["causal"] if s.causal else []), *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *([f"mod{s.score_mod.cache_key[:8]}"] if s.score_mod is not None else []),

@@ -197,6 +197,14 @@ def _wgmma_mla_kernels(normal):
             MLADecodeKernel(dataclasses.replace(normal[0], pipeline="transposed"), backend="wgmma")]
 
 
+def _partials_twins(prefill):
+    """The float32-partials twins split plans run (PrefillKernel.for_partials): wgmma at d128 (its epilogue in one
+    pass, not deferred) and d256, split dims, and the mma kernel."""
+    from attnforge.kernels.prefill import PrefillKernel
+    return [PrefillKernel(prefill[0], "wgmma").for_partials(), PrefillKernel(prefill[1], "wgmma").for_partials(),
+            PrefillKernel(SPLIT_DIMS, "wgmma").for_partials(), PrefillKernel(prefill[1], "mma").for_partials()]
+
+
 def test_nvcc_compiles_the_variant_matrix():
     mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
     # both prefill kernels: module_for_attention picks wgmma (sm_90a) where it applies
@@ -210,6 +218,7 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [PrefillKernel(fp8, "wgmma", tma=True).module(), PrefillKernel(fp8, "wgmma", fp8_int_widen=True).module(),
              PrefillKernel(dataclasses.replace(fp8, head_dim_qk=64, head_dim_vo=64, q_dtype="fp16"), "wgmma").module()]
     mods += [PrefillKernel(SPLIT_DIMS, "wgmma").module(), PrefillKernel(SPLIT_DIMS, "wgmma", producer=False).module()]
+    mods += [k.module() for k in _partials_twins(prefill)]
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
     mods += [k.module() for k in _wgmma_mla_kernels(mla)]
@@ -276,6 +285,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
     kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(s, "mma") for s in prefill]
     kernels.append(PrefillKernel(SPLIT_DIMS, "wgmma"))
+    kernels += _partials_twins(prefill)
     paths = build_many([k.module() for k in kernels], ARCHS)
     checked, problems = 0, []
     for k, path in zip(kernels, paths):
