@@ -1,6 +1,6 @@
 """Time prefill plans that split KV (few query tiles against long KV), for an A/B of how split plans store their
-partial states (docs/prepared/prefill-f32-partials.patch). One JSON line a case: us (median of the harness's
-rounds), slots, and the partial-output and KV bytes.
+partial states (float32 since the hundred-and-eighth session: perf-notes). One JSON line a case: us (median of
+the harness's rounds), slots, and the partial-output and KV bytes.
     PYTHONPATH=$PWD python3 tools/time_split_prefill.py
 """
 from __future__ import annotations
