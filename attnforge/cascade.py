@@ -12,7 +12,8 @@ KV range, given as a CSR page table over the same cache. Levels nest like FlashI
 cascade: level 0 is the longest-shared prefix. With use_cuda_graph=True every level plans into
 persistent buffers, so `run` can be captured once and replayed after re-plans with the same number
 of levels and batch size. An fp8 cache passes its k_scale / v_scale to plan: the levels then run fp8 prefill
-and the suffix fp8 decode.
+and the suffix fp8 decode. The levels and the suffix write float32 rows (float_out), so a merged row is rounded to
+the output type once, as a single-level decode's is.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 
 from . import checks, ops, paged
 from .decode import BatchDecode
-from .merge import check_merge_out, merge_state, merge_states
+from .jit import registry
+from .merge import MergeSpec, check_merge_out, merge_state, merge_states
 from .prefill import BatchPrefill
 from .spec import AttentionSpec
 
@@ -65,7 +67,12 @@ class CascadeDecode:
                               spec.name, "Use BatchDecode for those variants.")
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph
-        self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, **decode_kwargs)
+        if "float_out" in decode_kwargs:
+            raise checks.fail("CascadeDecode(float_out=...)", "no float_out (the levels and the suffix always write "
+                              "float32 rows, merged once into the spec's out_dtype)", decode_kwargs["float_out"],
+                              "Leave it out; pass out= to run() for the merged rows' buffer.")
+        self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, float_out=True,
+                                  **decode_kwargs)
         self.device = self.suffix.device
         self.level_spec = self.level_spec_for(spec)
         self.levels: list[BatchPrefill] = []
@@ -77,6 +84,20 @@ class CascadeDecode:
         return AttentionSpec(family="prefill", num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                              head_dim_qk=spec.head_dim_qk, q_dtype=spec.q_dtype, kv_dtype=spec.kv_dtype,
                              out_dtype=spec.out_dtype, kv_layout=spec.kv_layout, logits_soft_cap=spec.logits_soft_cap)
+
+    def launchable_kernels(self) -> tuple:
+        """Every kernel spec a plan may launch: the suffix's decode kernels and the levels' prefill kernels (all
+        writing float32 rows), and the merges of float32 rows (a split level's partials, the levels with the
+        suffix into the output type)."""
+        # (a host-side twin of a level's wrapper lists its kernels: under CUDA graphs a level never splits)
+        level = BatchPrefill(self.level_spec, device="cpu", float_out=True, split_kv=not self.use_cuda_graph)
+        merge = MergeSpec(torch.float32, checks.TORCH_DTYPES[self.spec.out_dtype])
+        return tuple(dict.fromkeys(self.suffix.launchable_kernels() + level.launchable_kernels() + (merge,)))
+
+    def load_kernels(self) -> tuple[str, ...]:
+        """Build (where the cache lacks them) and load on this cascade's GPU every kernel its plans may launch;
+        returns their module names (BatchDecode.load_kernels: call it at start-up)."""
+        return registry.load_all(self.launchable_kernels(), self.device)
 
     def plan(self, levels: Sequence[tuple], suffix: tuple, *, page_size: int, sm_scale=None, k_scale: float = 1.0,
              v_scale: float = 1.0) -> None:
@@ -90,7 +111,7 @@ class CascadeDecode:
                               len(levels), "Capture one graph per number of levels.")
         if len(self.levels) != len(levels):  # kept while the count holds: their buffers, pinned staging and run memos
             self.levels = [BatchPrefill(self.level_spec, device=self.device, use_cuda_graph=self.use_cuda_graph,
-                                        max_batch_size=self.suffix.max_batch_size) for _ in levels]
+                                        max_batch_size=self.suffix.max_batch_size, float_out=True) for _ in levels]
         for w, (group_indptr, kv_indptr, kv_indices, last) in zip(self.levels, levels):
             # the group's queries (one decode token per request) form one query block
             w.plan(paged.host_int_array("group_indptr", group_indptr), kv_indptr, kv_indices, last,
@@ -112,8 +133,10 @@ class CascadeDecode:
             outs.append(o)
             lses.append(s)
         o, s = self.suffix.run(q, kv_cache, return_lse=True)
+        dtype = checks.TORCH_DTYPES[self.spec.out_dtype]  # (float32 rows in, rounded once here)
         if len(outs) == 1:  # one shared level (the common case): merge the pair, no stacked copies
-            merged, lse = merge_state(outs[0], lses[0], o, s, out=out)
+            merged, lse = merge_state(outs[0], lses[0], o, s, out=out, out_dtype=None if out is not None else dtype)
         else:
-            merged, lse = merge_states(torch.stack(outs + [o], dim=1), torch.stack(lses + [s], dim=1), out=out)
+            merged, lse = merge_states(torch.stack(outs + [o], dim=1), torch.stack(lses + [s], dim=1), out=out,
+                                       out_dtype=None if out is not None else dtype)
         return (merged, lse) if return_lse else merged

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -74,7 +75,7 @@ class BatchDecode:
                  device: Union[str, torch.device, None] = None, tile_kv: Optional[int] = None,
                  num_stages: Optional[int] = None, num_warps: Optional[int] = None, ctas_per_sm: Optional[int] = None,
                  head_splits: Optional[int] = None, whole_items: Optional[bool] = None, pdl: bool = True,
-                 merge_launch: Optional[bool] = None, max_q_len: int = 1, **spec_kwargs):
+                 merge_launch: Optional[bool] = None, max_q_len: int = 1, float_out: bool = False, **spec_kwargs):
         # tile_kv / num_stages / num_warps: the kernel's tiling (None: attnforge.kernels.decode's measured
         # defaults); ctas_per_sm: a persistent grid below the kernel's occupancy (grid_ctas), None for the default;
         # head_splits: work items per KV head (None: kernels.decode.default_head_splits);
@@ -103,6 +104,8 @@ class BatchDecode:
         # (the last token and its drafts, causal among themselves) in one pass over each request's KV; a
         # work item then holds its heads' rows for every token (kernels.decode.DecodeKernel.max_q_len), and a
         # spec on its group's default pipeline takes the one measured for those rows (kernels.decode.spec_for_rows)
+        # float_out: rows written as float32 instead of the spec's out_dtype, for callers that merge them with
+        # other attention states (a 16-bit row is rounded once more by the merge; CascadeDecode passes it)
         if not isinstance(max_q_len, int) or isinstance(max_q_len, bool) or not 1 <= max_q_len <= self.MAX_Q_LEN:
             raise checks.fail("max_q_len", f"an int in [1, {self.MAX_Q_LEN}]", repr(max_q_len),
                               "Query tokens per request (1 + speculative draft tokens).")
@@ -113,6 +116,11 @@ class BatchDecode:
         checks.check_count(who, "max_batch_size", max_batch_size)
         checks.check_count(who, "max_num_pages", max_num_pages)
         self.pdl = pdl
+        checks.check_flag(who, "float_out", float_out)
+        if float_out and self.FAMILY != "decode":
+            raise checks.fail(f"{who}(float_out=True)", "float_out on BatchDecode only", who,
+                              "Merge this wrapper's rows as returned, or run the decode through BatchDecode.")
+        self.float_out = float_out
         checks.check_flag(who, "whole_items", whole_items, optional=True)
         if spec is None:
             spec = AttentionSpec(family="decode", **spec_kwargs)
@@ -166,7 +174,13 @@ class BatchDecode:
         ops.handle(self)  # (its name in compiled graphs: attnforge.ops)
 
     def _make_kernel(self, spec, tile_kv, num_stages, num_warps):
-        return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits, max_q_len=self.max_q_len)
+        return DecodeKernel(spec, tile_kv, num_stages, num_warps, self._head_splits, max_q_len=self.max_q_len,
+                            float_out=self.float_out)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of run()'s rows: the spec's out_dtype, or float32 with float_out."""
+        return torch.float32 if self.float_out else checks.TORCH_DTYPES[self.spec.out_dtype]
 
     def partial_slot_rows(self) -> int:
         """Query rows of one of the two partial-state slots per CTA (attnforge/scheduler.py), summed over the
@@ -197,7 +211,8 @@ class BatchDecode:
         if self.FAMILY != "decode":
             return ()
         # (built only without explicit tilings or head splits: the default head splits, as the AOT build's)
-        pairs = [(t, self._make_whole_kernel(kernel_for_tiling(spec, t, self.max_q_len)))
+        pairs = [(t, self._make_whole_kernel(dataclasses.replace(kernel_for_tiling(spec, t, self.max_q_len),
+                                                                 float_out=self.float_out)))
                  for t in whole_item_tilings(spec, self.max_q_len)]
         return tuple(WholeItemLaunch(k, grid_ctas(self.num_sms, k.ctas_per_sm), t) for t, k in pairs if fits(k))
 
@@ -206,7 +221,7 @@ class BatchDecode:
 
     def _host_only_defaults(self) -> None:
         """The constructor arguments _make_kernel and plan() read, at their defaults (host_only skips __init__)."""
-        self._head_splits, self.merge_in_launch, self.max_q_len = None, None, 1
+        self._head_splits, self.merge_in_launch, self.max_q_len, self.float_out = None, None, 1, False
         self._captured = paged.CapturedPages()
 
     def _rows_per_slot(self) -> int:  # query rows of one work item (its partial-output slot)
@@ -241,12 +256,12 @@ class BatchDecode:
 
     @classmethod
     def host_only(cls, spec: AttentionSpec, max_batch_size: int = 256, max_num_pages: int = 1 << 16,
-                  num_sms: int = 132, max_q_len: int = 1) -> "BatchDecode":
+                  num_sms: int = 132, max_q_len: int = 1, float_out: bool = False) -> "BatchDecode":
         """A wrapper whose plan() runs without a GPU (HostOnlyUpload buffers in host memory; run() is
         not available): for tests of plan()'s host side and tools/plan_host_cost.py."""
         w = cls.__new__(cls)
         w._host_only_defaults()
-        w.max_q_len = max_q_len
+        w.max_q_len, w.float_out = max_q_len, float_out
         spec = spec_for_rows(spec, max_q_len) if cls.FAMILY == "decode" else spec
         w.spec, w.kernel = spec, w._make_kernel(spec, None, None, None)
         w.device, w.use_cuda_graph, w._plan, w._memo = torch.device("cpu"), False, None, checks.RunMemo()
@@ -473,7 +488,7 @@ class BatchDecode:
         paged.check_page_bound(self._plan["max_page"], cache[-1])
         self._captured.note(self.use_cuda_graph, cache[-1])
         if out is not None or lse is not None:
-            checks.check_output_buffers(out, lse, (b, s.num_qo_heads, s.head_dim_vo), checks.TORCH_DTYPES[s.out_dtype],
+            checks.check_output_buffers(out, lse, (b, s.num_qo_heads, s.head_dim_vo), self.out_dtype,
                                         self.device, "[batch, num_qo_heads, head_dim]", "[batch, num_qo_heads]", memo,
                                         aligned=False)  # (store_floats: rows at any alignment)
         return cache
@@ -496,7 +511,7 @@ class BatchDecode:
         k, v, stride_page, stride_token, stride_head, _ = self.check_inputs(q, kv_cache, out, lse)
         if out is None or (return_lse and lse is None):
             out, lse = checks.allocate_outputs(out, lse, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
-                                               checks.TORCH_DTYPES[s.out_dtype], self.device)
+                                               self.out_dtype, self.device)
         kernel, ctas = self._plan["kernel"], self._plan["ctas"]
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
@@ -514,4 +529,4 @@ class BatchDecode:
         return (out, lse) if return_lse else out
 
     def _op_out_shape(self, args: list):  # (attnforge::run's fake; MLA's 512-wide rows are its head_dim_vo)
-        return ops.rows_out_shape(self.spec, args)
+        return ops.rows_out_shape(self.spec, args, self.out_dtype)

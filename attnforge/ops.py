@@ -70,10 +70,11 @@ def _q_and_kv(args: list) -> tuple:
     return args[0], (args[1] if len(args) == 2 else tuple(args[1:]))
 
 
-def rows_out_shape(spec, args: list):
-    """(shape, dtype) of a run's output: a row of num_qo_heads x head_dim_vo per query row (args[0]'s rows)."""
+def rows_out_shape(spec, args: list, dtype: Optional[torch.dtype] = None):
+    """(shape, dtype) of a run's output: a row of num_qo_heads x head_dim_vo per query row (args[0]'s rows), of
+    `dtype` (None: the spec's out_dtype)."""
     from .checks import TORCH_DTYPES
-    return (args[0].shape[0], spec.num_qo_heads, spec.head_dim_vo), TORCH_DTYPES[spec.out_dtype]
+    return (args[0].shape[0], spec.num_qo_heads, spec.head_dim_vo), dtype or TORCH_DTYPES[spec.out_dtype]
 
 
 @run_op.register_fake

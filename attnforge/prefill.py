@@ -45,7 +45,7 @@ class BatchPrefill:
                  split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
                  tma: Optional[bool] = None, fma_exp_every: Optional[int] = None, m_tiles: Optional[int] = None,
                  fp8_stages: Optional[int] = None, fp8_int_widen: bool = False, k_ahead: Optional[bool] = None,
-                 **spec_kwargs):
+                 float_out: bool = False, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -70,8 +70,10 @@ class BatchPrefill:
         # not commute with the merge.
         # work_order: the launch order of work items (scheduler.order_prefill_work); "grouped" measured
         # +2-13% over "longest_first" on the H200's contiguous cases (docs/perf-notes.md).
+        # float_out: rows written as float32 instead of the spec's out_dtype (the split plans' twin kernel), for
+        # callers that merge them with other attention states (CascadeDecode's levels)
         for name, value in (("use_cuda_graph", use_cuda_graph), ("pingpong", pingpong), ("split_kv", split_kv),
-                            ("fp8_int_widen", fp8_int_widen)):
+                            ("fp8_int_widen", fp8_int_widen), ("float_out", float_out)):
             checks.check_flag("BatchPrefill", name, value)
         for name, value in (("producer", producer), ("persistent", persistent), ("tma", tma), ("k_ahead", k_ahead)):
             checks.check_flag("BatchPrefill", name, value, optional=True)
@@ -91,8 +93,11 @@ class BatchPrefill:
         self.kernel = PrefillKernel(spec, backend, num_stages, kv_tile, producer, pingpong,
                                     persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
         # the kernel a plan runs, by its KV kind (ragged or paged) and whether it splits KV: self.kernel, or a twin
-        # for one kind, or that kernel's twin that writes float32 partial states (PrefillKernel.for_partials)
-        self._kernels = {(ragged, split): self.kernel.for_kv(ragged).for_partials() if split else
+        # for one kind, or that kernel's twin that writes float32 rows (PrefillKernel.for_partials): a split plan's
+        # partial states, or every plan's rows with float_out
+        self.float_out = float_out
+        self.out_dtype = torch.float32 if float_out else checks.TORCH_DTYPES[spec.out_dtype]  # run()'s rows
+        self._kernels = {(ragged, split): self.kernel.for_kv(ragged).for_partials() if split or float_out else
                          self.kernel.for_kv(ragged) for ragged in (False, True) for split in (False, True)}
         self.device = checks.cuda_device(device, "BatchPrefill", host_ok=True)
         self._plan = None
@@ -274,8 +279,7 @@ class BatchPrefill:
         twin: PrefillKernel.for_kv) and, where plans split KV, their float32-partials twins and the merge of the
         partial states."""
         kernels = tuple(dict.fromkeys(k for (_, split), k in self._kernels.items() if self.split_kv or not split))
-        out = checks.TORCH_DTYPES[self.spec.out_dtype]
-        return kernels + ((MergeSpec(torch.float32, out),) if self.split_kv else ())
+        return kernels + ((MergeSpec(torch.float32, self.out_dtype),) if self.split_kv else ())
 
     def load_kernels(self) -> tuple[str, ...]:
         """Build (where the cache lacks them) and load on this wrapper's GPU every kernel its plans may launch;
@@ -387,7 +391,7 @@ class BatchPrefill:
         return k, v, 0, k.stride(0), k.stride(1)
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
-        checks.check_out(out, tuple(shape), checks.TORCH_DTYPES[self.spec.out_dtype], self.device, "like q")
+        checks.check_out(out, tuple(shape), self.out_dtype, self.device, "like q")
 
     def _dense_fields(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
         """attention()'s contiguous q [B, Hq, Lq, D], k / v [B, Hkv, Lk, D or Dv] as params: one page a request (plain
@@ -419,7 +423,7 @@ class BatchPrefill:
             self._captured.note(self.use_cuda_graph, pages)
         out_shape = (q.shape[0], s.num_qo_heads, s.head_dim_vo)
         if out is None:
-            out = torch.empty(out_shape, dtype=checks.TORCH_DTYPES[s.out_dtype], device=self.device)
+            out = torch.empty(out_shape, dtype=self.out_dtype, device=self.device)
         else:
             memo.get("out", (out,), lambda: self._check_out(out, out_shape), out_shape)
         fields = {**q_fields, **kv_fields}
@@ -442,7 +446,7 @@ class BatchPrefill:
         return (out, lse) if return_lse else out
 
     def _op_out_shape(self, args: list):  # (attnforge::run's fake)
-        return ops.rows_out_shape(self.spec, args)
+        return ops.rows_out_shape(self.spec, args, self.out_dtype)
 
     def _params_template(self) -> codegen.ParamsTemplate:
         """The plan's launch parameters (RunMemo.once): all but a run's tensors, strides, TMA maps and modifier

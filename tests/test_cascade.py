@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, reference
+from attnforge import AttentionSpec, BatchDecode, reference
 from attnforge.cascade import CascadeDecode, check_levels, suffix_batch
-from helpers import replays_after_replans
+from helpers import assert_attention_close, decode_expected, make_paged_case, poison, replays_after_replans
 
 
 def test_suffix_table_form_errors():
@@ -52,6 +52,38 @@ def test_cascade_equals_decode_over_concatenated_kv(layout):
     for b, (k, v) in enumerate(per):
         ref, _ = reference.attention(q[b:b + 1], k, v)
         assert (out[b].double() - ref[0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_cascade_rounds_each_row_once():
+    """The levels and the suffix write float32 rows, so a merged row is rounded once, as one decode over the
+    concatenated KV rounds it: the cascade's RMS error against float64 stays within 1.1x that decode's, and its
+    max error within the rule with no allowance. (A CPU emulation of this case with 16-bit level rows, each
+    rounded before the merge and again after, read 1.24x the decode's RMS error; with float32 rows 0.99x.)"""
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+    page, own = 16, [17, 300, 1, 64, 999, 5, 128, 40]
+    batch, prefix_len = len(own), 4000
+    q, cache, (indptr, indices, last), per = make_paged_case(spec, [prefix_len] + own, page, seed=3)
+    cache.mul_(2)  # (K and V at twice randn's scale: peaked rows of large values, where a rounding shows)
+    per = [(k * 2, v * 2) for k, v in per]
+    q = torch.randn(batch, 32, 128, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    prefix_pages = indices[:indptr[1]]
+    own_indptr = indptr[1:] - indptr[1]
+    c = CascadeDecode(spec)
+    c.plan(levels=[([0, batch], [0, len(prefix_pages)], prefix_pages, [last[0]])],
+           suffix=(own_indptr, indices[indptr[1]:], last[1:]), page_size=page)
+    out = c.run(q, cache, out=poison((batch, 32, 128), torch.bfloat16))
+    whole = [(torch.cat([per[0][0], k]), torch.cat([per[0][1], v])) for k, v in per[1:]]
+    d = BatchDecode(spec)  # the same requests in one decode: prefix and own pages in one table
+    tables = [np.concatenate([prefix_pages, indices[indptr[b + 1]:indptr[b + 2]]]) for b in range(batch)]
+    d.plan(np.concatenate([[0], np.cumsum([len(t) for t in tables])]), np.concatenate(tables), last[1:],
+           page_size=page)
+    single = d.run(q, cache, out=poison((batch, 32, 128), torch.bfloat16))
+    torch.cuda.synchronize()
+    ref, _, low = decode_expected(spec, q, whole)
+    assert_attention_close(out.cpu(), ref, low, "cascade")
+    rms = [((o.cpu().double() - ref) ** 2).mean().sqrt().item() for o in (out, single)]
+    assert rms[0] <= 1.1 * rms[1], f"cascade RMS error {rms[0]:.3e} against one decode's {rms[1]:.3e}"
 
 
 @pytest.mark.gpu
@@ -128,6 +160,30 @@ def test_cascade_refuses_variants_it_cannot_merge():
     assert CascadeDecode.level_spec_for(AttentionSpec(kv_dtype="fp8_e4m3")).kv_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="'decode'"):
         CascadeDecode(AttentionSpec(family="prefill"))
+    with pytest.raises(ValueError, match=r"float_out=...\): expected no float_out .* always write float32 rows"):
+        CascadeDecode(AttentionSpec(), float_out=False)  # (refused before any device work)
+
+
+def test_levels_are_planned_on_wrappers_that_write_float32_rows(monkeypatch):
+    """A cascade merges its levels' rows with the suffix's: each level's prefill writes float32 rows (float_out),
+    so the merge rounds a row once. A CPU test: the levels plan on the host, the suffix is a recorder."""
+    from attnforge.prefill import BatchPrefill
+    monkeypatch.setattr(BatchPrefill, "_sms", lambda self: 132)
+
+    class Recorder:
+        max_batch_size = 4
+
+        def plan(self, *args, **kw):
+            self.kw = kw
+
+    c = CascadeDecode.__new__(CascadeDecode)
+    c.use_cuda_graph, c.suffix, c.levels, c.device = False, Recorder(), [], torch.device("cpu")
+    c.level_spec = CascadeDecode.level_spec_for(AttentionSpec())
+    c.plan(levels=[([0, 4], [0, 2], [5, 6], [16])], suffix=([0, 1, 2, 3, 4], [0, 1, 2, 3], [1, 2, 3, 4]),
+           page_size=16)
+    (level,) = c.levels
+    assert level.float_out and level.out_dtype == torch.float32 and level._plan["kernel"].partial_out
+    assert "_outf32_" in level._plan["kernel"].module().name
 
 
 def test_plan_hands_every_level_and_the_suffix_the_scales():

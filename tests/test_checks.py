@@ -134,6 +134,21 @@ def test_decode_pdl_flag_must_be_a_bool():
         BatchDecode(AttentionSpec(), pdl="yes")  # refused before any device work
 
 
+def test_float_out_flags_must_be_bools_and_only_where_a_kernel_writes_float_rows():
+    from attnforge import AttentionSpec, BatchDecode, BatchMLADecode, BatchPrefill
+    with pytest.raises(ValueError, match=r"BatchDecode\(float_out=...\): expected True or False, got 'yes'"):
+        BatchDecode(AttentionSpec(), float_out="yes")  # refused before any device work
+    with pytest.raises(ValueError, match=r"BatchPrefill\(float_out=...\): expected True or False, got 1"):
+        BatchPrefill(AttentionSpec(family="prefill"), float_out=1, device="cpu")
+
+    class Subclass(BatchDecode):  # another family through BatchDecode's constructor (as MLA's wrapper)
+        FAMILY = "mla_decode"
+    with pytest.raises(ValueError, match=r"Subclass\(float_out=True\): expected float_out on BatchDecode only"):
+        Subclass(AttentionSpec(family="mla_decode", num_qo_heads=16), float_out=True)
+    with pytest.raises(TypeError):
+        BatchMLADecode(num_qo_heads=16, float_out=True)  # (not one of its arguments: MLA writes 16-bit rows)
+
+
 def test_mla_decode_pdl_flag_must_be_a_bool():
     from attnforge import BatchMLADecode
     with pytest.raises(ValueError, match=r"pdl=...\): expected True or False"):

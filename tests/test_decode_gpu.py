@@ -20,7 +20,7 @@ def run_case(spec, lengths, page_size, seed=0, sm_scale=None, k_scale=1.0, v_sca
         poison_unused_slots(cache, indptr, indices, last, page_size, spec.kv_layout)
     w = BatchDecode(spec, **wrapper_kw)
     w.plan(indptr, indices, last, page_size=page_size, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
-    out = poison((len(lengths), spec.num_qo_heads, spec.head_dim_vo), q.dtype)
+    out = poison((len(lengths), spec.num_qo_heads, spec.head_dim_vo), w.out_dtype)  # (float32 with float_out)
     out, lse = w.run(q, cache, out=out, return_lse=True)
     torch.cuda.synchronize()
     eff_scale = (sm_scale or 1 / math.sqrt(spec.head_dim_qk)) * k_scale
@@ -373,6 +373,47 @@ def test_fp8_kv_bf16_queries_of_any_magnitude(magnitude):
     ref, _ = decode_reference(spec, q, per_req)
     low, _ = decode_reference(spec, q.float(), per_req, dtype=torch.float32)
     assert_attention_close(out, ref, low.to(q.dtype), f"fp8 kv, |q| ~ {magnitude}")
+
+
+# float_out (float32 rows for a caller's merge): the stream kernel with its in-kernel merges on both pipelines,
+# fp8 K/V, the merge launch, and the one-CTA-an-SM whole-item kernel ((hq, hkv), kv dtype, pipeline, lengths,
+# wrapper arguments; None lengths: one near-equal request a KV head's SM)
+FLOAT_OUT_CASES = [((32, 8), "bf16", "transposed", LENGTHS, {}), ((32, 2), "fp16", "normal", [5000, 17, 1, 0], {}),
+                   ((32, 8), "fp8_e4m3", "transposed", [3000, 0, 64, 129], {}),
+                   ((32, 8), "bf16", "transposed", [20000, 3, 1], {"merge_launch": True}),
+                   ((32, 8), "bf16", "auto", None, {"whole_items": True})]
+
+
+@pytest.mark.parametrize("heads,kv_dtype,pipeline,lengths,kw", FLOAT_OUT_CASES)
+def test_float_out_rows_round_to_the_16bit_rows(heads, kv_dtype, pipeline, lengths, kw):
+    """BatchDecode(float_out=True) writes the rows the 16-bit kernel rounds: rounded to q's type they equal its
+    rows within one unit in the last place (the same arithmetic; ptxas may contract other FMAs), and their RMS
+    error against float64 is below the 16-bit rows' (no output rounding)."""
+    q_dtype = "fp16" if kv_dtype == "fp16" else "bf16"
+    spec = AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, pipeline=pipeline,
+                         kv_dtype=q_dtype if kv_dtype == "fp16" else kv_dtype)
+    if lengths is None:
+        lengths = [1000 - (i % 5) for i in range(torch.cuda.get_device_properties(0).multi_processor_count
+                                                 // heads[1])]
+    scales = {"k_scale": 0.5, "v_scale": 1.5} if kv_dtype == "fp8_e4m3" else {}
+    w16, out16 = run_case(spec, lengths, 7, seed=len(lengths), **scales, **kw)
+    w32, out32 = run_case(spec, lengths, 7, seed=len(lengths), **scales, float_out=True, **kw)
+    assert out32.dtype == torch.float32 and w32.out_dtype == torch.float32 and w16.out_dtype == out16.dtype
+    k16, k32 = w16.planned_kernel[0], w32.planned_kernel[0]
+    assert k32.float_out and "_outf32_" in k32.module().name and k32 == dataclasses.replace(k16, float_out=True)
+    if kw.get("whole_items"):
+        assert k16 is w16._whole, "the case plans no whole items: widen its batch"
+    if kw.get("merge_launch"):
+        assert w32._plan["merge_launch"]
+    rounded = out32.to(out16.dtype)
+    ulp = torch.finfo(out16.dtype).eps * out16.float().abs().clamp_min(torch.finfo(out16.dtype).tiny)
+    gap = (rounded.float() - out16.float()).abs()
+    assert (gap <= ulp).all(), f"{spec.name}: float rows rounded differ from the 16-bit rows by {gap.max():.3e}"
+    q, _, _, per = make_paged_case(spec, lengths, 7, len(lengths))
+    eff = spec.head_dim_qk ** -0.5 * scales.get("k_scale", 1.0)
+    ref, _ = decode_reference(spec, q, per, sm_scale=eff, v_scale=scales.get("v_scale", 1.0))
+    rms32, rms16 = (((out.double() - ref) ** 2).mean().sqrt().item() for out in (out32, out16))
+    assert rms32 < rms16, f"{spec.name}: float32 rows' RMS error {rms32:.3e}, the 16-bit rows' {rms16:.3e}"
 
 
 def test_fp16_and_out_dtype():

@@ -247,6 +247,19 @@ def test_s_chains_render_into_the_kernel_and_only_1_2_or_4(chains):
             DecodeKernel(AttentionSpec(), qk_chains=bad)
 
 
+def test_float_out_renders_float_rows_and_leaves_the_16bit_kernel_as_it_was():
+    """DecodeKernel.float_out: the same kernel with TOut = float (its stores go through store_floats, which writes
+    16 bytes of floats where the row is aligned); the 16-bit kernel's source is the twin's but for that type."""
+    for spec in (AttentionSpec(), AttentionSpec(kv_dtype="fp8_e4m3", pipeline="normal", num_kv_heads=2)):
+        plain, twin = DecodeKernel(spec).module(), DecodeKernel(spec, float_out=True).module()
+        assert "using TOut = bf16;" in plain.source and "using TOut = float;" in twin.source
+        assert twin.source.replace("using TOut = float;", "using TOut = bf16;") == plain.source
+        assert twin.name == plain.name.replace("_outbf16_", "_outf32_") != plain.name
+        assert twin.kernel_names == plain.kernel_names
+    with pytest.raises(ValueError, match="float_out: expected True or False, got 1"):
+        DecodeKernel(AttentionSpec(), float_out=1)
+
+
 def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
     fp8 = AttentionSpec(kv_dtype="fp8_e4m3")  # transposed, widened in registers, 4 warps of 16 tokens
     assert "constexpr bool kWarpRows = true && kRegWiden && kSubBlocks == kWarps;" in DecodeKernel(fp8).module().source

@@ -285,10 +285,9 @@ def test_random_cascade(seed):
                                                 for k, v in per_request], sm_scale=eff_scale, v_scale=v_scale,
                               dtype=torch.float32)
     what = f"{spec.name} page{page} levels {[(g.tolist(), n) for g, n in levels]} suffix {suffix}"
-    # each level's output is rounded to q's type before the merge, which rounds again: the merged row may
-    # be off by one more unit roundoff of its largest value (seeds 10, 22, 45 of 10:110: up to 1.8x the bound)
-    max_abs_v = max((v.abs().max().item() * v_scale for _, v in per_request if v.numel()), default=0.0)
-    assert_attention_close(out, ref, low.to(q.dtype), what, weight_rounding_allowance(q.dtype, max_abs_v))
+    # no allowance for a second rounding: the levels and the suffix write float32 rows, rounded once by the merge
+    # (with 16-bit level rows, seeds 10, 22 and 45 of 10:110 read up to 1.8x the bound)
+    assert_attention_close(out, ref, low.to(q.dtype), what)
     assert_lse_close(lse, ref_lse, what)
 
 

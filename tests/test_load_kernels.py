@@ -91,6 +91,28 @@ def test_prefill_loads_both_kv_kinds_and_the_merge(monkeypatch):
     # were loaded ahead
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_cascade_loads_float_row_kernels_for_its_levels_and_suffix_and_their_merges(asked, graph):
+    """CascadeDecode.load_kernels: the suffix's decode kernels and the levels' prefill kernels, each writing
+    float32 rows, and the merges of float32 rows (a split level's, into float32; the cascade's, into the output
+    type). Under CUDA graphs a level never splits: no float32 -> float32 merge."""
+    from attnforge.cascade import CascadeDecode
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    c = CascadeDecode.__new__(CascadeDecode)
+    c.spec, c.level_spec, c.use_cuda_graph = spec, CascadeDecode.level_spec_for(spec), graph
+    c.suffix, c.device = BatchDecode.host_only(spec, float_out=True), torch.device("cuda", 0)
+    c.suffix.use_cuda_graph = graph
+    names = c.load_kernels()
+    assert len(names) == len(set(asked)) == len(c.launchable_kernels())
+    decode = [k for k in asked if type(k).__name__ == "DecodeKernel"]
+    prefill = [k for k in asked if type(k).__name__ == "PrefillKernel"]
+    assert decode and all(k.float_out for k in decode) and len(decode) == (1 if graph else 3)
+    assert prefill and all(k.partial_out for k in prefill)
+    merges = {k for k in asked if isinstance(k, MergeSpec)}
+    assert merges == {MergeSpec(torch.float32, torch.bfloat16)} | (
+        set() if graph else {MergeSpec(torch.float32, torch.float32)})
+
+
 def test_prefill_without_split_kv_loads_no_merge(asked):
     w = BatchPrefill(AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2), device="cpu", split_kv=False)
     assert not any(isinstance(k, MergeSpec) for k in w.launchable_kernels())

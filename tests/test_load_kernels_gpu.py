@@ -46,3 +46,24 @@ def test_prefill_split_kv_after_load_kernels_loads_nothing(no_more_loads):
     ref, _ = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
     low, _ = reference.attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), causal=True, dtype=torch.float32)
     assert_attention_close(out.cpu(), ref, low.bfloat16(), "split prefill after load_kernels")
+
+
+def test_cascade_after_load_kernels_loads_nothing(no_more_loads):
+    """CascadeDecode.load_kernels: a plan whose shared level splits (float32 partials merged into float32 rows)
+    and whose suffix runs the float32-rows decode kernel, merged into bf16, then loads no library."""
+    from attnforge.cascade import CascadeDecode
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
+    c = CascadeDecode(spec)
+    names = c.load_kernels()
+    assert sum("_outf32_" in n for n in names) >= 2 and "merge_states_float_outbf16" in names
+    no_more_loads()
+    lengths = [3000, 5, 70, 1, 16]  # the shared prefix (whole pages), then each request's own tokens
+    q, cache, (indptr, indices, last), per = make_paged_case(spec, lengths, 16, seed=9)
+    q = q[1:]
+    c.plan(levels=[([0, 4], indptr[:2], indices[:indptr[1]], last[:1])], suffix=(indptr[1:] - indptr[1],
+           indices[indptr[1]:], last[1:]), page_size=16)
+    assert c.levels[0]._plan["num_slots"] > 1  # (the float32 -> float32 merge is among those loaded)
+    out = c.run(q, cache, out=poison(q.shape, q.dtype))
+    whole = [(torch.cat([per[0][0], k]), torch.cat([per[0][1], v])) for k, v in per[1:]]
+    ref, _, low = decode_expected(spec, q, whole)
+    assert_attention_close(out.cpu(), ref, low, "cascade after load_kernels")

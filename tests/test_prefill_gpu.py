@@ -273,6 +273,37 @@ def test_a_split_plan_rounds_its_output_once(backend, head_dim):
 
 
 @pytest.mark.parametrize("backend", [None, "mma"])
+@pytest.mark.parametrize("split", [False, True])
+def test_float_out_rows_round_to_the_16bit_rows(backend, split):
+    """BatchPrefill(float_out=True) runs the float32-rows twin on every plan (PrefillKernel.for_partials): its rows
+    rounded to q's type equal the 16-bit kernel's within one unit in the last place, and their RMS error against
+    float64 is below the 16-bit rows'. Split plans merge their partial states into float32."""
+    spec = AttentionSpec(family="prefill", num_qo_heads=8, num_kv_heads=2, causal=True)
+    g = torch.Generator().manual_seed(7)
+    qo_lens, kv_lens = [100, 1, 0, 33], [2500, 700, 9, 33]
+    q = torch.randn(sum(qo_lens), 8, 128, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(sum(kv_lens), 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
+    qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
+    outs = {}
+    for float_out in (False, True):
+        w = BatchPrefill(spec, backend=backend, split_kv=split, float_out=float_out)
+        w.plan(qo, kv)
+        assert (w._plan["num_slots"] > 1) == split and w._plan["kernel"].partial_out == (split or float_out)
+        assert w.out_dtype == (torch.float32 if float_out else torch.bfloat16)
+        outs[float_out] = w.run(q, (k, v), out=poison(q.shape, w.out_dtype))
+    torch.cuda.synchronize()
+    out16, out32 = outs[False], outs[True]
+    assert out32.dtype == torch.float32 and torch.isfinite(out32).all()
+    ulp = torch.finfo(torch.bfloat16).eps * out16.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    gap = (out32.bfloat16().float() - out16.float()).abs()
+    assert (gap <= ulp).all(), f"float rows rounded differ from the 16-bit rows by {gap.max():.3e}"
+    ref = torch.cat([reference.attention(q[qo[b]:qo[b + 1]], k[kv[b]:kv[b + 1]], v[kv[b]:kv[b + 1]], causal=True)[0]
+                     for b in range(len(qo_lens))])
+    rms32, rms16 = (((out.double() - ref) ** 2).mean().sqrt().item() for out in (out32, out16))
+    assert rms32 < rms16, f"float32 rows' RMS error {rms32:.3e}, the 16-bit rows' {rms16:.3e}"
+
+
+@pytest.mark.parametrize("backend", [None, "mma"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_speculative_verify_step(backend, page_size):
     # speculative decoding's verification (suite `verify`): 1-8 query tokens a request, causal among

@@ -345,6 +345,9 @@ class DecodeKernel:
     # query tokens a request at most (a plan's q_len, 1..this): a work item's rows are its heads for each
     # token, token-major (speculative decoding verifies the last token and its drafts in one pass over the KV)
     max_q_len: int = 1
+    # rows written as float32, not rounded to the spec's out_dtype: for callers that merge them with other states
+    # (CascadeDecode merges its levels and the suffix; a 16-bit row is rounded again by the merge)
+    float_out: bool = False
 
     def __post_init__(self):
         s = self.spec
@@ -354,6 +357,8 @@ class DecodeKernel:
         if not isinstance(hs, int) or isinstance(hs, bool) or hs < 1 or s.group_size % hs:
             raise ValueError(f"DecodeKernel.head_splits: expected a divisor of the group size {s.group_size}, got "
                              f"{self.head_splits!r}; pass None for the default")
+        if type(self.float_out) is not bool:
+            raise ValueError(f"DecodeKernel.float_out: expected True or False, got {self.float_out!r}")
         ql = self.max_q_len
         if type(ql) is not int or not 1 <= ql <= MAX_Q_LEN:
             raise ValueError(f"DecodeKernel.max_q_len: expected an int in [1, {MAX_Q_LEN}], got {ql!r}")
@@ -526,7 +531,8 @@ class DecodeKernel:
 
     def module(self) -> JitModule:
         s = self.spec
-        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype], "out_dtype": _CPP[s.out_dtype],
+        ctx = {"q_dtype": _CPP[s.q_dtype], "kv_dtype": _CPP[s.kv_dtype],
+               "out_dtype": "float" if self.float_out else _CPP[s.out_dtype],
                "head_dim": s.head_dim_qk, "group_size": self.item_heads, "head_splits": self.head_splits,
                "pipeline": s.pipeline,
                "tile_kv": self.tile_kv, "num_stages": self.num_stages, "num_warps": self.num_warps,
@@ -539,7 +545,7 @@ class DecodeKernel:
                "row_merge": self.row_merge}
         # The name omits runtime-only fields (layout, page size): they don't change the code.
         name = "_".join(["decode", f"g{s.group_size}", f"d{s.head_dim_qk}", s.q_dtype,
-                         f"kv{_CPP[s.kv_dtype]}", f"out{s.out_dtype}", s.pipeline,
+                         f"kv{_CPP[s.kv_dtype]}", f"out{'f32' if self.float_out else s.out_dtype}", s.pipeline,
                          *(["softcap"] if s.logits_soft_cap > 0 else []),
                          *(["win"] if s.window_left >= 0 else []),
                          *(["mod"] if s.score_mod is not None else []),

@@ -205,6 +205,16 @@ def _partials_twins(prefill):
             PrefillKernel(SPLIT_DIMS, "wgmma").for_partials(), PrefillKernel(prefill[1], "mma").for_partials()]
 
 
+def _float_out_decode_twins():
+    """The float32-rows decode kernels a cascade's suffix runs (DecodeKernel.float_out): both pipelines, fp8 K/V
+    widened in registers, and the one-CTA-an-SM whole-item kernel."""
+    from attnforge.kernels.decode import DecodeKernel, whole_item_kernel
+    return [DecodeKernel(AttentionSpec(), float_out=True),
+            DecodeKernel(AttentionSpec(num_kv_heads=2, pipeline="normal"), float_out=True),
+            DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), float_out=True),
+            dataclasses.replace(whole_item_kernel(AttentionSpec()), float_out=True)]
+
+
 def test_nvcc_compiles_the_variant_matrix():
     mods = [module_for_attention(s) for s in VARIANT_MATRIX + _mod_specs()]
     # both prefill kernels: module_for_attention picks wgmma (sm_90a) where it applies
@@ -218,7 +228,7 @@ def test_nvcc_compiles_the_variant_matrix():
     mods += [PrefillKernel(fp8, "wgmma", tma=True).module(), PrefillKernel(fp8, "wgmma", fp8_int_widen=True).module(),
              PrefillKernel(dataclasses.replace(fp8, head_dim_qk=64, head_dim_vo=64, q_dtype="fp16"), "wgmma").module()]
     mods += [PrefillKernel(SPLIT_DIMS, "wgmma").module(), PrefillKernel(SPLIT_DIMS, "wgmma", producer=False).module()]
-    mods += [k.module() for k in _partials_twins(prefill)]
+    mods += [k.module() for k in _partials_twins(prefill)] + [k.module() for k in _float_out_decode_twins()]
     assert sum("wgmma" in m.name for m in mods) >= 3, "the sm_90a prefill kernel is in the matrix"
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode" and s.pipeline == "normal"]
     mods += [k.module() for k in _wgmma_mla_kernels(mla)]
@@ -285,7 +295,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     prefill = [s for s in VARIANT_MATRIX if s.family == "prefill"]
     kernels += [PrefillKernel(s, default_backend(s)) for s in prefill] + [PrefillKernel(s, "mma") for s in prefill]
     kernels.append(PrefillKernel(SPLIT_DIMS, "wgmma"))
-    kernels += _partials_twins(prefill)
+    kernels += _partials_twins(prefill) + _float_out_decode_twins()
     paths = build_many([k.module() for k in kernels], ARCHS)
     checked, problems = 0, []
     for k, path in zip(kernels, paths):
