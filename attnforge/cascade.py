@@ -124,8 +124,9 @@ class CascadeDecode:
         if not hasattr(self, "batch"):
             raise RuntimeError("CascadeDecode.run: call plan(...) first")
         if not ops.compiling():  # (traced, each launch is a custom op that checks its inputs when it runs)
-            self.suffix.check_inputs(q, kv_cache, out)  # before the levels launch: q, the cache and out as decode's,
-            if out is not None:  # and out as the final merge writes it
+            self.suffix.check_inputs(q, kv_cache)  # before the levels launch: q and the cache as decode's, and out
+            if out is not None:  # as the final merge writes it, in the spec's out_dtype (the suffix's rows: float32)
+                checks.check_dtype("out", out, (checks.TORCH_DTYPES[self.spec.out_dtype],))
                 check_merge_out(out, q.device, tuple(q.shape[:2]) + (self.spec.head_dim_vo,))
         outs, lses = [], []
         for w in self.levels:

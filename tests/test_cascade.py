@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnforge import AttentionSpec, BatchDecode, reference
+from attnforge import AttentionSpec, BatchDecode, merge_state, reference
 from attnforge.cascade import CascadeDecode, check_levels, suffix_batch
 from helpers import assert_attention_close, decode_expected, make_paged_case, poison, replays_after_replans
 
@@ -56,10 +56,11 @@ def test_cascade_equals_decode_over_concatenated_kv(layout):
 
 @pytest.mark.gpu
 def test_cascade_rounds_each_row_once():
-    """The levels and the suffix write float32 rows, so a merged row is rounded once, as one decode over the
-    concatenated KV rounds it: the cascade's RMS error against float64 stays within 1.1x that decode's, and its
-    max error within the rule with no allowance. (A CPU emulation of this case with 16-bit level rows, each
-    rounded before the merge and again after, read 1.24x the decode's RMS error; with float32 rows 0.99x.)"""
+    """The levels and the suffix write float32 rows, so a merged row is rounded once: the cascade's RMS error
+    against float64 is at most 0.9x that of the same rows rounded to 16 bits before the merge (as the cascade
+    merged them before float_out: H100, 0.79-0.82x), and its max error is within the rule with no allowance.
+    It stays within 1.4x one decode over the concatenated KV (1.24-1.25x: the prefill level's own error, not a
+    rounding; 16-bit rows read 1.53-1.56x)."""
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
     page, own = 16, [17, 300, 1, 64, 999, 5, 128, 40]
     batch, prefix_len = len(own), 4000
@@ -73,17 +74,21 @@ def test_cascade_rounds_each_row_once():
     c.plan(levels=[([0, batch], [0, len(prefix_pages)], prefix_pages, [last[0]])],
            suffix=(own_indptr, indices[indptr[1]:], last[1:]), page_size=page)
     out = c.run(q, cache, out=poison((batch, 32, 128), torch.bfloat16))
-    whole = [(torch.cat([per[0][0], k]), torch.cat([per[0][1], v])) for k, v in per[1:]]
+    (level, level_lse), (suffix, suffix_lse) = (w.run(q, cache, return_lse=True) for w in (c.levels[0], c.suffix))
+    assert level.dtype == suffix.dtype == torch.float32
+    twice, _ = merge_state(level.bfloat16(), level_lse, suffix.bfloat16(), suffix_lse)  # 16-bit rows, merged
     d = BatchDecode(spec)  # the same requests in one decode: prefix and own pages in one table
     tables = [np.concatenate([prefix_pages, indices[indptr[b + 1]:indptr[b + 2]]]) for b in range(batch)]
     d.plan(np.concatenate([[0], np.cumsum([len(t) for t in tables])]), np.concatenate(tables), last[1:],
            page_size=page)
     single = d.run(q, cache, out=poison((batch, 32, 128), torch.bfloat16))
     torch.cuda.synchronize()
+    whole = [(torch.cat([per[0][0], k]), torch.cat([per[0][1], v])) for k, v in per[1:]]
     ref, _, low = decode_expected(spec, q, whole)
     assert_attention_close(out.cpu(), ref, low, "cascade")
-    rms = [((o.cpu().double() - ref) ** 2).mean().sqrt().item() for o in (out, single)]
-    assert rms[0] <= 1.1 * rms[1], f"cascade RMS error {rms[0]:.3e} against one decode's {rms[1]:.3e}"
+    rms = [((o.cpu().double() - ref) ** 2).mean().sqrt().item() for o in (out, twice, single)]
+    assert rms[0] <= 0.9 * rms[1], f"cascade RMS error {rms[0]:.3e}, its rows rounded before the merge {rms[1]:.3e}"
+    assert rms[0] <= 1.4 * rms[2], f"cascade RMS error {rms[0]:.3e} against one decode's {rms[2]:.3e}"
 
 
 @pytest.mark.gpu
