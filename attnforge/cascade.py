@@ -61,10 +61,7 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
 
 class CascadeDecode:
     def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False, **decode_kwargs):
-        checks.check_spec("CascadeDecode", spec, "decode", "Pass a decode spec.")
-        if spec.score_mod is not None or spec.window_left >= 0:
-            raise checks.fail("CascadeDecode spec", "no score_mod and no sliding window (positions differ per level)",
-                              spec.name, "Use BatchDecode for those variants.")
+        self._check_spec(spec)
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph
         if "float_out" in decode_kwargs:
@@ -76,6 +73,28 @@ class CascadeDecode:
         self.device = self.suffix.device
         self.level_spec = self.level_spec_for(spec)
         self.levels: list[BatchPrefill] = []
+
+    @staticmethod
+    def _check_spec(spec) -> None:
+        checks.check_spec("CascadeDecode", spec, "decode", "Pass a decode spec.")
+        if spec.score_mod is not None or spec.window_left >= 0:
+            raise checks.fail("CascadeDecode spec", "no score_mod and no sliding window (positions differ per level)",
+                              spec.name, "Use BatchDecode for those variants.")
+
+    @property
+    def name(self) -> str:  # (the build command's listing of a spec file's cascade entry)
+        return f"cascade_{self.spec.name}"
+
+    @classmethod
+    def host_only(cls, spec: AttentionSpec, use_cuda_graph: bool = False) -> "CascadeDecode":
+        """A cascade built without a GPU (its suffix BatchDecode.host_only), to list the kernels its plans may
+        launch (launchable_kernels: an AOT build's spec-file entry with "cascade": true); plans need a GPU."""
+        cls._check_spec(spec)
+        c = cls.__new__(cls)
+        c.spec, c.level_spec, c.use_cuda_graph, c.levels = spec, cls.level_spec_for(spec), use_cuda_graph, []
+        c.suffix, c.device = BatchDecode.host_only(spec, float_out=True), torch.device("cpu")
+        c.suffix.use_cuda_graph = use_cuda_graph
+        return c
 
     @staticmethod
     def level_spec_for(spec: AttentionSpec) -> AttentionSpec:

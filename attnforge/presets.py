@@ -51,7 +51,8 @@ PRESETS = {"merge": _merge, "append": _append, "llama-decode": _llama_decode, "l
 def load_spec_file(path: str | Path) -> list:
     """A JSON list of AttentionSpec field dicts, e.g. [{"family": "decode", "num_qo_heads": 32}]. A decode
     entry may add "max_q_len" (speculative decoding's verify step): the kernel BatchDecode(spec, max_q_len=...)
-    launches, in place of the spec's one-token kernels."""
+    launches, in place of the spec's one-token kernels; or "cascade": true, the kernels CascadeDecode(spec) may
+    launch (its levels' prefill and its suffix's decode, writing float32 rows, and their merges)."""
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
@@ -72,8 +73,15 @@ def load_spec_file(path: str | Path) -> list:
 
 
 def _spec_entry(d: dict):
-    max_q_len = d.pop("max_q_len", 1)
+    max_q_len, cascade = d.pop("max_q_len", 1), d.pop("cascade", False)
     spec = AttentionSpec.from_dict(d)
+    if cascade is not False:
+        if cascade is not True or max_q_len != 1:
+            raise ValueError(f"cascade: expected true (and no max_q_len) in a decode entry, got cascade={cascade!r}"
+                             f"{f' with max_q_len={max_q_len!r}' if max_q_len != 1 else ''}; write \"cascade\": true "
+                             f"beside the decode spec's fields")
+        from .cascade import CascadeDecode  # (checks that the spec is a decode spec a cascade takes)
+        return CascadeDecode.host_only(spec)
     if max_q_len == 1:
         return spec
     if spec.family != "decode":
@@ -93,6 +101,9 @@ def modules_for(spec) -> list:
     whole-item kernels (BatchDecode(whole_items=...) picks one per plan), a verify entry's too; a prefill spec's
     kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv), and their twins for plans that split
     KV (PrefillKernel.for_partials); so an AOT build covers what plans pick."""
+    from .cascade import CascadeDecode
+    if isinstance(spec, CascadeDecode):  # a spec file's cascade entry: every kernel its plans may launch
+        return [k.module() for k in spec.launchable_kernels()]
     mods = [module_for(spec)]
     from .kernels.decode import DecodeKernel, whole_item_kernels
     if isinstance(spec, AttentionSpec) and spec.family == "decode":

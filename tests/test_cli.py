@@ -51,6 +51,28 @@ def test_build_covers_the_whole_item_kernels_a_decode_spec_may_launch(tmp_path):
     assert all(f"_{tiling})" in r.stdout for tiling in ("t64s2w4", "t128s3w8", "t32s3w2"))
 
 
+def test_a_cascade_entry_lists_the_kernels_cascade_decode_may_launch(tmp_path):
+    """A spec file's decode entry with "cascade": true stands for CascadeDecode(spec): its suffix's decode kernels
+    and its levels' prefill kernels, all writing float32 rows, and the two merges (a split level's partials into
+    float32, the levels with the suffix into the spec's out_dtype). Bad forms say which entry and why."""
+    from attnforge import presets
+    from attnforge.cascade import CascadeDecode
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps([{"family": "decode", "cascade": True}]))
+    (entry,) = presets.load_spec_file(specs)
+    assert isinstance(entry, CascadeDecode) and entry.name == "cascade_" + entry.spec.name
+    names = [m.name for m in presets.modules_for(entry)]
+    assert names == [m.name for m in (k.module() for k in entry.launchable_kernels())] and len(set(names)) == 6
+    assert sum(n.startswith("decode_") and "_outf32_" in n for n in names) == 3  # the default, two whole-item
+    assert sum(n.startswith("prefill_") and "_outf32_" in n for n in names) == 1  # (pages and ragged K/V alike)
+    assert {"merge_states_float_outfloat", "merge_states_float_outbf16"} <= set(names)
+    for bad, why in (({"cascade": 1}, "cascade: expected true"), ({"cascade": True, "max_q_len": 2}, "no max_q_len"),
+                     ({"cascade": True, "window_left": 64}, "no score_mod and no sliding window")):
+        specs.write_text(json.dumps([{"family": "decode", **bad}]))
+        with pytest.raises(ValueError, match=f"entry 0: .*{why}"):
+            presets.load_spec_file(specs)
+
+
 def test_build_preset(tmp_path):
     r = cli("build", "--preset", "merge", cache=tmp_path)
     assert r.returncode == 0, r.stderr
