@@ -17,7 +17,7 @@ the output type once, as a single-level decode's is.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,8 +59,16 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
                               "Give every group of the level its shared pages.")
 
 
+# BatchPrefill arguments a cascade sets for its levels itself (level_kwargs may not)
+_OWN_LEVEL_ARGS = ("spec", "device", "use_cuda_graph", "max_batch_size", "float_out")
+
+
 class CascadeDecode:
-    def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False, **decode_kwargs):
+    def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False,
+                 level_kwargs: Optional[dict] = None, **decode_kwargs):
+        """decode_kwargs: the suffix's BatchDecode arguments; level_kwargs: the shared levels' BatchPrefill
+        arguments (e.g. backend="mma", whose eager row max keeps a peaked row's dominant weight exact: the Hopper
+        kernel's lazy rescaling costs a 4000-token level ~1.2x the RMS error of one decode, docs/architecture.md)."""
         self._check_spec(spec)
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph
@@ -68,11 +76,31 @@ class CascadeDecode:
             raise checks.fail("CascadeDecode(float_out=...)", "no float_out (the levels and the suffix always write "
                               "float32 rows, merged once into the spec's out_dtype)", decode_kwargs["float_out"],
                               "Leave it out; pass out= to run() for the merged rows' buffer.")
+        if level_kwargs is not None and not isinstance(level_kwargs, dict):
+            raise checks.fail("CascadeDecode(level_kwargs=...)", "None or a dict of BatchPrefill arguments",
+                              type(level_kwargs).__name__, "Pass e.g. level_kwargs={'backend': 'mma'}.")
+        own = sorted(set(level_kwargs or ()) & set(_OWN_LEVEL_ARGS))
+        if own:
+            raise checks.fail("CascadeDecode(level_kwargs=...)", f"no {', '.join(_OWN_LEVEL_ARGS)} (the cascade "
+                              "sets them for every level)", own, "Pass device and use_cuda_graph to CascadeDecode.")
+        self.level_kwargs = dict(level_kwargs or {})
+        self.level_spec = self.level_spec_for(spec)
+        self._host_level()  # (the levels' arguments checked now, before any device work, not at the first plan)
         self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, float_out=True,
                                   **decode_kwargs)
         self.device = self.suffix.device
-        self.level_spec = self.level_spec_for(spec)
         self.levels: list[BatchPrefill] = []
+
+    def _make_level(self) -> BatchPrefill:
+        return BatchPrefill(self.level_spec, device=self.device, use_cuda_graph=self.use_cuda_graph,
+                            max_batch_size=self.suffix.max_batch_size, float_out=True, **self.level_kwargs)
+
+    def _host_level(self) -> BatchPrefill:
+        """A level's host-side twin, which lists its kernels. It is eager (a graph-mode wrapper pins its staging
+        buffers), so under CUDA graphs it is told that a level never splits KV, as BatchPrefill decides."""
+        level = BatchPrefill(self.level_spec, device="cpu", float_out=True, **self.level_kwargs)
+        level.split_kv = level.split_kv and not self.use_cuda_graph
+        return level
 
     @staticmethod
     def _check_spec(spec) -> None:
@@ -92,6 +120,7 @@ class CascadeDecode:
         cls._check_spec(spec)
         c = cls.__new__(cls)
         c.spec, c.level_spec, c.use_cuda_graph, c.levels = spec, cls.level_spec_for(spec), use_cuda_graph, []
+        c.level_kwargs = {}
         c.suffix, c.device = BatchDecode.host_only(spec, float_out=True), torch.device("cpu")
         c.suffix.use_cuda_graph = use_cuda_graph
         return c
@@ -108,8 +137,7 @@ class CascadeDecode:
         """Every kernel spec a plan may launch: the suffix's decode kernels and the levels' prefill kernels (all
         writing float32 rows), and the merges of float32 rows (a split level's partials, the levels with the
         suffix into the output type)."""
-        # (a host-side twin of a level's wrapper lists its kernels: under CUDA graphs a level never splits)
-        level = BatchPrefill(self.level_spec, device="cpu", float_out=True, split_kv=not self.use_cuda_graph)
+        level = self._host_level()
         merge = MergeSpec(torch.float32, checks.TORCH_DTYPES[self.spec.out_dtype])
         return tuple(dict.fromkeys(self.suffix.launchable_kernels() + level.launchable_kernels() + (merge,)))
 
@@ -129,8 +157,7 @@ class CascadeDecode:
             raise checks.fail("plan: number of levels in CUDA-graph mode", f"{len(self.levels)} (as captured)",
                               len(levels), "Capture one graph per number of levels.")
         if len(self.levels) != len(levels):  # kept while the count holds: their buffers, pinned staging and run memos
-            self.levels = [BatchPrefill(self.level_spec, device=self.device, use_cuda_graph=self.use_cuda_graph,
-                                        max_batch_size=self.suffix.max_batch_size, float_out=True) for _ in levels]
+            self.levels = [self._make_level() for _ in levels]
         for w, (group_indptr, kv_indptr, kv_indices, last) in zip(self.levels, levels):
             # the group's queries (one decode token per request) form one query block
             w.plan(paged.host_int_array("group_indptr", group_indptr), kv_indptr, kv_indices, last,

@@ -55,12 +55,14 @@ def test_cascade_equals_decode_over_concatenated_kv(layout):
 
 
 @pytest.mark.gpu
-def test_cascade_rounds_each_row_once():
+@pytest.mark.parametrize("level_backend", [None, "mma"])
+def test_cascade_rounds_each_row_once(level_backend):
     """The levels and the suffix write float32 rows, so a merged row is rounded once: the cascade's RMS error
     against float64 is at most 0.9x that of the same rows rounded to 16 bits before the merge (as the cascade
     merged them before float_out: H100, 0.79-0.82x), and its max error is within the rule with no allowance.
-    It stays within 1.4x one decode over the concatenated KV (1.24-1.25x: the prefill level's own error, not a
-    rounding; 16-bit rows read 1.53-1.56x)."""
+    It stays within 1.4x one decode over the concatenated KV on the Hopper level (1.24-1.25x on an H100: its lazy
+    rescaling, emulated 1.17x; 16-bit rows read 1.53-1.56x), and within 1.1x on mma.sync levels, whose row max is
+    eager (emulated 0.99x; level_kwargs)."""
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
     page, own = 16, [17, 300, 1, 64, 999, 5, 128, 40]
     batch, prefix_len = len(own), 4000
@@ -70,9 +72,10 @@ def test_cascade_rounds_each_row_once():
     q = torch.randn(batch, 32, 128, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
     prefix_pages = indices[:indptr[1]]
     own_indptr = indptr[1:] - indptr[1]
-    c = CascadeDecode(spec)
+    c = CascadeDecode(spec, level_kwargs={"backend": level_backend})
     c.plan(levels=[([0, batch], [0, len(prefix_pages)], prefix_pages, [last[0]])],
            suffix=(own_indptr, indices[indptr[1]:], last[1:]), page_size=page)
+    assert c.levels[0].kernel.backend == (level_backend or "wgmma")
     out = c.run(q, cache, out=poison((batch, 32, 128), torch.bfloat16))
     (level, level_lse), (suffix, suffix_lse) = (w.run(q, cache, return_lse=True) for w in (c.levels[0], c.suffix))
     assert level.dtype == suffix.dtype == torch.float32
@@ -88,7 +91,8 @@ def test_cascade_rounds_each_row_once():
     assert_attention_close(out.cpu(), ref, low, "cascade")
     rms = [((o.cpu().double() - ref) ** 2).mean().sqrt().item() for o in (out, twice, single)]
     assert rms[0] <= 0.9 * rms[1], f"cascade RMS error {rms[0]:.3e}, its rows rounded before the merge {rms[1]:.3e}"
-    assert rms[0] <= 1.4 * rms[2], f"cascade RMS error {rms[0]:.3e} against one decode's {rms[2]:.3e}"
+    bound = 1.1 if level_backend == "mma" else 1.4
+    assert rms[0] <= bound * rms[2], f"cascade RMS error {rms[0]:.3e} against one decode's {rms[2]:.3e}"
 
 
 @pytest.mark.gpu
@@ -183,12 +187,24 @@ def test_levels_are_planned_on_wrappers_that_write_float32_rows(monkeypatch):
 
     c = CascadeDecode.__new__(CascadeDecode)
     c.use_cuda_graph, c.suffix, c.levels, c.device = False, Recorder(), [], torch.device("cpu")
-    c.level_spec = CascadeDecode.level_spec_for(AttentionSpec())
+    c.level_spec, c.level_kwargs = CascadeDecode.level_spec_for(AttentionSpec()), {"backend": "mma"}
     c.plan(levels=[([0, 4], [0, 2], [5, 6], [16])], suffix=([0, 1, 2, 3, 4], [0, 1, 2, 3], [1, 2, 3, 4]),
            page_size=16)
     (level,) = c.levels
     assert level.float_out and level.out_dtype == torch.float32 and level._plan["kernel"].partial_out
-    assert "_outf32_" in level._plan["kernel"].module().name
+    assert "_outf32_" in level._plan["kernel"].module().name and level.kernel.backend == "mma"  # (level_kwargs)
+
+
+def test_level_kwargs_are_checked_before_any_device_work():
+    """level_kwargs: the levels' BatchPrefill arguments, checked at construction (a CPU test: each is refused
+    before the suffix's decode wrapper touches a device); the cascade's own arguments are refused in it."""
+    for bad, why in (("mma", r"level_kwargs=...\): expected None or a dict .* got str"),
+                     ({"float_out": False}, r"expected no spec, device, .* got \['float_out'\]"),
+                     ({"use_cuda_graph": True, "device": "cuda"}, r"got \['device', 'use_cuda_graph'\]"),
+                     ({"backend": "nope"}, "backend"), ({"split_kv": "yes"}, r"split_kv=...\): expected True or False"),
+                     ({"no_such_argument": 1}, "no_such_argument")):
+        with pytest.raises((ValueError, TypeError), match=why):
+            CascadeDecode(AttentionSpec(), level_kwargs=bad)
 
 
 def test_plan_hands_every_level_and_the_suffix_the_scales():
