@@ -155,9 +155,10 @@ def weight_rounding_allowance(p_dtype: torch.dtype, max_abs_v: float) -> float:
     - a kernel whose row max lags (MLADecodeKernel.rescale_slack > 0) weights a peaked row's dominant value
       by 2^f, not exactly 1 (tests/test_fuzz_gpu.py: h64 bf16 read 2.45x torch's max error where the eager
       kernels read 1.00x);
-    - partial states stored in the output type, then merged: a cascade's levels (a prefill plan that splits KV
-      did so too until its partials became float32: seed 917, five slots, d256 fp8 K/V at twice randn's
-      scale, read 2.8x, one output rounded to its other neighbour)."""
+    - partial states stored in the output type, then merged. No path does so now: a prefill plan that splits
+      KV did until its partials became float32 (seed 917, five slots, d256 fp8 K/V at twice randn's scale,
+      read 2.8x, one output rounded to its other neighbour), and a cascade's levels until they wrote float32
+      rows (float_out). tests/test_helpers.py still proves the bound for it."""
     return (2.0 ** -8 if p_dtype == torch.bfloat16 else 2.0 ** -11) * max_abs_v
 
 
