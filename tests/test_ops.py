@@ -151,6 +151,18 @@ def test_a_decode_run_is_the_run_op_on_its_wrapper(fake_mode, pair):
     assert ops.lookup(node.args[0]) is w
 
 
+def test_a_float_out_run_traces_float32_rows(fake_mode):
+    """A wrapper built with float_out=True returns float32 rows, compiled as eagerly (the op's fake output)."""
+    w = BatchDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8), max_batch_size=8, float_out=True)
+    w.plan(np.array([0, 3, 5], np.int32), np.arange(5, dtype=np.int32), np.array([16, 1], np.int32), page_size=16)
+    rec = Recorder()
+    with fake_mode:
+        out = compiled(lambda q, c: w.run(q, c), rec)(cuda(2, 32, 128), cuda(5, 2, 16, 8, 128))
+    assert out.shape == (2, 32, 128) and out.dtype == torch.float32 and len(rec.op_nodes("run")) == 1
+    p = attnforge.BatchPrefill(AttentionSpec(family="prefill"), float_out=True, device="cpu")
+    assert p._op_out_shape([torch.empty(7, 32, 128)]) == ((7, 32, 128), torch.float32)
+
+
 def test_a_dynamic_batch_is_one_graph_with_symbolic_output_rows(fake_mode):
     w, rec = decode_wrapper(), Recorder()
     step = torch.compile(lambda q, c: w.run(q, c), backend=rec, fullgraph=True, dynamic=True)
