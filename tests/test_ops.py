@@ -195,6 +195,30 @@ def test_an_mla_run_gives_512_wide_rows(fake_mode, one_cache):
     assert len(node.args[1]) == 2 + len(caches)
 
 
+@pytest.mark.parametrize("num_levels", [1, 2])
+def test_a_cascade_traces_float32_level_rows_merged_into_its_dtype(fake_mode, monkeypatch, num_levels):
+    """CascadeDecode.run compiled: each level's prefill and the suffix's decode are run ops of float32 rows
+    (float_out), merged by one merge op into the spec's dtype (merge_state for one level, merge_states for more)."""
+    from attnforge.cascade import CascadeDecode
+    monkeypatch.setattr(attnforge.BatchPrefill, "_sms", lambda self: 132)  # (the levels plan on the host)
+    c = CascadeDecode.host_only(AttentionSpec(num_qo_heads=32, num_kv_heads=8))
+    level = (np.array([0, 2], np.int32), np.array([0, 2], np.int32), np.array([5, 6], np.int32),
+             np.array([16], np.int32))
+    c.plan(levels=[level] * num_levels, suffix=(np.array([0, 1, 3], np.int32), np.arange(3, dtype=np.int32),
+                                                np.array([7, 16], np.int32)), page_size=16)
+    rec = Recorder()
+    with fake_mode:
+        out, lse = compiled(lambda q, kv: c.run(q, kv, return_lse=True), rec)(cuda(2, 32, 128),
+                                                                               cuda(7, 2, 16, 8, 128))
+    assert out.shape == (2, 32, 128) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    runs = rec.op_nodes("run")
+    assert len(runs) == num_levels + 1 and [ops.lookup(n.args[0]) for n in runs] == c.levels + [c.suffix]
+    assert all(n.meta["example_value"][0].dtype == torch.float32 for n in runs)  # (the ops' fake rows)
+    (merge,) = rec.op_nodes("merge_state")  # (op_nodes matches names by prefix: merge_state and merge_states)
+    assert str(merge.target) == f"attnforge.{'merge_state' if num_levels == 1 else 'merge_states'}.default"
+    assert merge.meta["example_value"][0].dtype == torch.bfloat16
+
+
 def test_merges_trace_to_their_ops_with_the_eager_shapes(fake):
     rec = Recorder()
     v, s = cuda(10, 3, 4, 64), cuda(10, 3, 4, dtype=torch.float32)
