@@ -180,10 +180,10 @@ class CascadeDecode:
             outs.append(o)
             lses.append(s)
         o, s = self.suffix.run(q, kv_cache, return_lse=True)
-        dtype = checks.TORCH_DTYPES[self.spec.out_dtype]  # (float32 rows in, rounded once here)
+        dtype = checks.TORCH_DTYPES[self.spec.out_dtype]  # (float32 rows in, rounded once here; out's dtype too)
         if len(outs) == 1:  # one shared level (the common case): merge the pair, no stacked copies
-            merged, lse = merge_state(outs[0], lses[0], o, s, out=out, out_dtype=None if out is not None else dtype)
+            merged, lse = merge_state(outs[0], lses[0], o, s, out=out, out_dtype=dtype)
         else:
             merged, lse = merge_states(torch.stack(outs + [o], dim=1), torch.stack(lses + [s], dim=1), out=out,
-                                       out_dtype=None if out is not None else dtype)
+                                       out_dtype=dtype)
         return (merged, lse) if return_lse else merged

@@ -99,22 +99,21 @@ def verify_kernel(spec: AttentionSpec, max_q_len: int):
 def modules_for(spec) -> list:
     """Every JitModule a spec may launch: a decode spec's default kernel and, where it has them, its
     whole-item kernels (BatchDecode(whole_items=...) picks one per plan), a verify entry's too; a prefill spec's
-    kernel and, where ragged K/V runs another, that one (PrefillKernel.for_kv), and their twins for plans that split
-    KV (PrefillKernel.for_partials); so an AOT build covers what plans pick."""
+    or a cascade entry's, what its wrapper lists (launchable_kernels: for prefill the kernel, a twin for ragged
+    K/V where it runs one, their float32-partials twins and the merge of plans that split KV); so an AOT build
+    covers what plans pick."""
     from .cascade import CascadeDecode
-    if isinstance(spec, CascadeDecode):  # a spec file's cascade entry: every kernel its plans may launch
+    if isinstance(spec, CascadeDecode):  # a spec file's cascade entry
         return [k.module() for k in spec.launchable_kernels()]
+    if isinstance(spec, AttentionSpec) and spec.family == "prefill":
+        from .prefill import BatchPrefill  # (a host-side wrapper: nothing is allocated outside CUDA-graph mode)
+        return [k.module() for k in BatchPrefill(spec, device="cpu").launchable_kernels()]
     mods = [module_for(spec)]
     from .kernels.decode import DecodeKernel, whole_item_kernels
     if isinstance(spec, AttentionSpec) and spec.family == "decode":
         mods += [whole.module() for whole in whole_item_kernels(spec)]
     if isinstance(spec, DecodeKernel) and spec.max_q_len > 1:  # a spec file's verify entry (verify_kernel)
         mods += [whole.module() for whole in whole_item_kernels(spec.spec, spec.max_q_len)]
-    if isinstance(spec, AttentionSpec) and spec.family == "prefill":
-        from .kernels.prefill import PrefillKernel, default_backend
-        kernel = PrefillKernel(spec, default_backend(spec))
-        kernels = list(dict.fromkeys([kernel, kernel.for_kv(ragged=True)]))
-        mods += [k.module() for k in kernels[1:] + [k.for_partials() for k in kernels]]
     return mods
 
 

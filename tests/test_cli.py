@@ -24,16 +24,17 @@ def test_build_spec_file_info_and_clear(tmp_path):
                                  {"family": "prefill", "causal": True}]))
     r = cli("build", "--spec-file", str(specs), cache=cache)
     assert r.returncode == 0, r.stderr
-    # the decode kernel, the prefill kernel and its twin for plans that split KV (float32 partial states)
-    assert "building 3 modules" in r.stderr and "decode_mha_d64" in r.stdout and "prefill_gqa4" in r.stdout
-    assert "_outf32_" in r.stdout
+    # the decode kernel, the prefill kernel, and its twin (float32 partial states) and the merge for plans that
+    # split KV
+    assert "building 4 modules" in r.stderr and "decode_mha_d64" in r.stdout and "prefill_gqa4" in r.stdout
+    assert "_outf32_" in r.stdout and "merge_states_float_outbf16" in r.stdout
     cubins = list(cache.rglob("kernel.cubin"))
-    assert len(cubins) == 3
+    assert len(cubins) == 4
     r = cli("info", cache=cache)
     assert r.returncode == 0 and str(cache) in r.stdout and "ATTNFORGE_CACHE_DIR" in r.stdout
     assert "MiB" in r.stdout
     r = cli("cache", "list", cache=cache)
-    assert r.returncode == 0 and "3 modules" in r.stdout, r.stderr
+    assert r.returncode == 0 and "4 modules" in r.stdout, r.stderr
     assert "batch_decode_kernel" in r.stdout and "registers, stack 0 B" in r.stdout  # read from the cubins
     r = cli("cache", "clear", cache=cache)
     assert r.returncode == 0 and not cache.exists()

@@ -471,8 +471,10 @@ def test_an_aot_build_covers_the_kernels_the_wrapper_may_launch():
         w = BatchDecode.host_only(spec)
         launched = {w.kernel.module().name} | {whole.kernel.module().name for whole in w._wholes}
         assert {m.name for m in presets.modules_for(spec)} == launched
-    prefill = presets.modules_for(AttentionSpec(family="prefill"))  # one kernel and its twin for plans that split KV
-    assert [m.name.replace("_outf32_", "_outbf16_") for m in prefill] == [prefill[0].name] * 2
+    # prefill: one kernel, and its twin and the merge for plans that split KV
+    prefill = presets.modules_for(AttentionSpec(family="prefill"))
+    assert [m.name.replace("_outf32_", "_outbf16_") for m in prefill[:2]] == [prefill[0].name] * 2
+    assert [m.name for m in prefill[2:]] == ["merge_states_float_outbf16"]
 
 
 def test_a_spec_file_builds_the_verify_wrappers_kernel(tmp_path):

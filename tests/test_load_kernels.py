@@ -98,8 +98,8 @@ def test_cascade_loads_float_row_kernels_for_its_levels_and_suffix_and_their_mer
     type). Under CUDA graphs a level never splits: no float32 -> float32 merge."""
     from attnforge.cascade import CascadeDecode
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8)
-    names = on_a_gpu(CascadeDecode.host_only(spec, use_cuda_graph=graph)).load_kernels()
-    c = CascadeDecode.host_only(spec, use_cuda_graph=graph)
+    c = on_a_gpu(CascadeDecode.host_only(spec, use_cuda_graph=graph))
+    names = c.load_kernels()
     assert len(names) == len(set(asked)) == len(c.launchable_kernels())
     decode = [k for k in asked if type(k).__name__ == "DecodeKernel"]
     prefill = [k for k in asked if type(k).__name__ == "PrefillKernel"]

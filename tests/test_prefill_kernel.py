@@ -454,16 +454,18 @@ def test_single_prefill_refuses_bad_tensors_before_any_work():
 
 
 def test_the_llama_prefill_preset_builds_what_batch_prefill_launches():
-    """`python -m attnforge build --preset llama-prefill`: each spec's module is the one BatchPrefill launches
-    (16-bit and fp8 K/V, bf16 and fp16 queries), so an AOT cache serves prefill under ATTNFORGE_DISABLE_JIT."""
+    """`python -m attnforge build --preset llama-prefill`: each spec's modules are those BatchPrefill launches
+    (16-bit and fp8 K/V, bf16 and fp16 queries; a split plan's merge too), so an AOT cache serves prefill under
+    ATTNFORGE_DISABLE_JIT."""
     from attnforge import BatchPrefill, presets
     specs = presets.PRESETS["llama-prefill"]()
     names = []
     for spec in specs:
         w = BatchPrefill(spec, device="cuda:0")  # (nothing is allocated outside CUDA-graph mode)
-        launched = [k.module().name for k in w.launchable_kernels() if isinstance(k, PrefillKernel)]
+        launched = [k.module().name for k in w.launchable_kernels()]
         assert sorted(m.name for m in presets.modules_for(spec)) == sorted(launched)
-        names += launched
+        assert sum(n.startswith("merge_states_float_out") for n in launched) == 1
+        names += [n for n in launched if n.startswith("prefill_")]
     # fp8 K/V at head_dim 128: ragged plans run a TMA-built twin; plans that split KV, a float32-partials twin of each
     assert len(set(names)) == 12 and sum("kvfp8" in n for n in set(names)) == 8
     assert sum("tma" in n and "kvfp8" in n for n in set(names)) == 4

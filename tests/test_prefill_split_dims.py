@@ -129,14 +129,15 @@ def test_compiled_attention_output_takes_v_width():
 
 def test_the_deepseek_prefill_preset_builds_what_batch_prefill_launches():
     """`python -m attnforge build --preset deepseek-prefill`: 192/128 in bf16 and fp16, the module a ragged plan
-    launches (the only kind these specs plan) and its float32-partials twin (plans that split KV)."""
+    launches (the only kind these specs plan), and its float32-partials twin and the merge (plans that split KV)."""
     from attnforge import presets
     specs = presets.PRESETS["deepseek-prefill"]()
     assert {(s.head_dim_qk, s.head_dim_vo, s.q_dtype) for s in specs} == {(192, 128, "bf16"), (192, 128, "fp16")}
     for spec in specs:
         w = BatchPrefill(spec, device="cpu")
         ragged = [w._kernels[True, split].module().name for split in (False, True)]
-        assert [m.name for m in presets.modules_for(spec)] == ragged
+        merge = f"merge_states_float_out{'bf16' if spec.q_dtype == 'bf16' else 'fp16'}"
+        assert [m.name for m in presets.modules_for(spec)] == ragged + [merge]
         assert all("wgmma" in name for name in ragged) and "outf32" in ragged[1]
 
 
