@@ -34,7 +34,9 @@ MEMCHECK_GROUPS="tests/test_merge_gpu.py tests/test_decode_gpu.py::test_pages_la
   tests/test_append_gpu.py::test_append_replays_in_a_cuda_graph
   tests/test_append_gpu.py::test_mla_append_matches_torch_indexing
   tests/test_decode_verify_gpu.py::test_draft_tokens_against_the_reference
-  tests/test_decode_verify_gpu.py::test_long_requests_split_and_merged"
+  tests/test_decode_verify_gpu.py::test_long_requests_split_and_merged
+  tests/test_cascade.py::test_cascade_equals_decode_over_concatenated_kv
+  tests/test_cascade.py::test_cascade_graph_replay_after_replans"
 # The sanitizer's groups into the array mgroups: MEMCHECK_GROUPS (or SANITIZE_TESTS), narrowed by SANITIZE_GROUPS,
 # 1-based indices (e.g. 5,6). A bad value returns 2 with its reason in $OUT/<tool>.log: an index past the list
 # would make an empty group (pytest given no ids runs every GPU test), a leading zero reads as octal in bash
