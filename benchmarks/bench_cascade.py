@@ -1,5 +1,6 @@
 """Suite `cascade`: B256 requests sharing one 32768-token prefix, each with 512 own tokens, GQA 32/8
-d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-noshare (plain decode over prefix +
+d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-mma-levels (its levels on the
+mma.sync prefill kernel: `level_kwargs`), attnforge-noshare (plain decode over prefix +
 own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels). Pages are shuffled
 (the issue's case); a second case holds the prefix in consecutive pages, as an engine that allocated
 the shared prompt in one go would (rows attnforge, its shared level, flashinfer-cascade).
@@ -51,6 +52,11 @@ def run_case(report: Report, peers: bool, case: str, prefix_in_order: bool) -> N
     if prefix_in_order:  # the suffix and the unshared decode do not depend on the prefix's order
         bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr, last, nbytes)
         return
+    # eager-max mma.sync levels round a peaked row more closely than the Hopper level's lazy rescaling
+    # (perf-notes, Next steps 13): what that costs in time
+    mma = CascadeDecode(spec, level_kwargs={"backend": "mma"})
+    mma.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
+    report.add("cascade", case, "attnforge-mma-levels", time_us(lambda: mma.run(q, cache)), nbytes)
     report.add("cascade", case, "attnforge-suffix", time_us(lambda: c.suffix.run(q, cache, return_lse=True)),
                B * OWN * HKV * D * 4)
     full_indptr = (np.arange(B + 1) * (pp + op)).astype(np.int32)
