@@ -64,3 +64,24 @@ def test_the_changed_tests_call_selects_each_new_gpu_test():
                    "attention-attn_mask:expanded", "attention-kernel_options:dict",
                    "test_a_flex_call_carries_over_with_its_positional_arguments_and_return_aux"):
         assert wanted in out.stdout, f"{wanted} is not selected by {selection!r}"
+
+
+def test_the_record_call_runs_the_suites_named_and_plan_and_host_by_default(tmp_path):
+    """call4 records each suite of SUITES (default "plan host") into its own JSON, on an H200 only."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    for name, body in (("nvidia-smi", "echo 'NVIDIA H200'"), ("python3", f'echo "$*" >> {tmp_path}/calls')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = ROOT / "docs" / "prepared" / "call4-plan-host-record.sh"
+
+    def suites_run(**env):
+        (tmp_path / "calls").unlink(missing_ok=True)
+        subprocess.run(["bash", str(script)], cwd=ROOT, check=True, capture_output=True,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), **env})
+        calls = (tmp_path / "calls").read_text().splitlines()
+        return [c.split("--suites ")[1].split()[0] for c in calls]
+
+    assert suites_run() == ["plan", "host"]
+    assert suites_run(SUITES="plan host cascade") == ["plan", "host", "cascade"]
