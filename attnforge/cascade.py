@@ -67,8 +67,9 @@ class CascadeDecode:
     def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False,
                  level_kwargs: Optional[dict] = None, **decode_kwargs):
         """decode_kwargs: the suffix's BatchDecode arguments; level_kwargs: the shared levels' BatchPrefill
-        arguments (e.g. backend="mma", whose eager row max keeps a peaked row's dominant weight exact: the Hopper
-        kernel's lazy rescaling costs a 4000-token level ~1.2x the RMS error of one decode, docs/architecture.md)."""
+        arguments (e.g. exact_max=True, or backend="mma", whose row max is always exact: either keeps a peaked row's
+        dominant weight exactly 1, where the Hopper kernel's lagging max costs a 4000-token level ~1.2x the RMS
+        error of one decode, docs/architecture.md)."""
         self._check_spec(spec)
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph

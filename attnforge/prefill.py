@@ -45,7 +45,7 @@ class BatchPrefill:
                  split_kv: bool = True, persistent: Optional[bool] = None, work_order: str = "grouped",
                  tma: Optional[bool] = None, fma_exp_every: Optional[int] = None, m_tiles: Optional[int] = None,
                  fp8_stages: Optional[int] = None, fp8_int_widen: bool = False, k_ahead: Optional[bool] = None,
-                 float_out: bool = False, **spec_kwargs):
+                 float_out: bool = False, exact_max: bool = False, **spec_kwargs):
         if spec is None:
             spec = AttentionSpec(family="prefill", **spec_kwargs)
         elif spec_kwargs:
@@ -70,10 +70,14 @@ class BatchPrefill:
         # not commute with the merge.
         # work_order: the launch order of work items (scheduler.order_prefill_work); "grouped" measured
         # +2-13% over "longest_first" on the H200's contiguous cases (docs/perf-notes.md).
+        # exact_max: the wgmma kernel's row max moves with every new maximum instead of lagging up to 2^8, so a
+        # peaked row's dominant weight is exactly 1 (the lag measured 1.2-3% faster on the H200; the mma kernel's
+        # max is always exact)
         # float_out: rows written as float32 instead of the spec's out_dtype (the split plans' twin kernel), for
         # callers that merge them with other attention states (CascadeDecode's levels)
         for name, value in (("use_cuda_graph", use_cuda_graph), ("pingpong", pingpong), ("split_kv", split_kv),
-                            ("fp8_int_widen", fp8_int_widen), ("float_out", float_out)):
+                            ("fp8_int_widen", fp8_int_widen), ("float_out", float_out),
+                            ("exact_max", exact_max)):
             checks.check_flag("BatchPrefill", name, value)
         for name, value in (("producer", producer), ("persistent", persistent), ("tma", tma), ("k_ahead", k_ahead)):
             checks.check_flag("BatchPrefill", name, value, optional=True)
@@ -91,7 +95,8 @@ class BatchPrefill:
         self.split_kv = split_kv and not use_cuda_graph and not row_epilogue
         backend = default_backend(spec) if backend is None else backend  # (a falsy 0 or "" is refused, not the default)
         self.kernel = PrefillKernel(spec, backend, num_stages, kv_tile, producer, pingpong,
-                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead)
+                                    persistent, tma, fma_exp_every, m_tiles, fp8_stages, fp8_int_widen, k_ahead,
+                                    exact_max=exact_max)
         # the kernel a plan runs, by its KV kind (ragged or paged) and whether it splits KV: self.kernel, or a twin
         # for one kind, or that kernel's twin that writes float32 rows (PrefillKernel.for_partials): a split plan's
         # partial states, or every plan's rows with float_out

@@ -1,6 +1,7 @@
 """Suite `cascade`: B256 requests sharing one 32768-token prefix, each with 512 own tokens, GQA 32/8
-d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-mma-levels (its levels on the
-mma.sync prefill kernel: `level_kwargs`), attnforge-noshare (plain decode over prefix +
+d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-exact-levels (its Hopper levels with
+exact_max) and attnforge-mma-levels (its levels on the mma.sync prefill kernel), the three timed in rotation
+(`level_kwargs`; a level's row max exact, at what cost), attnforge-noshare (plain decode over prefix +
 own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels). Pages are shuffled
 (the issue's case); a second case holds the prefix in consecutive pages, as an engine that allocated
 the shared prompt in one go would (rows attnforge, its shared level, flashinfer-cascade).
@@ -14,7 +15,7 @@ import torch
 
 from attnforge import AttentionSpec, BatchDecode
 from attnforge.cascade import CascadeDecode
-from harness import Report, flashinfer_workspace, time_us
+from harness import Report, flashinfer_workspace, time_interleaved, time_us
 
 B, PREFIX, OWN, PAGE, HQ, HKV, D = 256, 32768, 512, 16, 32, 8, 128
 CASE = f"B{B} shared{PREFIX}+{OWN}"
@@ -41,22 +42,31 @@ def run_case(report: Report, peers: bool, case: str, prefix_in_order: bool) -> N
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D)
     nbytes = (PREFIX + B * OWN) * HKV * D * 2 * 2
-    c = CascadeDecode(spec)
-    c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
-    report.add("cascade", case, "attnforge", time_us(lambda: c.run(q, cache)), nbytes)
-    # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head) and the
-    # suffix decode alone (each with its own split-KV merge); the final merge is the remainder
+    kinds = {"attnforge": {}, "attnforge-exact-levels": {"exact_max": True},
+             "attnforge-mma-levels": {"backend": "mma"}}
+    if prefix_in_order:
+        kinds = {"attnforge": {}}
+    cascades = {name: CascadeDecode(spec, level_kwargs=kw) for name, kw in kinds.items()}
+    for c in cascades.values():
+        c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
+    # exact row maxima (exact_max, or mma.sync levels) round a peaked row more closely than the Hopper level's
+    # lagging max (perf-notes, Next steps 13): what they cost in time, timed in rotation with the default
+    times = time_interleaved({name: (lambda c=c: c.run(q, cache)) for name, c in cascades.items()})
+    for name, us in times.items():
+        report.add("cascade", case, name, us, nbytes)
+    c = cascades["attnforge"]
+    # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head; with exact_max beside
+    # it) and the suffix decode alone (each with its own split-KV merge); the final merge is the remainder
     level_flops = 4 * B * HQ * PREFIX * D
-    report.add("cascade", case, "attnforge-shared-level",
-               time_us(lambda: c.levels[0].run(q, cache, return_lse=True)), PREFIX * HKV * D * 4, level_flops)
+    levels = {"attnforge-shared-level": c.levels[0]}
+    if "attnforge-exact-levels" in cascades:
+        levels["attnforge-shared-level-exact"] = cascades["attnforge-exact-levels"].levels[0]
+    times = time_interleaved({name: (lambda w=w: w.run(q, cache, return_lse=True)) for name, w in levels.items()})
+    for name, us in times.items():
+        report.add("cascade", case, name, us, PREFIX * HKV * D * 4, level_flops)
     if prefix_in_order:  # the suffix and the unshared decode do not depend on the prefix's order
         bench_flashinfer(report, case, peers, cache, q, pp, prefix, own, own_indptr, last, nbytes)
         return
-    # eager-max mma.sync levels round a peaked row more closely than the Hopper level's lazy rescaling
-    # (perf-notes, Next steps 13): what that costs in time
-    mma = CascadeDecode(spec, level_kwargs={"backend": "mma"})
-    mma.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
-    report.add("cascade", case, "attnforge-mma-levels", time_us(lambda: mma.run(q, cache)), nbytes)
     report.add("cascade", case, "attnforge-suffix", time_us(lambda: c.suffix.run(q, cache, return_lse=True)),
                B * OWN * HKV * D * 4)
     full_indptr = (np.arange(B + 1) * (pp + op)).astype(np.int32)

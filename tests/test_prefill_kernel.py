@@ -242,6 +242,22 @@ def test_tma_boxes_per_cache(monkeypatch, tma, page, rows):
         assert k.tma_values(odd, odd, 0, ragged=True)["tma_box_rows"] == 0
 
 
+def test_exact_max_renders_a_row_max_without_slack():
+    """exact_max: the wgmma kernel's reference max follows every new maximum (slack 0, its own build), the default
+    lags by 8 (log2); the mma kernel's max is always exact, so there the option changes neither name nor source."""
+    lagging, exact = PrefillKernel(SPEC, "wgmma"), PrefillKernel(SPEC, "wgmma", exact_max=True)
+    assert (lagging.rescale_slack, exact.rescale_slack) == (8.0, 0.0)
+    assert "constexpr float kRescaleSlack = 8.0f;" in lagging.module().source
+    assert "constexpr float kRescaleSlack = 0.0f;" in exact.module().source
+    assert exact.module().name == lagging.module().name.replace("_s3", "_xm_s3") != lagging.module().name
+    assert exact.for_partials().module().name.endswith("_xm_s3") and exact.for_kv(True).exact_max
+    mma = PrefillKernel(SPEC, "mma", exact_max=True)
+    assert mma.rescale_slack == 0.0 and mma.module().source == PrefillKernel(SPEC, "mma").module().source
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match=f"exact_max: expected True or False, got {bad!r}"):
+            PrefillKernel(SPEC, "wgmma", exact_max=bad)
+
+
 def test_trace_stamps_only_when_asked():
     """The debug trace (benchmarks/trace_prefill.py) renders its per-item and per-tile stamps only with
     trace=True: one interior tile's six phase stamps per consumer warpgroup (--tiles)."""
@@ -259,7 +275,7 @@ def test_trace_stamps_only_when_asked():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize("kw", [{}, {"persistent": False}, {"score_mod": "alibi"}, {"score_mod": "softcap"},
                                 {"score_mod": "spec_softcap"}, {"persistent": False, "head_dim": 64},
-                                {"pingpong": True, "persistent": False}])
+                                {"pingpong": True, "persistent": False}, {"exact_max": True, "partial_out": True}])
 def test_ptxas_keeps_the_wgmmas_asynchronous(tmp_path, kw):
     """ptxas silently serialises every wgmma (info C7514 / C7515, or injects waits, C7517) when code
     between an issue and its wait branches or touches accumulators: the deferred epilogue runs under

@@ -166,6 +166,9 @@ class PrefillKernel:
     k_ahead: Optional[bool] = None  # a split ring of narrower V: the producer copies K(t+1) before V(t), so K(t+1)
     # waits only for S(t-1) (its slot's last reader), not behind V(t)'s slot. None: on at split dims (ragged K/V:
     # no paged row offsets that K's copy resolves and V's reuses)
+    exact_max: bool = False  # wgmma: a row's reference max follows every new maximum (O rescaled whenever one
+    # moves), as the mma kernel's always does. False: it lags up to 2^8 (log2 units), so O is rescaled on few tiles
+    # (measured 1.2-3% faster) but a peaked row's dominant weight is 2^f rounded to P's 16 bits, not exactly 1
     partial_out: bool = False  # the rows are a split plan's partial states, float32, merged by LSE after (16-bit
     # partials are rounded twice: up to 2.8x torch's error on GPU fuzz seed 917; decode's partials are float32 too)
 
@@ -234,6 +237,8 @@ class PrefillKernel:
             raise ValueError(f"PrefillKernel.fma_exp_every: expected one of {FMA_EXP_CHOICES} (every Nth "
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
+        if type(self.exact_max) is not bool:
+            raise ValueError(f"PrefillKernel.exact_max: expected True or False, got {self.exact_max!r}")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
             raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
@@ -261,6 +266,12 @@ class PrefillKernel:
         """The most fp8 staging slots (2 to 4: copies run up to three tiles ahead of the widening) that fit
         beside the rest (2 where none fit: the size check then says so)."""
         return next((n for n in (4, 3) if self._smem_bytes(n) <= SMEM_LIMIT), 2)
+
+    @property
+    def rescale_slack(self) -> float:
+        """How far (log2 units) a tile's row max may pass the row's reference max before the reference moves:
+        8 on the wgmma kernel unless exact_max, else 0 (the mma kernel's is exact; its template has no slack)."""
+        return 8.0 if self.backend == "wgmma" and not self.exact_max else 0.0
 
     @property
     def wgmma_fp8(self) -> bool:
@@ -476,7 +487,8 @@ class PrefillKernel:
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
-               "k_ahead": self.k_ahead, "params_struct": self.params.cpp(), "trace": False}
+               "k_ahead": self.k_ahead,
+               "rescale_slack": self.rescale_slack, "params_struct": self.params.cpp(), "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []),
@@ -490,7 +502,7 @@ class PrefillKernel:
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
                          *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
-                         *(["iw"] if self.fp8_int_widen else []),
+                         *(["iw"] if self.fp8_int_widen else []), *(["xm"] if self.exact_max and self.backend == "wgmma" else []),
                          *(["kb"] if split_dims(s) and self.split_ring and not self.k_ahead else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
