@@ -2,6 +2,7 @@
 tools/on_h200.sh picks its script by the GPU's name (a fake nvidia-smi on PATH here)."""
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,8 @@ def test_the_record_call_runs_the_suites_named_and_plan_and_host_by_default(tmp_
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
-    for name, body in (("nvidia-smi", "echo 'NVIDIA H200'"), ("python3", f'echo "$*" >> {tmp_path}/calls')):
+    for name, body in (("nvidia-smi", "echo 'NVIDIA H200'"), ("python3", f'echo "$*" >> {tmp_path}/calls'),
+                       ("timeout", f'echo "$1" >> {tmp_path}/limits; shift; exec "$@"')):
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     script = ROOT / "docs" / "prepared" / "call4-plan-host-record.sh"
@@ -85,3 +87,6 @@ def test_the_record_call_runs_the_suites_named_and_plan_and_host_by_default(tmp_
 
     assert suites_run() == ["plan", "host"]
     assert suites_run(SUITES="plan host cascade") == ["plan", "host", "cascade"]
+    (tmp_path / "limits").unlink()  # a caller's START: the suites get what is left of the call's 570 s
+    suites_run(SUITES="cascade", START=str(int(time.time()) - 100))
+    assert 465 <= int((tmp_path / "limits").read_text()) <= 470
