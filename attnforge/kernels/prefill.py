@@ -168,7 +168,7 @@ class PrefillKernel:
     # no paged row offsets that K's copy resolves and V's reuses)
     exact_max: bool = False  # wgmma: a row's reference max follows every new maximum (O rescaled whenever one
     # moves), as the mma kernel's always does. False: it lags up to 2^8 (log2 units), so O is rescaled on few tiles
-    # (measured 1.2-3% faster) but a peaked row's dominant weight is 2^f rounded to P's 16 bits, not exactly 1
+    # (the lag measured 1.2-3% faster on the H200) but a peaked row's dominant weight is 2^f rounded to P's 16 bits, not exactly 1
     partial_out: bool = False  # the rows are a split plan's partial states, float32, merged by LSE after (16-bit
     # partials are rounded twice: up to 2.8x torch's error on GPU fuzz seed 917; decode's partials are float32 too)
 
@@ -487,8 +487,8 @@ class PrefillKernel:
                "producer_warpgroup": self.producer, "pingpong": self.pingpong, "persistent": self.persistent,
                "split_ring": self.split_ring, "tma": self.has_tma, "fma_exp_every": self.fma_exp_every,
                "fp8_stages": self.fp8_stages, "fp8_int_widen": self.fp8_int_widen, "v_slots": self.v_slots,
-               "k_ahead": self.k_ahead,
-               "rescale_slack": self.rescale_slack, "params_struct": self.params.cpp(), "trace": False}
+               "k_ahead": self.k_ahead, "rescale_slack": self.rescale_slack, "params_struct": self.params.cpp(),
+               "trace": False}
         dims = f"d{s.head_dim_qk}" + (f"x{s.head_dim_vo}" if split_dims(s) else "")
         name = "_".join(["prefill", *(["wgmma"] if self.backend == "wgmma" else []), f"g{s.group_size}",
                          dims, s.q_dtype, *(["kvfp8"] if self.fp8_kv else []),
@@ -502,7 +502,8 @@ class PrefillKernel:
                          *(["pers"] if self.persistent else []), *(["tma"] if self.has_tma else []),
                          *([f"fx{self.fma_exp_every}"] if self.fma_exp_every else []),
                          *([f"f{self.fp8_stages}"] if self.wgmma_fp8 else []),
-                         *(["iw"] if self.fp8_int_widen else []), *(["xm"] if self.exact_max and self.backend == "wgmma" else []),
+                         *(["iw"] if self.fp8_int_widen else []),
+                         *(["xm"] if self.exact_max and self.backend == "wgmma" else []),
                          *(["kb"] if split_dims(s) and self.split_ring and not self.k_ahead else []),
                          f"s{self.stages}"])
         if self.backend == "wgmma":  # sm_90a only, whatever else the arch list asks for
