@@ -168,7 +168,8 @@ class PrefillKernel:
     # no paged row offsets that K's copy resolves and V's reuses)
     exact_max: bool = False  # wgmma: a row's reference max follows every new maximum (O rescaled whenever one
     # moves), as the mma kernel's always does. False: it lags up to 2^8 (log2 units), so O is rescaled on few tiles
-    # (the lag measured 1.2-3% faster on the H200) but a peaked row's dominant weight is 2^f rounded to P's 16 bits, not exactly 1
+    # (the lag measured 1.2-3% faster on the H200), but a peaked row's dominant weight is then 2^f rounded to
+    # P's 16 bits, not exactly 1
     partial_out: bool = False  # the rows are a split plan's partial states, float32, merged by LSE after (16-bit
     # partials are rounded twice: up to 2.8x torch's error on GPU fuzz seed 917; decode's partials are float32 too)
 
