@@ -67,9 +67,10 @@ class CascadeDecode:
     def __init__(self, spec: AttentionSpec, device=None, use_cuda_graph: bool = False,
                  level_kwargs: Optional[dict] = None, **decode_kwargs):
         """decode_kwargs: the suffix's BatchDecode arguments; level_kwargs: the shared levels' BatchPrefill
-        arguments (e.g. exact_max=True, or backend="mma", whose row max is always exact: either keeps a peaked row's
-        dominant weight exactly 1, where the Hopper kernel's lagging max costs a 4000-token level ~1.2x the RMS
-        error of one decode, docs/architecture.md)."""
+        arguments (e.g. backend="mma"). The levels default to exact_max=True: the Hopper kernel's row max then
+        follows every new maximum, so a peaked row's dominant weight is exactly 1 (with the lag, exact_max=False,
+        a 4000-token level cost ~1.25x the RMS error of one decode; the exact level cost the cascade +0.2% on an
+        H100, docs/perf-notes.md)."""
         self._check_spec(spec)
         self.spec = spec
         self.use_cuda_graph = use_cuda_graph
@@ -84,7 +85,7 @@ class CascadeDecode:
         if own:
             raise checks.fail("CascadeDecode(level_kwargs=...)", f"no {', '.join(_OWN_LEVEL_ARGS)} (the cascade "
                               "sets them for every level)", own, "Pass device and use_cuda_graph to CascadeDecode.")
-        self.level_kwargs = dict(level_kwargs or {})
+        self.level_kwargs = {"exact_max": True, **(level_kwargs or {})}
         self.level_spec = self.level_spec_for(spec)
         self._host_level()  # (the levels' arguments checked now, before any device work, not at the first plan)
         self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, float_out=True,

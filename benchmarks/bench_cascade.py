@@ -1,7 +1,7 @@
 """Suite `cascade`: B256 requests sharing one 32768-token prefix, each with 512 own tokens, GQA 32/8
-d128 bf16, page 16. Rows: attnforge (CascadeDecode), attnforge-exact-levels (its Hopper levels with
-exact_max) and attnforge-mma-levels (its levels on the mma.sync prefill kernel), the three timed in rotation
-(`level_kwargs`; a level's row max exact, at what cost), attnforge-noshare (plain decode over prefix +
+d128 bf16, page 16. Rows: attnforge (CascadeDecode: Hopper levels with an exact row max),
+attnforge-lagging-levels (exact_max=False) and attnforge-mma-levels (levels on the mma.sync prefill kernel), the
+three timed in rotation (`level_kwargs`), attnforge-noshare (plain decode over prefix +
 own pages), flashinfer-cascade (MultiLevelCascadeAttentionWrapper, two levels). Pages are shuffled
 (the issue's case); a second case holds the prefix in consecutive pages, as an engine that allocated
 the shared prompt in one go would (rows attnforge, its shared level, flashinfer-cascade).
@@ -42,25 +42,25 @@ def run_case(report: Report, peers: bool, case: str, prefix_in_order: bool) -> N
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D)
     nbytes = (PREFIX + B * OWN) * HKV * D * 2 * 2
-    kinds = {"attnforge": {}, "attnforge-exact-levels": {"exact_max": True},
+    kinds = {"attnforge": {}, "attnforge-lagging-levels": {"exact_max": False},
              "attnforge-mma-levels": {"backend": "mma"}}
     if prefix_in_order:
         kinds = {"attnforge": {}}
     cascades = {name: CascadeDecode(spec, level_kwargs=kw) for name, kw in kinds.items()}
     for c in cascades.values():
         c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
-    # exact row maxima (exact_max, or mma.sync levels) round a peaked row more closely than the Hopper level's
-    # lagging max (perf-notes, Next steps 13): what they cost in time, timed in rotation with the default
+    # the default's exact row max rounds a peaked row more closely than a lagging one, as mma.sync levels do
+    # (perf-notes, Next steps 13): what each costs in time, timed in rotation
     times = time_interleaved({name: (lambda c=c: c.run(q, cache)) for name, c in cascades.items()})
     for name, us in times.items():
         report.add("cascade", case, name, us, nbytes)
     c = cascades["attnforge"]
-    # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head; with exact_max beside
+    # where the time goes: the shared level (a prefill of B*HQ/HKV packed rows per KV head; the lagging one beside
     # it) and the suffix decode alone (each with its own split-KV merge); the final merge is the remainder
     level_flops = 4 * B * HQ * PREFIX * D
     levels = {"attnforge-shared-level": c.levels[0]}
-    if "attnforge-exact-levels" in cascades:
-        levels["attnforge-shared-level-exact"] = cascades["attnforge-exact-levels"].levels[0]
+    if "attnforge-lagging-levels" in cascades:
+        levels["attnforge-shared-level-lagging"] = cascades["attnforge-lagging-levels"].levels[0]
     times = time_interleaved({name: (lambda w=w: w.run(q, cache, return_lse=True)) for name, w in levels.items()})
     for name, us in times.items():
         report.add("cascade", case, name, us, PREFIX * HKV * D * 4, level_flops)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # exact_max (the Hopper prefill's row max without slack; 110th session, never run on a GPU): its GPU tests and the
 # cascade's (every level kind), then on an H200 the record of suites cascade, plan and host with peers (call4),
-# else the cascade suite without peers (its rows attnforge / -exact-levels / -mma-levels and the two shared-level
+# else the cascade suite without peers (its rows attnforge / -lagging-levels / -mma-levels and the two shared-level
 # rows are timed in rotation) beside the GPU fuzz at new seeds. Carry .anchors (FlashInfer):
 #   bash docs/prepared/call8-exact-max.sh     (on the GPU machine, repo root; logs and JSON under $OUT)
 # Then, on this machine: python3 benchmarks/report.py merge <files_at>/cascade.json (an H200's only) or read the
