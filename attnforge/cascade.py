@@ -61,6 +61,8 @@ def check_levels(batch: int, levels: Sequence[tuple]) -> None:
 
 # BatchPrefill arguments a cascade sets for its levels itself (level_kwargs may not)
 _OWN_LEVEL_ARGS = ("spec", "device", "use_cuda_graph", "max_batch_size", "float_out")
+# the levels' defaults, which level_kwargs may override: an exact row max (+0.2% of a cascade's time, H100)
+_LEVEL_DEFAULTS = {"exact_max": True}
 
 
 class CascadeDecode:
@@ -85,7 +87,7 @@ class CascadeDecode:
         if own:
             raise checks.fail("CascadeDecode(level_kwargs=...)", f"no {', '.join(_OWN_LEVEL_ARGS)} (the cascade "
                               "sets them for every level)", own, "Pass device and use_cuda_graph to CascadeDecode.")
-        self.level_kwargs = {"exact_max": True, **(level_kwargs or {})}
+        self.level_kwargs = {**_LEVEL_DEFAULTS, **(level_kwargs or {})}
         self.level_spec = self.level_spec_for(spec)
         self._host_level()  # (the levels' arguments checked now, before any device work, not at the first plan)
         self.suffix = BatchDecode(spec, device=device, use_cuda_graph=use_cuda_graph, float_out=True,
@@ -122,7 +124,7 @@ class CascadeDecode:
         cls._check_spec(spec)
         c = cls.__new__(cls)
         c.spec, c.level_spec, c.use_cuda_graph, c.levels = spec, cls.level_spec_for(spec), use_cuda_graph, []
-        c.level_kwargs = {}
+        c.level_kwargs = dict(_LEVEL_DEFAULTS)
         c.suffix, c.device = BatchDecode.host_only(spec, float_out=True), torch.device("cpu")
         c.suffix.use_cuda_graph = use_cuda_graph
         return c

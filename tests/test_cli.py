@@ -66,6 +66,10 @@ def test_a_cascade_entry_lists_the_kernels_cascade_decode_may_launch(tmp_path):
     assert names == [m.name for m in (k.module() for k in entry.launchable_kernels())] and len(set(names)) == 6
     assert sum(n.startswith("decode_") and "_outf32_" in n for n in names) == 3  # the default, two whole-item
     assert sum(n.startswith("prefill_") and "_outf32_" in n for n in names) == 1  # (pages and ragged K/V alike)
+    # the levels' kernel as CascadeDecode(spec) builds it: exact_max by default (on Hopper, name suffix _xm)
+    (level,) = [k for k in entry.launchable_kernels() if type(k).__name__ == "PrefillKernel"]
+    assert level.exact_max and level.rescale_slack == 0.0
+    assert ("_xm_" in level.module().name) == (level.backend == "wgmma")
     assert {"merge_states_float_outfloat", "merge_states_float_outbf16"} <= set(names)
     for bad, why in (({"cascade": 1}, "cascade: expected true"), ({"cascade": True, "max_q_len": 2}, "no max_q_len"),
                      ({"cascade": True, "window_left": 64}, "no score_mod and no sliding window")):

@@ -104,7 +104,7 @@ def test_cascade_loads_float_row_kernels_for_its_levels_and_suffix_and_their_mer
     decode = [k for k in asked if type(k).__name__ == "DecodeKernel"]
     prefill = [k for k in asked if type(k).__name__ == "PrefillKernel"]
     assert decode and all(k.float_out for k in decode) and len(decode) == (1 if graph else 3)
-    assert prefill and all(k.partial_out for k in prefill)
+    assert prefill and all(k.partial_out and k.exact_max for k in prefill)  # (the levels' default)
     merges = {k for k in asked if isinstance(k, MergeSpec)}
     assert merges == {MergeSpec(torch.float32, torch.bfloat16)} | (
         set() if graph else {MergeSpec(torch.float32, torch.float32)})
