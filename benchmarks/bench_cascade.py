@@ -42,10 +42,8 @@ def run_case(report: Report, peers: bool, case: str, prefix_in_order: bool) -> N
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     spec = AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D)
     nbytes = (PREFIX + B * OWN) * HKV * D * 2 * 2
-    kinds = {"attnforge": {}, "attnforge-lagging-levels": {"exact_max": False},
-             "attnforge-mma-levels": {"backend": "mma"}}
-    if prefix_in_order:
-        kinds = {"attnforge": {}}
+    kinds = {"attnforge": {}} if prefix_in_order else {
+        "attnforge": {}, "attnforge-lagging-levels": {"exact_max": False}, "attnforge-mma-levels": {"backend": "mma"}}
     cascades = {name: CascadeDecode(spec, level_kwargs=kw) for name, kw in kinds.items()}
     for c in cascades.values():
         c.plan(levels=[([0, B], [0, pp], prefix, [PAGE])], suffix=(own_indptr, own, last), page_size=PAGE)
