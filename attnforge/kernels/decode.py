@@ -516,6 +516,12 @@ class DecodeKernel:
             # 8-16 rows fit 168). Held to 168 (3 CTAs, 64-80 bytes spilled), GQA 56/8 ran fp8 B64 L4096 in 229 us
             # against 245 planned for 2 CTAs, bf16 within -1..+3% of that (sixty-ninth session)
             return 168
+        if self.spec.pipeline == "normal" and self.spec.head_dim_qk == 128 and self.kv_bytes == 1 \
+                and self.item_rows > 16:
+            # two m16 tiles of fp8 verify rows (groups 3, 5, 6 at 24-30 rows): left to itself ptxas took 182-183
+            # registers where shared memory plans 3 CTAs, so the H100 ran the grid's last third as a second wave
+            # (OccupancyWarning in the GPU fuzz, 111th session); held to 168 like the 5- and 7-row tiles above
+            return 168
         return MIN_REGISTERS_PER_THREAD
 
     @property
