@@ -3,12 +3,16 @@ kernel asks ptxas to honour that: where registers bind, and where a register rul
 (tests/jit/test_build.py checks the compiled registers agree)."""
 import dataclasses
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from attnforge import AttentionSpec
-from attnforge.kernels.decode import DecodeKernel, merge_lse_blocks
+from attnforge.kernels.decode import DecodeKernel, merge_lse_blocks, spec_for_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.mark.parametrize("kw,ctas,bound", [
@@ -29,6 +33,25 @@ def test_ctas_per_sm_respects_shared_memory_and_registers(kw, ctas, bound):
     assert (k.ctas_per_sm, k.register_bound_ctas) == (ctas, bound)
     bounds = f"__launch_bounds__(kThreads, {bound})" if bound else "__launch_bounds__(kThreads)"
     assert bounds + " batch_decode_kernel" in k.module().source
+
+
+def test_fp8_verify_items_over_two_m16_tiles_are_held_to_the_ctas_shared_memory_plans():
+    """fp8 verify items of 17-32 rows at d128 (normal pipeline) are held to 168 registers, so 3 CTAs fit where
+    shared memory plans 3 (ptxas alone took 183 at groups 3, 5, 6: a silent second wave); past 32 rows shared
+    memory plans 2, and the bound follows it. bf16 KV at the same rows needs no bound, nor one-token fp8."""
+    from bench_verify_fp8_rows import CASES  # (the benchmark times exactly the shapes the fix changed)
+
+    def kernel(group, tokens, kv="fp8_e4m3"):
+        spec = spec_for_rows(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype=kv), tokens)
+        return DecodeKernel(spec, max_q_len=tokens)
+    for _, group, tokens in CASES:
+        k = kernel(group, tokens)
+        assert (k.spec.pipeline, k.item_rows, k.registers_needed) == ("normal", group * tokens, 168)
+        assert (k.ctas_per_sm, k.register_bound_ctas) == (3, 3)
+        assert "__launch_bounds__(kThreads, 3) batch_decode_kernel" in k.module().source
+        assert kernel(group, tokens, "bf16").register_bound_ctas == 0
+    assert (kernel(8, 5).ctas_per_sm, kernel(8, 5).register_bound_ctas) == (2, 2)  # 40 rows: 2 by shared memory
+    assert kernel(4, 1).spec.pipeline == "transposed"  # (one token: 4 rows, the other register rule)
 
 
 def test_shared_memory_counts_the_static_flag_and_the_allocation_unit():
