@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import flashinfer_decode_us, paged_inputs  # noqa: E402
-from harness import Report, fresh_allocator, time_interleaved, versions  # noqa: E402
+from harness import Report, fresh_allocator, standalone, time_interleaved  # noqa: E402
 
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
@@ -85,13 +84,5 @@ def run(report: Report, peers: bool = True, names: tuple = ()) -> None:
         fresh_allocator()
 
 
-def main(argv: list[str]) -> None:
-    out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
-    report = Report(autosave=(Path(out_path), versions()) if out_path else None)
-    run(report, names=tuple(a for a in argv if a not in ("--out", out_path)))
-    if out_path:
-        report.write(*report.autosave)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    standalone(run, sys.argv[1:])

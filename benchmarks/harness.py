@@ -267,6 +267,16 @@ class Report:
         Path(path).write_text(json.dumps(data, indent=1))
 
 
+def standalone(run: Callable, argv: list[str]) -> None:
+    """A suite file run as a script: `python bench_x.py [--out X.json] [case names...]` calls run(report,
+    names=...) with the cases named (all where none are), saving the JSON after each case where --out is given."""
+    out_path = argv[argv.index("--out") + 1] if "--out" in argv else None
+    report = Report(autosave=(Path(out_path), versions()) if out_path else None)
+    run(report, names=tuple(a for a in argv if a not in ("--out", out_path)))
+    if out_path:
+        report.write(*report.autosave)
+
+
 def versions() -> dict:
     import attnforge
     from attnforge.jit import arch
