@@ -51,7 +51,7 @@ def test_fp8_verify_items_over_two_m16_tiles_are_held_to_the_ctas_shared_memory_
         assert "__launch_bounds__(kThreads, 3) batch_decode_kernel" in k.module().source
         assert kernel(group, tokens, "bf16").register_bound_ctas == 0
     assert (kernel(8, 5).ctas_per_sm, kernel(8, 5).register_bound_ctas) == (2, 2)  # 40 rows: 2 by shared memory
-    assert kernel(4, 1).spec.pipeline == "transposed"  # (one token: 4 rows, the other register rule)
+    assert (kernel(4, 1).spec.pipeline, kernel(4, 1).ctas_per_sm) == ("transposed", 4)  # one token: unchanged
 
 
 def test_shared_memory_counts_the_static_flag_and_the_allocation_unit():
