@@ -1,6 +1,7 @@
 import os
 import random
 import tempfile
+import warnings
 import zlib
 
 import numpy as np
@@ -31,6 +32,19 @@ def _rngs_seeded_by_test_id(request):
     torch.manual_seed(seed)  # (CUDA's generators too, lazily: no CUDA initialisation on a CPU machine)
     np.random.seed(seed)
     random.seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _planned_occupancy_holds(request):
+    """A GPU test fails where a kernel it loads holds fewer CTAs per SM than its planner sized the grid for
+    (OccupancyWarning raised as an error): the answers stay right, a second wave later, so an accuracy test alone
+    would pass. Only on compute capability 9.0, the H100 / H200 whose shared memory the planners assume. (The GPU
+    fuzz's verify draws at seeds 1448, 1461, 1594 and 1600 met such fp8 shapes and only warned, 111th session.)"""
+    with warnings.catch_warnings():
+        if HAS_GPU and "gpu" in request.keywords and torch.cuda.get_device_capability() == (9, 0):
+            from attnforge import OccupancyWarning  # (here: attnforge loads after the env above is set)
+            warnings.simplefilter("error", OccupancyWarning)
+        yield
 
 
 @pytest.fixture(autouse=True)

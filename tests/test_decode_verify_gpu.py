@@ -1,7 +1,6 @@
 """BatchDecode with several query tokens a request (speculative decoding's verify step): token t of q_len
 sits at position kv_len - q_len + t and sees the keys up to it (causal among the drafts, end-aligned)."""
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -75,13 +74,10 @@ def test_head_layouts_and_odd_token_counts(hq, hkv, q_len, pipeline, monkeypatch
 @pytest.mark.parametrize("group,q_len", [(3, 8), (5, 5), (5, 6), (6, 4), (6, 5)])
 def test_fp8_items_over_two_m16_tiles_hold_their_planned_ctas(group, q_len):
     """fp8 verify items of 24-30 rows (normal pipeline): ptxas alone took 183 registers where 3 CTAs an SM were
-    planned (a second wave, the GPU fuzz's OccupancyWarning); held to 168 they fit, and stay exact. The warning is
-    an error here on a Hopper GPU, whose shared memory the planner assumes."""
+    planned (a second wave, the GPU fuzz's OccupancyWarning); held to 168 they fit, and stay exact. (On a Hopper GPU
+    conftest raises the warning as an error.)"""
     spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3")
-    with warnings.catch_warnings():
-        if torch.cuda.get_device_capability() == (9, 0):
-            warnings.simplefilter("error", attnforge.OccupancyWarning)
-        w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=group + q_len, k_scale=0.5, v_scale=2.0)
+    w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=group + q_len, k_scale=0.5, v_scale=2.0)
     assert (w.kernel.spec.pipeline, w.kernel.register_bound_ctas) == ("normal", 3)
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # fp8 verify items over two m16 tiles held to 168 registers (111th session, 5a6e7e3; never run on a GPU): the
-# verify GPU tests, the GPU fuzz's verify draws that loaded those shapes (seeds 1448, 1461, 1594, 1600: they now
-# fail on an OccupancyWarning), memcheck on the verify tests, then suite verify_fp8_rows (the five shapes at 3 CTAs
-# an SM against the same kernel at 2) and suite verify without peers. Any GPU (~300 s with the builds). No carry.
+# verify GPU tests, the GPU fuzz's verify draws that loaded those shapes (seeds 1448, 1461, 1594, 1600; like every
+# GPU test on Hopper they now fail on an OccupancyWarning), suite verify_fp8_rows (the five shapes at 3 CTAs an SM
+# against the same kernel at 2), then memcheck on the fp8 verify tests. Any GPU (~300 s with the builds). No carry.
 #   bash docs/prepared/call9-fp8-verify.sh      (on the GPU machine, repo root; logs and JSON under $OUT)
 set -u
 start=$(date +%s)
