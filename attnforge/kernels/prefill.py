@@ -239,7 +239,8 @@ class PrefillKernel:
                              f"exponential on the FMA pipe; only the wgmma backend has it, mma takes 0), got "
                              f"{self.fma_exp_every!r} with backend {self.backend!r}; pass None for the default")
         if type(self.exact_max) is not bool:
-            raise ValueError(f"PrefillKernel.exact_max: expected True or False, got {self.exact_max!r}")
+            raise ValueError(f"PrefillKernel.exact_max: expected True or False, got {self.exact_max!r}; pass True "
+                             "for a row max that follows every new maximum, or False (the default) for the lag")
         if (self.m_tiles not in (1, 2) or (self.m_tiles != 1 and self.backend != "mma")
                 or (self.m_tiles == 2 and (self.spec.head_dim_qk, 2) not in MMA_REGISTERS)):
             raise ValueError(f"PrefillKernel.m_tiles: the mma backend takes 1 or 2 m16 row tiles a warp (2 at "
