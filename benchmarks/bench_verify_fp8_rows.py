@@ -3,7 +3,8 @@ and 6 at 4-8 tokens a request), the shapes ptxas gave 182-183 registers where sh
 (111th session). Since then `DecodeKernel.registers_needed` holds them to 168 registers (a little stack) so 3 CTAs
 fit. Rows, timed in rotation on the same pages: `attnforge` (3 CTAs an SM) and `attnforge-2cta` (the same kernel
 on a grid of 2 an SM, `ctas_per_sm=2`: what planning by ptxas's own count would have given, less its spills).
-Outputs of the two rows are compared (the same kernel: bitwise equal).
+Outputs of the two rows are compared: the same kernel, but the two grids split KV at different points, so they agree
+to rounding, not bit for bit (an H100 run, 112th session: 3 CTAs an SM 28% faster in every case).
 
     python benchmarks/bench_verify_fp8_rows.py [--out X.json] [case names...]
 """
@@ -43,8 +44,10 @@ def run(report: Report, names: tuple = ()) -> None:
         for impl, us in time_interleaved(runs).items():
             report.add(SUITE, f"{name} B{BATCH} L{LENGTH}", impl, us, kv_bytes(lengths, "fp8_e4m3"))
         kernel, ctas = ws["attnforge"].planned_kernel
-        same = torch.equal(outs["attnforge"], outs["attnforge-2cta"])
-        report.note(f"{SUITE} {name}: {kernel.name} x {ctas} CTAs; the two rows' outputs bitwise equal: {same}")
+        a, b = outs["attnforge"].float(), outs["attnforge-2cta"].float()
+        unwritten = int(a.isnan().sum() + b.isnan().sum())  # poison left in either output
+        report.note(f"{SUITE} {name}: {kernel.name} x {ctas} CTAs; the rows' outputs differ by at most "
+                    f"{(a - b).abs().max().item():.2e}, {unwritten} values unwritten")
         del q, cache
         fresh_allocator()
 

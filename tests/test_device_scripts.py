@@ -93,23 +93,25 @@ def test_the_record_call_runs_the_suites_named_and_plan_and_host_by_default(tmp_
 
 
 @pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
-def test_the_exact_max_call_runs_its_tests_then_the_record_or_the_fuzz(tmp_path, gpu):
-    """call8: exact_max's GPU tests on any GPU; then on an H200 the record of suites cascade, plan and host, else
-    the cascade suite without peers, its tests beside the fuzz in processes of their own."""
+def test_the_exact_max_call_records_on_an_h200_and_fuzzes_new_seeds_elsewhere(tmp_path, gpu):
+    """call8: on an H200 exact_max's GPU tests, then the record of suites cascade, plan and host; elsewhere (its
+    H100 checks already ran) only the GPU fuzz at new seeds, one process a family, and no suite."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
-    for name, body in (("nvidia-smi", f"echo '{gpu}'"), ("python3", f'echo "$*" >> {tmp_path}/calls')):
+    fake_python = f'echo "seeds=${{ATTNFORGE_TEST_FUZZ_SEEDS:-}} $*" >> {tmp_path}/calls'
+    for name, body in (("nvidia-smi", f"echo '{gpu}'"), ("python3", fake_python)):
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     subprocess.run(["bash", str(ROOT / "docs" / "prepared" / "call8-exact-max.sh")], cwd=ROOT, check=False,
                    capture_output=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out)})
     calls = (tmp_path / "calls").read_text().splitlines()
-    tests = [c for c in calls if c.startswith("-m pytest")]
-    assert any("test_exact_max_rounds_peaked_rows_as_the_mma_kernel tests/test_cascade.py" in c for c in tests)
+    tests = [c for c in calls if " -m pytest" in c]
+    exact = [c for c in tests if "test_exact_max_rounds_peaked_rows_as_the_mma_kernel tests/test_cascade.py" in c]
     suites = [c.split("--suites ")[1].split()[0] for c in calls if "--suites" in c]
     if "H200" in gpu:
-        assert len(tests) == 1 and suites == ["cascade", "plan", "host"], calls
+        assert len(tests) == len(exact) == 1 and suites == ["cascade", "plan", "host"], calls
     else:
-        assert sum("test_fuzz_gpu.py::test_random_" in c for c in tests) == 7 and suites == ["cascade"], calls
-        assert all("--no-peers" in c for c in calls if "--suites" in c)
+        fuzz = [c for c in tests if "test_fuzz_gpu.py::test_random_" in c]
+        assert len(fuzz) == 7 and not exact and not suites, calls
+        assert all(c.startswith("seeds=1760:1910 ") for c in fuzz), fuzz

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# exact_max (the Hopper prefill's row max without slack; 110th session, never run on a GPU): its GPU tests and the
-# cascade's (every level kind), then on an H200 the record of suites cascade, plan and host with peers (call4),
-# else the cascade suite without peers (its rows attnforge / -lagging-levels / -mma-levels and the two shared-level
-# rows are timed in rotation) beside the GPU fuzz at new seeds. Carry .anchors (FlashInfer):
+# exact_max (the Hopper prefill's row max without slack; the cascade's default since the 110th session): on an H200
+# its GPU tests and the cascade's (every level kind), then the record of suites cascade, plan and host with peers
+# (call4). Its H100 checks ran in the 111th session, so off an H200 it runs the GPU fuzz at new seeds instead
+# (FUZZ_SEEDS, default 1760:1910, ~340 s on a warm machine). Carry .anchors (FlashInfer):
 #   bash docs/prepared/call8-exact-max.sh     (on the GPU machine, repo root; logs and JSON under $OUT)
-# Then, on this machine: python3 benchmarks/report.py merge <files_at>/cascade.json (an H200's only) or read the
-# H100's bench.json; FUZZ_SEEDS (default 1360:1435: half a fuzz, so the call ends by ~470 s) picks the seeds.
+# Then, on this machine: python3 benchmarks/report.py merge <files_at>/cascade.json (and plan.json, host.json).
 set -u
 start=$(date +%s)
 export ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_JOBS=16
@@ -18,5 +17,5 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 fi
 FUZZ="$F::test_random_decode;$F::test_random_verify;$F::test_random_prefill;$F::test_random_prefill_split_dims"
 FUZZ="$FUZZ;$F::test_random_mla;$F::test_random_cascade;$F::test_random_quest"
-ATTNFORGE_TEST_FUZZ_SEEDS=${FUZZ_SEEDS:-1360:1435} TEST_GROUPS="$NEW;$FUZZ" SASS=0 SUITES=cascade \
-  BENCH_ARGS=--no-peers TEST_TIMEOUT=280 BENCH_TIMEOUT=170 exec bash tools/gpu_session.sh
+ATTNFORGE_TEST_FUZZ_SEEDS=${FUZZ_SEEDS:-1760:1910} TEST_GROUPS="$FUZZ" BENCH=0 SASS=0 TEST_TIMEOUT=480 \
+  exec bash tools/gpu_session.sh
