@@ -129,7 +129,7 @@ class BatchDecode:
                             f"(got extra {sorted(spec_kwargs)})")
         checks.check_spec(who, spec, self.FAMILY, "Use the wrapper of that family.")
         if self.FAMILY == "decode":  # several tokens a request: the pipeline 'auto' picks for the item's rows
-            spec = spec_for_rows(spec, max_q_len)
+            spec = spec_for_rows(spec, max_q_len, head_splits)
         self._head_splits = head_splits
         self.spec, self.kernel = spec, self._make_kernel(spec, tile_kv, num_stages, num_warps)
         checks.check_flag(who, "merge_launch", merge_launch, optional=True)

@@ -369,6 +369,9 @@ def test_the_default_pipeline_follows_an_items_rows_and_head_splits_keep_them_in
     assert spec_for_rows(gqa, 4).pipeline == "normal" and spec_for_rows(gqa, 8).pipeline == "normal"
     fp8 = dataclasses.replace(gqa, kv_dtype="fp8_e4m3")  # widened in registers on the transposed pipeline
     assert spec_for_rows(fp8, 4) is fp8 and spec_for_rows(fp8, 8).pipeline == "normal"
+    # explicit head_splits set the item's rows: fp8 at 8 tokens in items of 2 heads (16 rows) stays transposed
+    assert spec_for_rows(fp8, 8, head_splits=2) is fp8 and spec_for_rows(fp8, 8, head_splits=1).pipeline == "normal"
+    assert spec_for_rows(gqa, 4, head_splits=2) is gqa  # 16-bit: 8 rows, one n8 tile
     fp8_16 = AttentionSpec(num_qo_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3")  # 'auto': transposed, two n8 tiles
     assert fp8_16.pipeline == "transposed" and spec_for_rows(fp8_16, 1) is fp8_16
     assert spec_for_rows(fp8_16, 2).pipeline == "normal"  # 32 rows: past the transposed kernel's 16

@@ -20,7 +20,7 @@ def verify_case(spec, lengths, page_size, q_len, seed=0, max_q_len=None, out_row
     """Plans and runs q_len tokens a request against the reference; returns (wrapper, out). keep_pipeline (a
     pytest monkeypatch): the spec's pipeline as given, not the one picked for the item's rows."""
     if keep_pipeline is not None:
-        keep_pipeline.setattr(attnforge.decode, "spec_for_rows", lambda s, q: s)
+        keep_pipeline.setattr(attnforge.decode, "spec_for_rows", lambda s, q, head_splits=None: s)
     _, cache, (indptr, indices, last), per_req = make_paged_case(spec, lengths, page_size, seed)
     dt = torch.bfloat16 if spec.q_dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(seed + 1)
@@ -79,6 +79,22 @@ def test_fp8_items_over_two_m16_tiles_hold_their_planned_ctas(group, q_len):
     spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3")
     w, _ = verify_case(spec, LENGTHS, 16, q_len, seed=group + q_len, k_scale=0.5, v_scale=2.0)
     assert (w.kernel.spec.pipeline, w.kernel.register_bound_ctas) == ("normal", 3)
+
+
+@pytest.mark.parametrize("hq,hkv,q_len,page_size,splits,merge_launch", [
+    (24, 8, 8, 7, 3, False), (64, 8, 4, 16, 2, False), (64, 8, 8, 1, 4, True), (32, 1, 3, 16, 8, False),
+    (128, 8, 4, 7, 4, True), (48, 8, 5, 16, 2, False)])
+def test_fp8_items_split_by_head_splits_stay_on_the_transposed_pipeline(hq, hkv, q_len, page_size, splits,
+                                                                         merge_launch):
+    """fp8 verify steps past the transposed kernel's 16 rows an item, with head_splits that bring each item
+    back to 16 or fewer: the wrapper keeps the transposed pipeline (slower than the normal default: suite
+    `verify_fp8_split`), and each item's rows, its KV head's pages read by every split, and the merges of long
+    requests' chunks (in the kernel, or by the second launch) stay exact."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype="fp8_e4m3")
+    w, _ = verify_case(spec, LENGTHS, page_size, q_len, seed=hq + q_len, k_scale=0.5, v_scale=2.0,
+                       merge_launch=merge_launch, head_splits=splits)
+    k = w.kernel
+    assert (k.spec.pipeline, k.head_splits, k.item_rows) == ("transposed", splits, hq // hkv // splits * q_len)
 
 
 @pytest.mark.parametrize("kv_dtype,q_len,expected", [("bf16", 2, "transposed"), ("bf16", 4, "normal"),

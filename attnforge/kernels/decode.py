@@ -73,18 +73,21 @@ def default_head_splits(spec: AttentionSpec, max_q_len: int = 1) -> int:
     return hs
 
 
-def spec_for_rows(spec: AttentionSpec, max_q_len: int) -> AttentionSpec:
+def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int] = None) -> AttentionSpec:
     """The spec with the pipeline for work items of group x max_q_len rows, where its pipeline is the one
     'auto' picks for its group (AttentionSpec resolves 'auto' knowing no q_len). Measured (suite `verify`,
     GQA 32/8 bf16, sixty-eighth session): 8 rows (q_len 2) the transposed pipeline's one n8 tile, 252.3 us
     against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
     against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
     fp8 KV keeps the transposed pipeline up to its 16 rows an item (it widens in registers there; the
-    normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal."""
+    normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal.
+    Splitting such items' heads into 2-4 items of at most 16 rows to stay transposed lost 19-79% on an H100
+    (suite `verify_fp8_split`, 112th session): each split widens its KV head's pages again. Explicit head_splits
+    (BatchDecode's) set the item's rows."""
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
     limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
-    item_heads = spec.group_size // default_head_splits(spec)
+    item_heads = spec.group_size // (head_splits or default_head_splits(spec))
     return replace(spec, pipeline="normal") if item_heads * max_q_len > limit else spec
 
 
