@@ -4,7 +4,8 @@ memory once for all of an item's rows. The alternative measured here: split each
 every item keeps at most 16 rows on the transposed pipeline, which widens in registers, while the items of a KV
 head reread its pages from L2. Rows, timed in rotation on the same pages: `attnforge` (the default, normal) and
 `attnforge-hs<N>` (the transposed pipeline at N items a KV head). Each row's output is compared with the first's.
-112th session, H100: every split lost, the fewest by 19-79%: each split widens its KV head's pages again.
+112th session, H100: every split lost, the fewest by 19-79%: a KV head's items run back to back on the work
+stream, so each rereads its pages from DRAM (as the seventy-third session found for the same split).
 
     python benchmarks/bench_verify_fp8_split.py [--out X.json] [case names...]
 """

@@ -82,8 +82,8 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int
     fp8 KV keeps the transposed pipeline up to its 16 rows an item (it widens in registers there; the
     normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal.
     Splitting such items' heads into 2-4 items of at most 16 rows to stay transposed lost 19-79% on an H100
-    (suite `verify_fp8_split`, 112th session): each split widens its KV head's pages again. Explicit head_splits
-    (BatchDecode's) set the item's rows."""
+    (suite `verify_fp8_split`, 112th session, as in the seventy-third): a KV head's items run back to back, so
+    each rereads its pages from DRAM. Explicit head_splits (BatchDecode's) set the item's rows."""
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
     limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
