@@ -167,6 +167,23 @@ def time_interleaved(fns: dict, calls: int = 5, reps: int = 20, use_graph: bool 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_poisoned_outputs(report: "Report", suite: str, case: str, fns: dict, like: torch.Tensor,
+                          nbytes: int) -> dict:
+    """Times fns (impl -> f(out)) in rotation (time_interleaved), each writing its own NaN-poisoned output shaped
+    like `like`, adds their rows, and notes how far each output is from the first impl's and how many values it
+    left unwritten (poison: a row never written shows as NaN). Returns the outputs."""
+    outs = {impl: torch.full_like(like, float("nan")) for impl in fns}
+    runs = {impl: (lambda f=f, o=outs[impl]: f(o)) for impl, f in fns.items()}
+    for impl, us in time_interleaved(runs).items():
+        report.add(suite, case, impl, us, nbytes)
+    first_impl = next(iter(fns))
+    first = outs[first_impl].float()
+    for impl, out in outs.items():
+        report.note(f"{suite} {case} {impl}: differs from {first_impl} by at most "
+                    f"{(out.float() - first).abs().max().item():.2e}, {int(out.isnan().sum())} values unwritten")
+    return outs
+
+
 def env_seconds(name: str, default: float = 0.0) -> float:
     """A duration knob of the timing method, in seconds (unset or empty: `default`)."""
     text = os.environ.get(name, "").strip()
