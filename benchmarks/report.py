@@ -163,6 +163,8 @@ def main(src: str = str(DOCS / "h200.json")) -> int:
               "prefill_split_dims": "Prefill, keys wider than values: 192/128 (suite `prefill_split_dims`)",
               "verify": "Speculative decoding's verification step (suite `verify`)",
               "verify_fp8_rows": "fp8 verify items over two m16 tiles (suite `verify_fp8_rows`)",
+              "verify_fp8_widen": "fp8 verify on the normal pipeline: widened in shared memory or registers "
+                                  "(suite `verify_fp8_widen`)",
               "verify_fp8_split": "fp8 verify items past 16 rows: normal, or split by heads (suite `verify_fp8_split`)",
               "roofline": "The read roofline: a kernel that only streams its bytes (suite `roofline`)",
               "compile": "Decode under torch.compile (suite `compile`: host time a call, then device time)",

@@ -285,11 +285,31 @@ def test_float_out_renders_float_rows_and_leaves_the_16bit_kernel_as_it_was():
 
 def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
     fp8 = AttentionSpec(kv_dtype="fp8_e4m3")  # transposed, widened in registers, 4 warps of 16 tokens
-    assert "constexpr bool kWarpRows = true && kRegWiden && kSubBlocks == kWarps;" in DecodeKernel(fp8).module().source
+    assert "constexpr bool kWarpRows = true && kRegWiden && kTransposed &&" in DecodeKernel(fp8).module().source
     off = DecodeKernel(fp8, warp_rows=False).module()
     assert "constexpr bool kWarpRows = false" in off.source and off.name.endswith("_xb_t64s2w4")
     with pytest.raises(ValueError, match="warp_rows: expected True or False"):
         DecodeKernel(fp8, warp_rows=1)
+
+
+def test_normal_pipeline_fp8_widened_in_registers_is_an_option_with_no_16_bit_copy():
+    """normal_widen_in_registers: fp8 on the normal pipeline read from the swizzled fp8 stage and widened after
+    ldmatrix (the shared-memory pass and its 16-bit tile gone), for d128 only; elsewhere refused before a build."""
+    spec = AttentionSpec(num_qo_heads=64, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")
+    plain, rw = DecodeKernel(spec, max_q_len=4), DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=True)
+    assert not plain.widens_in_registers and rw.widens_in_registers
+    assert plain.pipe_bytes - rw.pipe_bytes == 2 * 64 * 128 * 2  # the widened K and V tile
+    assert rw.smem_bytes == 32 * 128 * 2 + 2 * 32 * 132 * 4  # Q, then the merge scratch: larger than the stages
+    assert rw.module().name == plain.module().name.replace("_normal_", "_normal_rw_")
+    assert "(kTransposed || true)" in rw.module().source and "(kTransposed || false)" in plain.module().source
+    assert (rw.ctas_per_sm, rw.register_bound_ctas) == (3, 3)  # 32 rows: held to 168 registers, as before
+    for bad, why in ((dataclasses.replace(spec, kv_dtype="bf16"), "got bf16 KV"),
+                     (dataclasses.replace(spec, pipeline="transposed", num_qo_heads=32), "pipeline 'transposed'"),
+                     (dataclasses.replace(spec, head_dim_qk=64, head_dim_vo=64), "head_dim 64")):
+        with pytest.raises(ValueError, match=f"normal_widen_in_registers: .*{why}"):
+            DecodeKernel(bad, normal_widen_in_registers=True)
+    with pytest.raises(ValueError, match="normal_widen_in_registers: expected True or False, got 1"):
+        DecodeKernel(spec, normal_widen_in_registers=1)
 
 
 def test_transposed_pipeline_takes_up_to_two_head_tiles():

@@ -1,5 +1,6 @@
 """BatchDecode with several query tokens a request (speculative decoding's verify step): token t of q_len
 sits at position kv_len - q_len + t and sees the keys up to it (causal among the drafts, end-aligned)."""
+import dataclasses
 import math
 
 import numpy as np
@@ -95,6 +96,22 @@ def test_fp8_items_split_by_head_splits_stay_on_the_transposed_pipeline(hq, hkv,
                        merge_launch=merge_launch, head_splits=splits)
     k = w.kernel
     assert (k.spec.pipeline, k.head_splits, k.item_rows) == ("transposed", splits, hq // hkv // splits * q_len)
+
+
+@pytest.mark.parametrize("group,q_len,page_size,merge_launch", [
+    (8, 4, 16, False), (4, 8, 7, True), (3, 8, 1, False), (8, 8, 16, False), (16, 4, 7, True), (5, 5, 16, False),
+    (4, 1, 7, False), (8, 2, 1, False)])
+def test_fp8_normal_pipeline_widened_in_registers(group, q_len, page_size, merge_launch, monkeypatch):
+    """DecodeKernel.normal_widen_in_registers: the normal pipeline's fp8 K and V read from the swizzled fp8 stage
+    and widened after ldmatrix (fp16 MMAs, O's dims regrouped by publish()), at one to four m16 tiles of rows,
+    odd pages, and both merge paths of long requests' chunks, against the reference."""
+    make = BatchDecode._make_kernel
+    monkeypatch.setattr(BatchDecode, "_make_kernel",
+                        lambda self, *a: dataclasses.replace(make(self, *a), normal_widen_in_registers=True))
+    spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")
+    w, _ = verify_case(spec, LENGTHS, page_size, q_len, seed=group + 10 * q_len, k_scale=0.5, v_scale=2.0,
+                       merge_launch=merge_launch, whole_items=False)
+    assert w.kernel.normal_widen_in_registers and w.planned_kernel[0].normal_widen_in_registers
 
 
 @pytest.mark.parametrize("kv_dtype,q_len,expected", [("bf16", 2, "transposed"), ("bf16", 4, "normal"),

@@ -17,6 +17,16 @@ def test_device_script_parses(script):
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_test_a_script_names_exists(script):
+    """A test id a script names (tests/x.py::test_y) that no longer exists would make pytest collect nothing
+    there, and the call would spend its device time on the rest."""
+    import re
+    ids = re.findall(r"(tests/[\w/]+\.py)::(\w+)", script.read_text())
+    for path, name in ids:
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{script.name}: {path}::{name}"
+
+
 @pytest.mark.parametrize("patch", sorted((ROOT / "docs" / "prepared").glob("*.patch")), ids=lambda p: p.name)
 def test_a_prepared_patch_applies_to_this_tree(patch):
     """A call script applies its patch first and stops if it does not apply: when main moves under a patch, this

@@ -351,6 +351,9 @@ class DecodeKernel:
     # rows written as float32, not rounded to the spec's out_dtype: for callers that merge them with other states
     # (CascadeDecode merges its levels and the suffix; a 16-bit row is rounded again by the merge)
     float_out: bool = False
+    # fp8 KV on the normal pipeline (d128) widened in registers after ldmatrix, as the transposed pipeline does,
+    # instead of by a shared-memory pass into a 16-bit copy of the tile (an option; 112th session, not measured)
+    normal_widen_in_registers: bool = False
 
     def __post_init__(self):
         s = self.spec
@@ -378,7 +381,8 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.tile_kv: expected 32, 64, 128 or 256, got {self.tile_kv}; "
                              f"pass None for the measured default")
         if (self.tile_kv == 256 or self.num_warps == 16) and not (
-                (self.tile_kv, self.num_warps) == (256, 16) and self.widens_in_registers and s.head_dim_qk == 128):
+                (self.tile_kv, self.num_warps) == (256, 16) and self.widens_in_registers and s.pipeline == "transposed"
+                and s.head_dim_qk == 128):
             raise ValueError(f"DecodeKernel: tile_kv=256 and num_warps=16 go together, for fp8 KV on the transposed "
                              f"pipeline at head_dim 128 (FP8_WHOLE_ITEM_TILING: the only such shape measured and "
                              f"GPU-tested); got tile_kv={self.tile_kv}, num_warps={self.num_warps} for {s.kv_dtype} "
@@ -395,6 +399,13 @@ class DecodeKernel:
                              f"{self.num_warps}. Use more warps or the default.")
         if type(self.warp_rows) is not bool:
             raise ValueError(f"DecodeKernel.warp_rows: expected True or False, got {self.warp_rows!r}")
+        if type(self.normal_widen_in_registers) is not bool:
+            raise ValueError(f"DecodeKernel.normal_widen_in_registers: expected True or False, got "
+                             f"{self.normal_widen_in_registers!r}")
+        if self.normal_widen_in_registers and (s.pipeline, s.kv_dtype, s.head_dim_qk) != ("normal", "fp8_e4m3", 128):
+            raise ValueError(f"DecodeKernel.normal_widen_in_registers: for fp8 KV on the normal pipeline at head_dim "
+                             f"128 (the transposed pipeline always widens fp8 in registers), got {s.kv_dtype} KV, "
+                             f"pipeline {s.pipeline!r}, head_dim {s.head_dim_qk}. Leave it False there.")
         if type(self.qk_chains) is not int or self.qk_chains not in (1, 2, 4):
             raise ValueError(f"DecodeKernel.qk_chains: expected 1, 2 or 4, got {self.qk_chains!r}")
         if self.stages is not None and (type(self.stages) is not int or not 2 <= self.stages <= 8):
@@ -434,7 +445,7 @@ class DecodeKernel:
         """fp8 KV on the transposed pipeline: the kernel widens K and V in registers after ldmatrix
         (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of the tile (d64 too since the
         seventy-fifth session, its 64-byte rows swizzled by pairs: kv_tile.cuh, fp8_swizzle)."""
-        return self.kv_bytes == 1 and self.spec.pipeline == "transposed"
+        return self.kv_bytes == 1 and (self.spec.pipeline == "transposed" or self.normal_widen_in_registers)
 
     @property
     def num_stages(self) -> int:
@@ -548,6 +559,7 @@ class DecodeKernel:
                "smem_bytes": self.smem_bytes, "merge_vectors": self.merge_shape[0], "merge_slots": self.merge_shape[1],
                "merge_lse_blocks": merge_lse_blocks(self.item_rows), "max_q_len": self.max_q_len,
                "qk_chains": self.qk_chains, "warp_rows": self.warp_rows,
+               "normal_widen_in_registers": self.normal_widen_in_registers,
                "min_ctas_per_sm": self.register_bound_ctas,
                "variant_decl": variants.variant_decl(s),
                "chunk_fixed_cost": scheduler.CHUNK_FIXED_COST, "params_struct": self.params.cpp(), "trace": False,
@@ -561,6 +573,7 @@ class DecodeKernel:
                          *([f"hs{self.head_splits}"] if self.head_splits > 1 else []),
                          *([f"qc{self.qk_chains}"] if self.qk_chains != 2 else []),
                          *(["xb"] if not self.warp_rows else []),
+                         *(["rw"] if self.normal_widen_in_registers else []),
                          *([f"q{self.max_q_len}"] if self.max_q_len > 1 else []),
                          f"t{self.tile_kv}s{self.num_stages}w{self.num_warps}"])
         names = ("batch_decode_kernel",) + (("batch_decode_merge_kernel",) if self.row_merge else ())

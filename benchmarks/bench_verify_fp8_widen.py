@@ -1,0 +1,64 @@
+"""Suite `verify_fp8_widen`: fp8 verify steps on the normal pipeline (items past the transposed pipeline's 16 rows
+go there by default) with K and V widened by a shared-memory pass into a 16-bit tile (the default) against
+widened in registers after ldmatrix (`DecodeKernel.normal_widen_in_registers`, 112th session: no 16-bit copy,
+no second barrier a tile, 32 KB less shared memory, fp16 MMAs). Rows, timed in rotation on the same pages:
+`attnforge` (the default), `attnforge-regwiden` (the option) and, where the default is the transposed pipeline
+(16 rows or fewer), `attnforge-normal` beside them. Each row's output is compared with the default's.
+
+    python benchmarks/bench_verify_fp8_widen.py [--out X.json] [case names...]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import D, HKV, kernel_twin, kv_bytes, paged_inputs  # noqa: E402  (8 KV heads, d128)
+from harness import Report, fresh_allocator, standalone, time_poisoned_outputs  # noqa: E402
+
+from attnforge import AttentionSpec, BatchDecode  # noqa: E402
+
+SUITE, PAGE = "verify_fp8_widen", 16
+# (name, group, tokens a request, batch, length): GQA 64/8 at 3, 4 and 8 tokens (24-64 rows), 32/8 at 5 and 8,
+# 128/8 at 4, groups 3 and 5 (the register-held shapes), and 32/8 at 4 tokens (16 rows: transposed by default)
+CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8, 3, 64, 4096),
+         ("g8 q8", 8, 8, 64, 4096), ("g4 q8", 4, 8, 64, 4096), ("g4 q5", 4, 5, 64, 4096), ("g16 q4", 16, 4, 32, 4096),
+         ("g3 q8", 3, 8, 64, 4096), ("g5 q5", 5, 5, 64, 4096), ("g4 q4", 4, 4, 64, 4096)]
+
+
+def wrappers(group: int, q_len: int, batch: int) -> dict:
+    """The suite's rows for one shape: BatchDecode wrappers, the default first."""
+    kw = dict(num_qo_heads=HKV * group, num_kv_heads=HKV, head_dim_qk=D, kv_dtype="fp8_e4m3")
+    rows = {"attnforge": BatchDecode(AttentionSpec(**kw), max_batch_size=batch, max_q_len=q_len)}
+    normal = AttentionSpec(**kw, pipeline="normal")
+    if rows["attnforge"].kernel.spec.pipeline != "normal":
+        rows["attnforge-normal"] = BatchDecode(normal, max_batch_size=batch, max_q_len=q_len)
+    twin = kernel_twin({"normal_widen_in_registers": True})
+    rows["attnforge-regwiden"] = twin(normal, max_batch_size=batch, max_q_len=q_len)
+    return rows
+
+
+def run(report: Report, names: tuple = ()) -> None:
+    for name, group, q_len, batch, length in CASES:
+        if names and name not in names:
+            continue
+        torch.manual_seed(0)
+        lengths = [length] * batch
+        _, cache, indptr, indices, last = paged_inputs(lengths, PAGE, "fp8_e4m3", "NHD", HKV * group, HKV, D)
+        q = torch.randn(batch * q_len, HKV * group, D, device="cuda", dtype=torch.bfloat16)
+        ws = wrappers(group, q_len, batch)
+        for impl, w in ws.items():
+            w.plan(indptr, indices, last, page_size=PAGE, q_len=q_len)
+            kernel, ctas = w.planned_kernel
+            report.note(f"{SUITE} {name} {impl}: {kernel.name} x {ctas} CTAs")
+        case = " ".join(name.split()[:2]) + f" B{batch} L{length}"
+        time_poisoned_outputs(report, SUITE, case, {impl: (lambda o, w=w: w.run(q, cache, out=o))
+                                                    for impl, w in ws.items()}, q, kv_bytes(lengths, "fp8_e4m3"))
+        del q, cache
+        fresh_allocator()
+
+
+if __name__ == "__main__":
+    standalone(run, sys.argv[1:])
