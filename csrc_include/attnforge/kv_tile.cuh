@@ -83,7 +83,7 @@ struct KVTileLoader {
   static constexpr int kBandRows = kTileKV / (kThreads / 32);  // kWarpRows: one warp's band
   static_assert(kThreads % kChunks == 0 && kTileKV % kRowStep == 0, "tile/thread mapping");
   static_assert(!kSwizzleFp8 || (kFp8 && kChunks >= 4), "a swizzled fp8 row needs 4 or more 16-byte chunks");
-  static_assert(!kSwizzleFp8 || fp8_swizzle_holds<kChunks>(),
+  static_assert(!kSwizzleFp8 || fp8_swizzle_holds<kSwizzleFp8 ? kChunks : 8>(),  // (16-bit rows: not instantiated)
                 "fp8_swizzle: a chunk outside its row or a bank conflict");
   static_assert(!kWarpRows || (32 % kChunks == 0 && kBandRows % (32 / kChunks) == 0), "warp band mapping");
 

@@ -235,9 +235,12 @@ def test_nvcc_compiles_the_variant_matrix():
     from attnforge.kernels.decode import DecodeKernel  # S^T in one and in four MMA chains (the default: two)
     mods += [DecodeKernel(AttentionSpec(), qk_chains=1).module(),
              DecodeKernel(AttentionSpec(kv_dtype="fp8_e4m3"), qk_chains=4).module()]
-    # fp8 on the normal pipeline widened in registers (an option), at two m16 tiles of verify rows
+    # fp8 on the normal pipeline widened in registers (an option), at two m16 tiles of verify rows; and the normal
+    # pipeline at d256, whose Q fragments stay in shared memory (the option's code is compiled there too)
     mods.append(DecodeKernel(AttentionSpec(num_qo_heads=64, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal"),
                              max_q_len=4, normal_widen_in_registers=True).module())
+    mods += [DecodeKernel(AttentionSpec(head_dim_qk=256, num_qo_heads=32, num_kv_heads=2, kv_dtype=kv,
+                                        pipeline="normal")).module() for kv in ("bf16", "fp8_e4m3")]
     mods += [MergeSpec(d, o).module() for d, o in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16))]
     from attnforge.presets import PRESETS  # the append kernels: a copy, a quantizing one and an fp8 copy
     mods += [s.module() for s in PRESETS["append"]() if s.name in (
