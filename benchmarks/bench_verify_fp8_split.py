@@ -39,24 +39,31 @@ def wrappers(group: int, q_len: int, batch: int, splits: tuple) -> dict:
     return rows
 
 
-def run(report: Report, names: tuple = ()) -> None:
-    for name, group, q_len, batch, length, splits in CASES:
+def run_cases(report: Report, suite: str, cases: list, make_wrappers, names: tuple) -> None:
+    """fp8 verify steps of `cases` (name, group, tokens a request, batch, length, *more), each on fresh pages:
+    make_wrappers(group, tokens, batch, *more) -> {impl: BatchDecode}, planned, noted and timed in rotation with
+    poisoned outputs compared with the first impl's (harness.time_poisoned_outputs)."""
+    for name, group, q_len, batch, length, *more in cases:
         if names and name not in names:
             continue
         torch.manual_seed(0)
         lengths = [length] * batch
         _, cache, indptr, indices, last = paged_inputs(lengths, PAGE, "fp8_e4m3", "NHD", HKV * group, HKV, D)
         q = torch.randn(batch * q_len, HKV * group, D, device="cuda", dtype=torch.bfloat16)
-        ws = wrappers(group, q_len, batch, splits)
-        for w in ws.values():
+        ws = make_wrappers(group, q_len, batch, *more)
+        for impl, w in ws.items():
             w.plan(indptr, indices, last, page_size=PAGE, q_len=q_len)
             kernel, ctas = w.planned_kernel
-            report.note(f"{SUITE} {name}: {kernel.name} x {ctas} CTAs")
+            report.note(f"{suite} {name} {impl}: {kernel.name} x {ctas} CTAs")
         case = " ".join(name.split()[:2]) + f" B{batch} L{length}"
-        time_poisoned_outputs(report, SUITE, case, {impl: (lambda o, w=w: w.run(q, cache, out=o))
+        time_poisoned_outputs(report, suite, case, {impl: (lambda o, w=w: w.run(q, cache, out=o))
                                                     for impl, w in ws.items()}, q, kv_bytes(lengths, "fp8_e4m3"))
         del q, cache
         fresh_allocator()
+
+
+def run(report: Report, names: tuple = ()) -> None:
+    run_cases(report, SUITE, CASES, wrappers, names)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import D, HKV, kernel_twin, kv_bytes, paged_inputs  # noqa: E402  (8 KV heads, d128)
-from harness import Report, fresh_allocator, standalone, time_poisoned_outputs  # noqa: E402
+from bench_decode import D, HKV, kernel_twin  # noqa: E402  (8 KV heads, d128)
+from bench_verify_fp8_split import run_cases  # noqa: E402
+from harness import Report, standalone  # noqa: E402
 
 from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
-SUITE, PAGE = "verify_fp8_widen", 16
+SUITE = "verify_fp8_widen"  # (pages of 16 tokens: bench_verify_fp8_split.run_cases)
 # (name, group, tokens a request, batch, length): GQA 64/8 at 3, 4 and 8 tokens (24-64 rows), 32/8 at 5 and 8,
 # 128/8 at 4, groups 3 and 5 (the register-held shapes), and 32/8 at 4 tokens (16 rows: transposed by default)
 CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8, 3, 64, 4096),
@@ -41,23 +40,7 @@ def wrappers(group: int, q_len: int, batch: int) -> dict:
 
 
 def run(report: Report, names: tuple = ()) -> None:
-    for name, group, q_len, batch, length in CASES:
-        if names and name not in names:
-            continue
-        torch.manual_seed(0)
-        lengths = [length] * batch
-        _, cache, indptr, indices, last = paged_inputs(lengths, PAGE, "fp8_e4m3", "NHD", HKV * group, HKV, D)
-        q = torch.randn(batch * q_len, HKV * group, D, device="cuda", dtype=torch.bfloat16)
-        ws = wrappers(group, q_len, batch)
-        for impl, w in ws.items():
-            w.plan(indptr, indices, last, page_size=PAGE, q_len=q_len)
-            kernel, ctas = w.planned_kernel
-            report.note(f"{SUITE} {name} {impl}: {kernel.name} x {ctas} CTAs")
-        case = " ".join(name.split()[:2]) + f" B{batch} L{length}"
-        time_poisoned_outputs(report, SUITE, case, {impl: (lambda o, w=w: w.run(q, cache, out=o))
-                                                    for impl, w in ws.items()}, q, kv_bytes(lengths, "fp8_e4m3"))
-        del q, cache
-        fresh_allocator()
+    run_cases(report, SUITE, CASES, wrappers, names)
 
 
 if __name__ == "__main__":
