@@ -2,8 +2,8 @@
 go there by default) with K and V widened by a shared-memory pass into a 16-bit tile (the default) against
 widened in registers after ldmatrix (`DecodeKernel.normal_widen_in_registers`, 112th session: no 16-bit copy,
 no second barrier a tile, 32 KB less shared memory, fp16 MMAs). Rows, timed in rotation on the same pages:
-`attnforge` (the default), `attnforge-regwiden` (the option) and, where the default is the transposed pipeline
-(16 rows or fewer), `attnforge-normal` beside them. Each row's output is compared with the default's.
+`attnforge` (the default), and the normal pipeline's `attnforge-smem-widen` and `attnforge-regwiden` (the
+option). Each row's output is compared with the default's.
 
     python benchmarks/bench_verify_fp8_widen.py [--out X.json] [case names...]
 """
@@ -28,14 +28,14 @@ CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8
 
 
 def wrappers(group: int, q_len: int, batch: int) -> dict:
-    """The suite's rows for one shape: BatchDecode wrappers, the default first."""
+    """The suite's rows for one shape: BatchDecode wrappers, the default first. Past 16 rows the default is one of
+    the two normal rows (the same kernel twice: the rotation's noise floor)."""
     kw = dict(num_qo_heads=HKV * group, num_kv_heads=HKV, head_dim_qk=D, kv_dtype="fp8_e4m3")
-    rows = {"attnforge": BatchDecode(AttentionSpec(**kw), max_batch_size=batch, max_q_len=q_len)}
     normal = AttentionSpec(**kw, pipeline="normal")
-    if rows["attnforge"].kernel.spec.pipeline != "normal":
-        rows["attnforge-normal"] = BatchDecode(normal, max_batch_size=batch, max_q_len=q_len)
-    twin = kernel_twin({"normal_widen_in_registers": True})
-    rows["attnforge-regwiden"] = twin(normal, max_batch_size=batch, max_q_len=q_len)
+    rows = {"attnforge": BatchDecode(AttentionSpec(**kw), max_batch_size=batch, max_q_len=q_len)}
+    for impl, in_registers in (("attnforge-smem-widen", False), ("attnforge-regwiden", True)):
+        twin = kernel_twin({"normal_widen_in_registers": in_registers})
+        rows[impl] = twin(normal, max_batch_size=batch, max_q_len=q_len)
     return rows
 
 
