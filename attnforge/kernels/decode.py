@@ -442,9 +442,10 @@ class DecodeKernel:
 
     @property
     def widens_in_registers(self) -> bool:
-        """fp8 KV on the transposed pipeline: the kernel widens K and V in registers after ldmatrix
-        (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of the tile (d64 too since the
-        seventy-fifth session, its 64-byte rows swizzled by pairs: kv_tile.cuh, fp8_swizzle)."""
+        """fp8 KV on the transposed pipeline (or the normal one with normal_widen_in_registers): the kernel widens K
+        and V in registers after ldmatrix (templates/batch_decode.cu.jinja, kRegWiden) and needs no 16-bit copy of
+        the tile (d64 too since the seventy-fifth session, its 64-byte rows swizzled by pairs: kv_tile.cuh,
+        fp8_swizzle)."""
         return self.kv_bytes == 1 and (self.spec.pipeline == "transposed" or self.normal_widen_in_registers)
 
     @property
