@@ -310,6 +310,8 @@ def test_normal_pipeline_fp8_widened_in_registers_is_an_option_with_no_16_bit_co
             DecodeKernel(bad, normal_widen_in_registers=True)
     with pytest.raises(ValueError, match="normal_widen_in_registers: expected True or False, got 1"):
         DecodeKernel(spec, normal_widen_in_registers=1)
+    with pytest.raises(ValueError, match="tile_kv=256 and num_warps=16 go together, for fp8 KV on the transposed"):
+        DecodeKernel(spec, tile_kv=256, num_warps=16, normal_widen_in_registers=True)  # measured transposed only
 
 
 def test_transposed_pipeline_takes_up_to_two_head_tiles():
@@ -392,6 +394,10 @@ def test_the_default_pipeline_follows_an_items_rows_and_head_splits_keep_them_in
     # explicit head_splits set the item's rows: fp8 at 8 tokens in items of 2 heads (16 rows) stays transposed
     assert spec_for_rows(fp8, 8, head_splits=2) is fp8 and spec_for_rows(fp8, 8, head_splits=1).pipeline == "normal"
     assert spec_for_rows(gqa, 4, head_splits=2) is gqa  # 16-bit: 8 rows, one n8 tile
+    from attnforge import BatchDecode  # bad head_splits reach DecodeKernel's message, before any device work
+    for bad in ("2", 3, 0, True):
+        with pytest.raises(ValueError, match=r"DecodeKernel.head_splits: expected a divisor of the group size 4"):
+            BatchDecode(fp8, max_q_len=8, head_splits=bad)
     fp8_16 = AttentionSpec(num_qo_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3")  # 'auto': transposed, two n8 tiles
     assert fp8_16.pipeline == "transposed" and spec_for_rows(fp8_16, 1) is fp8_16
     assert spec_for_rows(fp8_16, 2).pipeline == "normal"  # 32 rows: past the transposed kernel's 16

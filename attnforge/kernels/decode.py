@@ -87,7 +87,9 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
     limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
-    item_heads = spec.group_size // (head_splits or default_head_splits(spec))
+    # (head_splits that do not divide the group: the default here, and DecodeKernel says what was wrong)
+    valid = type(head_splits) is int and head_splits > 0 and spec.group_size % head_splits == 0
+    item_heads = spec.group_size // (head_splits if valid else default_head_splits(spec))
     return replace(spec, pipeline="normal") if item_heads * max_q_len > limit else spec
 
 
