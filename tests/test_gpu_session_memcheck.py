@@ -177,3 +177,55 @@ def test_the_script_exits_1_only_where_a_test_failed(tmp_path):
                               text=True)
         assert done.returncode == status, (log, done.stdout, done.stderr)
         assert done.stdout.startswith("== tests: ")
+
+
+def session_with_stub_tests(tmp_path, test_groups: str) -> tuple[subprocess.Popen, Path]:
+    """tools/gpu_session.sh with TEST_GROUPS, its own process group, and a python3 whose pytest sleeps for a group
+    naming 'slow', fails one naming 'bad' and passes the rest (nvidia-smi a stub too)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho stub-gpu\n")
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\n[ "$2" = attnforge ] && { echo demo; exit 0; }\n'
+        'case "$*" in *slow*) sleep 60;; *bad*) echo "FAILED $9::t - boom"; echo "1 failed in 0.1s"; exit 1;; esac\n'
+        'echo "3 passed in 0.1s"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), TEST_GROUPS=test_groups,
+               BENCH="0", SASS="0", SANITIZE="0", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(["bash", "tools/gpu_session.sh"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, out
+
+
+def test_test_groups_logs_fold_into_one_file_as_each_group_ends(tmp_path):
+    """Each group's tail lands in $OUT/pytest.log when the group ends, under its index, exit status and first id,
+    and no per-group file is left in $OUT (at most 8 files come back from a device call)."""
+    proc, out = session_with_stub_tests(tmp_path, "tests/a.py;tests/bad.py;tests/b.py tests/c.py")
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stdout  # a group failed
+    log = (out / "pytest.log").read_text()
+    for head in ("== group 0, exit 0: tests/a.py (+0 more)", "== group 1, exit 1: tests/bad.py (+0 more)",
+                 "== group 2, exit 0: tests/b.py (+1 more)"):
+        assert head in log, log
+    assert "FAILED tests/bad.py::t - boom" in log and log.count("3 passed") == 2
+    assert sorted(p.name for p in out.iterdir()) == ["demo.log", "gpu.txt", "pytest.log"]
+    assert not list(tmp_path.glob("pytest-groups.*")), "the working folder is removed"
+
+
+def test_a_session_cut_off_still_returns_the_groups_that_ended(tmp_path):
+    """The hundred-and-thirteenth session's call 1 ran past its limit with fourteen per-group logs in $OUT, and
+    only the first came back. Now a session killed while one group still runs holds the others' results."""
+    import signal
+    import time
+    proc, out = session_with_stub_tests(tmp_path, "tests/a.py;tests/slow.py;tests/b.py")
+    log = out / "pytest.log"
+    deadline = time.time() + 30
+    while time.time() < deadline and not (log.exists() and log.read_text().count("3 passed") == 2):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    text = log.read_text()
+    assert "== group 0, exit 0: tests/a.py" in text and "== group 2, exit 0: tests/b.py" in text, text
+    assert "slow" not in text
+    assert len(list(out.iterdir())) <= 8

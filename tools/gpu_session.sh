@@ -60,10 +60,13 @@ sanitizer_groups() {
 memcheck() {
   local end=$(( $(date +%s) + ${SANITIZE_TIMEOUT:-200} )) status=0 rc group try tool=${SANITIZE_TOOL:-memcheck}
   sanitizer_groups || return 2
-  : > "$OUT/$tool.full"; : > "$OUT/$tool.groups"; : > "$OUT/$tool.errors"
+  # working files outside $OUT: at most 8 files come back from a device call, and a call cut off by its limit
+  # still returns the groups' summaries ($OUT/<tool>.groups, a line as each group ends)
+  local work; work=$(mktemp -d "${TMPDIR:-/tmp}/sanitizer.XXXXXX")
+  : > "$work/$tool.full"; : > "$OUT/$tool.groups"; : > "$work/$tool.errors"
   for group in "${mgroups[@]}"; do  # (in turn, each with the time left; `timeout 0` would never stop)
     [ $(( end - $(date +%s) )) -lt 5 ] && { echo "$tool: no time left for: $group"; status=124; break; } \
-      >> "$OUT/$tool.full"
+      >> "$work/$tool.full"
     # a second try only where the sanitizer died by a signal before pytest printed a line (seen once: exit 139
     # beside fourteen test processes, ninety-first section of perf-notes); a crash once tests ran stands as it is
     for try in 1 2; do
@@ -71,31 +74,30 @@ memcheck() {
       ATTNFORGE_TEST_MEMLOG="$OUT/$tool-memory.log" timeout $(( end - $(date +%s) )) \
         compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3 --show-backtrace device \
         python3 -m pytest -m gpu -q -x -p no:cacheprovider $group \
-        > "$OUT/$tool.group" 2>&1
-      rc=$?; cat "$OUT/$tool.group" >> "$OUT/$tool.full"
-      [ $rc -ge 128 ] && [ $rc -ne 137 ] && ! grep -qv '^=========' "$OUT/$tool.group" && [ $try = 1 ] \
+        > "$work/$tool.group" 2>&1
+      rc=$?; cat "$work/$tool.group" >> "$work/$tool.full"
+      [ $rc -ge 128 ] && [ $rc -ne 137 ] && ! grep -qv '^=========' "$work/$tool.group" && [ $try = 1 ] \
         && [ $(( end - $(date +%s) )) -ge 5 ] || break
-      echo "$tool: the sanitizer died at its start (exit $rc), tried again: $group" >> "$OUT/$tool.full"
+      echo "$tool: the sanitizer died at its start (exit $rc), tried again: $group" >> "$work/$tool.full"
     done
     [ $rc -ne 0 ] && status=$rc
     # each group's summary under its first test id, and a failing group's first reports under the same name, so a
     # count in the log can be traced to its tests (the whole output's head showed the first group's alone)
     set -- $group
-    local summary; summary=$(grep -h "ERROR SUMMARY" "$OUT/$tool.group" | tail -n 1)
+    local summary; summary=$(grep -h "ERROR SUMMARY" "$work/$tool.group" | tail -n 1)
     echo "exit $rc, ${summary:-no summary} <- $1 (+$(( $# - 1 )) more)" >> "$OUT/$tool.groups"
-    [ $rc -ne 0 ] && { echo "=== group $1 (+$(( $# - 1 )) more): exit $rc"; head -c 6000 "$OUT/$tool.group"; echo; } \
-      >> "$OUT/$tool.errors"
+    [ $rc -ne 0 ] && { echo "=== group $1 (+$(( $# - 1 )) more): exit $rc"; head -c 6000 "$work/$tool.group"; echo; } \
+      >> "$work/$tool.errors"
   done
-  rm -f "$OUT/$tool.group"
   echo "$tool exit $status (${#mgroups[@]} groups)" > "$OUT/$tool.log"
   grep -E "Program hit|Invalid|Uninitialized|out of bounds|ERROR SUMMARY|passed|failed|tried again" \
-    "$OUT/$tool.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/$tool.log"
+    "$work/$tool.full" | sort | uniq -c | sort -rn | head -30 >> "$OUT/$tool.log"
   cat "$OUT/$tool.groups" >> "$OUT/$tool.log"; rm -f "$OUT/$tool.groups"
   # the head: each failing group's first reports where any group failed, else the first groups' output (at most 8
   # files come back from a device call, so no file of its own)
-  if [ -s "$OUT/$tool.errors" ]; then head -c 30000 "$OUT/$tool.errors"; else head -c 20000 "$OUT/$tool.full"; fi \
+  if [ -s "$work/$tool.errors" ]; then head -c 30000 "$work/$tool.errors"; else head -c 20000 "$work/$tool.full"; fi \
     > "$OUT/$tool.head"
-  rm -f "$OUT/$tool.full" "$OUT/$tool.errors"
+  rm -rf "$work"
   cat "$OUT/$tool.log"
 }
 # a bad SANITIZE_GROUPS stops the call here, before its demo and tests, not after them
@@ -107,12 +109,20 @@ if [ "${SANITIZE:-0}" = 1 ] && [ "${SANITIZE_PARALLEL:-0}" = 1 ]; then memcheck 
 if [ -n "${TEST_GROUPS:-}" ]; then
   # TEST_GROUPS="args1;args2;...": one pytest process per group of pytest arguments, in parallel (GPU
   # tests are mostly JIT-compile bound); at most 8 files come back from $OUT, so the logs fold into one
+  # each group's tail goes into $OUT/pytest.log as the group ends, so a call cut off by its limit still returns
+  # the groups that finished (the hundred-and-thirteenth session's call lost all fourteen: the logs sat in $OUT,
+  # fourteen files, until the last group ended)
   IFS=';' read -ra groups <<< "$TEST_GROUPS"
+  work=$(mktemp -d "${TMPDIR:-/tmp}/pytest-groups.XXXXXX"); : > "$OUT/pytest.log"
   for i in "${!groups[@]}"; do
-    eval "timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $* ${groups[$i]}" > "$OUT/pytest.$i.log" 2>&1 &
+    (eval "timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $* ${groups[$i]}" \
+       > "$work/pytest.$i.log" 2>&1
+     rc=$?; set -- ${groups[$i]}
+     { echo "== group $i, exit $rc: $1 (+$(( $# - 1 )) more)"; tail -n 40 "$work/pytest.$i.log"; } > "$work/tail.$i"
+     flock "$work/lock" cat "$work/tail.$i" >> "$OUT/pytest.log") &
   done
   wait
-  for i in "${!groups[@]}"; do tail -n 40 "$OUT/pytest.$i.log"; rm -f "$OUT/pytest.$i.log"; done > "$OUT/pytest.log"
+  rm -rf "$work"
 else
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" ${TESTS:-tests} 2>&1 | tail -n 150 > "$OUT/pytest.log"
   tail -n 40 "$OUT/pytest.log"
