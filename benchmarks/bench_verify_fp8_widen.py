@@ -1,9 +1,9 @@
 """Suite `verify_fp8_widen`: fp8 verify steps on the normal pipeline (items past the transposed pipeline's 16 rows
-go there by default) with K and V widened by a shared-memory pass into a 16-bit tile (the default) against
-widened in registers after ldmatrix (`DecodeKernel.normal_widen_in_registers`, 112th session: no 16-bit copy,
-no second barrier a tile, 32 KB less shared memory, fp16 MMAs). Rows, timed in rotation on the same pages:
-`attnforge` (the default), and the normal pipeline's `attnforge-smem-widen` and `attnforge-regwiden` (the
-option). Each row's output is compared with the default's.
+go there by default) with K and V widened by a shared-memory pass into a 16-bit tile against widened in registers
+after ldmatrix (`DecodeKernel.normal_widen_in_registers`: no 16-bit copy, no second barrier a tile, 32 KB less
+shared memory, fp16 MMAs; the default past 16 rows since the 113th session, which measured it 19-31% faster on an H100). Rows,
+timed in rotation on the same pages: `attnforge` (the default), and the normal pipeline's `attnforge-smem-widen`
+and `attnforge-regwiden`. Each row's output is compared with the default's.
 
     python benchmarks/bench_verify_fp8_widen.py [--out X.json] [case names...]
 """
@@ -21,10 +21,13 @@ from attnforge import AttentionSpec, BatchDecode  # noqa: E402
 
 SUITE = "verify_fp8_widen"  # (pages of 16 tokens: bench_verify_fp8_split.run_cases)
 # (name, group, tokens a request, batch, length): GQA 64/8 at 3, 4 and 8 tokens (24-64 rows), 32/8 at 5 and 8,
-# 128/8 at 4, groups 3 and 5 (the register-held shapes), and 32/8 at 4 tokens (16 rows: transposed by default)
+# 128/8 at 4, groups 3 and 5 (the register-held shapes), and 9-16 rows, transposed by default: 32/8 at 4 tokens
+# (7.8% slower there than the normal pipeline widened in registers, 113th session), 64/8 at 2, 128/8 at 1 (decode
+# itself) and 32/8 at 3 (12 rows): whether the default should move below 16 rows
 CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8, 3, 64, 4096),
          ("g8 q8", 8, 8, 64, 4096), ("g4 q8", 4, 8, 64, 4096), ("g4 q5", 4, 5, 64, 4096), ("g16 q4", 16, 4, 32, 4096),
-         ("g3 q8", 3, 8, 64, 4096), ("g5 q5", 5, 5, 64, 4096), ("g4 q4", 4, 4, 64, 4096)]
+         ("g3 q8", 3, 8, 64, 4096), ("g5 q5", 5, 5, 64, 4096), ("g4 q4", 4, 4, 64, 4096), ("g8 q2", 8, 2, 64, 4096),
+         ("g16 q1", 16, 1, 64, 4096), ("g4 q3", 4, 3, 64, 4096)]
 
 
 def wrappers(group: int, q_len: int, batch: int) -> dict:

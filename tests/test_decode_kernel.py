@@ -50,7 +50,8 @@ def test_fp8_verify_items_over_two_m16_tiles_are_held_to_the_ctas_shared_memory_
         assert (k.ctas_per_sm, k.register_bound_ctas) == (3, 3)
         assert "__launch_bounds__(kThreads, 3) batch_decode_kernel" in k.module().source
         assert kernel(group, tokens, "bf16").register_bound_ctas == 0
-    assert (kernel(8, 5).ctas_per_sm, kernel(8, 5).register_bound_ctas) == (2, 2)  # 40 rows: 2 by shared memory
+    # 40 rows: 3 CTAs since the fp8 tile is widened in registers past 16 rows (2 by shared memory before)
+    assert (kernel(8, 5).ctas_per_sm, kernel(8, 5).register_bound_ctas) == (3, 3)
     assert (kernel(4, 1).spec.pipeline, kernel(4, 1).ctas_per_sm) == ("transposed", 4)  # one token: unchanged
 
 
@@ -292,11 +293,16 @@ def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
         DecodeKernel(fp8, warp_rows=1)
 
 
-def test_normal_pipeline_fp8_widened_in_registers_is_an_option_with_no_16_bit_copy():
+def test_normal_pipeline_fp8_widened_in_registers_past_sixteen_rows_with_no_16_bit_copy():
     """normal_widen_in_registers: fp8 on the normal pipeline read from the swizzled fp8 stage and widened after
-    ldmatrix (the shared-memory pass and its 16-bit tile gone), for d128 only; elsewhere refused before a build."""
+    ldmatrix (the shared-memory pass and its 16-bit tile gone), the default past 16 rows an item at d128 (16 rows
+    or fewer take the transposed pipeline by default); elsewhere refused before a build."""
     spec = AttentionSpec(num_qo_heads=64, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")
-    plain, rw = DecodeKernel(spec, max_q_len=4), DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=True)
+    plain = DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=False)
+    rw = DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=True)
+    assert DecodeKernel(spec, max_q_len=4) == rw  # the default past 16 rows an item
+    for kw, q in ((dict(), 2), (dict(kv_dtype="bf16"), 4), (dict(head_dim_qk=64, head_dim_vo=64), 4)):
+        assert not DecodeKernel(dataclasses.replace(spec, **kw), max_q_len=q).normal_widen_in_registers, (kw, q)
     assert not plain.widens_in_registers and rw.widens_in_registers
     assert plain.pipe_bytes - rw.pipe_bytes == 2 * 64 * 128 * 2  # the widened K and V tile
     assert rw.smem_bytes == 32 * 128 * 2 + 2 * 32 * 132 * 4  # Q, then the merge scratch: larger than the stages

@@ -125,34 +125,3 @@ def test_the_exact_max_call_records_on_an_h200_and_fuzzes_new_seeds_elsewhere(tm
         fuzz = [c for c in tests if "test_fuzz_gpu.py::test_random_" in c]
         assert len(fuzz) == 7 and not exact and not suites, calls
         assert all(c.startswith("seeds=1760:1910 ") for c in fuzz), fuzz
-
-
-@pytest.mark.parametrize("new_test_passes", [True, False])
-def test_the_fp8_widen_call_stops_on_its_new_test_and_reverts_its_patch(tmp_path, new_test_passes):
-    """call10: the option's GPU test first, and nothing else if it fails; else the suite, then the default patch
-    applied, the verify tests, fuzz and memcheck on it, and the patch taken back out (fakes on PATH record it)."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    out.mkdir()
-    log = tmp_path / "calls"
-    fail = "" if new_test_passes else 'case "$*" in *test_fp8_normal_pipeline_widened_in_registers*) exit 1;; esac\n'
-    fakes = {"nvidia-smi": "echo 'NVIDIA H100 80GB HBM3'",
-             "python3": f'echo "python3 $*" >> {log}\n{fail}',
-             "git": f'echo "git $*" >> {log}',
-             "compute-sanitizer": f'echo "compute-sanitizer $*" >> {log}'}
-    for name, body in fakes.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    run = subprocess.run(["bash", str(ROOT / "docs" / "prepared" / "call10-fp8-widen.sh")], cwd=ROOT, check=False,
-                         capture_output=True, text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out)})
-    calls = log.read_text().splitlines()
-    if not new_test_passes:
-        assert run.returncode == 1 and len(calls) == 1 and "widened_in_registers" in calls[0], calls
-        return
-    kinds = ["new" if "widened_in_registers" in c and "sanitizer" not in c else
-             "bench" if "bench_verify_fp8_widen" in c else "apply" if c.startswith("git apply docs") else
-             "revert" if c.startswith("git apply -R") else "fuzz" if "test_fuzz_gpu" in c else
-             "memcheck" if c.startswith("compute-sanitizer") else "verify" if "test_decode_verify_gpu" in c else c
-             for c in calls]
-    assert kinds == ["new", "bench", "apply", "verify", "fuzz", "memcheck", "revert"], calls
-    assert all("fp8-normal-widen-default.patch" in c for c in calls if c.startswith("git"))

@@ -354,8 +354,9 @@ class DecodeKernel:
     # (CascadeDecode merges its levels and the suffix; a 16-bit row is rounded again by the merge)
     float_out: bool = False
     # fp8 KV on the normal pipeline (d128) widened in registers after ldmatrix, as the transposed pipeline does,
-    # instead of by a shared-memory pass into a 16-bit copy of the tile (an option; 112th session, not measured)
-    normal_widen_in_registers: bool = False
+    # instead of by a shared-memory pass into a 16-bit copy of the tile. None: where an item holds more than 16 rows
+    # (the verify steps the transposed pipeline cannot take; measured: docs/perf-notes.md, suite verify_fp8_widen)
+    normal_widen_in_registers: Optional[bool] = None
 
     def __post_init__(self):
         s = self.spec
@@ -370,6 +371,9 @@ class DecodeKernel:
         ql = self.max_q_len
         if type(ql) is not int or not 1 <= ql <= MAX_Q_LEN:
             raise ValueError(f"DecodeKernel.max_q_len: expected an int in [1, {MAX_Q_LEN}], got {ql!r}")
+        if self.normal_widen_in_registers is None:
+            object.__setattr__(self, "normal_widen_in_registers", (s.pipeline, s.kv_dtype, s.head_dim_qk) == (
+                "normal", "fp8_e4m3", 128) and self.item_rows > MAX_TRANSPOSED_GROUP)
         if self.item_rows > MAX_ITEM_ROWS:
             raise ValueError(f"DecodeKernel.max_q_len: {ql} tokens x {self.item_heads} query heads a work item is "
                              f"{self.item_rows} rows, past the kernel's {MAX_ITEM_ROWS}; verify fewer tokens at "
