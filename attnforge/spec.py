@@ -23,7 +23,8 @@ PIPELINES = ("normal", "transposed")
 # tile fits; the transposed kernel still takes them when asked (kernels.decode.MAX_TRANSPOSED_GROUP).
 AUTO_TRANSPOSED_MAX_GROUP = 8
 # With fp8 KV the transposed kernel widens each K/V fragment in registers, once for both head tiles, where the
-# normal one widens the tile through shared memory: there 'auto' picks transposed for groups up to 16 and, at
+# normal one widens the tile through shared memory (up to 16 rows an item; past them in registers too, the
+# 113th session): there 'auto' picks transposed for groups up to 16 and, at
 # d <= 128, for multiples of 16 (items of 16 heads, as the normal pipeline's head splits). Seventy-fifth session,
 # benchmarks/bench_decode_fp8_groups.py: 32/2 B64 L8192 75.2 against 116.7 us, d256 32/2 B64 L4096 75.1 against
 # 155.0, MQA 32/1 B64 L8192 73.9 against 115.1; d64 since the seventy-sixth, whose kernel widens in registers

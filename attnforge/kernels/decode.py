@@ -80,7 +80,9 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int
     against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
     against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
     fp8 KV keeps the transposed pipeline up to its 16 rows an item (it widens in registers there; the
-    normal pipeline widens through shared memory, 1.5x slower at one token a request); past 16 rows, normal.
+    normal pipeline widens through shared memory up to 16 rows, 1.5x slower at one token a request); past 16 rows,
+    normal, widened in registers there (`DecodeKernel.normal_widen_in_registers`: 19-31% faster than through shared
+    memory, suite `verify_fp8_widen`, 113th session on an H100).
     Splitting such items' heads into 2-4 items of at most 16 rows to stay transposed lost 19-79% on an H100
     (suite `verify_fp8_split`, 112th session, as in the seventy-third): a KV head's items run back to back, so
     each rereads its pages from DRAM. Explicit head_splits (BatchDecode's) set the item's rows."""
@@ -184,7 +186,7 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
     - fp8, two n8 tiles (16 rows, 196 registers): B16 q4 -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to
       128 registers, spill 72 bytes and lost 19%. Re-measured on the widen-once kernel (seventy-fifth session,
       three rounds): B16 q4 L8192 -0.6..-0.7%, q3 (12 rows) -2.0..-2.1%, q4 L2048 -9.5..-10.3%.
-    Measured and left out: fp8 on the normal pipeline (q8, 32 rows: +4.4%, widened through shared memory), fp8's
+    Measured and left out: fp8 on the normal pipeline (q8, 32 rows: +4.4%, when it widened through shared memory), fp8's
     8 rows (+3.4%: two CTAs an SM there, against its default's four), d64 (+3.8%). Not measured: d256, MQA-sized
     groups and items split by heads (a group of 16 at q5-8), more than 8 chunks an item (4 at 64 rows) and
     slopes read at run time."""
@@ -280,7 +282,7 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     g = spec.group_size
     if not _in_measured_scope(spec):
         return None
-    if spec.kv_dtype == "fp8_e4m3":  # (on the normal pipeline fp8 is widened through shared memory)
+    if spec.kv_dtype == "fp8_e4m3":  # (one token: the normal pipeline widens fp8 through shared memory to 16 rows)
         if spec.pipeline != "transposed":
             return None
         if g == 16:  # two n8 tiles: equal items read whole, or cut into up to 66 chunks as the 16-bit m16 tile's
