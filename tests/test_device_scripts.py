@@ -1,5 +1,6 @@
 """The device-call scripts run only on the GPU machine, where a slip costs device time: each parses, and
 tools/on_h200.sh picks its script by the GPU's name (a fake nvidia-smi on PATH here)."""
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,6 @@ def test_device_script_parses(script):
 def test_every_test_a_script_names_exists(script):
     """A test id a script names (tests/x.py::test_y) that no longer exists would make pytest collect nothing
     there, and the call would spend its device time on the rest."""
-    import re
     ids = re.findall(r"(tests/[\w/]+\.py)::(\w+)", script.read_text())
     for path, name in ids:
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{script.name}: {path}::{name}"
@@ -125,3 +125,16 @@ def test_the_exact_max_call_records_on_an_h200_and_fuzzes_new_seeds_elsewhere(tm
         fuzz = [c for c in tests if "test_fuzz_gpu.py::test_random_" in c]
         assert len(fuzz) == 7 and not exact and not suites, calls
         assert all(c.startswith("seeds=1760:1910 ") for c in fuzz), fuzz
+
+
+def test_the_small_rows_call_names_cases_of_its_suite():
+    """A case name the suite does not hold is skipped silently by run_cases, so a typo would time nothing."""
+    import runpy
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        cases = {c[0] for c in runpy.run_path(str(ROOT / "benchmarks" / "bench_verify_fp8_widen.py"))["CASES"]}
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    script = (ROOT / "docs" / "prepared" / "call10-fp8-small-rows.sh").read_text()
+    named = re.findall(r'"(g\d+ q\d+)"', script)
+    assert len(named) == 5 and set(named) <= cases, (named, sorted(cases))
