@@ -1,9 +1,9 @@
 """Suite `verify_fp8_widen`: fp8 verify steps on the normal pipeline (items past the transposed pipeline's 16 rows
 go there by default) with K and V widened by a shared-memory pass into a 16-bit tile against widened in registers
 after ldmatrix (`DecodeKernel.normal_widen_in_registers`: no 16-bit copy, no second barrier a tile, 32 KB less
-shared memory, fp16 MMAs; the default past 16 rows since the 113th session, which measured it 19-31% faster on an H100). Rows,
-timed in rotation on the same pages: `attnforge` (the default), and the normal pipeline's `attnforge-smem-widen`
-and `attnforge-regwiden`. Each row's output is compared with the default's.
+shared memory, fp16 MMAs; the default past 16 rows since the 113th session, which measured it 19-31% faster on an
+H100). Rows, timed in rotation on the same pages: `attnforge` (the default), and the normal pipeline's
+`attnforge-smem-widen` and `attnforge-regwiden`. Each row's output is compared with the default's.
 
     python benchmarks/bench_verify_fp8_widen.py [--out X.json] [case names...]
 """

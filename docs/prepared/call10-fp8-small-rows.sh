@@ -11,4 +11,5 @@ export PYTHONPATH=$PWD:$PWD/tests ATTNFORGE_CACHE_DIR=/tmp/attnforge-cache MAX_J
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 240 python3 benchmarks/bench_verify_fp8_widen.py --out "$OUT/verify_fp8_widen.json" \
   "g4 q4" "g8 q2" "g16 q1" "g4 q3" "g8 q4" > "$OUT/bench.log" 2>&1
-echo "bench_verify_fp8_widen rc=$? at $(( $(date +%s) - start )) s"; grep -E " us |differs|x [0-9]+ CTAs" "$OUT/bench.log"
+echo "bench_verify_fp8_widen rc=$? at $(( $(date +%s) - start )) s"
+grep -E " us |differs|x [0-9]+ CTAs" "$OUT/bench.log"
