@@ -23,11 +23,13 @@ SUITE = "verify_fp8_widen"  # (pages of 16 tokens: bench_verify_fp8_split.run_ca
 # (name, group, tokens a request, batch, length): GQA 64/8 at 3, 4 and 8 tokens (24-64 rows), 32/8 at 5 and 8,
 # 128/8 at 4, groups 3 and 5 (the register-held shapes), and 9-16 rows, transposed by default: 32/8 at 4 tokens
 # (7.8% slower there than the normal pipeline widened in registers, 113th session), 64/8 at 2, 128/8 at 1 (decode
-# itself) and 32/8 at 3 (12 rows): whether the default should move below 16 rows
+# itself) and 32/8 at 3 (12 rows): whether the default should move below 16 rows; and 56/8 at 7 and 72/8 at 6 (49 and
+# 54 rows), two of the six shapes whose kernels, held to 168 registers for 3 CTAs, spill 40-80 bytes (stored once,
+# reloaded ~10 times a tile; 113th session's scan), where the shared-memory pass runs 2 CTAs without spills
 CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8, 3, 64, 4096),
          ("g8 q8", 8, 8, 64, 4096), ("g4 q8", 4, 8, 64, 4096), ("g4 q5", 4, 5, 64, 4096), ("g16 q4", 16, 4, 32, 4096),
          ("g3 q8", 3, 8, 64, 4096), ("g5 q5", 5, 5, 64, 4096), ("g4 q4", 4, 4, 64, 4096), ("g8 q2", 8, 2, 64, 4096),
-         ("g16 q1", 16, 1, 64, 4096), ("g4 q3", 4, 3, 64, 4096)]
+         ("g16 q1", 16, 1, 64, 4096), ("g4 q3", 4, 3, 64, 4096), ("g7 q7", 7, 7, 64, 4096), ("g9 q6", 9, 6, 64, 4096)]
 
 
 def wrappers(group: int, q_len: int, batch: int) -> dict:
