@@ -418,3 +418,17 @@ def test_kernel_resources_refuses_what_is_not_a_cubin():
     from attnforge.jit.cubin import kernel_resources
     with pytest.raises(ValueError, match="ELF cubin"):
         kernel_resources(b"\x50\xed\x55\xba" + bytes(60))  # a fatbin's magic, for instance
+
+
+def test_16_bit_d256_decode_compiles_without_warnings(tmp_path):
+    """kv_tile.cuh checks its fp8 swizzle with a constexpr function; instantiated for 16-bit rows at d256 (32
+    chunks) it shifted 1 by 32 and nvcc warned (#63-D). The check is instantiated for swizzled fp8 rows only."""
+    from attnforge.jit import arch
+    from attnforge.kernels.decode import DecodeKernel
+    m = DecodeKernel(AttentionSpec(head_dim_qk=256, head_dim_vo=256, num_qo_heads=32, num_kv_heads=2,
+                                   pipeline="normal")).module()
+    (tmp_path / "kernel.cu").write_text(m.source)
+    done = subprocess.run([arch.nvcc_path(), *m.flags(ARCHS), f"-I{codegen.include_dir()}", "--cubin",
+                           "-o", str(tmp_path / "kernel.cubin"), str(tmp_path / "kernel.cu")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "warning" not in (done.stdout + done.stderr), done.stdout + done.stderr
