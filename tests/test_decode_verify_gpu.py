@@ -82,6 +82,17 @@ def test_fp8_items_over_two_m16_tiles_hold_their_planned_ctas(group, q_len):
     assert (w.kernel.spec.pipeline, w.kernel.register_bound_ctas) == ("normal", 3)
 
 
+@pytest.mark.parametrize("group,q_len,page_size", [(7, 7, 16), (9, 6, 7), (8, 7, 1)])
+def test_fp8_items_taking_48_kb_of_dynamic_shared_memory_launch(group, q_len, page_size):
+    """fp8 verify items of 49-56 rows (normal pipeline widened in registers) take exactly 48 KB of dynamic shared
+    memory beside the kernel's static flag: past the driver's default limit, so the loader must raise the opt-in
+    attribute (the GPU fuzz's g8 q7 and suite verify_fp8_widen's g7 q7 failed to launch before it did)."""
+    spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3")
+    w, _ = verify_case(spec, LENGTHS, page_size, q_len, seed=group * q_len, k_scale=0.5, v_scale=2.0)
+    assert (w.kernel.spec.pipeline, w.kernel.normal_widen_in_registers, w.kernel.smem_bytes) == ("normal", True,
+                                                                                                  48 * 1024)
+
+
 @pytest.mark.parametrize("hq,hkv,q_len,page_size,splits,merge_launch", [
     (24, 8, 8, 7, 3, False), (64, 8, 4, 16, 2, False), (64, 8, 8, 1, 4, True), (32, 1, 3, 16, 8, False),
     (128, 8, 4, 7, 4, True), (48, 8, 5, 16, 2, False)])

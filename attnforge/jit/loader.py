@@ -177,10 +177,14 @@ def pdl_supported(device_index: Optional[int] = None) -> bool:
 
 
 class LoadedKernel:
-    def __init__(self, library_name: str, name: str, function, device: Optional[torch.device] = None):
+    def __init__(self, library_name: str, name: str, function, device: Optional[torch.device] = None,
+                 dynamic_smem_limit: int = 48 * 1024):
         self.library_name, self.name, self.function = library_name, name, function
         self.device = device  # (the function's own: occupancy queries run in its context)
-        self._smem_limit = 48 * 1024
+        # dynamic shared memory a launch may take without the opt-in attribute: 48 KB less the kernel's static
+        # __shared__ variables (the driver's own value, read at load: LoadedLibrary). Taking 48 KB of dynamic
+        # memory beside 4 static bytes fails with CUDA_ERROR_INVALID_VALUE unless the attribute is raised first.
+        self._smem_limit = dynamic_smem_limit
         self._pdl_configs: dict[tuple, object] = {}  # (grid, block, smem, stream) -> CUlaunchConfig
         self._pdl_ok: Optional[bool] = None  # pdl_supported() on this kernel's device, asked at its first PDL launch
 
@@ -268,6 +272,14 @@ def pdl_launch_config(grid, block, smem: int, stream_handle: int):
     return config
 
 
+def dynamic_smem_limit(function) -> int:
+    """The dynamic shared memory (bytes) `function` may take before its opt-in attribute is raised, as the driver
+    reports it: 48 KB less its static __shared__ variables."""
+    drv = driver()
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    return int(check(drv.cuFuncGetAttribute(attr, function), "cuFuncGetAttribute(max dynamic shared memory)"))
+
+
 class LoadedLibrary:
     """One cubin/fatbin loaded into the current context, with its kernels looked up once."""
 
@@ -282,7 +294,7 @@ class LoadedLibrary:
             for name in kernel_names:
                 k = check(drv.cuLibraryGetKernel(self.library, name.encode()), f"cuLibraryGetKernel({name})")
                 f = check(drv.cuKernelGetFunction(k), f"cuKernelGetFunction({name})")
-                self.kernels[name] = LoadedKernel(path.name, name, f, device)
+                self.kernels[name] = LoadedKernel(path.name, name, f, device, dynamic_smem_limit(f))
 
     def __getitem__(self, name: str) -> LoadedKernel:
         return self.kernels[name]
