@@ -273,11 +273,16 @@ def pdl_launch_config(grid, block, smem: int, stream_handle: int):
 
 
 def dynamic_smem_limit(function) -> int:
-    """The dynamic shared memory (bytes) `function` may take before its opt-in attribute is raised, as the driver
-    reports it: 48 KB less its static __shared__ variables."""
+    """The dynamic shared memory (bytes) `function` may take before its opt-in attribute is raised: the driver's
+    value, and never past 48 KB less the function's static __shared__ variables (a block's static and dynamic
+    memory share the 48 KB a launch gets without opting in)."""
     drv = driver()
-    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    return int(check(drv.cuFuncGetAttribute(attr, function), "cuFuncGetAttribute(max dynamic shared memory)"))
+    attrs = drv.CUfunction_attribute
+    allowed = check(drv.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, function),
+                    "cuFuncGetAttribute(max dynamic shared memory)")
+    static = check(drv.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function),
+                   "cuFuncGetAttribute(static shared memory)")
+    return min(int(allowed), 48 * 1024 - int(static))
 
 
 class LoadedLibrary:

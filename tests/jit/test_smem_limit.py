@@ -16,14 +16,15 @@ class FakeDriver:
     """The driver calls LoadedKernel and dynamic_smem_limit make, recorded."""
     CUresult = SimpleNamespace(CUDA_SUCCESS=SUCCESS)
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic",
+                                           CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="static",
                                            CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT="carveout")
 
-    def __init__(self, default_limit):
-        self.default_limit, self.calls = default_limit, []
+    def __init__(self, max_dynamic, static):
+        self.values, self.calls = {"max_dynamic": max_dynamic, "static": static}, []
 
     def cuFuncGetAttribute(self, attr, function):
         self.calls.append(("get", attr, function))
-        return SUCCESS, self.default_limit
+        return SUCCESS, self.values[attr]
 
     def cuFuncSetAttribute(self, function, attr, value):
         self.calls.append(("set", attr, value))
@@ -39,7 +40,7 @@ class FakeDriver:
 
 @pytest.fixture
 def fake(monkeypatch):
-    drv = FakeDriver(default_limit=48 * 1024 - 16)  # (16 static bytes)
+    drv = FakeDriver(max_dynamic=48 * 1024 - 16, static=16)
     monkeypatch.setattr(loader, "driver", lambda: drv)
     monkeypatch.setattr(loader, "current_stream_handle", lambda: 7)
     return drv
@@ -51,7 +52,15 @@ class Params(ctypes.Structure):
 
 def test_the_limit_is_the_drivers_value_for_the_function(fake):
     assert loader.dynamic_smem_limit("fn") == 48 * 1024 - 16
-    assert fake.calls == [("get", "max_dynamic", "fn")]
+    assert fake.calls == [("get", "max_dynamic", "fn"), ("get", "static", "fn")]
+
+
+@pytest.mark.parametrize("max_dynamic,static,limit", [(48 * 1024, 4, 48 * 1024 - 4), (48 * 1024, 0, 48 * 1024),
+                                                      (100_000, 4, 48 * 1024 - 4), (30_000, 4, 30_000)])
+def test_static_memory_comes_off_the_48_kb_whatever_the_driver_reports(monkeypatch, max_dynamic, static, limit):
+    """(Where a driver reported a flat 48 KB, or a raised limit, the static bytes still count.)"""
+    monkeypatch.setattr(loader, "driver", lambda: FakeDriver(max_dynamic, static))
+    assert loader.dynamic_smem_limit("fn") == limit
 
 
 @pytest.mark.parametrize("smem,raised", [(48 * 1024 - 16, False), (48 * 1024, True), (100_000, True), (0, False)])
