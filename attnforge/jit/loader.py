@@ -200,7 +200,7 @@ class LoadedKernel:
         return config
 
     def _allow_smem(self, smem: int) -> None:
-        """Let the kernel take `smem` bytes of dynamic shared memory (past the default 48 KB)."""
+        """Let the kernel take `smem` bytes of dynamic shared memory (past the limit read at load)."""
         drv = driver()
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(drv.cuFuncSetAttribute(self.function, attr, smem), f"cuFuncSetAttribute({self.name}, {smem} B)")

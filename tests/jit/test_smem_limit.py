@@ -1,6 +1,6 @@
 """LoadedKernel raises a kernel's dynamic shared memory attribute past the driver's default limit, which is 48 KB
 less the kernel's static __shared__ variables: a launch of exactly 48 KB beside a 4-byte static flag failed with
-CUDA_ERROR_INVALID_VALUE (fp8 verify items of 49-56 rows on the normal pipeline, hundred-and-fourteenth session).
+CUDA_ERROR_INVALID_VALUE (fp8 verify items of 49-60 rows on the normal pipeline, hundred-and-fourteenth session).
 Here the driver is a recorder, in host memory."""
 import ctypes
 from types import SimpleNamespace
