@@ -65,6 +65,13 @@ class FakeDriver:
         assert self._current() is not None, "a function looked up with no context current"
         return 0, ("fn", kernel, self._current())
 
+    CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic",
+                                           CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="static")
+
+    def cuFuncGetAttribute(self, attr, function):  # (the shared-memory limit read at load, in the function's context)
+        assert function[2] == self._current(), "a function's attribute read outside its context"
+        return 0, {"max_dynamic": 48 * 1024, "static": 4}[attr]
+
 
 class Handle:
     """A context handle as cuda-python gives it: int() is its address (non-zero)."""
@@ -97,6 +104,7 @@ def test_a_library_for_the_second_gpu_binds_its_functions_to_that_gpus_context(f
         ("fn", "attention_kernel", ("ctx", 1)), ("fn", "merge_kernel", ("ctx", 1))}
     assert drv.stack == ([current] if current else []), "device_context must pop what it pushed"
     assert lib["attention_kernel"].device == torch.device("cuda", 1)
+    assert lib["attention_kernel"]._smem_limit == 48 * 1024 - 4  # (the static bytes off the driver's 48 KB)
 
 
 def test_the_devices_own_context_is_used_as_it_is(fake):
