@@ -1,9 +1,10 @@
 """Per-kernel resources read from a cubin, without a GPU or the CUDA tools.
 
 ptxas records each function's register count and stack frame in the ELF image's `.nv.info` section
-(EIATTR_REGCOUNT, EIATTR_FRAME_SIZE: a symbol index and a 32-bit value each). The planners size
-persistent grids as SMs x CTAs per SM from shared memory; the register count says whether that
-many CTAs really fit, and a non-zero frame means local memory (spills) in a hot loop.
+(EIATTR_REGCOUNT, EIATTR_FRAME_SIZE: a symbol index and a 32-bit value each), and its static shared memory as
+the size of a section `.nv.shared.<function>` (with sm_90's reserved 1 KB). The planners size persistent grids
+as SMs x CTAs per SM from shared memory; the register count says whether that many CTAs really fit, and a
+non-zero frame means local memory (spills) in a hot loop.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ _REG_ALLOC_UNIT = 256  # registers are allocated per warp in blocks of 256
 class KernelResources:
     registers: int  # per thread
     frame_bytes: int  # per-thread stack frame: local memory, spills included
+    # the size of the function's .nv.shared section: its static __shared__ variables (padded to 128 bytes), after
+    # the 1 KB a CTA's shared memory reserves for the system on sm_90. With the launch's dynamic bytes, what a CTA
+    # takes of the SM's shared memory
+    shared_section_bytes: int = 0
 
     def ctas_by_registers(self, threads: int) -> int:
         """CTAs of `threads` threads one SM's register file holds."""
@@ -61,4 +66,7 @@ def kernel_resources(image: bytes) -> dict[str, KernelResources]:
                 sym, value = struct.unpack_from("<II", image, pos + 4)
                 (regs if attr == _EIATTR_REGCOUNT else frames)[sym] = value
             pos += 4 + size
-    return {names.get(sym, f"#{sym}"): KernelResources(n, frames.get(sym, 0)) for sym, n in regs.items()}
+    shared = {cstr(shstrndx, sec[0])[len(".nv.shared."):]: sec[5] for sec in sections
+              if cstr(shstrndx, sec[0]).startswith(".nv.shared.")}
+    return {name: KernelResources(n, frames.get(sym, 0), shared.get(name, 0))
+            for sym, n in regs.items() for name in [names.get(sym, f"#{sym}")]}

@@ -263,7 +263,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     CTAs share an SM, and no kernel may use local memory (a non-zero stack frame: spills in a hot loop).
     Builds hit the cache of the test above."""
     from attnforge.jit.cubin import kernel_resources
-    from attnforge.kernels.decode import DecodeKernel
+    from attnforge.kernels.decode import SMEM_PER_SM, DecodeKernel
     from attnforge.kernels.mla import MLADecodeKernel
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
@@ -292,6 +292,9 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     # held to 128 registers for 4 CTAs an SM (registers_needed), which must not spill
     kernels += [DecodeKernel(AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=64, kv_dtype="fp8_e4m3"),
                              max_q_len=q) for hq, hkv, q in ((32, 2, 1), (32, 1, 1), (32, 8, 4))]
+    # dynamic shared memory of exactly half an SM (114 KB): the static section (sm_90's reserved 1 KB, the flag)
+    # leaves room for one CTA, not two (decode's SMEM_STATIC_BYTES, SMEM_RESERVED_PER_CTA)
+    kernels.append(DecodeKernel(AttentionSpec(head_dim_qk=64, kv_dtype="fp8_e4m3", pipeline="normal"), 128, 5))
     # an m16 tile of 7 rows, which ptxas alone gives 216 registers where the planner holds it to 168
     kernels.append(DecodeKernel(AttentionSpec(num_qo_heads=56, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")))
     mla = [s for s in VARIANT_MATRIX if s.family == "mla_decode"]
@@ -316,6 +319,15 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
             if fit < k.ctas_per_sm:
                 problems.append(f"{name}: {res[main].registers} registers x {k.threads} threads fit {fit} CTAs "
                                 f"per SM, the planner assumes {k.ctas_per_sm}")
+            # shared memory as the SM allocates it: the dynamic bytes in 128-byte units, then the static section
+            # (sm_90's reserved 1 KB and the __shared__ variables the planners count as SMEM_STATIC_BYTES)
+            section = res[main].shared_section_bytes
+            taken = -(-k.smem_bytes // 128) * 128 + section
+            if section < 1024:
+                problems.append(f"{name}: a static shared section of {section} B, expected sm_90's reserved 1 KB in it")
+            elif k.ctas_per_sm * taken > SMEM_PER_SM:
+                problems.append(f"{name}: {k.ctas_per_sm} CTAs x ({k.smem_bytes} dynamic + {section} static section) "
+                                f"B of shared memory, the SM holds {SMEM_PER_SM}")
             checked += 1
     assert not problems, "\n".join(problems)
     assert checked >= 10
