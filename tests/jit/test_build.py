@@ -257,13 +257,28 @@ def test_nvcc_compiles_the_variant_matrix():
             assert k.encode() in data, f"{m.name}: {k} missing"
 
 
+def _shared_memory_problems(k, res) -> list:
+    """Shared memory as the SM allocates it, against the CTAs the planner puts there: the dynamic bytes in 128-byte
+    units, then the function's static section (sm_90's reserved 1 KB, then the __shared__ variables, which the
+    decode planner counts as SMEM_STATIC_BYTES)."""
+    from attnforge.kernels.decode import SMEM_PER_SM
+    name, section = k.module().name, res.shared_section_bytes
+    if section < 1024:
+        return [f"{name}: a static shared section of {section} B, expected sm_90's reserved 1 KB in it"]
+    taken = -(-k.smem_bytes // 128) * 128 + section
+    if k.ctas_per_sm * taken > SMEM_PER_SM:
+        return [f"{name}: {k.ctas_per_sm} CTAs x ({k.smem_bytes} dynamic + {section} static section) B of shared "
+                f"memory, the SM holds {SMEM_PER_SM}"]
+    return []
+
+
 def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
     """Grids and split-KV work are sized SMs x ctas_per_sm, which the kernel classes derive from shared
     memory and rules of thumb: each kernel's register count (read from the cubin) must let that many
     CTAs share an SM, and no kernel may use local memory (a non-zero stack frame: spills in a hot loop).
     Builds hit the cache of the test above."""
     from attnforge.jit.cubin import kernel_resources
-    from attnforge.kernels.decode import SMEM_PER_SM, DecodeKernel
+    from attnforge.kernels.decode import DecodeKernel
     from attnforge.kernels.mla import MLADecodeKernel
     from attnforge.kernels.prefill import PrefillKernel, default_backend
     kernels = [DecodeKernel(s) for s in VARIANT_MATRIX if s.family == "decode"]
@@ -319,15 +334,7 @@ def test_variant_matrix_has_no_spills_and_the_occupancy_the_planners_assume():
             if fit < k.ctas_per_sm:
                 problems.append(f"{name}: {res[main].registers} registers x {k.threads} threads fit {fit} CTAs "
                                 f"per SM, the planner assumes {k.ctas_per_sm}")
-            # shared memory as the SM allocates it: the dynamic bytes in 128-byte units, then the static section
-            # (sm_90's reserved 1 KB and the __shared__ variables the planners count as SMEM_STATIC_BYTES)
-            section = res[main].shared_section_bytes
-            taken = -(-k.smem_bytes // 128) * 128 + section
-            if section < 1024:
-                problems.append(f"{name}: a static shared section of {section} B, expected sm_90's reserved 1 KB in it")
-            elif k.ctas_per_sm * taken > SMEM_PER_SM:
-                problems.append(f"{name}: {k.ctas_per_sm} CTAs x ({k.smem_bytes} dynamic + {section} static section) "
-                                f"B of shared memory, the SM holds {SMEM_PER_SM}")
+            problems += _shared_memory_problems(k, res[main])
             checked += 1
     assert not problems, "\n".join(problems)
     assert checked >= 10
@@ -338,7 +345,7 @@ def test_every_d128_decode_group_holds_the_ctas_its_planner_assumes():
     query heads at d128 on both pipelines and both KV widths, and verify steps of 2-8 tokens at GQA 4 and 8 on the
     pipeline the wrapper picks, and fp8 verify steps at groups 3, 5, 6 and 7: ptxas once gave m16 tiles of 5 and 7
     rows 216 registers where 3 CTAs were planned (a silent second wave), and fp8 rows 24-30 183. Spills are the
-    matrix test's concern; this scan checks the occupancy only."""
+    matrix test's concern; this scan checks the occupancy only (registers and shared memory)."""
     from attnforge.jit.cubin import kernel_resources
     from attnforge.kernels.decode import DecodeKernel, spec_for_rows
     kernels = {}
@@ -354,8 +361,9 @@ def test_every_d128_decode_group_holds_the_ctas_its_planner_assumes():
                 k = DecodeKernel(spec, max_q_len=tokens)
                 kernels[k.module().name] = k
     # fp8 verify rows over two m16 tiles at groups 3, 5 and 6 (24-30 rows): ptxas alone took 182-183 registers where
-    # 3 CTAs were planned (the GPU fuzz's OccupancyWarning, 111th session); group 7's shapes beside them
-    for group, tokens in ((3, 8), (5, 5), (5, 6), (6, 4), (6, 5), (7, 4), (7, 5)):
+    # 3 CTAs were planned (the GPU fuzz's OccupancyWarning, 111th session); group 7's shapes beside them; and 49-54
+    # rows, whose 48 KB of dynamic shared memory sit beside the static section (114th session)
+    for group, tokens in ((3, 8), (5, 5), (5, 6), (6, 4), (6, 5), (7, 4), (7, 5), (7, 7), (9, 6)):
         spec = spec_for_rows(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3"), tokens)
         k = DecodeKernel(spec, max_q_len=tokens)
         kernels[k.module().name] = k
@@ -366,6 +374,7 @@ def test_every_d128_decode_group_holds_the_ctas_its_planner_assumes():
         if res.ctas_by_registers(k.threads) < k.ctas_per_sm:
             problems.append(f"{k.module().name}: {res.registers} registers x {k.threads} threads fit "
                             f"{res.ctas_by_registers(k.threads)} CTAs per SM, the planner assumes {k.ctas_per_sm}")
+        problems += _shared_memory_problems(k, res)
     assert len(kernels) >= 95 and not problems, "\n".join(problems)
 
 
