@@ -66,7 +66,11 @@ def kernel_resources(image: bytes) -> dict[str, KernelResources]:
                 sym, value = struct.unpack_from("<II", image, pos + 4)
                 (regs if attr == _EIATTR_REGCOUNT else frames)[sym] = value
             pos += 4 + size
-    shared = {cstr(shstrndx, sec[0])[len(".nv.shared."):]: sec[5] for sec in sections
-              if cstr(shstrndx, sec[0]).startswith(".nv.shared.")}
-    return {name: KernelResources(n, frames.get(sym, 0), shared.get(name, 0))
-            for sym, n in regs.items() for name in [names.get(sym, f"#{sym}")]}
+    prefix = ".nv.shared."  # (NOBITS sections: the size is the allocation, no bytes in the image)
+    shared = {cstr(shstrndx, sec[0])[len(prefix):]: sec[5] for sec in sections
+              if cstr(shstrndx, sec[0]).startswith(prefix)}
+    resources = {}
+    for sym, n in regs.items():
+        name = names.get(sym, f"#{sym}")
+        resources[name] = KernelResources(n, frames.get(sym, 0), shared.get(name, 0))
+    return resources
