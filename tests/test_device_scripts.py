@@ -137,4 +137,4 @@ def test_the_small_rows_call_names_cases_of_its_suite():
         sys.path.remove(str(ROOT / "benchmarks"))
     script = (ROOT / "docs" / "prepared" / "call10-fp8-small-rows.sh").read_text()
     named = re.findall(r'"(g\d+ q\d+(?: [BL]\d+)?)"', script)
-    assert len(named) == 7 and set(named) <= cases, (named, sorted(cases))
+    assert len(named) == 8 and set(named) <= cases, (named, sorted(cases))
