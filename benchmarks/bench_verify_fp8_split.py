@@ -34,7 +34,7 @@ def wrappers(group: int, q_len: int, batch: int, splits: tuple) -> dict:
     """The suite's rows for one shape: BatchDecode wrappers, the default first."""
     spec = AttentionSpec(num_qo_heads=HKV * group, num_kv_heads=HKV, head_dim_qk=D, kv_dtype="fp8_e4m3")
     rows = {"attnforge": BatchDecode(spec, max_batch_size=batch, max_q_len=q_len)}
-    for hs in splits:  # ('auto' resolves to transposed for these groups; explicit head_splits keep it)
+    for hs in splits:  # (explicit head_splits: the pipeline for the split item's rows, spec_for_rows)
         rows[f"attnforge-hs{hs}"] = BatchDecode(spec, max_batch_size=batch, max_q_len=q_len, head_splits=hs)
     return rows
 

@@ -30,13 +30,17 @@ SUITE = "verify_fp8_widen"  # (pages of 16 tokens: bench_verify_fp8_split.run_ca
 # than on the transposed default, so it asks about fewer rows too: plain decode at 32/8 and 64/8 (4 and 8 rows: the
 # decode suite's fp8 case is 32/8) and 16/8 at 4 tokens; and 32/8 at 4 tokens on B16 L16384 (128 items, about one
 # an SM), where the transposed default plans its one-CTA whole-item kernel; and 256/8 at 1 token (group 32: two
-# items of 16 heads a KV head, as fp8 MQA-sized groups at d128 run, transposed by default)
+# items of 16 heads a KV head, as fp8 MQA-sized groups at d128 run, transposed by default). Since the 115th session
+# the default runs d128's 9-16-row items on the normal pipeline but keeps the transposed kernel's whole-item plans:
+# 128/8 at 1 token on B16 L16384 (one item an SM) and B1 L131072 (8 items cut into 16 chunks) time those against
+# the normal kernel's split plan
 CASES = [("g8 q4", 8, 4, 64, 4096), ("g8 q4 L8192", 8, 4, 16, 8192), ("g8 q3", 8, 3, 64, 4096),
          ("g8 q8", 8, 8, 64, 4096), ("g4 q8", 4, 8, 64, 4096), ("g4 q5", 4, 5, 64, 4096), ("g16 q4", 16, 4, 32, 4096),
          ("g3 q8", 3, 8, 64, 4096), ("g5 q5", 5, 5, 64, 4096), ("g4 q4", 4, 4, 64, 4096), ("g8 q2", 8, 2, 64, 4096),
          ("g16 q1", 16, 1, 64, 4096), ("g4 q3", 4, 3, 64, 4096), ("g7 q7", 7, 7, 64, 4096), ("g9 q6", 9, 6, 64, 4096),
          ("g4 q1", 4, 1, 64, 4096), ("g8 q1", 8, 1, 64, 4096), ("g2 q4", 2, 4, 64, 4096),
-         ("g4 q4 B16", 4, 4, 16, 16384), ("g32 q1", 32, 1, 32, 4096)]
+         ("g4 q4 B16", 4, 4, 16, 16384), ("g32 q1", 32, 1, 32, 4096), ("g16 q1 B16", 16, 1, 16, 16384),
+         ("g16 q1 B1", 16, 1, 1, 131072)]
 
 
 def wrappers(group: int, q_len: int, batch: int) -> dict:
@@ -47,7 +51,8 @@ def wrappers(group: int, q_len: int, batch: int) -> dict:
     rows = {"attnforge": BatchDecode(AttentionSpec(**kw), max_batch_size=batch, max_q_len=q_len)}
     for impl, in_registers in (("attnforge-smem-widen", False), ("attnforge-regwiden", True)):
         twin = kernel_twin({"normal_widen_in_registers": in_registers})
-        rows[impl] = twin(normal, max_batch_size=batch, max_q_len=q_len)
+        # (the split plan on that kernel: no whole-item twins, which at 9-16 rows run the transposed kernel)
+        rows[impl] = twin(normal, max_batch_size=batch, max_q_len=q_len, whole_items=False)
     return rows
 
 

@@ -293,16 +293,17 @@ def test_warp_bands_render_only_where_each_warp_reads_its_own_band():
         DecodeKernel(fp8, warp_rows=1)
 
 
-def test_normal_pipeline_fp8_widened_in_registers_past_sixteen_rows_with_no_16_bit_copy():
+def test_normal_pipeline_fp8_widened_in_registers_with_no_16_bit_copy():
     """normal_widen_in_registers: fp8 on the normal pipeline read from the swizzled fp8 stage and widened after
-    ldmatrix (the shared-memory pass and its 16-bit tile gone), the default past 16 rows an item at d128 (16 rows
-    or fewer take the transposed pipeline by default); elsewhere refused before a build."""
+    ldmatrix (the shared-memory pass and its 16-bit tile gone), the default on that pipeline at d128 (whose items
+    of 8 rows or fewer take the transposed pipeline by default); elsewhere refused before a build."""
     spec = AttentionSpec(num_qo_heads=64, num_kv_heads=8, kv_dtype="fp8_e4m3", pipeline="normal")
     plain = DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=False)
     rw = DecodeKernel(spec, max_q_len=4, normal_widen_in_registers=True)
-    assert DecodeKernel(spec, max_q_len=4) == rw  # the default past 16 rows an item
-    for kw, q in ((dict(), 2), (dict(kv_dtype="bf16"), 4), (dict(head_dim_qk=64, head_dim_vo=64), 4)):
-        assert not DecodeKernel(dataclasses.replace(spec, **kw), max_q_len=q).normal_widen_in_registers, (kw, q)
+    for q in (1, 2, 4):  # the default at every item size (4-64 rows measured faster)
+        assert DecodeKernel(spec, max_q_len=q) == dataclasses.replace(rw, max_q_len=q), q
+    for kw in (dict(kv_dtype="bf16"), dict(head_dim_qk=64, head_dim_vo=64), dict(head_dim_qk=256, head_dim_vo=256)):
+        assert not DecodeKernel(dataclasses.replace(spec, **kw), max_q_len=4).normal_widen_in_registers, kw
     assert not plain.widens_in_registers and rw.widens_in_registers
     assert plain.pipe_bytes - rw.pipe_bytes == 2 * 64 * 128 * 2  # the widened K and V tile
     assert rw.smem_bytes == 32 * 128 * 2 + 2 * 32 * 132 * 4  # Q, then the merge scratch: larger than the stages
@@ -323,20 +324,24 @@ def test_normal_pipeline_fp8_widened_in_registers_past_sixteen_rows_with_no_16_b
 def test_transposed_pipeline_takes_up_to_two_head_tiles():
     """The transposed kernel takes items of up to 16 heads (two n8 head tiles of O^T a warp), multiples of 16 as
     items of 16 (head splits), and refuses other groups before any build, with the fix named; 'auto' picks it
-    for 16-bit KV up to 8 only (one tile; two need 200 registers), for fp8 KV up to 16 and multiples of 16."""
+    for 16-bit KV up to 8 only (one tile; two need 200 registers), for fp8 KV up to 16 and multiples of 16 at d64
+    and d256 (at d128 the normal pipeline, widened in registers too, takes groups past 8: one m16 tile, 4 CTAs)."""
     for group in (9, 12, 16):
         kernel = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, pipeline="transposed"))
         assert kernel.item_heads == group and kernel.registers_needed == 200
-        fp8 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3"))
-        assert fp8.spec.pipeline == "transposed"  # 'auto': widened in registers
+        kw = dict(num_qo_heads=8 * group, num_kv_heads=8, kv_dtype="fp8_e4m3")
+        fp8 = DecodeKernel(AttentionSpec(**kw, pipeline="transposed"))
         assert (fp8.registers_needed, fp8.ctas_per_sm, fp8.register_bound_ctas) == (168, 3, 3)  # held to 3 CTAs
+        auto = DecodeKernel(AttentionSpec(**kw))
+        assert (auto.spec.pipeline, auto.normal_widen_in_registers, auto.ctas_per_sm) == ("normal", True, 4)
         d64 = DecodeKernel(AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, head_dim_qk=64, kv_dtype="fp8_e4m3"))
         assert d64.spec.pipeline == "transposed" and (d64.registers_needed, d64.ctas_per_sm) == (128, 4)  # O halves
         assert AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"
-    for group in (32, 64):  # items of 16 heads
-        kernel = DecodeKernel(AttentionSpec(num_qo_heads=group, num_kv_heads=1, kv_dtype="fp8_e4m3"))
-        assert (kernel.spec.pipeline, kernel.head_splits, kernel.item_heads) == ("transposed", group // 16, 16)
+    for group in (32, 64):  # items of 16 heads, on either pipeline
+        for d, pipeline in ((64, "transposed"), (128, "normal")):
+            kernel = DecodeKernel(AttentionSpec(num_qo_heads=group, num_kv_heads=1, head_dim_qk=d, kv_dtype="fp8_e4m3"))
+            assert (kernel.spec.pipeline, kernel.head_splits, kernel.item_heads) == (pipeline, group // 16, 16), d
     for group, splits in ((17, 1), (24, 1), (32, 1)):
         with pytest.raises(ValueError, match=f"up to 16 query rows \\(heads x tokens\\) a work item, got {group} "
                                              r".*Use pipeline='normal' \(or 'auto', which picks it there\)"):
@@ -396,18 +401,25 @@ def test_the_default_pipeline_follows_an_items_rows_and_head_splits_keep_them_in
     assert spec_for_rows(gqa, 1) is gqa and spec_for_rows(gqa, 2) is gqa  # 8 rows: one n8 tile
     assert spec_for_rows(gqa, 4).pipeline == "normal" and spec_for_rows(gqa, 8).pipeline == "normal"
     fp8 = dataclasses.replace(gqa, kv_dtype="fp8_e4m3")  # widened in registers on the transposed pipeline
-    assert spec_for_rows(fp8, 4) is fp8 and spec_for_rows(fp8, 8).pipeline == "normal"
-    # explicit head_splits set the item's rows: fp8 at 8 tokens in items of 2 heads (16 rows) stays transposed
-    assert spec_for_rows(fp8, 8, head_splits=2) is fp8 and spec_for_rows(fp8, 8, head_splits=1).pipeline == "normal"
+    # at d128 up to 8 rows (past them the normal pipeline, widened in registers too), elsewhere up to 16
+    assert spec_for_rows(fp8, 2) is fp8 and spec_for_rows(fp8, 3).pipeline == "normal"
+    fp8_d64 = dataclasses.replace(fp8, head_dim_qk=64, head_dim_vo=64)
+    assert spec_for_rows(fp8_d64, 4) is fp8_d64 and spec_for_rows(fp8_d64, 5).pipeline == "normal"
+    # explicit head_splits set the item's rows: fp8 at 8 tokens in items of 1 head (8 rows) stays transposed,
+    # in items of 2 (16 rows) at d64 too
+    assert spec_for_rows(fp8, 8, head_splits=4) is fp8 and spec_for_rows(fp8, 8, head_splits=2).pipeline == "normal"
+    assert spec_for_rows(fp8_d64, 8, head_splits=2) is fp8_d64
     assert spec_for_rows(gqa, 4, head_splits=2) is gqa  # 16-bit: 8 rows, one n8 tile
     from attnforge import BatchDecode  # bad head_splits reach DecodeKernel's message, before any device work
     for bad in ("2", 3, 0, True):
         with pytest.raises(ValueError, match=r"DecodeKernel.head_splits: expected a divisor of the group size 4"):
             BatchDecode(fp8, max_q_len=8, head_splits=bad)
-    fp8_16 = AttentionSpec(num_qo_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3")  # 'auto': transposed, two n8 tiles
+    kw16 = dict(num_qo_heads=32, num_kv_heads=2, kv_dtype="fp8_e4m3", head_dim_qk=64)
+    fp8_16 = AttentionSpec(**kw16)  # 'auto' at d64: transposed, two n8 tiles
     assert fp8_16.pipeline == "transposed" and spec_for_rows(fp8_16, 1) is fp8_16
     assert spec_for_rows(fp8_16, 2).pipeline == "normal"  # 32 rows: past the transposed kernel's 16
-    fp8_mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1, kv_dtype="fp8_e4m3")  # transposed, items of 16
+    assert AttentionSpec(**dict(kw16, head_dim_qk=128)).pipeline == "normal"  # d128: one m16 tile
+    fp8_mqa = AttentionSpec(num_qo_heads=32, num_kv_heads=1, kv_dtype="fp8_e4m3", head_dim_qk=64)  # items of 16
     assert spec_for_rows(fp8_mqa, 1) is fp8_mqa and spec_for_rows(fp8_mqa, 2).pipeline == "normal"
     assert default_head_splits(spec_for_rows(fp8_mqa, 2), 2) == 2
     normal = dataclasses.replace(gqa, pipeline="normal")

@@ -217,8 +217,8 @@ def test_verify_steps_without_a_measured_four_cta_tiling(spec_kw, q_len):
 def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(hq, hkv, kv_dtype, q_len, rows, pipeline,
                                                                             max_chunks):
     """Verify steps of about one equal item an SM (GQA 32/8 B16: 128 items on 132 SMs) take the one-CTA-an-SM
-    kernel (kernels.decode.verify_one_cta_tiling: 128-token tiles of 8 warps, fp8's two n8 tiles too), one whole
-    item a CTA; the normal pipeline's m16 tiles also take fewer equal items cut into 2-8 equal chunks (4 at 64
+    kernel (kernels.decode.verify_one_cta_tiling: 128-token tiles of 8 warps, fp8's two n8 tiles too, where the
+    default runs the normal pipeline), one whole item a CTA; the normal pipeline's m16 tiles also take fewer equal items cut into 2-8 equal chunks (4 at 64
     rows); 13 requests (21% of the SMs idle), unequal requests and CUDA-graph mode (unless whole_items=True)
     keep the default kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
@@ -227,6 +227,8 @@ def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(hq, 
     assert (one.kernel.tile_kv, one.kernel.num_stages, one.kernel.num_warps, one.ctas) == (128, 3, 8, 132)
     assert one.kernel.ctas_per_sm == 1 and one.kernel.item_rows == rows and one.kernel.spec.pipeline == pipeline
     assert one.tiling.max_chunks == max_chunks and w.kernel.ctas_per_sm in (2, 3, 4)
+    # the default kernel: fp8's 16 rows (d128) on the normal pipeline, widened in registers
+    assert w.kernel.spec.pipeline == ("normal" if rows > 8 else "transposed")
     batch = 128 // hkv
     w.plan(*table([8192] * (batch - 1) + [8180]), page_size=16, q_len=q_len)
     assert w.planned_kernel == (one.kernel, 132) and w._plan["work"].num_spans == 128
@@ -294,12 +296,15 @@ def test_whole_item_tilings_by_head_layout(hq, hkv, whole, mod):
 
 @pytest.mark.parametrize("hq,hkv,tile", [(32, 2, 128), (128, 8, 128), (96, 8, None), (32, 8, 256), (32, 1, None)])
 def test_fp8_whole_item_tilings_by_head_tiles(hq, hkv, tile):
-    """fp8 KV on the transposed pipeline ('auto' there): one n8 head tile reads whole items on sixteen warps
-    (FP8_WHOLE_ITEM_TILING), a group of 16 (two full n8 tiles) on verify's eight-warp 128-token tiling; a group
-    of 12 (+0.3% whole) and MQA's items of 16 heads (not measured whole) keep one kernel."""
+    """fp8 KV at d128: one n8 head tile ('auto': transposed) reads whole items on sixteen warps
+    (FP8_WHOLE_ITEM_TILING), a group of 16 ('auto': normal, widened in registers) on the transposed kernel's two
+    full n8 tiles in verify's eight-warp 128-token tiling; a group of 12 (+0.3% whole) and MQA's items of 16 heads
+    (not measured whole) keep one kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype="fp8_e4m3")
     w = BatchDecode.host_only(spec, max_batch_size=256, max_num_pages=1 << 14)
-    assert spec.pipeline == "transposed" and (None if w._whole is None else w._whole.tile_kv) == tile
+    assert spec.pipeline == ("transposed" if hq // hkv <= 8 else "normal")
+    assert (None if w._whole is None else w._whole.tile_kv) == tile
+    assert w._whole is None or w._whole.spec.pipeline == "transposed"
     w.plan(*table([4096] * (128 // w._stream_items())), page_size=16)
     assert (w.planned_kernel[0] is w._whole) is (tile is not None)
     if (hq, hkv) == (32, 2):  # one request: two items cut into 66 equal chunks, one a CTA

@@ -94,20 +94,23 @@ def test_fp8_items_taking_48_kb_of_dynamic_shared_memory_launch(group, q_len, pa
     assert (ran.spec.pipeline, ran.normal_widen_in_registers, ran.smem_bytes) == ("normal", True, 48 * 1024)
 
 
-@pytest.mark.parametrize("hq,hkv,q_len,page_size,splits,merge_launch", [
-    (24, 8, 8, 7, 3, False), (64, 8, 4, 16, 2, False), (64, 8, 8, 1, 4, True), (32, 1, 3, 16, 8, False),
-    (128, 8, 4, 7, 4, True), (48, 8, 5, 16, 2, False)])
-def test_fp8_items_split_by_head_splits_stay_on_the_transposed_pipeline(hq, hkv, q_len, page_size, splits,
-                                                                         merge_launch):
+@pytest.mark.parametrize("hq,hkv,d,q_len,page_size,splits,merge_launch", [
+    (24, 8, 128, 8, 7, 3, False), (64, 8, 128, 4, 16, 2, False), (64, 8, 64, 8, 1, 4, True),
+    (32, 1, 128, 3, 16, 8, False), (128, 8, 64, 4, 7, 4, True), (48, 8, 128, 5, 16, 2, False),
+    (64, 8, 128, 8, 16, 8, False)])
+def test_fp8_items_split_by_head_splits_take_the_pipeline_for_their_rows(hq, hkv, d, q_len, page_size, splits,
+                                                                          merge_launch):
     """fp8 verify steps past the transposed kernel's 16 rows an item, with head_splits that bring each item
-    back to 16 or fewer: the wrapper keeps the transposed pipeline (slower than the normal default: suite
-    `verify_fp8_split`), and each item's rows, its KV head's pages read by every split, and the merges of long
-    requests' chunks (in the kernel, or by the second launch) stay exact."""
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype="fp8_e4m3")
+    back to 16 or fewer: the wrapper takes the pipeline 'auto' picks for the item's rows (transposed up to 8 at
+    d128, up to 16 at d64; the normal pipeline, widened in registers, past them), and each item's rows, its KV
+    head's pages read by every split, and the merges of long requests' chunks (in the kernel, or by the second
+    launch) stay exact."""
+    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=d, kv_dtype="fp8_e4m3")
     w, _ = verify_case(spec, LENGTHS, page_size, q_len, seed=hq + q_len, k_scale=0.5, v_scale=2.0,
                        merge_launch=merge_launch, head_splits=splits)
-    k = w.kernel
-    assert (k.spec.pipeline, k.head_splits, k.item_rows) == ("transposed", splits, hq // hkv // splits * q_len)
+    k, rows = w.kernel, hq // hkv // splits * q_len
+    pipeline = "transposed" if rows <= (8 if d == 128 else 16) else "normal"
+    assert (k.spec.pipeline, k.head_splits, k.item_rows) == (pipeline, splits, rows)
 
 
 @pytest.mark.parametrize("group,q_len,page_size,merge_launch", [
@@ -127,7 +130,7 @@ def test_fp8_normal_pipeline_widened_in_registers(group, q_len, page_size, merge
 
 
 @pytest.mark.parametrize("kv_dtype,q_len,expected", [("bf16", 2, "transposed"), ("bf16", 4, "normal"),
-                                                     ("fp8_e4m3", 4, "transposed"), ("fp8_e4m3", 8, "normal")])
+                                                     ("fp8_e4m3", 2, "transposed"), ("fp8_e4m3", 4, "normal")])
 def test_the_wrapper_picks_the_pipeline_for_the_items_rows(kv_dtype, q_len, expected):
     w, _ = verify_case(AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype), LENGTHS, 16, q_len, seed=4)
     assert w.kernel.spec.pipeline == w.spec.pipeline == expected

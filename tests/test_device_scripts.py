@@ -127,7 +127,8 @@ def test_the_exact_max_call_records_on_an_h200_and_fuzzes_new_seeds_elsewhere(tm
         assert all(c.startswith("seeds=1760:1910 ") for c in fuzz), fuzz
 
 
-def test_the_small_rows_call_names_cases_of_its_suite():
+@pytest.mark.parametrize("script,count", [("call10-fp8-small-rows.sh", 8), ("call11-fp8-sixteen-rows-default.sh", 4)])
+def test_the_fp8_widen_calls_name_cases_of_their_suite(script, count):
     """A case name the suite does not hold is skipped silently by run_cases, so a typo would time nothing."""
     import runpy
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -135,6 +136,6 @@ def test_the_small_rows_call_names_cases_of_its_suite():
         cases = {c[0] for c in runpy.run_path(str(ROOT / "benchmarks" / "bench_verify_fp8_widen.py"))["CASES"]}
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    script = (ROOT / "docs" / "prepared" / "call10-fp8-small-rows.sh").read_text()
-    named = re.findall(r'"(g\d+ q\d+(?: [BL]\d+)?)"', script)
-    assert len(named) == 8 and set(named) <= cases, (named, sorted(cases))
+    text = (ROOT / "docs" / "prepared" / script).read_text()
+    named = re.findall(r'"(g\d+ q\d+(?: [BL]\d+)?)"', text)
+    assert len(named) == count and set(named) <= cases, (named, sorted(cases))

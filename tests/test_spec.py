@@ -99,17 +99,20 @@ def test_auto_pipeline_resolves_to_measured_winner():
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=1).pipeline == "normal"
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=8).pipeline == "transposed"  # group 8: one n8 tile
     assert AttentionSpec(num_qo_heads=64, num_kv_heads=4).pipeline == "normal"  # group 16: one m16 tile
-    # fp8 KV widens in registers on the transposed pipeline: up to its two n8 head tiles
+    # fp8 KV widens in registers on the transposed pipeline: up to its two n8 head tiles at d64 and d256; at d128
+    # the normal pipeline widens in registers too, and its one m16 tile takes groups past 8
     fp8 = dict(num_qo_heads=64, num_kv_heads=4, kv_dtype="fp8_e4m3")
-    assert AttentionSpec(**fp8).pipeline == "transposed" == default_pipeline("decode", 16, "fp8_e4m3")
+    assert AttentionSpec(**fp8).pipeline == "normal" == default_pipeline("decode", 16, "fp8_e4m3")
+    assert AttentionSpec(num_qo_heads=36, num_kv_heads=4, kv_dtype="fp8_e4m3").pipeline == "normal"  # 9
+    assert AttentionSpec(num_qo_heads=32, num_kv_heads=4, kv_dtype="fp8_e4m3").pipeline == "transposed"  # 8
     assert AttentionSpec(num_qo_heads=68, num_kv_heads=4, kv_dtype="fp8_e4m3").pipeline == "normal"  # 17
-    assert AttentionSpec(**fp8, head_dim_qk=64, head_dim_vo=64).pipeline == "transposed"  # (d64 too)
+    assert AttentionSpec(**fp8, head_dim_qk=64, head_dim_vo=64).pipeline == "transposed"
     assert AttentionSpec(**fp8, head_dim_qk=256, head_dim_vo=256).pipeline == "transposed"
-    for hq, d, pipeline in ((32, 128, "transposed"), (64, 128, "transposed"), (24, 128, "normal"),
-                            (32, 256, "normal"), (32, 64, "transposed")):  # MQA-sized: items of 16 at d <= 128
+    for hq, d, pipeline in ((32, 128, "normal"), (64, 128, "normal"), (24, 128, "normal"), (8, 128, "transposed"),
+                            (32, 256, "normal"), (32, 64, "transposed")):  # MQA-sized: items of 16 at d64
         spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=1, head_dim_qk=d, head_dim_vo=d, kv_dtype="fp8_e4m3")
         assert spec.pipeline == pipeline, (hq, d)
-    assert "transposed" not in AttentionSpec(**fp8).name and "normal" in AttentionSpec(**fp8, pipeline="normal").name
+    assert "normal" not in AttentionSpec(**fp8).name and "transposed" in AttentionSpec(**fp8, pipeline="transposed").name
     assert AttentionSpec(family="prefill").pipeline == "normal"
     # the name mentions the pipeline only when it is not the default for the shape
     assert "normal" in AttentionSpec(pipeline="normal").name

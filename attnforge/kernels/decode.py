@@ -11,7 +11,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from ..jit.cubin import REGISTERS_PER_SM
 from ..mods import graph
-from ..spec import AUTO_TRANSPOSED_MAX_GROUP, AttentionSpec
+from ..spec import AUTO_TRANSPOSED_MAX_GROUP, AUTO_TRANSPOSED_MAX_ROWS_FP8_D128, AttentionSpec
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
@@ -79,16 +79,19 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int
     GQA 32/8 bf16, sixty-eighth session): 8 rows (q_len 2) the transposed pipeline's one n8 tile, 252.3 us
     against normal's 254.1 at B128 L2048; 16 rows (q_len 4) one m16 tile of the normal pipeline, 258.6
     against transposed's two n8 tiles 262.1 at B64 L4096, 245.4 against 253.0 on B32 of random lengths.
-    fp8 KV keeps the transposed pipeline up to its 16 rows an item (it widens in registers there; the
-    normal pipeline widens through shared memory up to 16 rows, 1.5x slower at one token a request); past 16 rows,
-    normal, widened in registers there (`DecodeKernel.normal_widen_in_registers`: 19-31% faster than through shared
-    memory, suite `verify_fp8_widen`, 113th session on an H100).
+    fp8 KV keeps the transposed pipeline (widened in registers) up to 8 rows an item at d128 and up to its 16
+    elsewhere; past them, normal, at d128 widened in registers there too (`DecodeKernel.normal_widen_in_registers`:
+    19-31% faster than through shared memory past 16 rows, suite `verify_fp8_widen`, 113th session on an H100; and
+    7.7-8.2% faster than the transposed kernel at 9-16 rows, 114th and 115th sessions; spec.py,
+    AUTO_TRANSPOSED_MAX_ROWS_FP8_D128). At d64 and d256 the normal pipeline widens fp8 through shared memory.
     Splitting such items' heads into 2-4 items of at most 16 rows to stay transposed lost 19-79% on an H100
     (suite `verify_fp8_split`, 112th session, as in the seventy-third): a KV head's items run back to back, so
     each rereads its pages from DRAM. Explicit head_splits (BatchDecode's) set the item's rows."""
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
-    limit = MAX_TRANSPOSED_GROUP if spec.kv_dtype == "fp8_e4m3" else AUTO_TRANSPOSED_MAX_GROUP
+    limit = AUTO_TRANSPOSED_MAX_GROUP
+    if spec.kv_dtype == "fp8_e4m3":
+        limit = AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 if spec.head_dim_qk == 128 else MAX_TRANSPOSED_GROUP
     # (head_splits that do not divide the group: the default here, and DecodeKernel says what was wrong)
     valid = type(head_splits) is int and head_splits > 0 and spec.group_size % head_splits == 0
     item_heads = spec.group_size // (head_splits if valid else default_head_splits(spec))
@@ -134,6 +137,9 @@ WHOLE_ITEM_TILING = WholeItemTiling(128, 3, 8)  # 192 KB of 16-bit K/V stages at
 # fp8 K/V widened in registers wants as many warps as the default's four CTAs of four an SM: 16 warps, each
 # one 16-token band of a 256-token tile, in two 64 KB stages
 FP8_WHOLE_ITEM_TILING = WholeItemTiling(256, 2, 16, max_chunks=33)
+# fp8 items of 9-16 rows read whole on the transposed kernel's two n8 tiles, eight warps (whole_item_tiling,
+# verify_one_cta_tiling), from either pipeline's spec: d128's default for these rows is the normal one
+FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING = replace(WHOLE_ITEM_TILING, pipeline="transposed")
 # A split item's merge (one CTA, at the kernel's end) reads k partial states of its item's query heads: the
 # chunked plans won up to 66 chunks of 16 heads and 33 of 32 (~1056 head rows), and lost at 66 of 32 or 64.
 MERGED_HEAD_ROWS = 1056
@@ -197,6 +203,8 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
     if spec.pipeline == "transposed":
         fits = 8 < rows <= 16 if spec.kv_dtype == "fp8_e4m3" else rows <= 8
         return WHOLE_ITEM_TILING if fits else None
+    if spec.kv_dtype == "fp8_e4m3" and 8 < rows <= 16 and spec.head_dim_qk == 128:
+        return FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING  # (d128's default for these rows is normal since the 115th session)
     if spec.kv_dtype == "fp8_e4m3" or rows <= 8:
         return None
     return replace(WHOLE_ITEM_TILING, max_chunks=8 if rows <= 32 else 4)
@@ -282,12 +290,12 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
     g = spec.group_size
     if not _in_measured_scope(spec):
         return None
-    if spec.kv_dtype == "fp8_e4m3":  # (one token: the normal pipeline widens fp8 through shared memory to 16 rows)
-        if spec.pipeline != "transposed":
-            return None
-        if g == 16:  # two n8 tiles: equal items read whole, or cut into up to 66 chunks as the 16-bit m16 tile's
-            return replace(WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // g)
-        return FP8_WHOLE_ITEM_TILING if g <= 8 else None
+    if spec.kv_dtype == "fp8_e4m3":
+        # a group of 16: two n8 tiles, equal items read whole, or cut into up to 66 chunks as the 16-bit m16 tile's;
+        # also for d128's normal default (115th session), whose own kernel's whole items were not measured
+        if g == 16 and (spec.pipeline == "transposed" or spec.head_dim_qk == 128):
+            return replace(FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // g)
+        return FP8_WHOLE_ITEM_TILING if g <= 8 and spec.pipeline == "transposed" else None
     if spec.pipeline == "transposed":
         return WHOLE_ITEM_TILING if g <= 8 else None  # one n8 head tile
     # normal: one m16 head tile that a smaller group would pad, or MQA-sized groups of two or four, every
@@ -356,8 +364,8 @@ class DecodeKernel:
     # (CascadeDecode merges its levels and the suffix; a 16-bit row is rounded again by the merge)
     float_out: bool = False
     # fp8 KV on the normal pipeline (d128) widened in registers after ldmatrix, as the transposed pipeline does,
-    # instead of by a shared-memory pass into a 16-bit copy of the tile. None: where an item holds more than 16 rows
-    # (the verify steps the transposed pipeline cannot take; measured: docs/perf-notes.md, suite verify_fp8_widen)
+    # instead of by a shared-memory pass into a 16-bit copy of the tile. None: wherever it can (fp8 d128 on the normal
+    # pipeline), measured faster at every item size, 4-64 rows (docs/perf-notes.md, suite verify_fp8_widen)
     normal_widen_in_registers: Optional[bool] = None
 
     def __post_init__(self):
@@ -375,7 +383,7 @@ class DecodeKernel:
             raise ValueError(f"DecodeKernel.max_q_len: expected an int in [1, {MAX_Q_LEN}], got {ql!r}")
         if self.normal_widen_in_registers is None:
             object.__setattr__(self, "normal_widen_in_registers", (s.pipeline, s.kv_dtype, s.head_dim_qk) == (
-                "normal", "fp8_e4m3", 128) and self.item_rows > MAX_TRANSPOSED_GROUP)
+                "normal", "fp8_e4m3", 128))
         if self.item_rows > MAX_ITEM_ROWS:
             raise ValueError(f"DecodeKernel.max_q_len: {ql} tokens x {self.item_heads} query heads a work item is "
                              f"{self.item_rows} rows, past the kernel's {MAX_ITEM_ROWS}; verify fewer tokens at "
