@@ -191,7 +191,9 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
       token's chunked transposed plans tied, whole_item_tiling);
     - fp8, two n8 tiles (16 rows, 196 registers): B16 q4 -2.6%, where FP8_WHOLE_ITEM_TILING's 16 warps, held to
       128 registers, spill 72 bytes and lost 19%. Re-measured on the widen-once kernel (seventy-fifth session,
-      three rounds): B16 q4 L8192 -0.6..-0.7%, q3 (12 rows) -2.0..-2.1%, q4 L2048 -9.5..-10.3%.
+      three rounds): B16 q4 L8192 -0.6..-0.7%, q3 (12 rows) -2.0..-2.1%, q4 L2048 -9.5..-10.3%. Since d128's
+      default runs these rows on the normal pipeline (115th session), its spec takes this transposed kernel too:
+      B16 q4 L16384 182.1 us against the normal kernel's split plan's 189.3 (H100);
     Measured and left out: fp8 on the normal pipeline (q8, 32 rows: +4.4%, when it widened through shared memory), fp8's
     8 rows (+3.4%: two CTAs an SM there, against its default's four), d64 (+3.8%). Not measured: d256, MQA-sized
     groups and items split by heads (a group of 16 at q5-8), more than 8 chunks an item (4 at 64 rows) and
@@ -203,7 +205,7 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
     if spec.pipeline == "transposed":
         fits = 8 < rows <= 16 if spec.kv_dtype == "fp8_e4m3" else rows <= 8
         return WHOLE_ITEM_TILING if fits else None
-    if spec.kv_dtype == "fp8_e4m3" and 8 < rows <= 16 and spec.head_dim_qk == 128:
+    if spec.kv_dtype == "fp8_e4m3" and 8 < rows <= 16:
         return FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING  # (d128's default for these rows is normal since the 115th session)
     if spec.kv_dtype == "fp8_e4m3" or rows <= 8:
         return None
@@ -292,8 +294,8 @@ def whole_item_tiling(spec: AttentionSpec, max_q_len: int = 1) -> Optional[Whole
         return None
     if spec.kv_dtype == "fp8_e4m3":
         # a group of 16: two n8 tiles, equal items read whole, or cut into up to 66 chunks as the 16-bit m16 tile's;
-        # also for d128's normal default (115th session), whose own kernel's whole items were not measured
-        if g == 16 and (spec.pipeline == "transposed" or spec.head_dim_qk == 128):
+        # also for the normal default (115th session), whose own kernel's whole items were not measured
+        if g == 16:
             return replace(FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING, max_chunks=MERGED_HEAD_ROWS // g)
         return FP8_WHOLE_ITEM_TILING if g <= 8 and spec.pipeline == "transposed" else None
     if spec.pipeline == "transposed":
