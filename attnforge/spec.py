@@ -32,10 +32,11 @@ AUTO_TRANSPOSED_MAX_GROUP = 8
 AUTO_TRANSPOSED_MAX_GROUP_FP8 = 16
 # ... except at d128, where the normal pipeline widens fp8 in registers too (DecodeKernel.normal_widen_in_registers)
 # and its one m16 tile at 4 CTAs an SM beat the transposed kernel's two n8 tiles at 3 for items of 9-16 rows
-# (114th and 115th sessions, H100, suite verify_fp8_widen: 16 heads x 1 token B64 L4096 -8.0%, GQA 256/8 (16-head items) B32 L4096
-# -35.6%, 4 x 4 tokens -7.7%, 8 x 2 -8.2%, 4 x 3 -7.7%); items of up to 8 rows tied or lost there (4 x 1 and 8 x 1
-# ties, 2 x 4 +2.4%), so they stay transposed. Groups of 16 keep the transposed kernel's whole-item plans
-# (kernels.decode.whole_item_tiling: at about one item an SM it led, 4 x 4 tokens B16 L16384 182.1 against 189.3 us)
+# (114th and 115th sessions, H100, suite verify_fp8_widen: 16 heads x 1 token B64 L4096 -8.0%, GQA 256/8's 16-head
+# items B32 L4096 -35.6%, 4 x 4 tokens -7.7%, 8 x 2 -8.2%, 4 x 3 -7.7%); items of up to 8 rows tied or lost there
+# (4 x 1 and 8 x 1 ties, 2 x 4 +2.4%), so they stay transposed. Groups of 16 keep the transposed kernel's
+# whole-item plans (kernels.decode.whole_item_tiling: at about one item an SM it led, 4 x 4 tokens B16 L16384 182.1
+# against 189.3 us)
 AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 = 8
 
 
@@ -50,10 +51,10 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16", head_
     (transposed) for groups up to 8, where padding query heads to 16 rows wastes work (measured at
     group 4). Larger groups take the normal pipeline (one m16 tile wastes at most 7 rows, where
     the transposed kernel needs two n8 head tiles and more registers), except with fp8 KV
-    (AUTO_TRANSPOSED_MAX_GROUP_FP8; at d128 AUTO_TRANSPOSED_MAX_ROWS_FP8_D128). MLA decode uses the normal pipeline from 16 heads (its wgmma
-    kernel on sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads to 16) and the
-    transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync only,
-    whose transposed kernel loses there); docs/architecture.md has the table."""
+    (AUTO_TRANSPOSED_MAX_GROUP_FP8; at d128 AUTO_TRANSPOSED_MAX_ROWS_FP8_D128). MLA decode uses the normal pipeline
+    from 16 heads (its wgmma kernel on sm_90a with 16-bit KV, else mma.sync, whose m16 tiles pad at most 8 heads
+    to 16) and the transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync
+    only, whose transposed kernel loses there); docs/architecture.md has the table."""
     if family == "decode":
         if kv_dtype == "fp8_e4m3" and head_dim == 128:
             return "transposed" if group_size <= AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 else "normal"
