@@ -219,8 +219,8 @@ def test_verify_steps_of_about_one_equal_item_an_sm_plan_the_one_cta_kernel(hq, 
     """Verify steps of about one equal item an SM (GQA 32/8 B16: 128 items on 132 SMs) take the one-CTA-an-SM
     kernel (kernels.decode.verify_one_cta_tiling: 128-token tiles of 8 warps, fp8's two n8 tiles too, where
     the default runs the normal pipeline), one whole item a CTA; the normal pipeline's m16 tiles also take fewer
-    equal items cut into 2-8 equal chunks (4 at 64 rows); 13 requests (21% of the SMs idle), unequal requests and CUDA-graph mode (unless whole_items=True)
-    keep the default kernel."""
+    equal items cut into 2-8 equal chunks (4 at 64 rows); 13 requests (21% of the SMs idle), unequal requests and
+    CUDA-graph mode (unless whole_items=True) keep the default kernel."""
     spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype)
     w = BatchDecode.host_only(spec, max_q_len=q_len)
     one = w._wholes[0]
