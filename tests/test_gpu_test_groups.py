@@ -30,7 +30,20 @@ def test_every_collected_gpu_test_is_in_one_group():
 def test_a_bad_group_count_gets_the_usage_not_a_traceback():
     import subprocess
     import sys
-    for args in (["--help"], ["0"], ["00"], ["3", "4"]):
+    for args, why in ((["--help"], "got '--help'"), (["0"], "got '0'"), (["00"], "got '00'"),
+                      (["3", "4"], "no such test path: 4")):
         run = subprocess.run([sys.executable, "tools/gpu_test_groups.py", *args], capture_output=True, text=True)
-        assert run.returncode == 1 and "usage: python tools/gpu_test_groups.py [N]" in run.stderr, args
-        assert "Traceback" not in run.stderr
+        assert run.returncode == 1 and "usage: python tools/gpu_test_groups.py [N [PATH...]]" in run.stderr, args
+        assert why in run.stderr and "Traceback" not in run.stderr, args
+
+
+def test_paths_narrow_the_split_to_their_gpu_tests():
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "tools/gpu_test_groups.py", "3", "tests/test_decode_verify_gpu.py",
+                          "tests/test_cascade.py"], capture_output=True, text=True, check=True)
+    functions = {f for g in run.stdout.strip().split(";") for f in g.split()}
+    files = {f.split("::")[0] for f in functions}
+    assert files == {"tests/test_decode_verify_gpu.py", "tests/test_cascade.py"}, files
+    every = {tool["function_of"](i) for i in tool["gpu_test_ids"](paths=("tests/test_decode_verify_gpu.py",))}
+    assert every and every <= functions and len(run.stdout.strip().split(";")) == 3

@@ -4,22 +4,25 @@ kernels one function builds are compiled by one process; a function's cost is it
 file's weight (the MLA file's tests ran about 3x a decode test's time: its 97 other tests once filled a 450 s
 group alone, seventy-fifth session). Largest first onto the lightest group.
 
-    python tools/gpu_test_groups.py [N]     (prints the groups, ';'-separated, for TEST_GROUPS)
+    python tools/gpu_test_groups.py [N [PATH...]]     (prints the groups, ';'-separated, for TEST_GROUPS)
     TEST_GROUPS="$(python3 tools/gpu_test_groups.py 14)" BENCH=0 bash tools/gpu_session.sh
+PATHs (test files or directories; default tests) narrow the split to their GPU tests, for a call with less
+device time than the whole suite needs.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 FILE_WEIGHTS = {"tests/test_mla_gpu.py": 3.0, "tests/test_prefill_gpu.py": 2.0, "tests/test_fuzz_gpu.py": 2.0}
 
 
-def gpu_test_ids(root: str = ".") -> list[str]:
-    """Node ids of every test marked gpu (collected without running)."""
+def gpu_test_ids(root: str = ".", paths: tuple[str, ...] = ("tests",)) -> list[str]:
+    """Node ids of every test marked gpu under `paths` (collected without running)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests"], cwd=root, capture_output=True, text=True, check=True).stdout
+                          *paths], cwd=root, capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if "::" in line]
 
 
@@ -42,10 +45,14 @@ def groups(node_ids: list[str], n: int) -> list[list[str]]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1 or (argv and (not argv[0].isdigit() or int(argv[0]) < 1)):
-        sys.exit(f"usage: python tools/gpu_test_groups.py [N]   (N >= 1 groups, default 14; got {' '.join(argv)!r})")
+    usage = "usage: python tools/gpu_test_groups.py [N [PATH...]]   (N >= 1 groups, default 14; PATHs under tests/)"
+    if argv and (not argv[0].isdigit() or int(argv[0]) < 1):
+        sys.exit(f"{usage}; got {' '.join(argv)!r}")
+    missing = [p for p in argv[1:] if not Path(p).exists()]
+    if missing:
+        sys.exit(f"{usage}; no such test path: {' '.join(missing)} (run from the repository root)")
     n = int(argv[0]) if argv else 14
-    print(";".join(" ".join(g) for g in groups(gpu_test_ids(), n)))
+    print(";".join(" ".join(g) for g in groups(gpu_test_ids(paths=tuple(argv[1:]) or ("tests",)), n)))
 
 
 if __name__ == "__main__":
