@@ -1,10 +1,11 @@
 """Suite `decode_fp8_groups`: fp8 KV decode at one token a request for groups of more than 8 query heads a KV
 head, on 16-token pages. The normal pipeline puts one m16 tile of heads on the MMA's M side and widens the fp8
-tile to 16 bits through shared memory; the transposed one holds two n8 head tiles and widens each K/V fragment in
-registers once for both (since the seventy-fourth session; at d64 since the seventy-sixth). Groups past 16 run on
-both as items of 16 heads (head_splits). 'auto' picks transposed for groups 9-16 and multiples of 16 at d <= 128
-(spec.default_pipeline); this suite keeps the other pipeline beside it, timed in rotation, and FlashInfer's
-tensor-core decode on the same pages.
+tile to 16 bits through shared memory at d64 and d256, in registers after ldmatrix at d128 (since the 113th
+session); the transposed one holds two n8 head tiles and widens each K/V fragment in registers once for both
+(since the seventy-fourth session; at d64 since the seventy-sixth). Groups past 16 run on both as items of 16 heads
+(head_splits). 'auto' picks transposed for groups 9-16 at d64 and d256 and multiples of 16 at d64, and normal for
+groups past 8 at d128 (since the 115th session; spec.default_pipeline); this suite keeps the other pipeline beside
+it, timed in rotation, and FlashInfer's tensor-core decode on the same pages.
 
 Rows: `attnforge` (auto), `attnforge-normal` / `attnforge-transposed` (the pipeline auto did not pick),
 `flashinfer-tc` (groups up to 16: FlashInfer 0.2.14 segfaulted on fp8 MQA). GB/s counts the fp8 KV bytes read
