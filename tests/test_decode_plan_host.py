@@ -117,7 +117,9 @@ def test_about_four_equal_items_per_sm_plan_the_four_cta_kernel():
 
 @pytest.mark.parametrize("spec_kw", [{}, {"pipeline": "normal"}, {"kv_dtype": "fp8_e4m3"}, {"num_kv_heads": 1},
                                      {"num_kv_heads": 2}, {"num_qo_heads": 128}, {"head_dim_qk": 256},
-                                     {"head_dim_qk": 64}, {"num_kv_heads": 32}])
+                                     {"head_dim_qk": 64}, {"num_kv_heads": 32},
+                                     {"num_qo_heads": 128, "kv_dtype": "fp8_e4m3"},
+                                     {"num_kv_heads": 1, "kv_dtype": "fp8_e4m3"}])
 @pytest.mark.parametrize("max_q_len", [1, 2, 4, 8])
 def test_workspace_and_slots_hold_every_kernel_a_plan_may_pick(spec_kw, max_q_len):
     """Each kernel a wrapper may launch (its default and its whole-item kernels, whatever their grids) writes
