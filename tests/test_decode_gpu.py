@@ -229,14 +229,17 @@ def test_fp8_kv_with_scales(dtype, pipeline):
                                                       (128, 2, 128, 1), (32, 2, 256, 7), (96, 8, 64, 16),
                                                       (32, 1, 64, 7)])
 def test_fp8_kv_in_two_head_tiles_on_the_transposed_pipeline(hq, hkv, head_dim, page_size):
-    """fp8 groups of 9-16, and multiples of 16 at d <= 128 as items of 16 heads ('auto''s picks there): two
-    n8 head tiles, each K and V fragment widened once for both (the code a verify step's 16-row fp8 items run;
-    a group of 12 pads its second tile); MQA's items of one KV head read its tokens side by side."""
-    spec = AttentionSpec(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, head_dim_vo=head_dim,
-                         kv_dtype="fp8_e4m3")
-    assert spec.pipeline == "transposed"
-    w, _ = run_case(spec, LENGTHS + [9000], page_size, seed=page_size + hq, k_scale=0.5, v_scale=1.5)
-    assert w.kernel.item_heads == min(hq // hkv, 16)
+    """fp8 groups of 9-16, and multiples of 16 as items of 16 heads: two n8 head tiles, each K and V fragment
+    widened once for both (a group of 12 pads its second tile); MQA's items of one KV head read its tokens side by
+    side. 'auto' picks this at d64 and d256; at d128 the normal pipeline widened in registers (one m16 tile, the
+    115th session's default), run here too."""
+    kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim_qk=head_dim, head_dim_vo=head_dim, kv_dtype="fp8_e4m3")
+    auto = AttentionSpec(**kw)
+    assert auto.pipeline == ("normal" if head_dim == 128 else "transposed")
+    for spec in dict.fromkeys([AttentionSpec(**kw, pipeline="transposed"), auto]):  # (d64, d256: one spec)
+        w, _ = run_case(spec, LENGTHS + [9000], page_size, seed=page_size + hq, k_scale=0.5, v_scale=1.5)
+        assert w.kernel.item_heads == min(hq // hkv, 16) and w.kernel.widens_in_registers
+        assert w.kernel.spec.pipeline == spec.pipeline
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
