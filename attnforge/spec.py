@@ -40,6 +40,14 @@ AUTO_TRANSPOSED_MAX_GROUP_FP8 = 16
 AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 = 8
 
 
+def auto_transposed_max_rows(kv_dtype: str, head_dim: int) -> int:
+    """The most query rows (heads x tokens) of a work item for which 'auto' keeps the transposed decode pipeline:
+    one token's group (default_pipeline) or a verify step's item (kernels.decode.spec_for_rows)."""
+    if kv_dtype == "fp8_e4m3":
+        return AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 if head_dim == 128 else AUTO_TRANSPOSED_MAX_GROUP_FP8
+    return AUTO_TRANSPOSED_MAX_GROUP
+
+
 # MLA heads up to which the transposed pipeline (on sm_90a: its wgmma kernel) is the default: at 8 heads
 # it beat mma.sync's normal pipeline on every batch shape (H200, fourteenth session: -2.4% B16 L65536,
 # -1.6% B64 L8192, level at B128 L4096, -3.8% B1 L131072); at 16 heads it loses by 4-17%.
@@ -56,12 +64,11 @@ def default_pipeline(family: str, group_size: int, kv_dtype: str = "bf16", head_
     to 16) and the transposed one at 8 heads with 16-bit KV, where its wgmma kernel wins (fp8 KV runs mma.sync
     only, whose transposed kernel loses there); docs/architecture.md has the table."""
     if family == "decode":
-        if kv_dtype == "fp8_e4m3" and head_dim == 128:
-            return "transposed" if group_size <= AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 else "normal"
-        if kv_dtype == "fp8_e4m3" and (group_size <= AUTO_TRANSPOSED_MAX_GROUP_FP8 or (
-                head_dim < 128 and group_size % AUTO_TRANSPOSED_MAX_GROUP_FP8 == 0)):
-            return "transposed"  # (widened in registers)
-        return "transposed" if group_size <= AUTO_TRANSPOSED_MAX_GROUP else "normal"
+        if group_size <= auto_transposed_max_rows(kv_dtype, head_dim):
+            return "transposed"
+        # fp8 at d64: multiples of 16 as items of 16 heads on the transposed kernel's two n8 tiles
+        sixteen_head_items = kv_dtype == "fp8_e4m3" and head_dim < 128 and group_size % 16 == 0
+        return "transposed" if sixteen_head_items else "normal"
     if family == "mla_decode" and group_size <= MLA_TRANSPOSED_MAX_HEADS and kv_dtype != "fp8_e4m3":
         return "transposed"
     return "normal"

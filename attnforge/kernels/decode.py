@@ -11,7 +11,7 @@ from ..codegen import ParamField, ParamsLayout
 from ..jit import JitModule
 from ..jit.cubin import REGISTERS_PER_SM
 from ..mods import graph
-from ..spec import AUTO_TRANSPOSED_MAX_GROUP, AUTO_TRANSPOSED_MAX_ROWS_FP8_D128, AttentionSpec
+from ..spec import AttentionSpec, auto_transposed_max_rows
 from .fields import IO_FIELDS, PAGED_KV_FIELDS, ptrs, scalars
 
 _CPP = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3": "fp8e4m3"}
@@ -89,9 +89,7 @@ def spec_for_rows(spec: AttentionSpec, max_q_len: int, head_splits: Optional[int
     each rereads its pages from DRAM. Explicit head_splits (BatchDecode's) set the item's rows."""
     if spec.family != "decode" or max_q_len == 1 or spec.pipeline != "transposed":
         return spec
-    limit = AUTO_TRANSPOSED_MAX_GROUP
-    if spec.kv_dtype == "fp8_e4m3":
-        limit = AUTO_TRANSPOSED_MAX_ROWS_FP8_D128 if spec.head_dim_qk == 128 else MAX_TRANSPOSED_GROUP
+    limit = auto_transposed_max_rows(spec.kv_dtype, spec.head_dim_qk)
     # (head_splits that do not divide the group: the default here, and DecodeKernel says what was wrong)
     valid = type(head_splits) is int and head_splits > 0 and spec.group_size % head_splits == 0
     item_heads = spec.group_size // (head_splits if valid else default_head_splits(spec))
