@@ -131,3 +131,13 @@ def test_block_tables_give_the_csr_tables_of_their_used_slots():
         assert got.kv_len.tolist() == want.kv_len.tolist() and got.max_page_index == want.max_page_index
     with pytest.raises(ValueError, match=r"block_table: expected page ids >= 0 in the slots seq_lens uses, got -2"):
         paged.from_block_table([20, 5], np.array([[3, -2], [4, -1]]), 16)
+
+
+@pytest.mark.parametrize("longest", [(1 << 15) - 1, 1 << 15])
+def test_block_tables_past_a_16_bit_page_count(longest):
+    """The used-slot mask compares page counts in 16 bits while they fit and in 64 past that (page 1: a 32K-token
+    request is 32K pages), so the request at the bound and the one past it both keep exactly their slots."""
+    table = np.arange(2 * (longest + 3), dtype=np.int64).reshape(2, longest + 3)
+    got = paged.from_block_table([longest, 5], table, page_size=1)
+    assert got.indptr.tolist() == [0, longest, longest + 5]
+    assert got.indices.tolist() == list(range(longest)) + list(range(longest + 3, longest + 8))
