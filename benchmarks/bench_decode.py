@@ -152,27 +152,39 @@ def bench_dense_peers(report, case, lengths, flex_cache):
 
 
 def bench_plan(report):
+    """`plan B256`: 256 requests of 1024 tokens from the CSR arrays (#3's target); `plan B256 block-table rand`:
+    vLLM's form, lengths uniform in [1, 8192) (numpy seed 0) in a table of 2048 slots (32K tokens a request)."""
     lengths = np.full(256, 1024)
     pages = -(-lengths // 16)
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     indices = np.arange(indptr[-1], dtype=np.int32)
     last = np.full(256, 16, dtype=np.int32)
     w = BatchDecode(AttentionSpec(num_qo_heads=HQ, num_kv_heads=HKV), max_batch_size=256)
-    for _ in range(20):
-        w.plan(indptr, indices, last, page_size=16)
-    torch.cuda.synchronize()
-    gc.collect()  # a collection of an earlier suite's garbage must not land in the timed loop
-    times = []
-    for _ in range(200):
-        t = time.perf_counter()
-        w.plan(indptr, indices, last, page_size=16)
-        times.append((time.perf_counter() - t) * 1e6)
+    times = plan_times(lambda: w.plan(indptr, indices, last, page_size=16))
     report.add("decode", "plan B256", "attnforge-plan", float(np.median(times)))
     # the host's spread between machines exceeded 1.5x on one code path (60 vs 102 us): keep its shape,
     # and the speed of a fixed numpy workload in this process at this moment, to read it against
     report.note(f"plan B256: min {min(times):.1f} us, median {np.median(times):.1f}, "
                 f"p90 {np.percentile(times, 90):.1f} (200 calls); host probe {host_probe_us():.1f} us here, "
                 f"{fresh_process_probe_us():.1f} us in a fresh process")
+    table = np.arange(256 * 2048, dtype=np.int32).reshape(256, 2048)
+    seq_lens = np.random.default_rng(0).integers(1, 8192, size=256)
+    times = plan_times(lambda: w.plan(seq_lens=seq_lens, block_table=table, page_size=16))
+    report.add("decode", "plan B256 block-table rand", "attnforge-plan", float(np.median(times)))
+
+
+def plan_times(plan, calls: int = 200) -> list[float]:
+    """Microseconds of each of `calls` plan() calls, after 20 untimed ones."""
+    for _ in range(20):
+        plan()
+    torch.cuda.synchronize()
+    gc.collect()  # a collection of an earlier suite's garbage must not land in the timed loop
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        plan()
+        times.append((time.perf_counter() - t) * 1e6)
+    return times
 
 
 def fresh_process_probe_us() -> float:
