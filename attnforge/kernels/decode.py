@@ -200,14 +200,11 @@ def verify_one_cta_tiling(spec: AttentionSpec, max_q_len: int) -> Optional[Whole
             default_head_splits(spec, max_q_len) > 1:
         return None
     rows = spec.group_size * max_q_len
+    if spec.kv_dtype == "fp8_e4m3":  # two n8 tiles on the transposed kernel, from either pipeline's spec
+        return FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING if 8 < rows <= 16 else None
     if spec.pipeline == "transposed":
-        fits = 8 < rows <= 16 if spec.kv_dtype == "fp8_e4m3" else rows <= 8
-        return WHOLE_ITEM_TILING if fits else None
-    if spec.kv_dtype == "fp8_e4m3" and 8 < rows <= 16:
-        return FP8_SIXTEEN_ROW_WHOLE_ITEM_TILING  # (d128's default for these rows is normal since the 115th session)
-    if spec.kv_dtype == "fp8_e4m3" or rows <= 8:
-        return None
-    return replace(WHOLE_ITEM_TILING, max_chunks=8 if rows <= 32 else 4)
+        return WHOLE_ITEM_TILING if rows <= 8 else None
+    return None if rows <= 8 else replace(WHOLE_ITEM_TILING, max_chunks=8 if rows <= 32 else 4)
 
 
 def four_cta_tiling(spec: AttentionSpec) -> Optional[WholeItemTiling]:
