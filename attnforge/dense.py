@@ -10,6 +10,8 @@ Each call then pays for its tensors' keys, one launch and (with a mask_mod) one 
 inputs, not for the spec, the plan and the block-sparse tile lists (2.2 ms at 128 tokens on the H200 host).
 With a FlexAttention block_mask instead, the plan follows the BlockMask object, as Flex's block lists do: no
 comparison and no synchronisation while the same BlockMask comes back; a new one plans again.
+With ATTNFORGE_ATTENTION_DECODE=1, calls of one query a request run on the decode kernels instead
+(attnforge/dense_decode.py: K/V read in place, whatever their strides).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import checks, flex_args, ops
+from . import checks, dense_decode, flex_args, ops
 from .attn_mask import as_modifiers as attn_mask_modifiers
 from .merge import merge_states
 from .prefill import BatchPrefill
@@ -247,15 +249,18 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
 
 
 def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool,
-               causal: bool = False) -> DenseCall:
-    """The DenseCall of these tensors' layouts, made (after the checks) at the signature's first call."""
+               causal: bool = False):
+    """The DenseCall of these tensors' layouts, made (after the checks) at the signature's first call; a
+    dense_decode.DecodeCall for one query a request where ATTNFORGE_ATTENTION_DECODE asks for it."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument)
-    sig = _signature(q, k, v, mod, enable_gqa, causal)
+    decode = dense_decode.wanted(q)  # (in the signature: the knob may change between calls)
+    sig = _signature(q, k, v, mod, enable_gqa, causal) + (decode,)
     call = _CALLS.get(sig)  # (a call holds its modifier, so the id in its signature is not reused meanwhile)
     if call is None:
         check_attention_args(q, k, v, enable_gqa)
-        call = DenseCall(q, k, v, mod, causal)
+        decode = decode and dense_decode.fits(q, k, v)  # (causal needs Lq == Lk: one key, nothing to mask)
+        call = dense_decode.DecodeCall(q, k, v, mod) if decode else DenseCall(q, k, v, mod, causal)
         if len(_CALLS) >= MAX_CALLS:
             _CALLS.clear()
         _CALLS[sig] = call
@@ -270,6 +275,8 @@ def attention_with_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, s
     if mod is not None and mod.scalar_sources:
         mod.refresh_scalars()  # (a captured 0-d tensor written in place since the last call)
     call = dense_call(q, k, v, mod, enable_gqa, causal)
+    if isinstance(call, dense_decode.DecodeCall):
+        return call.run(q, k, v, scale, return_lse)
     addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     if not call.contiguous or (addresses[0] | addresses[1] | addresses[2]) % 16:  # (the usual case is neither)
         q, k, v = (checks.dense_copy(t) for t in (q, k, v))  # any layout, as SDPA takes

@@ -140,6 +140,7 @@ def bench_dense_peers(report, case, lengths, flex_cache):
     v = torch.randn_like(k)
     q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     nbytes = kv_bytes(lengths, "bf16")
+    bench_dense_attention(report, case, q, k, v, nbytes)
     time_sdpa_peers(report, "decode", case, q, k, v, False, sdpa_backends("cudnn-sdpa", "fa2-sdpa"), nbytes)
     try:
         if "fn" not in flex_cache:
@@ -149,6 +150,31 @@ def bench_dense_peers(report, case, lengths, flex_cache):
     except Exception as e:
         report.note(f"flex on {case}: {type(e).__name__}: {str(e)[:120]}")
     del k, v
+
+
+def bench_dense_attention(report, case, q, k, v, nbytes):
+    """attnforge.attention() on the dense peers' tensors, in rotation: `attnforge-dense` on the decode kernels
+    (ATTNFORGE_ATTENTION_DECODE=1, K/V read in place as one page a request), `attnforge-dense-prefill` on the
+    prefill kernels (the knob's default); the knob is read as each variant is captured."""
+    import attnforge
+    was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
+
+    def routed(flag: str):
+        def fn():
+            os.environ["ATTNFORGE_ATTENTION_DECODE"] = flag
+            return attnforge.attention(q, k, v, enable_gqa=True)
+        return fn
+    try:
+        times = time_interleaved({"attnforge-dense": routed("1"), "attnforge-dense-prefill": routed("0")})
+        for impl, us in times.items():
+            report.add("decode", case, impl, us, nbytes)
+    except Exception as e:
+        report.note(f"attnforge.attention on {case}: {type(e).__name__}: {str(e)[:160]}")
+    finally:
+        if was is None:
+            os.environ.pop("ATTNFORGE_ATTENTION_DECODE", None)
+        else:
+            os.environ["ATTNFORGE_ATTENTION_DECODE"] = was
 
 
 def bench_plan(report):

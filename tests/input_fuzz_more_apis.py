@@ -1,9 +1,12 @@
 """More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
 one 576-wide cache and block table, prefill's block table, cascade, Quest (a selection per request or per KV head),
-single_prefill, merge_state, the slot-mapped and MLA appends.
+single_prefill, merge_state, the slot-mapped and MLA appends, attention() of one query on the decode kernels.
 Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
 APIS is every call form the fuzz runs."""
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import torch
@@ -14,8 +17,8 @@ from attnforge.cascade import CascadeDecode
 from attnforge.sparse import QuestDecode, QuestHeadDecode, QuestIndex
 from input_fuzz import EITHER, REFUSE, SAME, Mutation, decode_out, index_array, misaligned, retag, scale, tensor
 from input_fuzz_apis import (COPIED, CORE_APIS, DECODE_SPEC, MLA_SPEC, NUM_PAGES, PAGE, PLAN_SCALARS, PREFILL_SPEC, Api,
-                             Env, _as_block_table, _csr, _plan_kwargs, _plan_mutations, _rand, _with, decode_build,
-                             mla_build, prefill_build)
+                             Env, _as_block_table, _csr, _plan_kwargs, _plan_mutations, _rand, _with, attention_build,
+                             attention_invoke, attention_mutations, decode_build, mla_build, prefill_build)
 
 
 def decode_lse_build(env: Env) -> dict:
@@ -312,6 +315,35 @@ def mla_append_invoke(env: Env, a: dict):
     return a["ckv_cache"], a["kpe_cache"]
 
 
+# -- attention() of one query a request on the decode kernels (ATTNFORGE_ATTENTION_DECODE=1) ----------------------
+def one_query_build(env: Env) -> dict:
+    a = attention_build(env)
+    a["q"] = a["q"][:, :, :1].contiguous()
+    return a
+
+
+def one_query_mutations(a: dict, env: Env) -> list:
+    m = [x for x in attention_mutations(a, env) if x.id != "attn_mask:expanded"]  # (its shape has 40 queries)
+    return m + [Mutation("attn_mask", "expanded", SAME, lambda t: t.expand(2, 8, 1, 100)),
+                Mutation("k", "sliced-from-a-longer-cache", SAME, lambda t: torch.cat([t, t], 2)[:, :, :100]),
+                Mutation("v", "sliced-from-a-longer-cache", SAME, lambda t: torch.cat([t, t], 2)[:, :, :100])]
+
+
+def one_query_invoke(env: Env, a: dict):
+    from attnforge import dense_decode
+    with contextlib.ExitStack() as undo:
+        was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
+        os.environ["ATTNFORGE_ATTENTION_DECODE"] = "1"
+        undo.callback(lambda: os.environ.pop("ATTNFORGE_ATTENTION_DECODE") if was is None else
+                      os.environ.__setitem__("ATTNFORGE_ATTENTION_DECODE", was))
+        if not env.gpu:  # the decode wrapper as this environment makes wrappers (host-only on the CPU)
+            made = dense_decode.make_wrapper
+            dense_decode.make_wrapper = lambda spec, device, batch: env.wrapper(
+                BatchDecode, spec, max_batch_size=batch, max_num_pages=batch)
+            undo.callback(lambda: setattr(dense_decode, "make_wrapper", made))
+        return attention_invoke(env, a)
+
+
 MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
              Api("decode-fp8", decode_fp8_build, decode_fp8_mutations, decode_fp8_invoke),
              Api("verify", verify_build, verify_mutations, verify_invoke),
@@ -326,6 +358,7 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("single-prefill", single_build, single_mutations, single_invoke),
              Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke),
              Api("append-slots", slots_build, slots_mutations, slots_invoke),
-             Api("append-mla", mla_append_build, mla_append_mutations, mla_append_invoke)]
+             Api("append-mla", mla_append_build, mla_append_mutations, mla_append_invoke),
+             Api("attention-one-query", one_query_build, one_query_mutations, one_query_invoke)]
 
 APIS = CORE_APIS + MORE_APIS  # every API the fuzz calls

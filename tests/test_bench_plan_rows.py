@@ -41,3 +41,27 @@ def test_plan_suite_times_the_csr_and_block_table_forms(monkeypatch):
     assert all(np.isfinite(r[3]) and r[3] > 0 for r in report.rows)
     assert [form for form, _ in planned] == ["csr"] * 220 + ["table"] * 220  # 20 untimed and 200 timed calls a row
     assert report.notes and report.notes[0].startswith("plan B256: min")
+
+
+def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatch):
+    """`attnforge-dense` and `attnforge-dense-prefill` (decode suite, dense cases): each variant runs attention()
+    with the knob set its way, a row each, and the caller's setting comes back."""
+    import os
+
+    import attnforge
+    import bench_decode
+    seen = []
+    monkeypatch.setattr(attnforge, "attention", lambda q, k, v, enable_gqa: seen.append(
+        os.environ["ATTNFORGE_ATTENTION_DECODE"]))
+    monkeypatch.setattr(bench_decode, "time_interleaved", lambda fns: {name: (fn(), 10.0 + i)[1]
+                                                                      for i, (name, fn) in enumerate(fns.items())})
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv("ATTNFORGE_ATTENTION_DECODE", raising=False)
+        else:
+            monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", before)
+        report, seen[:] = Rows(), []
+        bench_decode.bench_dense_attention(report, "B16 L8192", None, None, None, 123)
+        assert seen == ["1", "0"] and os.environ.get("ATTNFORGE_ATTENTION_DECODE") == before
+        assert report.rows == [("decode", "B16 L8192", "attnforge-dense", 10.0),
+                               ("decode", "B16 L8192", "attnforge-dense-prefill", 11.0)]

@@ -1,0 +1,127 @@
+"""attention()'s one-query calls on the decode kernels (attnforge/dense_decode.py, ATTNFORGE_ATTENTION_DECODE=1),
+on a machine without a GPU: the wrapper is host-only and each launch's params are read back. K and V reach the
+kernel in place (a sliced static cache too), as an HND cache of one page a request; other shapes and the knob's
+default stay on the prefill kernels."""
+import math
+
+import pytest
+import torch
+
+from attnforge import AttentionSpec, BatchDecode, dense, dense_decode
+from helpers import count_calls, stub_host_prefill
+from test_prefill_run_host import fake_map
+
+
+def host_decode(spec: AttentionSpec, device, batch: int) -> BatchDecode:
+    w = BatchDecode.host_only(spec, max_batch_size=batch, max_num_pages=batch)
+    w.pdl, w.launch_after_own_kernel = True, False
+    w._partial_o, w._partial_lse, w._merge_count = torch.zeros(64), torch.zeros(16), torch.zeros(4, dtype=torch.int32)
+    return w
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = stub_host_prefill(monkeypatch, fake_map)
+    monkeypatch.setattr(dense_decode, "make_wrapper", host_decode)
+    monkeypatch.setattr(dense, "_CALLS", {})
+    monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "1")
+    return rec
+
+
+def static_cache(batch=2, hkv=2, max_len=300, d=128, seed=0):
+    """A model's preallocated K and V [B, Hkv, max_len, D]: a step reads the first Lk positions of each."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, hkv, max_len, d, generator=g).bfloat16() for _ in range(2)]
+
+
+def one_query(batch=2, hq=8, d=128, seed=1):
+    return torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_a_sliced_static_cache_reaches_the_decode_kernel_in_place(recorder):
+    kc, vc = static_cache()
+    k, v, q = kc[:, :, :100], vc[:, :, :100], one_query()
+    out, lse = dense.attention(q, k, v, enable_gqa=True, return_lse=True)
+    call = dense.dense_call(q, k, v, None, True)
+    assert isinstance(call, dense_decode.DecodeCall)
+    w = call.wrapper
+    name, _, p = recorder.launches[-1]
+    assert name == "batch_decode_kernel"
+    assert w.spec.family == "decode" and w.spec.kv_layout == "HND" and w.spec.group_size == 4
+    assert (out.shape, lse.shape) == ((2, 8, 1, 128), (2, 8, 1))
+    assert (p.q, p.k_cache, p.v_cache, p.out, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                         lse.data_ptr())
+    # one page a request: page b is request b's [Hkv, Lk, D] block, read with the cache's own strides
+    assert (p.stride_page, p.stride_head, p.stride_token) == (2 * 300 * 128, 300 * 128, 128)
+    assert (p.q_stride_b, p.q_stride_h, p.out_stride_b, p.out_stride_h) == (8 * 128, 128, 8 * 128, 128)
+    assert p.page_size == 100 and p.sm_scale == pytest.approx(1 / math.sqrt(128))
+    assert (w._plan["batch"], w._plan["page_size"], w._plan["max_page"]) == (2, 100, 1)
+    region = w._device_region  # (host memory: the host-only upload's copy is a memmove)
+    assert (region("kv_indptr").tolist(), region("kv_len").tolist(), region("kv_indices")[:2].tolist()) == \
+        ([0, 1, 2], [100, 100], [0, 1])
+
+
+def test_one_query_calls_plan_once_per_signature_and_scale(recorder, monkeypatch):
+    plans = count_calls(monkeypatch, BatchDecode, "plan")
+    kc, vc = static_cache()
+    q = one_query()
+    for _ in range(3):
+        dense.attention(q, kc[:, :, :100], vc[:, :, :100], enable_gqa=True)
+    assert plans["n"] == 1
+    dense.attention(q, kc[:, :, :100], vc[:, :, :100], enable_gqa=True, scale=0.25)
+    assert plans["n"] == 2 and recorder.launches[-1][2].sm_scale == 0.25
+    dense.attention(q, kc[:, :, :101], vc[:, :, :101], enable_gqa=True, scale=0.25)  # another Lk: its own plan
+    assert plans["n"] == 3 and recorder.launches[-1][2].page_size == 101
+    monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "0")
+    dense.attention(q, kc[:, :, :100], vc[:, :, :100], enable_gqa=True, scale=0.25)
+    assert recorder.launches[-1][0] != "batch_decode_kernel" and plans["n"] == 3
+    monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "1")  # the decode call of that signature was kept
+    dense.attention(q, kc[:, :, :100], vc[:, :, :100], enable_gqa=True, scale=0.25)
+    assert recorder.launches[-1][0] == "batch_decode_kernel" and plans["n"] == 3
+
+
+def test_other_shapes_and_the_default_stay_on_the_prefill_kernels(recorder, monkeypatch):
+    kc, vc = static_cache()
+    q = one_query()
+    k, v = kc[:, :, :64].contiguous(), vc[:, :, :64].contiguous()
+    for q_, k_, v_ in ((torch.cat([q, q], dim=2), k, v),  # two queries a request
+                       (q, k[:, :, :0], v[:, :, :0])):  # no keys: zeros and -inf, as the prefill path gives
+        dense.attention(q_, k_, v_, enable_gqa=True)
+        assert isinstance(dense.dense_call(q_, k_, v_, None, True), dense.DenseCall)
+    q192 = torch.randn(2, 8, 1, 192).bfloat16()  # keys wider than values: the prefill kernels' form
+    k192, v128 = torch.randn(2, 2, 64, 192).bfloat16(), torch.randn(2, 2, 64, 128).bfloat16()
+    assert isinstance(dense.dense_call(q192, k192, v128, None, True), dense.DenseCall)
+    monkeypatch.delenv("ATTNFORGE_ATTENTION_DECODE")
+    assert isinstance(dense.dense_call(q, k, v, None, True), dense.DenseCall)
+    dense.attention(q, k, v, enable_gqa=True)
+    assert recorder.launches[-1][0] != "batch_decode_kernel"
+
+
+def test_tensors_the_kernel_cannot_read_in_place_are_copied(recorder):
+    kc, vc = static_cache()
+    q = one_query()
+    buf = torch.randn(q.numel() + 1).bfloat16()
+    shifted = buf[1:].view(q.shape)  # not 16-byte aligned
+    k, v = kc[:, :, :100], vc[:, :, :100].contiguous()  # readable in place, but with other strides than each other
+    dense.attention(shifted, k, v, enable_gqa=True)
+    p = recorder.launches[-1][2]
+    assert p.q != shifted.data_ptr() and p.q % 16 == 0
+    assert p.k_cache not in (k.data_ptr(), kc.data_ptr()) and p.v_cache != v.data_ptr()
+    assert (p.stride_page, p.stride_head, p.stride_token) == (2 * 100 * 128, 100 * 128, 128)
+    dense.attention(q, kc[:, :, :100], vc[:, :, :100], enable_gqa=True)  # equal strides: no copy
+    assert recorder.launches[-1][2].k_cache == kc.data_ptr()
+
+
+def test_a_modifiers_tensors_reach_the_decode_launch(recorder):
+    kc, vc = static_cache()
+    q = one_query()
+    b1, b2 = torch.randn(8), torch.randn(8)
+    for bias in (b1, b2):
+        dense.attention(q, kc[:, :, :50], vc[:, :, :50], score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                        enable_gqa=True)
+        p = recorder.launches[-1][2]
+        assert recorder.launches[-1][0] == "batch_decode_kernel" and p.mod_t0 == bias.data_ptr()
+    keep = torch.ones(2, 50, dtype=torch.bool)
+    dense.attention(q, kc[:, :, :50], vc[:, :, :50], mask_mod=lambda b, h, qi, ki: keep[b, ki], enable_gqa=True)
+    w = next(c.wrapper for c in dense._CALLS.values() if c.mod is not None and c.mod.mask_root is not None)
+    assert w.spec.family == "decode" and recorder.launches[-1][2].mod_t0 == keep.data_ptr()
