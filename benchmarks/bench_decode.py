@@ -1,7 +1,8 @@
 """Suite `decode`: GQA 32/8, head_dim 128, bf16, page 16 (case names from h200-peers.md).
 
 GB/s counts the KV bytes read (fp8: the bytes actually read). Peers in the same run: cuDNN SDPA,
-FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashInfer on all.
+FA2 (SDPA flash) and FlexAttention on equal-length cases (contiguous KV), FlashInfer on all. On those cases
+attnforge.attention() too, on the decode and on the prefill kernels (bench_dense_attention).
 """
 from __future__ import annotations
 
@@ -152,21 +153,33 @@ def bench_dense_peers(report, case, lengths, flex_cache):
     del k, v
 
 
+STATIC_CACHE_CASES = ("B16 L8192",)  # dense cases also timed on a sliced static cache
+
+
 def bench_dense_attention(report, case, q, k, v, nbytes):
     """attnforge.attention() on the dense peers' tensors, in rotation: `attnforge-dense` on the decode kernels
     (ATTNFORGE_ATTENTION_DECODE=1, K/V read in place as one page a request), `attnforge-dense-prefill` on the
-    prefill kernels (the knob's default); the knob is read as each variant is captured."""
+    prefill kernels (the knob's default); the knob is read as each variant is captured. On STATIC_CACHE_CASES also
+    `-static` rows: K/V the first L positions of a [B, Hkv, 2L, D] cache (gpt-fast's static cache), which the
+    decode route reads in place and the prefill route copies."""
     import attnforge
     was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
 
-    def routed(flag: str):
+    def routed(flag: str, k, v):
         def fn():
             os.environ["ATTNFORGE_ATTENTION_DECODE"] = flag
             return attnforge.attention(q, k, v, enable_gqa=True)
         return fn
+    variants = {"attnforge-dense": routed("1", k, v), "attnforge-dense-prefill": routed("0", k, v)}
+    if case in STATIC_CACHE_CASES:
+        length = k.shape[2]
+        ks, vs = (t.new_empty(t.shape[0], t.shape[1], 2 * length, t.shape[3]) for t in (k, v))
+        ks[:, :, :length], vs[:, :, :length] = k, v
+        ks, vs = ks[:, :, :length], vs[:, :, :length]
+        variants |= {"attnforge-dense-static": routed("1", ks, vs),
+                     "attnforge-dense-static-prefill": routed("0", ks, vs)}
     try:
-        times = time_interleaved({"attnforge-dense": routed("1"), "attnforge-dense-prefill": routed("0")})
-        for impl, us in times.items():
+        for impl, us in time_interleaved(variants).items():
             report.add("decode", case, impl, us, nbytes)
     except Exception as e:
         report.note(f"attnforge.attention on {case}: {type(e).__name__}: {str(e)[:160]}")

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -52,7 +53,7 @@ def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatc
     import bench_decode
     seen = []
     monkeypatch.setattr(attnforge, "attention", lambda q, k, v, enable_gqa: seen.append(
-        os.environ["ATTNFORGE_ATTENTION_DECODE"]))
+        (os.environ["ATTNFORGE_ATTENTION_DECODE"], k.shape, k.stride(), k.is_contiguous())))
     monkeypatch.setattr(bench_decode, "time_interleaved", lambda fns: {name: (fn(), 10.0 + i)[1]
                                                                       for i, (name, fn) in enumerate(fns.items())})
     for before in (None, "0"):
@@ -60,8 +61,13 @@ def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatc
             monkeypatch.delenv("ATTNFORGE_ATTENTION_DECODE", raising=False)
         else:
             monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", before)
-        report, seen[:] = Rows(), []
-        bench_decode.bench_dense_attention(report, "B16 L8192", None, None, None, 123)
-        assert seen == ["1", "0"] and os.environ.get("ATTNFORGE_ATTENTION_DECODE") == before
-        assert report.rows == [("decode", "B16 L8192", "attnforge-dense", 10.0),
-                               ("decode", "B16 L8192", "attnforge-dense-prefill", 11.0)]
+        for case in ("B64 L4096", "B16 L8192"):  # (the second also on a sliced static cache)
+            k = torch.randn(2, 3, 5, 8)
+            report, seen[:] = Rows(), []
+            bench_decode.bench_dense_attention(report, case, None, k, k.clone(), 123)
+            whole, sliced = (k.shape, k.stride(), True), (k.shape, (3 * 10 * 8, 10 * 8, 8, 1), False)
+            routes = [("1", *whole), ("0", *whole)] + ([("1", *sliced), ("0", *sliced)] if case == "B16 L8192" else [])
+            assert seen == routes and os.environ.get("ATTNFORGE_ATTENTION_DECODE") == before
+            impls = ["attnforge-dense", "attnforge-dense-prefill"]
+            impls += ["attnforge-dense-static", "attnforge-dense-static-prefill"] if case == "B16 L8192" else []
+            assert report.rows == [("decode", case, impl, 10.0 + i) for i, impl in enumerate(impls)]
