@@ -12,7 +12,7 @@ import torch
 from attnforge.mods import compile_mod, graph
 
 from .host_program import DEVICE_LIKE, default_call, host_has_fma, run_calls
-from .random_exprs import HEADS, MASK_PARAMS, POSITIONS, ROWS, SCORE_PARAMS, Generator, captured, draw, \
+from .random_exprs import HEADS, INT_LIMIT, MASK_PARAMS, POSITIONS, ROWS, SCORE_PARAMS, Generator, captured, draw, \
     make_function
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
@@ -91,14 +91,17 @@ def affine_function(gen: Generator, ns: dict):
     (kv_idx squared, a scaled score, kv_idx under floor division or a comparison) that is not affine."""
     r = gen.rng
 
-    def free(kinds="ffii"):  # (a boolean only as a factor: torch refuses `-` on one)
+    def free(kinds="ffii", limit=INT_LIMIT):  # (a boolean only as a factor: torch refuses `-` on one)
         e = gen.gen(r.choice(kinds), r.randint(0, 2), exact=True)
-        while "kv_idx" in e.src or "score" in e.src:
+        while "kv_idx" in e.src or "score" in e.src or (e.kind != "f" and e.bound > limit):
             e = gen.gen(r.choice(kinds), r.randint(0, 2), exact=True)
         return e.src
 
+    # an integer factor of kv (|kv| < 2 x POSITIONS) bounded so that the product stays inside 32 bits, where the
+    # device's arithmetic is torch's (docs/mods.md): seed 1363 drew (q_idx << 3) ** 3 * kv_idx, past 2^31
+    factor = INT_LIMIT // (2 * POSITIONS)
     kv = r.choice(["kv_idx", "(kv_idx - q_idx)", "(q_idx - kv_idx)", "(kv_idx).to(torch.float32)", "(-kv_idx)"])
-    terms = [f"{kv} * {free('ffiib')}", free(), f"({free('ffiib')}) * {kv}", "score"]
+    terms = [f"{kv} * {free('ffiib', factor)}", free(), f"({free('ffiib', factor)}) * {kv}", "score"]
     if r.random() < 0.25:
         terms.append(r.choice(["kv_idx * kv_idx", "score * 2.0", "(kv_idx // 3)", "(kv_idx > q_idx).to(torch.int32)"]))
     r.shuffle(terms)
