@@ -21,5 +21,6 @@ from .mla import BatchMLADecode  # noqa: E402,F401
 from .append import append_kv_by_slots, append_paged_kv_cache, append_paged_mla_kv_cache  # noqa: E402,F401
 from .prefill import BatchPrefill, single_prefill  # noqa: E402,F401
 from .dense import attention  # noqa: E402,F401
+from .dense_decode import single_decode  # noqa: E402,F401
 from . import mods  # noqa: E402,F401
 from .jit.registry import OccupancyWarning  # noqa: E402,F401

@@ -1,8 +1,9 @@
-"""attention()'s calls of one query a request (Lq == 1: a model's decode step over its own K/V tensors) on the decode
-kernels, with ATTNFORGE_ATTENTION_DECODE=1.
+"""The decode kernels over K/V that are not paged: attention()'s calls of one query a request (Lq == 1: a model's
+decode step over its own K/V tensors) with ATTNFORGE_ATTENTION_DECODE=1, and single_decode (one request, FlashInfer's
+single_decode_with_kv_cache).
 
 k and v [B, Hkv, Lk, D] are read in place as an HND paged cache of B pages of Lk tokens, page b holding request b.
-Why: the prefill kernels pad one query's group of heads to a 64-row tile and stream K/V through a compute-bound
+Why: the prefill kernels pad one query's group of heads to a 128-row tile and stream K/V through a compute-bound
 pipeline, where the decode kernels are built to read K/V at the bandwidth limit (as FlexAttention runs its
 decoding kernel below 128 queries). Any strides with 16-byte aligned rows are read as they are, so a static cache
 sliced to its filled length (`cache[:, :, :Lk]` of [B, Hkv, max_len, D]) costs no copy (the prefill path copies
@@ -20,8 +21,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import checks
 from .decode import BatchDecode
 from .jit import env
+from .prefill import _cached_wrapper
 from .spec import AttentionSpec
 
 
@@ -81,3 +84,40 @@ class DecodeCall:
         self.wrapper.run(q[:, :, 0], (k, v), out=out[:, :, 0], lse=None if lse is None else lse[:, :, 0])
         return out, lse
 
+
+def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv_layout: str = "NHD",
+                  sm_scale: Optional[float] = None, return_lse: bool = False, k_scale: float = 1.0,
+                  v_scale: float = 1.0, **spec_kwargs):
+    """One request's decode step: q [Hq, D]; k, v [Lk, Hkv, D] (NHD) or [Hkv, Lk, D] (HND) of q's dtype, or fp8 e4m3
+    with the cache's per-tensor k_scale / v_scale. spec_kwargs: AttentionSpec's (logits_soft_cap, window_left,
+    score_mod, pipeline, ...). Returns out [Hq, D], and lse [Hq] (natural log) with return_lse; no keys give zeros
+    and -inf. The K/V are read in place as one page of Lk tokens; the plan is made at every call (~30 us of host
+    time): a loop of steps over a paged cache wants BatchDecode."""
+    checks.check_untracked("single_decode", ("q", q), ("k", k), ("v", v))
+    for name, t, dims, meaning in (("q", q, 2, "[num_qo_heads, head_dim]"),
+                                   ("k", k, 3, f"[kv_len, num_kv_heads, head_dim] ({kv_layout})"),
+                                   ("v", v, 3, f"[kv_len, num_kv_heads, head_dim] ({kv_layout})")):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise checks.fail(f"single_decode {name}", f"a {dims}-D tensor {meaning}",
+                              getattr(t, "shape", type(t).__name__), "Batches of requests go through BatchDecode.")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_cuda(name, t, q.device if name != "q" else None)
+    if v.shape != k.shape:
+        raise checks.fail("single_decode v.shape", f"k's shape {list(k.shape)}", list(v.shape),
+                          "Decode reads K and V of one width; narrower values run on single_prefill.")
+    tokens_at = 0 if kv_layout == "NHD" else 1  # (the spec refuses any other layout)
+    spec = AttentionSpec(family="decode", num_qo_heads=q.shape[0], num_kv_heads=k.shape[1 - tokens_at],
+                         head_dim_qk=q.shape[1], q_dtype=q.dtype, kv_dtype=spec_kwargs.pop("kv_dtype", k.dtype),
+                         kv_layout=kv_layout, **spec_kwargs)
+    length = k.shape[tokens_at]
+    w = _cached_wrapper(spec, q.device, lambda s, device: make_wrapper(s, device, 1))
+    w.plan(np.array([0, 1 if length else 0]), np.zeros(1 if length else 0, dtype=np.int32), np.array([length]),
+           page_size=max(length, 1), sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+    if length:
+        pair = (k[None], v[None])
+    else:  # no keys, no page: the run still checks a cache, so one of a token that no plan entry names
+        shape = list(k.shape)
+        shape[tokens_at] = 1
+        pair = (k.new_empty(1, *shape),) * 2
+    out = w.run(q[None], pair, return_lse=return_lse)
+    return (out[0][0], out[1][0]) if return_lse else out[0]

@@ -522,14 +522,15 @@ _WRAPPERS: dict = {}
 MAX_WRAPPERS = 64  # single_prefill's wrappers kept (a model has a few specs); past it the table starts over
 
 
-def _cached_wrapper(spec: AttentionSpec, device) -> BatchPrefill:
+def _cached_wrapper(spec: AttentionSpec, device, make=None):
+    """The wrapper single_prefill (and single_decode: make(spec, device) builds its own) keeps for spec."""
     # specs compare a score modifier by its expression: its identity keys its captured tensors' wrapper (the
     # wrapper holds the modifier, so its id is not reused while the entry lives). Bounded: a caller that builds
     # a modifier a call would otherwise keep every wrapper, its buffers and its modifier's tensors for good.
-    key = (spec, str(device), id(spec.score_mod))
+    key = (spec, str(device), id(spec.score_mod))  # (the spec's family tells decode's wrappers from prefill's)
     w = _WRAPPERS.get(key)
     if w is None:
         if len(_WRAPPERS) >= MAX_WRAPPERS:
             _WRAPPERS.clear()  # (an upload's pinned buffers are held until its copies are done: jit/upload.py)
-        w = _WRAPPERS[key] = BatchPrefill(spec, device=device)
+        w = _WRAPPERS[key] = BatchPrefill(spec, device=device) if make is None else make(spec, device)
     return w

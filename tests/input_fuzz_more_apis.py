@@ -1,6 +1,7 @@
 """More APIs for the bad-input fuzz (tests/input_fuzz.py): decode's LSE buffer, fp8 cache and verify step, MLA's
 one 576-wide cache and block table, prefill's block table, cascade, Quest (a selection per request or per KV head),
-single_prefill, merge_state, the slot-mapped and MLA appends, attention() of one query on the decode kernels.
+single_prefill, merge_state, the slot-mapped and MLA appends, attention() of one query on the decode kernels and
+single_decode.
 Each is a valid call as a dict of named arguments, its mutations, and how to invoke it (input_fuzz_apis.Api);
 APIS is every call form the fuzz runs."""
 from __future__ import annotations
@@ -315,6 +316,41 @@ def mla_append_invoke(env: Env, a: dict):
     return a["ckv_cache"], a["kpe_cache"]
 
 
+def single_decode_build(env: Env) -> dict:
+    g = torch.Generator().manual_seed(10)
+    shapes = {"q": (8, 128), "k": (70, 2, 128), "v": (70, 2, 128)}
+    return {**{n: _rand(g, s, torch.bfloat16, env.device) for n, s in shapes.items()}, "sm_scale": 0.1,
+            "kv_layout": "NHD"}
+
+
+def single_decode_mutations(a: dict, env: Env) -> list:
+    m = scale("sm_scale", refuse_zero=False)
+    for arg in ("q", "k", "v"):  # (one row short: q one head, refused by the group; k or v one key, by the other)
+        m += tensor(arg, a[arg], env.gpu)
+    return m + [Mutation("k", "three-heads", REFUSE, lambda t: t[:, :1].expand(-1, 3, -1).contiguous()),
+                Mutation("kv_layout", "lower-case", REFUSE, lambda x: "nhd"),
+                Mutation("kv_layout", "other-layout", REFUSE, lambda x: "HND")]  # (2 keys of 70 heads: no group)
+
+
+@contextlib.contextmanager
+def dense_decode_wrappers(env: Env):
+    """attnforge.dense_decode's wrappers made as this environment makes wrappers (host-only on the CPU)."""
+    from attnforge import dense_decode
+    made = dense_decode.make_wrapper
+    if not env.gpu:
+        dense_decode.make_wrapper = lambda spec, device, batch: env.wrapper(
+            BatchDecode, spec, max_batch_size=batch, max_num_pages=batch)
+    try:
+        yield
+    finally:
+        dense_decode.make_wrapper = made
+
+
+def single_decode_invoke(env: Env, a: dict):
+    with dense_decode_wrappers(env):
+        return attnforge.single_decode(a["q"], a["k"], a["v"], kv_layout=a["kv_layout"], sm_scale=a["sm_scale"])
+
+
 # -- attention() of one query a request on the decode kernels (ATTNFORGE_ATTENTION_DECODE=1) ----------------------
 def one_query_build(env: Env) -> dict:
     a = attention_build(env)
@@ -330,18 +366,16 @@ def one_query_mutations(a: dict, env: Env) -> list:
 
 
 def one_query_invoke(env: Env, a: dict):
-    from attnforge import dense_decode
-    with contextlib.ExitStack() as undo:
-        was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
-        os.environ["ATTNFORGE_ATTENTION_DECODE"] = "1"
-        undo.callback(lambda: os.environ.pop("ATTNFORGE_ATTENTION_DECODE") if was is None else
-                      os.environ.__setitem__("ATTNFORGE_ATTENTION_DECODE", was))
-        if not env.gpu:  # the decode wrapper as this environment makes wrappers (host-only on the CPU)
-            made = dense_decode.make_wrapper
-            dense_decode.make_wrapper = lambda spec, device, batch: env.wrapper(
-                BatchDecode, spec, max_batch_size=batch, max_num_pages=batch)
-            undo.callback(lambda: setattr(dense_decode, "make_wrapper", made))
-        return attention_invoke(env, a)
+    was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
+    os.environ["ATTNFORGE_ATTENTION_DECODE"] = "1"
+    try:
+        with dense_decode_wrappers(env):
+            return attention_invoke(env, a)
+    finally:
+        if was is None:
+            os.environ.pop("ATTNFORGE_ATTENTION_DECODE")
+        else:
+            os.environ["ATTNFORGE_ATTENTION_DECODE"] = was
 
 
 MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_lse_invoke),
@@ -359,6 +393,7 @@ MORE_APIS = [Api("decode-lse", decode_lse_build, decode_lse_mutations, decode_ls
              Api("merge-state", merge_state_build, merge_state_mutations, merge_state_invoke),
              Api("append-slots", slots_build, slots_mutations, slots_invoke),
              Api("append-mla", mla_append_build, mla_append_mutations, mla_append_invoke),
-             Api("attention-one-query", one_query_build, one_query_mutations, one_query_invoke)]
+             Api("attention-one-query", one_query_build, one_query_mutations, one_query_invoke),
+             Api("single-decode", single_decode_build, single_decode_mutations, single_decode_invoke)]
 
 APIS = CORE_APIS + MORE_APIS  # every API the fuzz calls

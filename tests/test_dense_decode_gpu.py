@@ -108,3 +108,38 @@ def test_compiled_one_query_calls_equal_eager():
     got, got_lse = compiled(q, k, v)
     want, want_lse = attnforge.attention(q * 0.5, k, v, enable_gqa=True, return_lse=True)
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("layout,dtype,length,kwargs", [
+    ("NHD", torch.bfloat16, 1000, {}), ("HND", torch.float16, 17, {}), ("NHD", torch.bfloat16, 1, {}),
+    ("NHD", torch.bfloat16, 0, {}), ("HND", torch.bfloat16, 4097, {"logits_soft_cap": 30.0}),
+    ("NHD", torch.float16, 600, {"window_left": 100})])
+def test_single_decode_matches_the_reference(layout, dtype, length, kwargs):
+    """One request (FlashInfer's single_decode_with_kv_cache) against the float64 reference, LSE too: both layouts,
+    one key, none (zeros and -inf), soft-cap and a window."""
+    from attnforge import AttentionSpec
+    from helpers import decode_expected
+    g = torch.Generator(device="cuda").manual_seed(length)
+    q = torch.randn(32, 128, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(length, 8, 128, device="cuda", generator=g).to(dtype) for _ in range(2))  # NHD
+    args = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    out, lse = attnforge.single_decode(q, *args, kv_layout=layout, return_lse=True, **kwargs)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, q_dtype=dtype, **kwargs)
+    ref, ref_lse, low = decode_expected(spec, q[None], [(k, v)])
+    assert_attention_close(out[None].cpu(), ref, low, f"{layout} L{length} {kwargs}")
+    assert_lse_close(lse[None], ref_lse, f"{layout} L{length}")
+    if length == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_single_decode_of_an_fp8_cache_takes_its_scales():
+    from attnforge import AttentionSpec
+    from helpers import decode_reference
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(32, 128, device="cuda", generator=g).bfloat16()
+    k8, v8 = ((torch.randn(777, 8, 128, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn) for _ in range(2))
+    out = attnforge.single_decode(q, k8, v8, k_scale=0.5, v_scale=0.25)
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_dtype="fp8_e4m3")
+    ref, _ = decode_reference(spec, q[None].cpu(), [(k8.cpu().double() * 0.5, v8.cpu().double())], v_scale=0.25)
+    err = (out.double().cpu() - ref[0]).abs().max().item()
+    assert torch.isfinite(out).all() and err < 2e-2 * ref.abs().max().item() + 1e-2, err

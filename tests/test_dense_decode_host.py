@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import attnforge
 from attnforge import AttentionSpec, BatchDecode, dense, dense_decode
 from helpers import count_calls, stub_host_prefill
 from test_prefill_run_host import fake_map
@@ -125,3 +126,37 @@ def test_a_modifiers_tensors_reach_the_decode_launch(recorder):
     dense.attention(q, kc[:, :, :50], vc[:, :, :50], mask_mod=lambda b, h, qi, ki: keep[b, ki], enable_gqa=True)
     w = next(c.wrapper for c in dense._CALLS.values() if c.mod is not None and c.mod.mask_root is not None)
     assert w.spec.family == "decode" and recorder.launches[-1][2].mod_t0 == keep.data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_reads_one_request_in_place_as_one_page(recorder, monkeypatch, layout):
+    from attnforge import prefill
+    monkeypatch.setattr(prefill, "_WRAPPERS", {})
+    q = torch.randn(8, 128).bfloat16()
+    shape = (100, 2, 128) if layout == "NHD" else (2, 100, 128)
+    k, v = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    out, lse = attnforge.single_decode(q, k, v, kv_layout=layout, return_lse=True, sm_scale=0.5)
+    name, _, p = recorder.launches[-1]
+    assert name == "batch_decode_kernel" and (out.shape, lse.shape) == ((8, 128), (8,))
+    assert (p.q, p.k_cache, p.v_cache, p.out, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                         lse.data_ptr())
+    token, head = (2 * 128, 128) if layout == "NHD" else (128, 100 * 128)
+    assert (p.stride_token, p.stride_head, p.page_size, p.sm_scale) == (token, head, 100, 0.5)
+    out = attnforge.single_decode(q, k[:37] if layout == "NHD" else k[:, :37], v[:37] if layout == "NHD" else v[:, :37],
+                                  kv_layout=layout, sm_scale=0.5)  # a new length: the same wrapper, a new plan
+    assert out.shape == (8, 128) and recorder.launches[-1][2].page_size == 37 and len(prefill._WRAPPERS) == 1
+    empty = k[:0] if layout == "NHD" else k[:, :0]
+    out, lse = attnforge.single_decode(q, empty, empty, kv_layout=layout, return_lse=True)  # no keys: no page read
+    w = next(iter(prefill._WRAPPERS.values()))
+    assert out.shape == (8, 128) and w._device_region("kv_len").tolist() == [0] and w._plan["max_page"] < 0
+
+
+def test_single_decode_refuses_bad_shapes_before_any_launch(recorder):
+    q, k = torch.randn(8, 128).bfloat16(), torch.randn(100, 2, 128).bfloat16()
+    for args, match in (((q[None], k, k), r"single_decode q: expected a 2-D tensor \[num_qo_heads, head_dim\]"),
+                        ((q, k[0], k[0]), r"single_decode k: expected a 3-D tensor \[kv_len, num_kv_heads"),
+                        ((q, k, k[:, :, :64]), r"single_decode v.shape: expected k's shape \[100, 2, 128\]"),
+                        ((q, k.half(), k.half()), r"kv_dtype")):
+        with pytest.raises(ValueError, match=match):
+            attnforge.single_decode(*args)
+    assert recorder.launches == []
