@@ -44,10 +44,21 @@ def make_wrapper(spec: AttentionSpec, device: torch.device, batch: int) -> Batch
     return BatchDecode(spec, device=device, max_batch_size=batch, max_num_pages=batch)
 
 
-def reads_in_place(t: torch.Tensor) -> bool:
-    """What the decode kernels read without a copy: unit stride along D, 16-byte aligned start and rows."""
+def aligned_rows(t: torch.Tensor) -> bool:
+    """Strides the decode kernels read without a copy (with a 16-byte aligned start): unit stride along D, rows
+    16-byte aligned."""
     step = 16 // t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % step == 0 for s in t.stride()[:-1])
+    return t.stride(-1) == 1 and all(s % step == 0 for s in t.stride()[:-1])
+
+
+def readable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k and v, each as it is or as a contiguous copy where the kernels cannot read it in place (K and V: one
+    stride set for both)."""
+    if not aligned_rows(q) or q.data_ptr() % 16:  # (copies take torch's own strides, also along dims of size 1)
+        q = q.clone(memory_format=torch.contiguous_format)
+    if not (aligned_rows(k) and aligned_rows(v)) or (k.data_ptr() | v.data_ptr()) % 16 or k.stride() != v.stride():
+        k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
+    return q, k, v
 
 
 class DecodeCall:
@@ -59,6 +70,8 @@ class DecodeCall:
         spec = AttentionSpec(family="decode", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
                              q_dtype=q.dtype, kv_layout="HND", score_mod=mod)
         self.wrapper = make_wrapper(spec, q.device, bq)
+        # (strides are in the call's signature: only the addresses can differ between its calls)
+        self.strides_fit = aligned_rows(q) and aligned_rows(k) and aligned_rows(v) and k.stride() == v.stride()
         self.planned = False  # whether the wrapper holds this call's plan (a failed plan leaves none)
         self.scale: Optional[float] = None
 
@@ -72,17 +85,14 @@ class DecodeCall:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], return_lse: bool):
         """(out [B, Hq, 1, D], lse [B, Hq, 1] or None), as dense.attention_with_mod returns them."""
-        if not reads_in_place(q):  # (copies take torch's own strides, also along dims of size 1)
-            q = q.clone(memory_format=torch.contiguous_format)
-        if not (reads_in_place(k) and reads_in_place(v)) or k.stride() != v.stride():  # (one stride set for both)
-            k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
-        bq, hq, _, d = q.shape
-        self.plan(bq, k.shape[2], scale)
-        out = q.new_empty((bq, hq, 1, d))
-        lse = torch.empty((bq, hq, 1), dtype=torch.float32, device=q.device) if return_lse else None
-        # [B, Hkv, Lk, D] is HND's (K, V) pair form [pages, Hkv, page_size, D]: strides pass through as they are
-        self.wrapper.run(q[:, :, 0], (k, v), out=out[:, :, 0], lse=None if lse is None else lse[:, :, 0])
-        return out, lse
+        if not self.strides_fit or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # (the usual case is neither)
+            q, k, v = readable(q, k, v)
+        self.plan(q.shape[0], k.shape[2], scale)
+        # [B, Hkv, Lk, D] is HND's (K, V) pair form [pages, Hkv, page_size, D]: strides pass through as they are.
+        # The wrapper allocates the rows (a given buffer is checked at each new address)
+        got = self.wrapper.run(q.select(2, 0), (k, v), return_lse=return_lse)
+        out, lse = got if return_lse else (got, None)
+        return out.unsqueeze(2), (lse.unsqueeze(2) if return_lse else None)
 
 
 def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv_layout: str = "NHD",
