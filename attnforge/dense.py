@@ -10,8 +10,8 @@ Each call then pays for its tensors' keys, one launch and (with a mask_mod) one 
 inputs, not for the spec, the plan and the block-sparse tile lists (2.2 ms at 128 tokens on the H200 host).
 With a FlexAttention block_mask instead, the plan follows the BlockMask object, as Flex's block lists do: no
 comparison and no synchronisation while the same BlockMask comes back; a new one plans again.
-With ATTNFORGE_ATTENTION_DECODE=1, calls of one query a request run on the decode kernels instead
-(attnforge/dense_decode.py: K/V read in place, whatever their strides).
+With ATTNFORGE_ATTENTION_DECODE=1, calls of one query a request, or of up to 8 causal ones, run on the decode
+kernels instead (attnforge/dense_decode.py: K/V read in place, whatever their strides).
 """
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
 def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gqa: bool,
                causal: bool = False):
     """The DenseCall of these tensors' layouts, made (after the checks) at the signature's first call; a
-    dense_decode.DecodeCall for one query a request where ATTNFORGE_ATTENTION_DECODE asks for it."""
+    dense_decode.DecodeCall where ATTNFORGE_ATTENTION_DECODE asks for it and the call fits (dense_decode.fits)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         check_attention_args(q, k, v, enable_gqa)  # (raises, naming the argument)
     decode = dense_decode.wanted(q)  # (in the signature: the knob may change between calls)
@@ -259,7 +259,7 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, enable_gq
     call = _CALLS.get(sig)  # (a call holds its modifier, so the id in its signature is not reused meanwhile)
     if call is None:
         check_attention_args(q, k, v, enable_gqa)
-        decode = decode and dense_decode.fits(q, k, v)  # (causal needs Lq == Lk: one key, nothing to mask)
+        decode = decode and dense_decode.fits(q, k, v, mod, causal)
         call = dense_decode.DecodeCall(q, k, v, mod) if decode else DenseCall(q, k, v, mod, causal)
         if len(_CALLS) >= MAX_CALLS:
             _CALLS.clear()

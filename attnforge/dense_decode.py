@@ -1,6 +1,7 @@
 """The decode kernels over K/V that are not paged: attention()'s calls of one query a request (Lq == 1: a model's
-decode step over its own K/V tensors) with ATTNFORGE_ATTENTION_DECODE=1, and single_decode (one request, FlashInfer's
-single_decode_with_kv_cache).
+decode step over its own K/V tensors), or of up to 8 causal ones (a verify step of speculative decoding: is_causal,
+or a mask_mod that implies q_idx >= kv_idx), with ATTNFORGE_ATTENTION_DECODE=1; and single_decode (one request,
+FlashInfer's single_decode_with_kv_cache).
 
 k and v [B, Hkv, Lk, D] are read in place as an HND paged cache of B pages of Lk tokens, page b holding request b.
 Why: the prefill kernels pad one query's group of heads to a 128-row tile and stream K/V through a compute-bound
@@ -28,20 +29,32 @@ from .prefill import _cached_wrapper
 from .spec import AttentionSpec
 
 
+# (q_idx >= kv_idx, end-aligned: the verify step's causal rule among a request's tokens)
+CAUSAL_NODES = {("ge", ("input", "q_idx"), ("input", "kv_idx")), ("le", ("input", "kv_idx"), ("input", "q_idx"))}
+
+
 def wanted(q: torch.Tensor) -> bool:
-    """Whether a call of q's shape takes this path: one query a request, and the knob on."""
-    return q.dim() == 4 and q.shape[2] == 1 and env.ATTENTION_DECODE.value
+    """Whether a call of q's shape may take this path: at most a verify step's queries a request, and the knob on."""
+    return q.dim() == 4 and q.shape[2] <= BatchDecode.MAX_Q_LEN and env.ATTENTION_DECODE.value
 
 
-def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Shapes the decode kernels run (checked 4-d tensors): some requests, some keys, and V as wide as K (narrower
-    values are the prefill kernels' DeepSeek form)."""
-    return q.shape[0] > 0 and k.shape[2] > 0 and v.shape[3] == q.shape[3]
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, causal: bool = False) -> bool:
+    """Calls the decode kernels run (checked 4-d tensors): some requests and keys, V as wide as K (narrower values
+    are the prefill kernels' DeepSeek form), and one query a request, or several that see only the keys up to
+    their own positions (is_causal, or a mask that implies it): the verify step's rule, which its kernels apply."""
+    causal = causal or (mod is not None and mod.mask_root is not None and implies_causal(mod.mask_root))
+    return q.shape[0] > 0 and k.shape[2] > 0 and v.shape[3] == q.shape[3] and (q.shape[2] == 1 or causal)
 
 
-def make_wrapper(spec: AttentionSpec, device: torch.device, batch: int) -> BatchDecode:
-    """The call's wrapper: one page a request (tests without a GPU replace this with a host-only one)."""
-    return BatchDecode(spec, device=device, max_batch_size=batch, max_num_pages=batch)
+def implies_causal(node) -> bool:
+    """Whether a mask graph keeps only keys at or before the query (q_idx >= kv_idx, alone or and-ed)."""
+    return node in CAUSAL_NODES or (node[0] == "and" and any(implies_causal(a) for a in node[1:]))
+
+
+def make_wrapper(spec: AttentionSpec, device: torch.device, batch: int, q_len: int = 1) -> BatchDecode:
+    """The call's wrapper: one page a request, q_len tokens each (tests without a GPU replace this with a host-only
+    one)."""
+    return BatchDecode(spec, device=device, max_batch_size=batch, max_num_pages=batch, max_q_len=q_len)
 
 
 def aligned_rows(t: torch.Tensor) -> bool:
@@ -65,34 +78,40 @@ class DecodeCall:
     """One call signature's decode wrapper and the scale its plan was made for (dense.DenseCall's twin)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod):
-        bq, hq, _, d = q.shape
+        bq, hq, lq, d = q.shape
         self.mod = mod  # (held: the signature keys the modifier by identity)
         spec = AttentionSpec(family="decode", num_qo_heads=hq, num_kv_heads=k.shape[1], head_dim_qk=d,
                              q_dtype=q.dtype, kv_layout="HND", score_mod=mod)
-        self.wrapper = make_wrapper(spec, q.device, bq)
+        self.wrapper = make_wrapper(spec, q.device, bq, lq)
         # (strides are in the call's signature: only the addresses can differ between its calls)
         self.strides_fit = aligned_rows(q) and aligned_rows(k) and aligned_rows(v) and k.stride() == v.stride()
         self.planned = False  # whether the wrapper holds this call's plan (a failed plan leaves none)
         self.scale: Optional[float] = None
 
-    def plan(self, batch: int, lk: int, scale: Optional[float]) -> None:
+    def plan(self, batch: int, lq: int, lk: int, scale: Optional[float]) -> None:
         if self.planned and scale == self.scale:
             return
         self.planned = False
         self.wrapper.plan(np.arange(batch + 1, dtype=np.int32), np.arange(batch, dtype=np.int32),
-                          np.full(batch, lk, dtype=np.int32), page_size=lk, sm_scale=scale)
+                          np.full(batch, lk, dtype=np.int32), page_size=lk, sm_scale=scale, q_len=lq)
         self.scale, self.planned = scale, True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], return_lse: bool):
         """(out [B, Hq, 1, D], lse [B, Hq, 1] or None), as dense.attention_with_mod returns them."""
         if not self.strides_fit or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # (the usual case is neither)
             q, k, v = readable(q, k, v)
-        self.plan(q.shape[0], k.shape[2], scale)
+        bq, hq, lq, d = q.shape
+        self.plan(bq, lq, k.shape[2], scale)
         # [B, Hkv, Lk, D] is HND's (K, V) pair form [pages, Hkv, page_size, D]: strides pass through as they are.
-        # The wrapper allocates the rows (a given buffer is checked at each new address)
-        got = self.wrapper.run(q.select(2, 0), (k, v), return_lse=return_lse)
+        # The wrapper allocates the rows (a given buffer is checked at each new address). Several tokens a request:
+        # rows b * lq + t (a copy of q, and of the rows back into SDPA's layout)
+        rows = q.select(2, 0) if lq == 1 else q.transpose(1, 2).reshape(bq * lq, hq, d)
+        got = self.wrapper.run(rows, (k, v), return_lse=return_lse)
         out, lse = got if return_lse else (got, None)
-        return out.unsqueeze(2), (lse.unsqueeze(2) if return_lse else None)
+        if lq == 1:
+            return out.unsqueeze(2), (lse.unsqueeze(2) if return_lse else None)
+        out = out.view(bq, lq, hq, d).transpose(1, 2).contiguous()
+        return out, (lse.view(bq, lq, hq).transpose(1, 2).contiguous() if return_lse else None)
 
 
 def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv_layout: str = "NHD",

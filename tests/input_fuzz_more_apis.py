@@ -338,8 +338,8 @@ def dense_decode_wrappers(env: Env):
     from attnforge import dense_decode
     made = dense_decode.make_wrapper
     if not env.gpu:
-        dense_decode.make_wrapper = lambda spec, device, batch: env.wrapper(
-            BatchDecode, spec, max_batch_size=batch, max_num_pages=batch)
+        dense_decode.make_wrapper = lambda spec, device, batch, q_len=1: env.wrapper(
+            BatchDecode, spec, max_batch_size=batch, max_num_pages=batch, max_q_len=q_len)
     try:
         yield
     finally:

@@ -143,3 +143,31 @@ def test_single_decode_of_an_fp8_cache_takes_its_scales():
     ref, _ = decode_reference(spec, q[None].cpu(), [(k8.cpu().double() * 0.5, v8.cpu().double())], v_scale=0.25)
     err = (out.double().cpu() - ref[0]).abs().max().item()
     assert torch.isfinite(out).all() and err < 2e-2 * ref.abs().max().item() + 1e-2, err
+
+
+@pytest.mark.parametrize("lq,lk,how", [(4, 300, "mask"), (8, 1000, "and-ed"), (3, 3, "is_causal"), (4, 2, "mask")])
+def test_causal_calls_of_a_few_queries_match_the_reference(monkeypatch, lq, lk, how):
+    """The verify step under attention(): Lq queries a request, each seeing the keys up to its end-aligned position
+    (Lq > Lk: the first queries see none, zeros and -inf), against the float64 reference per request and against
+    the same call on the prefill kernels."""
+    from attnforge import reference
+    from torch.nn.attention.flex_attention import and_masks
+    q, k, v = inputs(2, 32, 8, lk, 128, seed=lq * lk)
+    q = torch.cat([q * (1 + t / 4) for t in range(lq)], dim=2)  # [2, 32, lq, 128]: tokens that differ
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    mask = {"mask": causal, "and-ed": and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx % 7 != 3),
+            "is_causal": None}[how]
+    kw = dict(mask_mod=mask, is_causal=how == "is_causal", enable_gqa=True, return_lse=True)
+    out, lse = attnforge.attention(q, k, v, **kw)
+    for b in range(2):
+        rows = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
+        keep = (lambda b_, h, q_idx, kv_idx: kv_idx % 7 != 3) if how == "and-ed" else None
+        ref, ref_lse = reference.attention(*rows, causal=True, mask_mod=keep)
+        low, _ = reference.attention(*rows, causal=True, mask_mod=keep, dtype=torch.float32)
+        assert_attention_close(out[b].transpose(0, 1).cpu(), ref.cpu(), low.to(q.dtype).cpu(), f"{how} request {b}")
+        assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"{how} request {b}")
+    monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "0")
+    by_prefill, _ = attnforge.attention(q, k, v, **kw)
+    assert (out.float() - by_prefill.float()).abs().max().item() < 2e-2

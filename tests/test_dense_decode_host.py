@@ -13,8 +13,8 @@ from helpers import count_calls, stub_host_prefill
 from test_prefill_run_host import fake_map
 
 
-def host_decode(spec: AttentionSpec, device, batch: int) -> BatchDecode:
-    w = BatchDecode.host_only(spec, max_batch_size=batch, max_num_pages=batch)
+def host_decode(spec: AttentionSpec, device, batch: int, q_len: int = 1) -> BatchDecode:
+    w = BatchDecode.host_only(spec, max_batch_size=batch, max_num_pages=batch, max_q_len=q_len)
     w.pdl, w.launch_after_own_kernel = True, False
     w._partial_o, w._partial_lse, w._merge_count = torch.zeros(64), torch.zeros(16), torch.zeros(4, dtype=torch.int32)
     return w
@@ -160,3 +160,37 @@ def test_single_decode_refuses_bad_shapes_before_any_launch(recorder):
         with pytest.raises(ValueError, match=match):
             attnforge.single_decode(*args)
     assert recorder.launches == []
+
+
+def test_causal_calls_of_a_few_queries_run_the_verify_step(recorder):
+    """Up to 8 queries a request under a mask that implies q_idx >= kv_idx (or is_causal with Lq == Lk) run the
+    decode kernels' verify step (its own causal rule): q as rows b * Lq + t, the rows back in SDPA's layout; other
+    masks, no mask and more queries stay on the prefill kernels."""
+    from torch.nn.attention.flex_attention import and_masks
+    kc, vc = static_cache()
+    k, v = kc[:, :, :100], vc[:, :, :100]
+    q = torch.randn(2, 8, 4, 128).bfloat16()
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    out, lse = dense.attention(q, k, v, mask_mod=causal, enable_gqa=True, return_lse=True)
+    name, _, p = recorder.launches[-1]
+    call = next(c for c in dense._CALLS.values() if c.mod is not None)
+    assert isinstance(call, dense_decode.DecodeCall) and name == "batch_decode_kernel"
+    assert (p.q_len, p.page_size, p.k_cache, p.q_stride_b, p.q_stride_h) == (4, 100, k.data_ptr(), 8 * 128, 128)
+    assert p.q != q.data_ptr() and call.wrapper.max_q_len == 4
+    assert (out.shape, lse.shape, out.is_contiguous(), lse.is_contiguous()) == ((2, 8, 4, 128), (2, 8, 4), True, True)
+    kept = {"and-ed": and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx > 3),
+            "kv <= q": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx}
+    for what, mask in kept.items():
+        dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
+        assert recorder.launches[-1][0] == "batch_decode_kernel", what
+    square = torch.randn(2, 8, 4, 128).bfloat16()
+    dense.attention(square, k[:, :, :4], v[:, :, :4], is_causal=True, enable_gqa=True)
+    assert recorder.launches[-1][0] == "batch_decode_kernel"
+    stays = {"no mask": (q, None), "a mask without the causal rule": (q, lambda b, h, q_idx, kv_idx: kv_idx > 3),
+             "the rule or-ed": (q, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (kv_idx > 3)),
+             "nine queries": (torch.randn(2, 8, 9, 128).bfloat16(), causal)}
+    for what, (q_, mask) in stays.items():
+        dense.attention(q_, k, v, mask_mod=mask, enable_gqa=True)
+        assert recorder.launches[-1][0] != "batch_decode_kernel", what

@@ -69,8 +69,9 @@ PREFILL_BACKEND = Knob("ATTNFORGE_PREFILL_BACKEND", _prefill_backend, lambda: "a
                        "Prefill kernel: auto (wgmma on sm_90a where it applies, else mma), wgmma or mma.")
 
 ATTENTION_DECODE = Knob("ATTNFORGE_ATTENTION_DECODE", _bool, lambda: False,
-                        "1: attention() calls of one query a request run on the decode kernels, K/V read in place "
-                        "(attnforge/dense_decode.py); 0 (default until timed on a GPU): on the prefill kernels.")
+                        "1: attention() calls of one query a request (or up to 8 causal ones) run on the decode "
+                        "kernels, K/V read in place (attnforge/dense_decode.py); 0 (default until timed on a GPU): on "
+                        "the prefill kernels.")
 
 ALL_KNOBS = (CACHE_DIR, CUDA_ARCH_LIST, JIT_VERBOSE, DISABLE_JIT, LOG_LEVEL, EXTRA_NVCC_FLAGS,
              LOCK_TIMEOUT_S, MAX_JOBS, CUDA_HOME, PREFILL_BACKEND, ATTENTION_DECODE)
