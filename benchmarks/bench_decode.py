@@ -161,14 +161,15 @@ def bench_dense_attention(report, case, q, k, v, nbytes):
     (ATTNFORGE_ATTENTION_DECODE=1, K/V read in place as one page a request), `attnforge-dense-prefill` on the
     prefill kernels (the knob's default); the knob is read as each variant is captured. On STATIC_CACHE_CASES also
     `-static` rows: K/V the first L positions of a [B, Hkv, 2L, D] cache (gpt-fast's static cache), which the
-    decode route reads in place and the prefill route copies."""
+    decode route reads in place and the prefill route copies; and `-verify4` rows: 4 queries a request under the
+    mask q_idx >= kv_idx (a verify step: the decode route runs the verify kernels)."""
     import attnforge
     was = os.environ.get("ATTNFORGE_ATTENTION_DECODE")
 
-    def routed(flag: str, k, v):
+    def routed(flag: str, k, v, q=q, mask_mod=None):
         def fn():
             os.environ["ATTNFORGE_ATTENTION_DECODE"] = flag
-            return attnforge.attention(q, k, v, enable_gqa=True)
+            return attnforge.attention(q, k, v, mask_mod=mask_mod, enable_gqa=True)
         return fn
     variants = {"attnforge-dense": routed("1", k, v), "attnforge-dense-prefill": routed("0", k, v)}
     if case in STATIC_CACHE_CASES:
@@ -176,8 +177,14 @@ def bench_dense_attention(report, case, q, k, v, nbytes):
         ks, vs = (t.new_empty(t.shape[0], t.shape[1], 2 * length, t.shape[3]) for t in (k, v))
         ks[:, :, :length], vs[:, :, :length] = k, v
         ks, vs = ks[:, :, :length], vs[:, :, :length]
+        q4 = torch.cat([q] * 4, dim=2)  # [B, Hq, 4, D]
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
         variants |= {"attnforge-dense-static": routed("1", ks, vs),
-                     "attnforge-dense-static-prefill": routed("0", ks, vs)}
+                     "attnforge-dense-static-prefill": routed("0", ks, vs),
+                     "attnforge-dense-verify4": routed("1", k, v, q4, causal),
+                     "attnforge-dense-verify4-prefill": routed("0", k, v, q4, causal)}
     try:
         for impl, us in time_interleaved(variants).items():
             report.add("decode", case, impl, us, nbytes)

@@ -52,8 +52,10 @@ def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatc
     import attnforge
     import bench_decode
     seen = []
-    monkeypatch.setattr(attnforge, "attention", lambda q, k, v, enable_gqa: seen.append(
-        (os.environ["ATTNFORGE_ATTENTION_DECODE"], k.shape, k.stride(), k.is_contiguous())))
+    monkeypatch.setattr(attnforge, "attention", lambda q, k, v, mask_mod, enable_gqa: seen.append(
+        (os.environ["ATTNFORGE_ATTENTION_DECODE"], k.shape, k.stride(), k.is_contiguous(), q.shape[2],
+         mask_mod is not None and bool(mask_mod(0, 0, torch.tensor(5), torch.tensor([4, 5, 6])).tolist() ==
+                                       [True, True, False]))))
     monkeypatch.setattr(bench_decode, "time_interleaved", lambda fns: {name: (fn(), 10.0 + i)[1]
                                                                       for i, (name, fn) in enumerate(fns.items())})
     for before in (None, "0"):
@@ -61,13 +63,17 @@ def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatc
             monkeypatch.delenv("ATTNFORGE_ATTENTION_DECODE", raising=False)
         else:
             monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", before)
-        for case in ("B64 L4096", "B16 L8192"):  # (the second also on a sliced static cache)
+        for case in ("B64 L4096", "B16 L8192"):  # (the second also on a sliced static cache, and a verify step)
             k = torch.randn(2, 3, 5, 8)
             report, seen[:] = Rows(), []
-            bench_decode.bench_dense_attention(report, case, None, k, k.clone(), 123)
-            whole, sliced = (k.shape, k.stride(), True), (k.shape, (3 * 10 * 8, 10 * 8, 8, 1), False)
-            routes = [("1", *whole), ("0", *whole)] + ([("1", *sliced), ("0", *sliced)] if case == "B16 L8192" else [])
+            bench_decode.bench_dense_attention(report, case, torch.randn(2, 6, 1, 8), k, k.clone(), 123)
+            whole = (k.shape, k.stride(), True, 1, False)
+            sliced = (k.shape, (3 * 10 * 8, 10 * 8, 8, 1), False, 1, False)
+            verify = (k.shape, k.stride(), True, 4, True)
+            routes = [("1", *whole), ("0", *whole)]
+            routes += [("1", *sliced), ("0", *sliced), ("1", *verify), ("0", *verify)] if case == "B16 L8192" else []
             assert seen == routes and os.environ.get("ATTNFORGE_ATTENTION_DECODE") == before
             impls = ["attnforge-dense", "attnforge-dense-prefill"]
-            impls += ["attnforge-dense-static", "attnforge-dense-static-prefill"] if case == "B16 L8192" else []
+            impls += ["attnforge-dense-static", "attnforge-dense-static-prefill", "attnforge-dense-verify4",
+                      "attnforge-dense-verify4-prefill"] if case == "B16 L8192" else []
             assert report.rows == [("decode", case, impl, 10.0 + i) for i, impl in enumerate(impls)]

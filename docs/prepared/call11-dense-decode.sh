@@ -5,7 +5,8 @@
 #      (attention-one-query, single-decode);
 #   2. the decode suite on three equal-length cases, whose dense rows time attention() on the decode kernels
 #      (attnforge-dense) against the default prefill path (attnforge-dense-prefill) in rotation, with their -static
-#      twins on a sliced [B, Hkv, 2L, D] cache at B16 L8192; cuDNN, FA2 and Flex beside them (FlashInfer where
+#      twins on a sliced [B, Hkv, 2L, D] cache and -verify4 twins (4 causal queries a request) at B16 L8192;
+#      cuDNN, FA2 and Flex beside them (FlashInfer where
 #      .anchors is carried). Predicted: the decode route 1.2-1.4x faster at B16 L8192.
 # Any GPU for the ratio (~250 s with the builds); the H200 record's decode suite times the same rows. Then: where the
 # tests pass and attnforge-dense leads on every case, turn ATTENTION_DECODE's default on (attnforge/jit/env.py),
