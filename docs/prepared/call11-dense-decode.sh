@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The hundred-and-seventeenth session's decode kernels over K/V that are not paged (attnforge/dense_decode.py):
-# attention() of one query a request behind ATTNFORGE_ATTENTION_DECODE=1, and single_decode. This call runs:
+# attention() of one query a request (or a causal verify step) behind ATTNFORGE_ATTENTION_DECODE=1, and
+# single_decode. This call runs:
 #   1. their GPU tests (tests/test_dense_decode_gpu.py) with memcheck beside them, and the GPU input fuzz's two APIs
 #      (attention-one-query, single-decode);
 #   2. the decode suite on three equal-length cases, whose dense rows time attention() on the decode kernels
 #      (attnforge-dense) against the default prefill path (attnforge-dense-prefill) in rotation, with their -static
 #      twins on a sliced [B, Hkv, 2L, D] cache and -verify4 twins (4 causal queries a request) at B16 L8192;
-#      cuDNN, FA2 and Flex beside them (FlashInfer where
-#      .anchors is carried). Predicted: the decode route 1.2-1.4x faster at B16 L8192.
+#      cuDNN, FA2 and Flex beside them (FlashInfer where .anchors is carried). Predicted: the decode route
+#      1.2-1.4x faster at B16 L8192.
 # Any GPU for the ratio (~250 s with the builds); the H200 record's decode suite times the same rows. Then: where the
 # tests pass and attnforge-dense leads on every case, turn ATTENTION_DECODE's default on (attnforge/jit/env.py),
 # and say so in the README's feature table and docs/architecture.md.
