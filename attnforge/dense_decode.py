@@ -10,8 +10,8 @@ decoding kernel below 128 queries). Any strides with 16-byte aligned rows are re
 sliced to its filled length (`cache[:, :, :Lk]` of [B, Hkv, max_len, D]) costs no copy (the prefill path copies
 tensors that are not contiguous).
 
-Same meaning as the prefill path: q_idx is Lk - 1 (queries aligned to the end of the keys, decode's own
-convention), so every score_mod / mask_mod and SDPA attn_mask gives the same attention. One plan per call
+Same meaning as the prefill path: query t of Lq has q_idx Lk - Lq + t (queries aligned to the end of the keys,
+decode's own convention), so every score_mod / mask_mod and SDPA attn_mask gives the same attention. One plan per call
 signature (batch and Lk are in it), again when the scale changes; a mask needs no plan (decode evaluates it per
 score, with no tile lists to make).
 """
@@ -97,7 +97,7 @@ class DecodeCall:
         self.scale, self.planned = scale, True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], return_lse: bool):
-        """(out [B, Hq, 1, D], lse [B, Hq, 1] or None), as dense.attention_with_mod returns them."""
+        """(out [B, Hq, Lq, D], lse [B, Hq, Lq] or None), as dense.attention_with_mod returns them."""
         if not self.strides_fit or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # (the usual case is neither)
             q, k, v = readable(q, k, v)
         bq, hq, lq, d = q.shape
@@ -120,8 +120,8 @@ def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv_layou
     """One request's decode step: q [Hq, D]; k, v [Lk, Hkv, D] (NHD) or [Hkv, Lk, D] (HND) of q's dtype, or fp8 e4m3
     with the cache's per-tensor k_scale / v_scale. spec_kwargs: AttentionSpec's (logits_soft_cap, window_left,
     score_mod, pipeline, ...). Returns out [Hq, D], and lse [Hq] (natural log) with return_lse; no keys give zeros
-    and -inf. The K/V are read in place as one page of Lk tokens; the plan is made at every call (~30 us of host
-    time): a loop of steps over a paged cache wants BatchDecode."""
+    and -inf. The K/V are read in place as one page of Lk tokens; the plan is made at every call (tens of us of
+    host time): a loop of steps over a paged cache wants BatchDecode."""
     checks.check_untracked("single_decode", ("q", q), ("k", k), ("v", v))
     for name, t, dims, meaning in (("q", q, 2, "[num_qo_heads, head_dim]"),
                                    ("k", k, 3, f"[kv_len, num_kv_heads, head_dim] ({kv_layout})"),
