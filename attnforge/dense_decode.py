@@ -120,8 +120,8 @@ def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv_layou
     """One request's decode step: q [Hq, D]; k, v [Lk, Hkv, D] (NHD) or [Hkv, Lk, D] (HND) of q's dtype, or fp8 e4m3
     with the cache's per-tensor k_scale / v_scale. spec_kwargs: AttentionSpec's (logits_soft_cap, window_left,
     score_mod, pipeline, ...). Returns out [Hq, D], and lse [Hq] (natural log) with return_lse; no keys give zeros
-    and -inf. The K/V are read in place as one page of Lk tokens; the plan is made at every call (tens of us of
-    host time): a loop of steps over a paged cache wants BatchDecode."""
+    and -inf. The K/V are read in place as one page of Lk tokens. Each call plans and packs its launch anew (~130 us
+    of host time on the CI machine, CUDA stubbed; single_prefill ~260): a loop of steps wants BatchDecode."""
     checks.check_untracked("single_decode", ("q", q), ("k", k), ("v", v))
     for name, t, dims, meaning in (("q", q, 2, "[num_qo_heads, head_dim]"),
                                    ("k", k, 3, f"[kv_len, num_kv_heads, head_dim] ({kv_layout})"),
