@@ -53,7 +53,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
     dropout_p: SDPA's, taken so a model's call carries over; only 0.0 (attnforge is forward-only, for inference).
     Flex's positional order carries over too (a BlockMask fifth is taken as block_mask), and its kernel_options
     (Triton tuning knobs: taken, and ignored) and return_aux=AuxRequest(lse=True) (returns (out, AuxOutput)).
-    Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is."""
+    Under torch.compile the call is one custom op (attnforge.ops), its modifier built when the graph is.
+    ATTNFORGE_ATTENTION_DECODE=1 runs calls of one query a request, and causal ones of up to 8, on the decode
+    kernels (attnforge/dense_decode.py)."""
     checks.check_untracked("attention", ("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask))
     check_no_dropout(dropout_p)
     mask_mod, block_mask = flex_args.positional_block_mask(mask_mod, block_mask)
