@@ -512,21 +512,48 @@ class BatchDecode:
         if out is None or (return_lse and lse is None):
             out, lse = checks.allocate_outputs(out, lse, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
                                                self.out_dtype, self.device)
-        kernel, ctas = self._plan["kernel"], self._plan["ctas"]
-        lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = memo.once("params", self._params_template).fill(
+        self._launch_planned(memo.once("params", self._params_template).fill(
             q=q.data_ptr(), k_cache=k, v_cache=v, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
             q_stride_b=q.stride(0), q_stride_h=q.stride(1), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
-            stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values)
-        with on_device(self.device):  # split items merged by their last chunk's CTA, or by a second launch
+            stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values))
+        return (out, lse) if return_lse else out
+
+    def run_narrowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False) -> tuple:
+        """run() for a caller whose q, K and V come back call after call (attention()'s decode route, one call
+        signature a wrapper: dense_decode.DecodeCall): the plan's template narrowed by their pointers and strides,
+        checked once per plan and tensor set, so a call allocates its rows and sets only out, lse and the
+        modifier's values. k, v: the (K, V) pair form. Returns (out, lse or None), rows as run()'s."""
+        key = (checks.tensor_key(q), checks.tensor_key(k), checks.tensor_key(v))  # (what the checks read of them)
+        s, memo = self.spec, self._memo
+        narrowed = memo.once("narrowed templates", dict)  # (a new plan starts them over)
+        template = narrowed.get(key)
+        if template is None:
+            k_ptr, v_ptr, stride_page, stride_token, stride_head, _ = self.check_inputs(q, (k, v))
+            if len(narrowed) >= checks.RunMemo.MAX_ENTRIES:
+                narrowed.clear()
+            template = narrowed[key] = memo.once("params", self._params_template).narrowed(
+                q=q.data_ptr(), k_cache=k_ptr, v_cache=v_ptr, q_stride_b=q.stride(0), q_stride_h=q.stride(1),
+                out_stride_b=s.num_qo_heads * s.head_dim_vo, out_stride_h=s.head_dim_vo, stride_page=stride_page,
+                stride_token=stride_token, stride_head=stride_head)
+        out, lse = checks.allocate_outputs(None, None, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
+                                           self.out_dtype, self.device)  # (contiguous: the strides fixed above)
+        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
+        params = template.fill(out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), **mod_values)
+        self._launch_planned(params)
+        return out, lse
+
+    def _launch_planned(self, params) -> None:
+        """The plan's kernel with `params`; split items merged by their last chunk's CTA, or by a second launch."""
+        kernel, ctas, memo = self._plan["kernel"], self._plan["ctas"], self._memo
+        lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
+        with on_device(self.device):
             self._upload.order_run()  # (after a plan copied on another stream)
             lib["batch_decode_kernel"].launch((ctas,), (kernel.threads,), params,
                                              smem=kernel.smem_bytes, pdl=self.pdl or self.launch_after_own_kernel)
             if self._plan["merge_launch"]:  # a block a (request, item, query head) row; whole items' exit at once
                 rows = self._plan["batch"] * self._plan["stream_items"] * kernel.item_rows
                 lib["batch_decode_merge_kernel"].launch((rows,), kernel.row_merge_block, params, pdl=True)
-        return (out, lse) if return_lse else out
 
     def _op_out_shape(self, args: list):  # (attnforge::run's fake; MLA's 512-wide rows are its head_dim_vo)
         return ops.rows_out_shape(self.spec, args, self.out_dtype)

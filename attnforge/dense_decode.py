@@ -103,11 +103,9 @@ class DecodeCall:
         bq, hq, lq, d = q.shape
         self.plan(bq, lq, k.shape[2], scale)
         # [B, Hkv, Lk, D] is HND's (K, V) pair form [pages, Hkv, page_size, D]: strides pass through as they are.
-        # The wrapper allocates the rows (a given buffer is checked at each new address). Several tokens a request:
-        # rows b * lq + t (a copy of q, and of the rows back into SDPA's layout)
+        # Several tokens a request: rows b * lq + t (a copy of q, and of the rows back into SDPA's layout)
         rows = q.select(2, 0) if lq == 1 else q.transpose(1, 2).reshape(bq * lq, hq, d)
-        got = self.wrapper.run(rows, (k, v), return_lse=return_lse)
-        out, lse = got if return_lse else (got, None)
+        out, lse = self.wrapper.run_narrowed(rows, k, v, return_lse)
         if lq == 1:
             return out.unsqueeze(2), (lse.unsqueeze(2) if return_lse else None)
         out = out.view(bq, lq, hq, d).transpose(1, 2).contiguous()

@@ -4,6 +4,8 @@ kernel in place (a sliced static cache too), as an HND cache of one page a reque
 default stay on the prefill kernels."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -194,3 +196,35 @@ def test_causal_calls_of_a_few_queries_run_the_verify_step(recorder):
     for what, (q_, mask) in stays.items():
         dense.attention(q_, k, v, mask_mod=mask, enable_gqa=True)
         assert recorder.launches[-1][0] != "batch_decode_kernel", what
+
+
+def test_narrowed_runs_launch_what_run_launches(recorder):
+    """BatchDecode.run_narrowed (the route's launch: the plan's template narrowed by q, K and V) packs the bytes
+    run() packs for the same tensors, but for the output's own pointers; a new stride set under the same addresses
+    gets its own template, and a new plan starts them over."""
+    import ctypes
+    spec = AttentionSpec(family="decode", num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, kv_layout="HND",
+                         score_mod=attnforge.mods.compile_mod(score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5))
+    w = host_decode(spec, "cpu", 2, 4)
+    kc, vc = static_cache()
+    k, v = kc[:, :, :100], vc[:, :, :100]
+    q = torch.randn(8, 8, 128).bfloat16()  # 2 requests x 4 tokens
+    for lk in (100, 60):
+        k, v = kc[:, :, :lk], vc[:, :, :lk]
+        w.plan(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.full(2, lk, np.int32), page_size=lk,
+               q_len=4)
+        for _ in range(2):
+            out, lse = w.run(q, (k, v), return_lse=True)
+            want = recorder.launches[-1][2]
+            got_out, got_lse = w.run_narrowed(q, k, v, return_lse=True)
+            got = recorder.launches[-1][2]
+            assert (got.out, got.lse) == (got_out.data_ptr(), got_lse.data_ptr())
+            assert (got_out.shape, got_lse.shape) == (out.shape, lse.shape)
+            got.out, got.lse = want.out, want.lse
+            assert bytes(got) == bytes(want)
+        assert len(w._memo.once("narrowed templates", dict)) == 1
+    contiguous = (k.contiguous(), v.contiguous())
+    w.run_narrowed(q, *contiguous)
+    assert len(w._memo.once("narrowed templates", dict)) == 2 and recorder.launches[-1][2].stride_head == 60 * 128
+    with pytest.raises(ValueError, match="q.shape"):  # a new tensor set is checked before its launch
+        w.run_narrowed(q[:4], k, v)

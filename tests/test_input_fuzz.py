@@ -28,6 +28,9 @@ class HostPlanned:
     def run(self, *args, **kwargs):
         return self.w.run(*args, **kwargs)
 
+    def run_narrowed(self, *args, **kwargs):  # (attention()'s decode route)
+        return self.w.run_narrowed(*args, **kwargs)
+
 
 def cpu_wrapper(cls, spec, **kwargs):
     if cls in (BatchDecode, BatchMLADecode):
