@@ -171,3 +171,17 @@ def test_causal_calls_of_a_few_queries_match_the_reference(monkeypatch, lq, lk, 
     monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "0")
     by_prefill, _ = attnforge.attention(q, k, v, **kw)
     assert (out.float() - by_prefill.float()).abs().max().item() < 2e-2
+
+
+def test_narrowed_runs_equal_run_bit_for_bit():
+    """BatchDecode.run_narrowed (the route's launch) against run() on the same tensors and plan, with a modifier."""
+    from attnforge import AttentionSpec, BatchDecode, mods
+    q4, k, v = inputs(3, 32, 8, 500, 128, seed=11)
+    q = q4[:, :, 0]
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, kv_layout="HND", score_mod=mods.softcap(30.0))
+    w = BatchDecode(spec, max_batch_size=3, max_num_pages=3)
+    w.plan([0, 1, 2, 3], [0, 1, 2], [500, 500, 500], page_size=500)
+    want, want_lse = w.run(q, (k, v), return_lse=True)
+    for _ in range(2):
+        got, got_lse = w.run_narrowed(q, k, v, return_lse=True)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
