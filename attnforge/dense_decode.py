@@ -1,6 +1,6 @@
 """The decode kernels over K/V that are not paged: attention()'s calls of one query a request (Lq == 1: a model's
 decode step over its own K/V tensors), or of up to 8 causal ones (a verify step of speculative decoding: is_causal,
-or a mask_mod that implies q_idx >= kv_idx), with ATTNFORGE_ATTENTION_DECODE=1; and single_decode (one request,
+or the mask_mod q_idx >= kv_idx), with ATTNFORGE_ATTENTION_DECODE=1; and single_decode (one request,
 FlashInfer's single_decode_with_kv_cache).
 
 k and v [B, Hkv, Lk, D] are read in place as an HND paged cache of B pages of Lk tokens, page b holding request b.
@@ -8,12 +8,13 @@ Why: the prefill kernels pad one query's group of heads to a 128-row tile and st
 pipeline, where the decode kernels are built to read K/V at the bandwidth limit (as FlexAttention runs its
 decoding kernel below 128 queries). Any strides with 16-byte aligned rows are read as they are, so a static cache
 sliced to its filled length (`cache[:, :, :Lk]` of [B, Hkv, max_len, D]) costs no copy (the prefill path copies
-tensors that are not contiguous).
+tensors that are not contiguous). Masks other than the causal rule stay on the prefill kernels, which skip the
+tiles a mask hides where the decode kernels would read every key: pass the filled slice, not a padding mask.
 
 Same meaning as the prefill path: query t of Lq has q_idx Lk - Lq + t (queries aligned to the end of the keys,
-decode's own convention), so every score_mod / mask_mod and SDPA attn_mask gives the same attention. One plan per call
-signature (batch and Lk are in it), again when the scale changes; a mask needs no plan (decode evaluates it per
-score, with no tile lists to make).
+decode's own convention), so a score_mod gives the same attention on both. One plan per call signature (batch
+and Lk are in it), again when the scale changes; the causal mask needs no plan (decode evaluates it per score,
+with no tile lists to make).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .spec import AttentionSpec
 
 # (q_idx >= kv_idx, end-aligned: the verify step's causal rule among a request's tokens)
 CAUSAL_NODES = {("ge", ("input", "q_idx"), ("input", "kv_idx")), ("le", ("input", "kv_idx"), ("input", "q_idx"))}
+TRUE_NODE = ("const", True, "b")  # (and_masks starts its chain with it)
 
 
 def wanted(q: torch.Tensor) -> bool:
@@ -40,15 +42,24 @@ def wanted(q: torch.Tensor) -> bool:
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod, causal: bool = False) -> bool:
     """Calls the decode kernels run (checked 4-d tensors): some requests and keys, V as wide as K (narrower values
-    are the prefill kernels' DeepSeek form), and one query a request, or several that see only the keys up to
-    their own positions (is_causal, or a mask that implies it): the verify step's rule, which its kernels apply."""
-    causal = causal or (mod is not None and mod.mask_root is not None and implies_causal(mod.mask_root))
-    return q.shape[0] > 0 and k.shape[2] > 0 and v.shape[3] == q.shape[3] and (q.shape[2] == 1 or causal)
+    are the prefill kernels' DeepSeek form), no mask but the causal rule (the decode kernels read every key in
+    [0, Lk), where the prefill kernels skip the tiles a mask hides: a window or documents over long keys), and one
+    query a request or several that see only the keys up to their own positions (is_causal, or that mask): the
+    verify step's rule, which its kernels apply."""
+    mask = None if mod is None else mod.mask_root
+    causal = causal or (mask is not None and causal_only(mask))
+    return q.shape[0] > 0 and k.shape[2] > 0 and v.shape[3] == q.shape[3] and (mask is None or causal) and (
+        q.shape[2] == 1 or causal)
 
 
-def implies_causal(node) -> bool:
-    """Whether a mask graph keeps only keys at or before the query (q_idx >= kv_idx, alone or and-ed)."""
-    return node in CAUSAL_NODES or (node[0] == "and" and any(implies_causal(a) for a in node[1:]))
+def causal_only(node) -> bool:
+    """Whether a mask graph is the causal rule q_idx >= kv_idx (alone, or and-ed with itself or True)."""
+    parts = conjuncts(node)
+    return any(p in CAUSAL_NODES for p in parts) and all(p in CAUSAL_NODES or p == TRUE_NODE for p in parts)
+
+
+def conjuncts(node) -> list:
+    return [p for a in node[1:] for p in conjuncts(a)] if node[0] == "and" else [node]
 
 
 def make_wrapper(spec: AttentionSpec, device: torch.device, batch: int, q_len: int = 1) -> BatchDecode:

@@ -75,7 +75,11 @@ def test_a_sliced_static_cache_gives_what_its_contiguous_copy_gives():
     check(q, k, v, out, lse, "static cache")
 
 
-def test_modifiers_and_sdpas_mask_match_the_reference():
+def test_modifiers_and_sdpas_mask_match_the_reference(monkeypatch):
+    """Score modifiers on the decode route; a mask_mod and SDPA's attn_mask take the prefill kernels' path (which
+    skips the tiles a mask hides), and agree with the reference and SDPA there."""
+    from attnforge import dense, dense_decode
+    monkeypatch.setattr(dense, "_CALLS", {})  # (this test's calls alone)
     q, k, v = inputs(3, 16, 4, 900, 128, seed=9)
     q = q * 2  # scores spread enough for soft-cap and the bias to matter
     slopes = torch.rand(16, device="cuda")
@@ -89,11 +93,15 @@ def test_modifiers_and_sdpas_mask_match_the_reference():
         return s + slopes[h] * (kv_idx - q_idx)
     out, lse = attnforge.attention(q, k, v, score_mod=softcap, enable_gqa=True, return_lse=True)
     check(q, k, v, out, lse, "soft-cap", score_fn=lambda s, h, kv: 20.0 * torch.tanh(s / 20.0))
+    out, lse = attnforge.attention(q, k, v, score_mod=alibi, enable_gqa=True, return_lse=True)
+    check(q, k, v, out, lse, "alibi", score_fn=lambda s, h, kv: s + (slopes[h] * (kv - 899)).to(s.dtype))
+    assert [type(c) for c in dense._CALLS.values()] == [dense_decode.DecodeCall] * 2
     out, lse = attnforge.attention(q, k, v, score_mod=alibi, mask_mod=lambda b, h, qi, ki: keep[b, ki],
                                    enable_gqa=True, return_lse=True)
     check(q, k, v, out, lse, "alibi + mask", keep=keep,
           score_fn=lambda s, h, kv: s + (slopes[h] * (kv - 899)).to(s.dtype))
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    assert isinstance(list(dense._CALLS.values())[-1], dense.DenseCall)
     out = attnforge.attention(q, k, v, attn_mask=keep[:, None, None, :], enable_gqa=True)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q[:2].float(), k[:2].float(), v[:2].float(),
                                                              attn_mask=keep[:2, None, None, :], enable_gqa=True)
@@ -145,7 +153,7 @@ def test_single_decode_of_an_fp8_cache_takes_its_scales():
     assert torch.isfinite(out).all() and err < 2e-2 * ref.abs().max().item() + 1e-2, err
 
 
-@pytest.mark.parametrize("lq,lk,how", [(4, 300, "mask"), (8, 1000, "and-ed"), (3, 3, "is_causal"), (4, 2, "mask")])
+@pytest.mark.parametrize("lq,lk,how", [(4, 300, "mask"), (8, 1000, "and_masks"), (3, 3, "is_causal"), (4, 2, "mask")])
 def test_causal_calls_of_a_few_queries_match_the_reference(monkeypatch, lq, lk, how):
     """The verify step under attention(): Lq queries a request, each seeing the keys up to its end-aligned position
     (Lq > Lk: the first queries see none, zeros and -inf), against the float64 reference per request and against
@@ -157,15 +165,13 @@ def test_causal_calls_of_a_few_queries_match_the_reference(monkeypatch, lq, lk, 
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
-    mask = {"mask": causal, "and-ed": and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx % 7 != 3),
-            "is_causal": None}[how]
+    mask = {"mask": causal, "and_masks": and_masks(causal), "is_causal": None}[how]
     kw = dict(mask_mod=mask, is_causal=how == "is_causal", enable_gqa=True, return_lse=True)
     out, lse = attnforge.attention(q, k, v, **kw)
     for b in range(2):
         rows = [t[b].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
-        keep = (lambda b_, h, q_idx, kv_idx: kv_idx % 7 != 3) if how == "and-ed" else None
-        ref, ref_lse = reference.attention(*rows, causal=True, mask_mod=keep)
-        low, _ = reference.attention(*rows, causal=True, mask_mod=keep, dtype=torch.float32)
+        ref, ref_lse = reference.attention(*rows, causal=True)
+        low, _ = reference.attention(*rows, causal=True, dtype=torch.float32)
         assert_attention_close(out[b].transpose(0, 1).cpu(), ref.cpu(), low.to(q.dtype).cpu(), f"{how} request {b}")
         assert_lse_close(lse[b].transpose(0, 1), ref_lse, f"{how} request {b}")
     monkeypatch.setenv("ATTNFORGE_ATTENTION_DECODE", "0")

@@ -124,10 +124,10 @@ def test_a_modifiers_tensors_reach_the_decode_launch(recorder):
                         enable_gqa=True)
         p = recorder.launches[-1][2]
         assert recorder.launches[-1][0] == "batch_decode_kernel" and p.mod_t0 == bias.data_ptr()
-    keep = torch.ones(2, 50, dtype=torch.bool)
+    keep = torch.ones(2, 50, dtype=torch.bool)  # a padding mask: the prefill kernels skip the tiles it hides
     dense.attention(q, kc[:, :, :50], vc[:, :, :50], mask_mod=lambda b, h, qi, ki: keep[b, ki], enable_gqa=True)
-    w = next(c.wrapper for c in dense._CALLS.values() if c.mod is not None and c.mod.mask_root is not None)
-    assert w.spec.family == "decode" and recorder.launches[-1][2].mod_t0 == keep.data_ptr()
+    call = next(c for c in dense._CALLS.values() if c.mod is not None and c.mod.mask_root is not None)
+    assert isinstance(call, dense.DenseCall) and recorder.launches[-1][0] != "batch_decode_kernel"
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -165,9 +165,9 @@ def test_single_decode_refuses_bad_shapes_before_any_launch(recorder):
 
 
 def test_causal_calls_of_a_few_queries_run_the_verify_step(recorder):
-    """Up to 8 queries a request under a mask that implies q_idx >= kv_idx (or is_causal with Lq == Lk) run the
-    decode kernels' verify step (its own causal rule): q as rows b * Lq + t, the rows back in SDPA's layout; other
-    masks, no mask and more queries stay on the prefill kernels."""
+    """Up to 8 queries a request under the mask q_idx >= kv_idx (or is_causal with Lq == Lk) run the decode kernels'
+    verify step (its own causal rule): q as rows b * Lq + t, the rows back in SDPA's layout; other masks (those
+    and-ed with it too: the prefill kernels skip the tiles they hide), no mask and more queries stay on prefill."""
     from torch.nn.attention.flex_attention import and_masks
     kc, vc = static_cache()
     k, v = kc[:, :, :100], vc[:, :, :100]
@@ -182,8 +182,7 @@ def test_causal_calls_of_a_few_queries_run_the_verify_step(recorder):
     assert (p.q_len, p.page_size, p.k_cache, p.q_stride_b, p.q_stride_h) == (4, 100, k.data_ptr(), 8 * 128, 128)
     assert p.q != q.data_ptr() and call.wrapper.max_q_len == 4
     assert (out.shape, lse.shape, out.is_contiguous(), lse.is_contiguous()) == ((2, 8, 4, 128), (2, 8, 4), True, True)
-    kept = {"and-ed": and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx > 3),
-            "kv <= q": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx}
+    kept = {"and_masks of it alone": and_masks(causal), "kv <= q": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx}
     for what, mask in kept.items():
         dense.attention(q, k, v, mask_mod=mask, enable_gqa=True)
         assert recorder.launches[-1][0] == "batch_decode_kernel", what
@@ -192,6 +191,8 @@ def test_causal_calls_of_a_few_queries_run_the_verify_step(recorder):
     assert recorder.launches[-1][0] == "batch_decode_kernel"
     stays = {"no mask": (q, None), "a mask without the causal rule": (q, lambda b, h, q_idx, kv_idx: kv_idx > 3),
              "the rule or-ed": (q, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (kv_idx > 3)),
+             "the rule and-ed": (q, and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx > 3)),
+             "one query, a mask": (q[:, :, :1], lambda b, h, q_idx, kv_idx: kv_idx > 3),
              "nine queries": (torch.randn(2, 8, 9, 128).bfloat16(), causal)}
     for what, (q_, mask) in stays.items():
         dense.attention(q_, k, v, mask_mod=mask, enable_gqa=True)
@@ -228,3 +229,15 @@ def test_narrowed_runs_launch_what_run_launches(recorder):
     assert len(w._memo.once("narrowed templates", dict)) == 2 and recorder.launches[-1][2].stride_head == 60 * 128
     with pytest.raises(ValueError, match="q.shape"):  # a new tensor set is checked before its launch
         w.run_narrowed(q[:4], k, v)
+
+
+def test_the_input_fuzz_one_query_call_takes_the_decode_route(monkeypatch):
+    """The input fuzz's `attention-one-query` API must exercise the decode route (not a mask's prefill path)."""
+    from input_fuzz_apis import Env
+    from input_fuzz_more_apis import one_query_build, one_query_invoke
+    from test_input_fuzz import cpu_wrapper
+    rec = stub_host_prefill(monkeypatch, fake_map)
+    monkeypatch.setattr(dense, "_CALLS", {})
+    env = Env(False, torch.device("cpu"), cpu_wrapper)
+    one_query_invoke(env, dict(one_query_build(env)))
+    assert [name for name, _, _ in rec.launches] == ["batch_decode_kernel"]
