@@ -1,11 +1,11 @@
-"""attention()'s one-query calls on the decode kernels (attnforge/dense_decode.py, ATTNFORGE_ATTENTION_DECODE=1),
-on a machine without a GPU: the wrapper is host-only and each launch's params are read back. K and V reach the
-kernel in place (a sliced static cache too), as an HND cache of one page a request; other shapes and the knob's
-default stay on the prefill kernels."""
+"""The decode kernels over K/V that are not paged (attnforge/dense_decode.py), on a machine without a GPU: the
+wrappers are host-only and each launch's params are read back. attention()'s one-query calls and causal verify
+steps (ATTNFORGE_ATTENTION_DECODE=1) reach the kernel with K and V in place (a sliced static cache too), as an HND
+cache of one page a request; masks, other shapes and the knob's default stay on the prefill kernels.
+BatchDecode.run_narrowed packs what run() packs; single_decode reads one request as one page."""
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
