@@ -1,7 +1,8 @@
-"""attention()'s one-query calls on the decode kernels (ATTNFORGE_ATTENTION_DECODE=1, attnforge/dense_decode.py)
-against the float64 reference (FlashAttention's rule: at most twice torch's own low-precision error), the same
-call on the prefill kernels and SDPA: group sizes, head dims, dtypes, odd lengths (1, 17, 513, 4097), a sliced
-static cache read in place, score and mask modifiers, SDPA's attn_mask, and torch.compile."""
+"""The decode kernels over K/V that are not paged (attnforge/dense_decode.py) against the float64 reference
+(FlashAttention's rule: at most twice torch's own low-precision error): attention()'s one-query calls and causal
+verify steps (ATTNFORGE_ATTENTION_DECODE=1), also against the same call on the prefill kernels and SDPA (group
+sizes, head dims, dtypes, odd lengths 1, 17, 513, 4097, a sliced static cache read in place, score modifiers, masks
+on the prefill path, torch.compile); BatchDecode.run_narrowed against run(); single_decode."""
 import math
 
 import pytest
