@@ -45,8 +45,9 @@ def test_plan_suite_times_the_csr_and_block_table_forms(monkeypatch):
 
 
 def test_dense_attention_rows_capture_each_route_and_restore_the_knob(monkeypatch):
-    """`attnforge-dense` and `attnforge-dense-prefill` (decode suite, dense cases): each variant runs attention()
-    with the knob set its way, a row each, and the caller's setting comes back."""
+    """`attnforge-dense` and `attnforge-dense-prefill` (decode suite, dense cases; at B16 L8192 their `-static`
+    twins on a sliced cache and `-verify4` twins on 4 causal queries too): each variant runs attention() with the
+    knob set its way, a row each, and the caller's setting comes back."""
     import os
 
     import attnforge
