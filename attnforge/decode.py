@@ -512,11 +512,11 @@ class BatchDecode:
         if out is None or (return_lse and lse is None):
             out, lse = checks.allocate_outputs(out, lse, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
                                                self.out_dtype, self.device)
-        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        self._launch_planned(memo.once("params", self._params_template).fill(
-            q=q.data_ptr(), k_cache=k, v_cache=v, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(),
-            q_stride_b=q.stride(0), q_stride_h=q.stride(1), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
-            stride_page=stride_page, stride_token=stride_token, stride_head=stride_head, **mod_values))
+        self._launch_planned(
+            memo.once("params", self._params_template), q=q.data_ptr(), k_cache=k, v_cache=v, out=out.data_ptr(),
+            lse=0 if lse is None else lse.data_ptr(), q_stride_b=q.stride(0), q_stride_h=q.stride(1),
+            out_stride_b=out.stride(0), out_stride_h=out.stride(1), stride_page=stride_page, stride_token=stride_token,
+            stride_head=stride_head)
         return (out, lse) if return_lse else out
 
     def run_narrowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False) -> tuple:
@@ -538,14 +538,15 @@ class BatchDecode:
                 stride_token=stride_token, stride_head=stride_head)
         out, lse = checks.allocate_outputs(None, None, return_lse, (q.shape[0], s.num_qo_heads, s.head_dim_vo),
                                            self.out_dtype, self.device)  # (contiguous: the strides fixed above)
-        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
-        params = template.fill(out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr(), **mod_values)
-        self._launch_planned(params)
+        self._launch_planned(template, out=out.data_ptr(), lse=0 if lse is None else lse.data_ptr())
         return out, lse
 
-    def _launch_planned(self, params) -> None:
-        """The plan's kernel with `params`; split items merged by their last chunk's CTA, or by a second launch."""
-        kernel, ctas, memo = self._plan["kernel"], self._plan["ctas"], self._memo
+    def _launch_planned(self, template: codegen.ParamsTemplate, **values) -> None:
+        """The plan's kernel with `template` filled by `values` and the modifier's values; split items merged by
+        their last chunk's CTA, or by a second launch."""
+        s, kernel, ctas, memo = self.spec, self._plan["kernel"], self._plan["ctas"], self._memo
+        mod_values = s.score_mod.param_values(self.device) if s.score_mod is not None else {}
+        params = template.fill(**values, **mod_values)
         lib = memo.once("lib", lambda: registry.get_library(kernel, kernel.module, self.device))
         with on_device(self.device):
             self._upload.order_run()  # (after a plan copied on another stream)

@@ -241,3 +241,26 @@ def test_the_input_fuzz_one_query_call_takes_the_decode_route(monkeypatch):
     env = Env(False, torch.device("cpu"), cpu_wrapper)
     one_query_invoke(env, dict(one_query_build(env)))
     assert [name for name, _, _ in rec.launches] == ["batch_decode_kernel"]
+
+
+def test_a_verify_steps_rows_go_in_as_b_times_lq_plus_t_and_come_back_in_sdpas_layout(recorder, monkeypatch):
+    """The verify kernels take request b's token t at row b * Lq + t; attention() hands q over in that order and
+    puts each output row (and LSE) back at [b, h, t]: a stand-in run returns rows that name their own index."""
+    seen = {}
+
+    def rows_naming_themselves(self, rows, k, v, return_lse=False):
+        seen["rows"] = rows.clone()
+        n, h, d = rows.shape
+        out = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, h, d) * 10 + \
+            torch.arange(h, dtype=torch.float32)[None, :, None]
+        return out.bfloat16(), (out[:, :, 0].clone() if return_lse else None)  # (exact in bf16: below 256)
+    monkeypatch.setattr(BatchDecode, "run_narrowed", rows_naming_themselves)
+    kc, vc = static_cache()
+    q = torch.randn(2, 8, 3, 128).bfloat16()
+    out, lse = dense.attention(q, kc[:, :, :50], vc[:, :, :50], mask_mod=lambda b, h, qi, ki: qi >= ki,
+                               enable_gqa=True, return_lse=True)
+    for b in range(2):
+        for t in range(3):
+            assert torch.equal(seen["rows"][b * 3 + t], q[b, :, t])
+            for h in (0, 5):
+                assert out[b, h, t, 0].item() == (b * 3 + t) * 10 + h and lse[b, h, t].item() == (b * 3 + t) * 10 + h
